@@ -1,0 +1,88 @@
+"""flash_attn 2.x's functional API on flashattn2's kernels.
+
+Layout is (batch, seqlen, nheads, headdim), only the last dimension needs to be contiguous.
+Causal masking is aligned to the bottom-right corner of the score matrix: with
+seqlen_q != seqlen_k, query i sees keys j <= i + seqlen_k - seqlen_q, so for seqlen_q=2,
+seqlen_k=5 the mask rows are 1 1 1 1 0 / 1 1 1 1 1. A query row that sees no key (possible when
+seqlen_q > seqlen_k) outputs zeros and has logsumexp +inf.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops import checks
+from .ops.registry import PackedAttention
+from .ops.registry import fwd as _fwd_op
+
+
+def _last_dim_contiguous(*tensors: torch.Tensor):
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes):
+    checks.check_qkv(q, k, v)
+    checks.check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
+    return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+
+
+def _result(out, lse, return_attn_probs):
+    if not return_attn_probs:
+        return out
+    # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
+    return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Exact softmax attention, softmax(q k^T * softmax_scale) v, with FlashAttention-2.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32.
+        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads must be a
+            multiple of nheads_k (MQA/GQA: query head h uses K/V head h // (nheads // nheads_k)).
+        dropout_p: attention dropout probability. Only 0.0 is implemented yet.
+        softmax_scale: scaling of q k^T, default headdim ** -0.5.
+        causal: bottom-right aligned causal mask (see the module docstring).
+        window_size: (left, right) sliding window; only (-1, -1) is implemented yet.
+        softcap: tanh softcapping of the scores; only 0.0 is implemented yet.
+        alibi_slopes: ALiBi slopes; only None is implemented yet.
+        deterministic: accepted for compatibility; the backward is always deterministic (dQ is
+            computed in its own pass, without atomics).
+        return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), q's dtype.
+        softmax_lse (with return_attn_probs): (batch, nheads, seqlen_q) float32, the natural
+            logsumexp of each row of q k^T * softmax_scale (+inf for a row that sees no key).
+            It is differentiable.
+        S_dmask (with return_attn_probs): an empty tensor (no dropout).
+    """
+    scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
+    q, k, v = _last_dim_contiguous(q, k, v)
+    out, lse = _fwd_op(q, k, v, scale, bool(causal))
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); the backward writes one dqkv.
+
+    Other arguments and the return value are those of flash_attn_func.
+    """
+    checks.check_packed("qkv", qkv, 3)
+    q, k, v = qkv.unbind(dim=2)
+    scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
+    (qkv,) = _last_dim_contiguous(qkv)
+    out, lse = PackedAttention.apply(None, qkv, scale, bool(causal), "qkv")
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2,
+    nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
+    checks.check_packed("kv", kv, 2)
+    k, v = kv.unbind(dim=2)
+    scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
+    q, kv = _last_dim_contiguous(q, kv)
+    out, lse = PackedAttention.apply(q, kv, scale, bool(causal), "kv")
+    return _result(out, lse, return_attn_probs)

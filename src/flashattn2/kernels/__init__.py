@@ -1,0 +1,1 @@
+"""@triton.jit code only: common helpers, forward, backward."""

@@ -1,0 +1,209 @@
+"""FlashAttention-2 backward kernels: D = rowsum(dO * O), then dK/dV per key block, then dQ per
+query block in its own pass (no atomics: every run gives bitwise-identical gradients).
+
+P is recomputed from the saved logsumexp: P = exp(S - L). With dP = dO V^T and
+dS = P * (dP - D): dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K.
+"""
+import triton
+import triton.language as tl
+
+from .common import LOG2E, causal_mask, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
+    query_block_range, store_rows
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    Out, DOut, Delta, DLse,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    nheads, seqlen_q,
+    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Delta = rowsum(dO * O) - dLse, (batch, nheads, seqlen_q) fp32. The logsumexp's gradient
+    # dS += P * dLse folds into the same term: dS = P * (dP - Delta).
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m_blocks
+    off_bh = tl.program_id(0) // num_m_blocks
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    o = load_rows(Out + off_b * stride_ob + off_h * stride_oh, start_m, seqlen_q, stride_os,
+                  HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+    do = load_rows(DOut + off_b * stride_dob + off_h * stride_doh, start_m, seqlen_q, stride_dos,
+                   HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+    delta = tl.sum(o * do, 1)
+    row0 = off_bh.to(tl.int64) * seqlen_q
+    if HAS_DLSE:
+        delta -= load_vec(DLse + row0, start_m, seqlen_q, BLOCK_M, 0.0)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tl.store(Delta + row0 + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, m_hi,
+                seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale,
+                MASKED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    for start_m in range(m_lo, m_hi, BLOCK_M):
+        q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+        # rows past seqlen_q load lse = +inf, so their P is exactly 0
+        lse2 = load_vec(lse_ptr, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
+        # P^T, [BLOCK_N, BLOCK_M]: computed transposed so dV and dK need no transpose of P or dS
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if MASKED:
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            pT = tl.where(tl.trans(causal_mask(offs_m, offs_n, seqlen_k - seqlen_q, seqlen_k)), pT, 0.0)
+        do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+        # [BLOCK_N, BLOCK_D]
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        delta = load_vec(delta_ptr, start_m, seqlen_q, BLOCK_M, 0.0)
+        # [BLOCK_N, BLOCK_M]
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    nheads, nheads_k, seqlen_q, seqlen_k, group_size,
+    sm_scale,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
+    num_n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    pid_n = tl.program_id(0) % num_n_blocks
+    off_bhk = tl.program_id(0) // num_n_blocks
+    off_b = (off_bhk // nheads_k).to(tl.int64)
+    off_hk = (off_bhk % nheads_k).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    qk_scale = sm_scale * LOG2E
+
+    k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = make_desc_or_ptr(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+    v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    m_start, m_full = query_block_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for g in range(0, group_size):
+        off_h = off_hk * group_size + g
+        q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
+                                 HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_src = make_desc_or_ptr(DOut + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dos,
+                                  HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        row0 = (off_b * nheads + off_h) * seqlen_q
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n,
+                             m_start, m_full, seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale,
+                             True, USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n,
+                             m_full, seqlen_q, seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale,
+                             False, USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+
+    dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + off_hk * stride_dkh, seqlen_k, stride_dks,
+                              HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    dv_dst = make_desc_or_ptr(DV + off_b * stride_dvb + off_hk * stride_dvh, seqlen_k, stride_dvs,
+                              HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    store_rows(dk_dst, (dk * sm_scale).to(DK.dtype.element_ty), start_n, seqlen_k, stride_dks,
+               HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    store_rows(dv_dst, dv.to(DV.dtype.element_ty), start_n, seqlen_k, stride_dvs,
+               HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
+              stride_ks, stride_vs, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            if CAUSAL:
+                p = tl.where(causal_mask(offs_m, offs_n, seqlen_k - seqlen_q, seqlen_k), p, 0.0)
+            else:
+                p = tl.where((offs_n < seqlen_k)[None, :], p, 0.0)
+        v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        # [BLOCK_M, BLOCK_D]
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    batch, nheads, seqlen_q, seqlen_k, group_size,
+    sm_scale,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    num_bh = batch * nheads
+    pid = tl.program_id(0)
+    if CAUSAL:
+        pid_m = num_m_blocks - 1 - pid // num_bh
+        off_bh = pid % num_bh
+    else:
+        pid_m = pid % num_m_blocks
+        off_bh = pid // num_m_blocks
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    off_hk = off_h // group_size
+    start_m = pid_m * BLOCK_M
+    qk_scale = sm_scale * LOG2E
+
+    q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    do_src = make_desc_or_ptr(DOut + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dos,
+                              HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = make_desc_or_ptr(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+    do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+    row0 = off_bh.to(tl.int64) * seqlen_q
+    lse2 = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
+    delta = load_vec(Delta + row0, start_m, seqlen_q, BLOCK_M, 0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # the last key block is masked even without causal: zero-filled K rows past seqlen_k would
+    # otherwise give P = exp(-L), harmless only while it stays finite
+    n_full, n_end = key_block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, 0, n_full, seqlen_q, seqlen_k,
+                   stride_ks, stride_vs, qk_scale, False, CAUSAL, USE_TMA, UPCAST, DOT_PRECISION,
+                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_full, n_end, seqlen_q, seqlen_k,
+                   stride_ks, stride_vs, qk_scale, True, CAUSAL, USE_TMA, UPCAST, DOT_PRECISION,
+                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+
+    dq_dst = make_desc_or_ptr(DQ + off_b * stride_dqb + off_h * stride_dqh, seqlen_q, stride_dqs,
+                              HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    store_rows(dq_dst, (dq * sm_scale).to(DQ.dtype.element_ty), start_m, seqlen_q, stride_dqs,
+               HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)

@@ -1,0 +1,107 @@
+"""FlashAttention-2 forward kernel.
+
+One program per (query block, batch, head): the Q tile stays on chip while K/V tiles stream past;
+an online softmax keeps the running row max `m_i` and row sum `l_i` (base 2) and an unscaled fp32
+accumulator, which is divided by `l_i` once at the end. Only O and the logsumexp are written.
+"""
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, causal_mask, key_block_range, load_rows, make_desc_or_ptr, store_rows
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
+               stride_ks, stride_vs, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            if CAUSAL:
+                mask = causal_mask(offs_m, offs_n, seqlen_k - seqlen_q, seqlen_k)
+            else:
+                mask = (offs_n < seqlen_k)[None, :]
+            qk = tl.where(mask, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_shift[:, None])
+            alpha = tl.math.exp2(m_i - m_shift)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        # [BLOCK_M, BLOCK_D]
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    batch, nheads, seqlen_q, seqlen_k, group_size,
+    sm_scale,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    num_bh = batch * nheads
+    pid = tl.program_id(0)
+    if CAUSAL:
+        # heaviest query blocks (most keys) first, across all heads: a shorter tail of the grid
+        pid_m = num_m_blocks - 1 - pid // num_bh
+        off_bh = pid % num_bh
+    else:
+        # the query blocks of one head run together, sharing its K/V in L2
+        pid_m = pid % num_m_blocks
+        off_bh = pid // num_m_blocks
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    off_hk = off_h // group_size
+    start_m = pid_m * BLOCK_M
+    qk_scale = sm_scale * LOG2E
+
+    q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = make_desc_or_ptr(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    o_src = make_desc_or_ptr(Out + off_b * stride_ob + off_h * stride_oh, seqlen_q, stride_os,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+
+    q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    n_full, n_end = key_block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, 0, n_full, seqlen_q, seqlen_k,
+                               stride_ks, stride_vs, qk_scale, False, CAUSAL, USE_TMA, UPCAST,
+                               DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_full, n_end, seqlen_q, seqlen_k,
+                               stride_ks, stride_vs, qk_scale, True, CAUSAL, USE_TMA, UPCAST,
+                               DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+
+    # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_i)) * LN2)
+    store_rows(o_src, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,
+               BLOCK_D, USE_TMA)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

@@ -1,0 +1,1 @@
+"""Launchers, validation, configuration and torch.library registration of the kernels."""

@@ -1,0 +1,125 @@
+"""Tile configurations: data, keyed by (arch, head-dim bucket, element size, causal, kernel).
+
+Every entry says which measurement chose it. "interp" is the CPU interpreter, where the cost is
+per program step, not per FLOP (../docs/notes.md): big tiles, few steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+ARCHS = ("sm90", "sm80", "interp")
+HEAD_DIM_BUCKETS = (64, 128, 256)  # BLOCK_D <= 64 share the 64 entry
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+
+# fmt: off
+# (arch, head-dim bucket, bytes per element, kernel) -> TileConfig; causal shares the entry
+# unless _TABLE_CAUSAL overrides it.
+_TABLE: dict[tuple[str, int, int, str], TileConfig] = {
+    # H200, 2026-11-29, fp16 16k tokens (docs/notes.md has the sweep): see bench/results.
+    ("sm90", 64, 2, "fwd"):        TileConfig(128, 128, 8, 3),
+    ("sm90", 128, 2, "fwd"):       TileConfig(128, 64, 4, 2),
+    ("sm90", 256, 2, "fwd"):       TileConfig(64, 64, 4, 2),
+    ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(64, 128, 8, 2),
+    ("sm90", 128, 2, "bwd_dkdv"):  TileConfig(64, 128, 8, 2),
+    ("sm90", 256, 2, "bwd_dkdv"):  TileConfig(64, 64, 8, 1),
+    ("sm90", 64, 2, "bwd_dq"):     TileConfig(128, 64, 8, 2),
+    ("sm90", 128, 2, "bwd_dq"):    TileConfig(128, 64, 8, 2),
+    ("sm90", 256, 2, "bwd_dq"):    TileConfig(64, 64, 8, 1),
+    # sm80 and anything without TMA: FA2's A100 tiles (paper, section 4), not measured here;
+    # the compile-only check keeps them inside sm80's 163 KB of shared memory.
+    ("sm80", 64, 2, "fwd"):        TileConfig(128, 64, 4, 3),
+    ("sm80", 128, 2, "fwd"):       TileConfig(128, 64, 8, 2),
+    ("sm80", 256, 2, "fwd"):       TileConfig(64, 64, 8, 1),
+    ("sm80", 64, 2, "bwd_dkdv"):   TileConfig(64, 128, 8, 2),
+    ("sm80", 128, 2, "bwd_dkdv"):  TileConfig(64, 128, 8, 1),
+    ("sm80", 256, 2, "bwd_dkdv"):  TileConfig(64, 64, 8, 1),
+    ("sm80", 64, 2, "bwd_dq"):     TileConfig(128, 64, 8, 2),
+    ("sm80", 128, 2, "bwd_dq"):    TileConfig(128, 64, 8, 1),
+    ("sm80", 256, 2, "bwd_dq"):    TileConfig(64, 64, 8, 1),
+}
+# fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared
+# memory in bounds (correctness path, not tuned).
+_FP32 = {
+    64: TileConfig(64, 32, 4, 2),
+    128: TileConfig(32, 32, 4, 1),
+    256: TileConfig(16, 16, 4, 1),
+}
+# fmt: on
+for _arch in ("sm90", "sm80"):
+    for _bucket, _cfg in _FP32.items():
+        for _kernel in KERNELS:
+            _TABLE[(_arch, _bucket, 4, _kernel)] = _cfg
+_TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {}
+# The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles.
+_INTERP = TileConfig(64, 64, 4, 1)
+
+_overrides: dict[str, TileConfig] = {}
+_force_tma: list[bool | None] = [None]
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return max(block_d, 64)
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interp"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def select(kernel: str, arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> TileConfig:
+    """The tile for one launch: an override (tests, tuning) if set, else the table entry."""
+    if kernel in _overrides:
+        return _overrides[kernel]
+    if arch == "interp":
+        return _INTERP
+    key = (arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2, kernel)
+    return (_TABLE_CAUSAL.get(key) if causal else None) or _TABLE[key]
+
+
+def table_entries():
+    """Every (key, TileConfig) the table can select on a GPU (for the compile-only check)."""
+    yield from _TABLE.items()
+    yield from _TABLE_CAUSAL.items()
+
+
+def tma_forced() -> bool | None:
+    """True/False when a test or FLASHATTN2_TMA=0/1 forces the TMA path on (where the tensors'
+    alignment allows it) or off, else None (the default: on for aligned tensors on sm90)."""
+    if _force_tma[0] is not None:
+        return _force_tma[0]
+    env = os.environ.get("FLASHATTN2_TMA")
+    return None if env is None else env == "1"
+
+
+@contextlib.contextmanager
+def override(tma: bool | None = None, **tiles: TileConfig):
+    """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...) and/or the TMA path inside a with-block."""
+    unknown = set(tiles) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
+    saved = dict(_overrides), _force_tma[0]
+    _overrides.update(tiles)
+    _force_tma[0] = tma
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved[0])
+        _force_tma[0] = saved[1]

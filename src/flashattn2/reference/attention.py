@@ -1,0 +1,40 @@
+"""Reference attention in plain PyTorch, with flash_attn's semantics (layout, bottom-right causal
+alignment, GQA head mapping, empty rows giving zeros and logsumexp +inf)."""
+from __future__ import annotations
+
+import torch
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j: j <= i + seqlen_k - seqlen_q."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+    """Attention on (batch, seqlen, nheads, headdim) inputs; returns (out, lse).
+
+    upcast=True computes in float32 (float64 for float32 inputs): the oracle. upcast=False does
+    the same math in the input dtype, as PyTorch would: its error against the oracle is the
+    yardstick of flash_attn's tolerance rule. out is returned in the input dtype when
+    upcast=False, in the compute dtype otherwise; lse (batch, nheads, seqlen_q) in the compute
+    dtype for upcast, float32 otherwise.
+    """
+    dtype = q.dtype
+    if upcast:
+        compute = torch.float64 if dtype == torch.float32 else torch.float32
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(nheads // nheads_k, dim=2)
+    v = v.repeat_interleave(nheads // nheads_k, dim=2)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if causal:
+        visible = causal_mask(q.shape[1], k.shape[1], q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
+    empty = torch.isneginf(lse)
+    attn = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", attn.to(v.dtype), v)
+    return out, lse.masked_fill(empty, float("inf"))
