@@ -20,6 +20,10 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    return empty(t.shape, t.dtype, t.device)
+
+
 @functools.cache
 def kernels() -> types.SimpleNamespace:
     from ..kernels import bwd, fwd
@@ -27,6 +31,7 @@ def kernels() -> types.SimpleNamespace:
     return types.SimpleNamespace(fwd=fwd, bwd=bwd)
 
 
+@torch.compiler.assume_constant_result
 def interpreted() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1)."""
     from triton.runtime.interpreter import InterpretedFunction

@@ -109,7 +109,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     grads = (dq, dk, dv)
     if arch == "interp":
-        grads = tuple(torch.empty(g.shape, dtype=torch.float32, device=g.device) for g in grads)
+        grads = tuple(_runtime.empty(g.shape, torch.float32, g.device) for g in grads)
     gq, gk, gv = grads
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = nheads // nheads_k

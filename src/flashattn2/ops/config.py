@@ -29,15 +29,18 @@ class TileConfig:
 # (arch, head-dim bucket, bytes per element, kernel) -> TileConfig; causal shares the entry
 # unless _TABLE_CAUSAL overrides it.
 _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
-    # H200, 2026-11-29, fp16 16k tokens (docs/notes.md has the sweep): see bench/results.
+    # H200, 2026-11-29, fp16, 16k tokens, TMA loads (tools/sweep.py; docs/notes.md has the table).
     ("sm90", 64, 2, "fwd"):        TileConfig(128, 128, 8, 3),
+    # d128 fwd: 527/488 TFLOP/s at 16k (full/causal), 470/358 at 2k; next best 128x128 w8 s3: 486/467
     ("sm90", 128, 2, "fwd"):       TileConfig(128, 64, 4, 2),
     ("sm90", 256, 2, "fwd"):       TileConfig(64, 64, 4, 2),
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(64, 128, 8, 2),
-    ("sm90", 128, 2, "bwd_dkdv"):  TileConfig(64, 128, 8, 2),
+    # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
+    ("sm90", 128, 2, "bwd_dkdv"):  TileConfig(64, 128, 8, 3),
     ("sm90", 256, 2, "bwd_dkdv"):  TileConfig(64, 64, 8, 1),
     ("sm90", 64, 2, "bwd_dq"):     TileConfig(128, 64, 8, 2),
-    ("sm90", 128, 2, "bwd_dq"):    TileConfig(128, 64, 8, 2),
+    # d128 dQ (with dK/dV 64x128 w8 s2): 369/370 at 16k, 328/264 at 2k; 128x128 w8 s2: 358/360
+    ("sm90", 128, 2, "bwd_dq"):    TileConfig(128, 32, 4, 3),
     ("sm90", 256, 2, "bwd_dq"):    TileConfig(64, 64, 8, 1),
     # sm80 and anything without TMA: FA2's A100 tiles (paper, section 4), not measured here;
     # the compile-only check keeps them inside sm80's 163 KB of shared memory.

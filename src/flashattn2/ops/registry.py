@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention
+from . import _runtime, attention
 
 
 @torch.library.custom_op("flashattn2::fwd", mutates_args=())
@@ -47,7 +47,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
     bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, ctx.softmax_scale, ctx.causal)
     return dq, dk, dv, None, None
 
@@ -78,11 +78,11 @@ class PackedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         softmax_scale, causal, packing = ctx.args
         if packing == "qkv":
-            dpacked = torch.empty((*q.shape[:2], 3, *q.shape[2:]), dtype=q.dtype, device=q.device)
+            dpacked = _runtime.empty((*q.shape[:2], 3, *q.shape[2:]), q.dtype, q.device)
             dq, dk, dv = dpacked.unbind(dim=2)
         else:
-            dq = torch.empty_like(q)
-            dpacked = torch.empty((*k.shape[:2], 2, *k.shape[2:]), dtype=k.dtype, device=k.device)
+            dq = _runtime.empty_like(q)
+            dpacked = _runtime.empty((*k.shape[:2], 2, *k.shape[2:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=2)
         bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal)
         if packing == "qkv":

@@ -1,0 +1,128 @@
+"""flash_attn_func against the reference: out, logsumexp and gradients, by flash_attn's rule."""
+import pytest
+import torch
+
+import flashattn2
+from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn
+from conftest import ON_GPU
+from flashattn2.ops import config
+from flashattn2.reference import attention_ref
+from tolerance import BWD_FACTOR, FWD_FACTOR, assert_close
+
+T = config.TileConfig
+# Kernel paths: on CUDA the table's choice and the forced pointer (non-TMA) path; on the CPU,
+# both load paths with tiles where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
+if ON_GPU:
+    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma")]
+else:
+    PATHS = [
+        pytest.param({}, id="ptr-64x64"),
+        pytest.param({"tma": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
+                      "bwd_dq": T(64, 16, 4, 1)}, id="tma-mixed-tiles"),
+    ]
+
+
+def check_against_reference(q, k, v, out, lse, grads, do, causal, dlse=None):
+    ref_out, ref_lse = attention_ref(q, k, v, causal=causal)
+    low_out, low_lse = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert_close("out", out, ref_out, low_out, FWD_FACTOR)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse)), "rows without keys must have lse=+inf"
+    assert_close("lse", lse[finite], ref_lse[finite], low_lse[finite], FWD_FACTOR)
+    if grads is None:
+        return
+    ref_loss = (ref_out * do.to(ref_out.dtype)).sum()
+    low_loss = (low_out * do).sum()
+    if dlse is not None:
+        ref_loss = ref_loss + (ref_lse.masked_fill(~finite, 0) * dlse.to(ref_lse.dtype)).sum()
+        low_loss = low_loss + (low_lse.masked_fill(~finite, 0) * dlse).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    low_grads = torch.autograd.grad(low_loss, (q, k, v))
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPE_PARAMS)
+def test_forward_backward(shape, dtype, causal, path):
+    q, k, v = make_qkv(shape, dtype)
+    with config.override(**path):
+        out, lse, s_dmask = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and s_dmask.numel() == 0
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_lse_gradient(causal):
+    """The returned logsumexp is differentiable (ring attention needs it)."""
+    shape = (2, 70, 90, 2, 1, 32)
+    q, k, v = make_qkv(shape, torch.float16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    do, dlse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (out * do).sum() + (lse * dlse).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    check_against_reference(q, k, v, out, lse, grads, do, causal, dlse=dlse)
+
+
+@pytest.mark.parametrize("layout", ["bhsd-transposed", "sliced-headdim", "last-dim-strided"])
+def test_strided_inputs(layout):
+    b, s, h, d = 2, 113, 4, 48
+    dtype = torch.float16
+    if layout == "bhsd-transposed":
+        make = lambda: randn(b, h, s, d, dtype=dtype).transpose(1, 2)
+    elif layout == "sliced-headdim":
+        make = lambda: randn(b, s, h, d + 24, dtype=dtype)[..., 5:5 + d]
+    else:  # stride(-1) != 1: copied, as flash_attn does
+        make = lambda: randn(b, s, h, 2 * d, dtype=dtype)[..., ::2]
+    q, k, v = (make().requires_grad_() for _ in range(3))
+    assert not q.is_contiguous()
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    check_against_reference(q, k, v, out, lse, grads, do, True)
+
+
+def test_softmax_scale():
+    q, k, v = make_qkv((1, 65, 65, 2, 2, 64), torch.float16)
+    out = flashattn2.flash_attn_func(q, k, v, softmax_scale=0.37)
+    ref, _ = attention_ref(q, k, v, softmax_scale=0.37)
+    low, _ = attention_ref(q, k, v, softmax_scale=0.37, upcast=False)
+    assert_close("out", out, ref, low, FWD_FACTOR)
+    # a scale that changes the result: guards against the argument being ignored
+    assert (out.float() - attention_ref(q, k, v)[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_deterministic_bitwise(causal):
+    """dQ has its own pass (no atomics): repeated runs give identical bits, with or without the flag."""
+    shape = (2, 300, 300, 4, 2, 64) if ON_GPU else (1, 97, 97, 2, 1, 32)
+    q, k, v = make_qkv(shape, torch.bfloat16)
+    do = randn(*q.shape, dtype=q.dtype)
+    runs = []
+    for deterministic in (True, True, False):
+        out = flashattn2.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="races need a GPU: the interpreter runs programs one at a time")
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_race_repeated_runs(causal):
+    """Many runs with fixed inputs give identical out, lse, dq, dk, dv (a moving result is a race)."""
+    q, k, v = make_qkv((4, 2048, 2048, 16, 4, 128), torch.float16)
+    do = randn(*q.shape, dtype=q.dtype)
+    first = None
+    for _ in range(30):
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        result = (out, lse, *torch.autograd.grad(out, (q, k, v), do))
+        if first is None:
+            first = result
+        for a, b in zip(first, result):
+            assert torch.equal(a, b)

@@ -1,0 +1,60 @@
+"""torch.library registration: opcheck, and torch.compile(fullgraph=True) without graph breaks."""
+import pytest
+import torch
+
+import flashattn2
+from cases import make_qkv, randn
+from flashattn2.ops import registry
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_opcheck_fwd(causal):
+    q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16)
+    torch.library.opcheck(registry.fwd, (q, k, v, 0.25, causal))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_opcheck_bwd(with_dlse):
+    q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16, requires_grad=False)
+    out, lse = registry.fwd(q, k, v, 0.25, True)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, 0.25, True))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=64, heads=2, packing=None):
+        super().__init__()
+        self.heads, self.packing = heads, packing
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, 3, self.heads, -1)
+        if self.packing == "qkv":
+            out = flashattn2.flash_attn_qkvpacked_func(qkv, causal=True)
+        elif self.packing == "kv":
+            out = flashattn2.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True)
+        else:
+            out = flashattn2.flash_attn_func(*qkv.unbind(2), causal=True)
+        return out.reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("backend, packing", [
+    pytest.param("inductor", None, id="inductor-unpacked"),
+    pytest.param("aot_eager", "qkv", id="aot_eager-qkvpacked"),
+    pytest.param("aot_eager", "kv", id="aot_eager-kvpacked"),
+])
+def test_compile_fullgraph(backend, packing):
+    torch._dynamo.reset()
+    model = TinyAttention(packing=packing).to(randn(1, dtype=torch.float32).device)
+    x = randn(2, 40, 64, dtype=torch.float32, requires_grad=True)
+    eager_out = model(x)
+    eager_grads = torch.autograd.grad(eager_out.square().sum(), [x, *model.parameters()])
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+    torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
