@@ -99,8 +99,9 @@ def attn_fwd_kernel(
 
     # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
     empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_i)) * LN2)
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     store_rows(o_src, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,
                BLOCK_D, USE_TMA)
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -1,13 +1,13 @@
-"""What the launchers need from Triton's runtime: the kernels (imported on first use, so that
-TRITON_INTERPRET set after `import flashattn2` still takes effect), whether they run in the
-interpreter, allocation (poisonable by tests) and the TMA scratch allocator."""
+"""What the launchers need from Triton's runtime: the kernels, whether they run in the
+interpreter, allocation (poisonable by tests) and the TMA scratch allocator.
+The kernels are imported on first use. TRITON_INTERPRET=1 must be set before triton is first
+imported (torch's custom-op machinery imports it), so in practice before Python starts."""
 from __future__ import annotations
 
 import functools
 import types
 
 import torch
-import triton
 
 # Tests set this so every buffer a kernel must fill starts as NaN (or -1 for integers).
 POISON = False
@@ -46,6 +46,7 @@ def _tma_scratch(size: int, alignment: int, stream):
 def ensure_tma_allocator() -> None:
     """Device-side tensor descriptors need a scratch allocator; Triton keeps it in a ContextVar,
     so a fresh thread (autograd's backward thread) starts without one."""
+    import triton
     from triton.runtime import _allocation
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):

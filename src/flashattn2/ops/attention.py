@@ -6,7 +6,6 @@ dimension contiguous, one dtype, one device.
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import _runtime, config
 
@@ -47,7 +46,11 @@ def _bsh(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
@@ -61,7 +64,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     if out.numel() == 0:
         return out.to(q.dtype), lse
     cfg = config.select("fwd", arch, head_dim, q.dtype, causal)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
+    grid = (_cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
     _runtime.kernels().fwd.attn_fwd_kernel[grid](
         q, k, v, out, lse,
         *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out),
@@ -97,7 +100,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
     delta = _runtime.empty((batch, nheads, seqlen_q), torch.float32, q.device)
     pre_m = 64 if block_d <= 128 else 32
-    K.attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m) * batch * nheads,)](
+    K.attn_bwd_preprocess_kernel[(_cdiv(seqlen_q, pre_m) * batch * nheads,)](
         out, dout, delta, dlse if dlse is not None else delta,
         *_bsh(out), *_bsh(dout),
         nheads, seqlen_q,
@@ -115,7 +118,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     group = nheads // nheads_k
 
     cfg = config.select("bwd_dkdv", arch, head_dim, q.dtype, causal)
-    K.attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n) * batch * nheads_k,)](
+    K.attn_bwd_dkdv_kernel[(_cdiv(seqlen_k, cfg.block_n) * batch * nheads_k,)](
         q, k, v, dout, lse, delta, gk, gv,
         *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *_bsh(gk), *_bsh(gv),
         nheads, nheads_k, seqlen_q, seqlen_k, group,
@@ -130,7 +133,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         num_stages=cfg.num_stages,
     )
     cfg = config.select("bwd_dq", arch, head_dim, q.dtype, causal)
-    K.attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)](
+    K.attn_bwd_dq_kernel[(_cdiv(seqlen_q, cfg.block_m) * batch * nheads,)](
         q, k, v, dout, lse, delta, gq,
         *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *_bsh(gq),
         batch, nheads, seqlen_q, seqlen_k, group,

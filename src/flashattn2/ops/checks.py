@@ -52,7 +52,7 @@ def check_device(device: torch.device, name: str) -> None:
         if not _runtime.interpreted():
             raise ValueError(
                 f"{name} is a CPU tensor: flashattn2 runs on CUDA GPUs, or on the CPU through Triton's "
-                "interpreter when TRITON_INTERPRET=1 is set before flashattn2's first call")
+                "interpreter when TRITON_INTERPRET=1 is set in the environment before Python starts")
         return
     raise ValueError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
 

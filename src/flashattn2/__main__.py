@@ -1,0 +1,105 @@
+"""python -m flashattn2 [bench] [filters] | python -m flashattn2 bench report
+
+With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
+kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
+kernels run through Triton's CPU interpreter on small shapes and are checked against the
+reference.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+RESULTS = os.path.join("bench", "results")
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def _parser():
+    ap = argparse.ArgumentParser(prog="python -m flashattn2", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", nargs="?", default="bench", choices=["bench", "check"],
+                    help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check")
+    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report"],
+                    help="kernels (default): measure; report: only rebuild table and plots from the CSV")
+    ap.add_argument("--dtypes", default="fp16,bf16")
+    ap.add_argument("--headdims", default="64,128")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="0,1", help="0, 1 or 0,1")
+    ap.add_argument("--modes", default="fwd,bwd,fwd_bwd")
+    ap.add_argument("--providers", default="flashattn2,sdpa_flash,sdpa_cudnn,sdpa_efficient,naive")
+    ap.add_argument("--csv", default=None, help="results CSV (appended); default bench/results/kernels-<gpu>.csv")
+    ap.add_argument("--plots", default=None, help="folder for PNGs; default beside the CSV")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def _cpu_check(argv) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # triton reads TRITON_INTERPRET when first imported, and torch has imported it by now
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "flashattn2", *argv])
+    from .bench import cpu_check
+
+    return 0 if cpu_check.run() else 1
+
+
+def _report(path, plots):
+    from .bench import report
+
+    if not os.path.exists(path):
+        print(f"no results at {path}")
+        return 1
+    latest = report.load(path)
+    text = report.markdown(latest)
+    md_path = os.path.splitext(path)[0] + ".md"
+    with open(md_path, "w") as fh:
+        fh.write(text + "\n")
+    print(text)
+    for p in report.plot(latest, plots or os.path.join(os.path.dirname(path), "plots")):
+        print("wrote", p)
+    print("wrote", md_path)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    import torch
+
+    if args.what == "report":
+        return _report(args.csv or _default_csv(None), args.plots)
+    if args.command == "check" or not torch.cuda.is_available():
+        return _cpu_check(argv)
+    from .bench import kernels
+
+    names = args.providers.split(",")
+    unknown = set(names) - {"flashattn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "naive"}
+    if unknown:
+        print(f"unknown provider(s): {sorted(unknown)}")
+        return 2
+    path = args.csv or _default_csv(torch.cuda.get_device_name())
+    kernels.run_grid(path, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
+                     [bool(c) for c in _ints(args.causal)], args.modes.split(","), names,
+                     progress=not args.no_progress)
+    return _report(path, args.plots)
+
+
+def _default_csv(gpu):
+    import glob
+
+    if gpu is None:  # report only: the newest CSV there
+        found = sorted(glob.glob(os.path.join(RESULTS, "kernels-*.csv")), key=os.path.getmtime)
+        return found[-1] if found else os.path.join(RESULTS, "kernels.csv")
+    slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-")
+    return os.path.join(RESULTS, f"kernels-{slug}.csv")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,52 @@
+"""Without a GPU, `python -m flashattn2` runs the kernels through Triton's CPU interpreter on small
+shapes, checks them against the reference and says what it checked; timings need a GPU."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import flashattn2
+from ..reference import attention_ref
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
+SHAPES = [(1, 97, 97, 2, 2, 64), (2, 65, 130, 4, 2, 40), (1, 130, 65, 2, 1, 128)]
+
+
+def run() -> bool:
+    print("No CUDA GPU: running flashattn2's kernels through Triton's interpreter on the CPU "
+          "(small shapes; timings need a GPU).")
+    print(f"{'dtype':9} {'causal':6} {'shape (b, sq, sk, h, hk, d)':30} {'out err':>9} {'grad err':>9} "
+          f"{'torch err':>9}  result")
+    ok_all = True
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for causal in (False, True):
+            for shape in SHAPES:
+                ok_all &= _check(shape, dtype, causal)
+    print("all checks passed" if ok_all else "SOME CHECKS FAILED")
+    return ok_all
+
+
+def _check(shape, dtype, causal) -> bool:
+    b, sq, sk, h, hk, d = shape
+    q = torch.randn(b, sq, h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, dtype=dtype, requires_grad=True)
+    start = time.perf_counter()
+    out = flashattn2.flash_attn_func(q, k, v, causal=causal)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    seconds = time.perf_counter() - start
+    ref_out, _ = attention_ref(q, k, v, causal=causal)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do.to(ref_out.dtype))
+    low_out, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    low_grads = torch.autograd.grad(low_out, (q, k, v), do)
+    err = lambda a, c: (a.double() - c.double()).abs().max().item()
+    out_err, low_err = err(out, ref_out), err(low_out, ref_out)
+    grad_err = max(err(g, r) for g, r in zip(grads, ref_grads))
+    low_grad_err = max(err(g, r) for g, r in zip(low_grads, ref_grads))
+    floor = 1e-5 if dtype == torch.float32 else 1e-4
+    ok = out_err <= 2 * low_err + floor and grad_err <= 3 * low_grad_err + floor
+    print(f"{str(dtype)[6:]:9} {str(causal):6} {str(shape):30} {out_err:9.2e} {grad_err:9.2e} "
+          f"{max(low_err, low_grad_err):9.2e}  {'ok' if ok else 'FAIL'} ({seconds:.1f} s)")
+    return ok

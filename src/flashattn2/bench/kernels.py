@@ -1,0 +1,157 @@
+"""The kernel grid: seqlen 512..16k at a fixed number of tokens, hidden 2048, per headdim, causal,
+mode and dtype; every provider in one run; results appended to a CSV so the grid can be run in
+slices (one device call each)."""
+from __future__ import annotations
+
+import csv
+import datetime
+import itertools
+import os
+import subprocess
+
+import torch
+
+from ..reference import attention_ref
+from .providers import attention_flops, providers
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ("fwd", "bwd", "fwd_bwd")
+FIELDS = ["provider", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "mode", "ms", "tflops",
+          "note", "gpu", "torch", "triton", "date", "git_sha"]
+
+
+def git_sha() -> str:
+    if os.environ.get("FLASHATTN2_GIT_SHA"):
+        return os.environ["FLASHATTN2_GIT_SHA"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_metadata() -> dict:
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat(), git_sha=git_sha())
+
+
+def _to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "bshd" else t.transpose(1, 2).contiguous()
+
+
+def check_provider(fn, layout, dtype, headdim, causal) -> str:
+    """'' when fwd and bwd obey flash-attn's rule on a small odd-sized problem, else why not."""
+    shape = (1, 511, 2, headdim)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref_out, _ = attention_ref(q, k, v, causal=causal)
+    low_out, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do.float())
+    low_grads = torch.autograd.grad(low_out, (q, k, v), do)
+    qn, kn, vn = (_to_layout(t.detach(), layout).requires_grad_() for t in (q, k, v))
+    out = fn(qn, kn, vn, causal)
+    grads = torch.autograd.grad(out, (qn, kn, vn), _to_layout(do, layout))
+    back = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
+    err = lambda a, b: (a.double() - b.double()).abs().max().item()
+    problems = []
+    if not err(back(out), ref_out) <= 2 * err(low_out, ref_out) + 1e-4:
+        problems.append(f"out err {err(back(out), ref_out):.2e}")
+    for name, g, r, lo in zip("qkv", grads, ref_grads, low_grads):
+        if not err(back(g), r) <= 3 * err(lo, r) + 1e-4:
+            problems.append(f"d{name} err {err(back(g), r):.2e}")
+    return "; ".join(problems)
+
+
+def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes):
+    """{mode: ms} for one provider at one point (NaN with a note when it cannot run)."""
+    from triton.testing import do_bench
+
+    shape = (batch, seqlen, nheads, headdim)
+    q, k, v, do = (_to_layout(torch.randn(shape, device="cuda", dtype=dtype), layout) for _ in range(4))
+    result = {}
+    for mode in modes:
+        if mode == "fwd":
+            with torch.no_grad():
+                fn(q, k, v, causal)  # compile / plan outside the timing
+                result[mode] = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=60, return_mode="median")
+            continue
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        if mode == "bwd":
+            out = fn(qg, kg, vg, causal)
+            step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+        else:
+            step = lambda: torch.autograd.grad(fn(qg, kg, vg, causal), (qg, kg, vg), do)
+        step()
+        result[mode] = do_bench(step, warmup=10, rep=60, return_mode="median")
+        del qg, kg, vg
+    return result
+
+
+def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=16384, hidden=2048,
+             progress=True):
+    meta = run_metadata()
+    table = providers()
+    points = list(itertools.product(dtypes, headdims, causals, seqlens))
+    total = len(points) * len(names)
+    bar = _progress(total, progress)
+    new = not os.path.exists(out_csv)
+    os.makedirs(os.path.dirname(os.path.abspath(out_csv)), exist_ok=True)
+    checked: dict[tuple, str] = {}
+    rows = []
+    with open(out_csv, "a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        for dtype_name, headdim, causal, seqlen in points:
+            dtype = DTYPES[dtype_name]
+            batch, nheads = max(1, tokens // seqlen), hidden // headdim
+            for name in names:
+                layout, fn = table[name]
+                key = (name, dtype_name, headdim, causal)
+                note = ""
+                try:
+                    if key not in checked:
+                        checked[key] = check_provider(fn, layout, dtype, headdim, causal)
+                    note = checked[key] and "check failed: " + checked[key]
+                    timings = {} if note else time_point(fn, layout, batch, nheads, seqlen, headdim, dtype,
+                                                         causal, modes)
+                except torch.cuda.OutOfMemoryError:
+                    timings, note = {}, "out of memory"
+                except RuntimeError as exc:  # a backend that refuses the shape or dtype
+                    timings, note = {}, "failed: " + str(exc).splitlines()[0][:120]
+                torch.cuda.empty_cache()
+                for mode in modes:
+                    ms = timings.get(mode, float("nan"))
+                    flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
+                    row = dict(provider=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
+                               batch=batch, nheads=nheads, mode=mode, ms=f"{ms:.4f}",
+                               tflops=f"{flops / ms * 1e-9:.1f}", note=note, **meta)
+                    writer.writerow(row)
+                    rows.append(row)
+                fh.flush()
+                bar(f"{dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} {name}")
+    return rows
+
+
+def _progress(total, enabled):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None and enabled:
+        bar = tqdm(total=total, unit="point", dynamic_ncols=True)
+
+        def step(desc):
+            bar.set_description(desc)
+            bar.update()
+        return step
+    count = [0]
+
+    def step(desc):
+        count[0] += 1
+        if enabled:
+            print(f"[{count[0]}/{total}] {desc}", flush=True)
+    return step
