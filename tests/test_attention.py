@@ -6,8 +6,8 @@ import flashattn2
 from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn
 from conftest import ON_GPU
 from flashattn2.ops import config
-from flashattn2.reference import attention_ref
-from tolerance import BWD_FACTOR, FWD_FACTOR, assert_close
+from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
+from tolerance import assert_close
 
 T = config.TileConfig
 # Kernel paths: on CUDA the table's choice and the forced pointer (non-TMA) path; on the CPU,

@@ -7,15 +7,15 @@ import argparse
 import csv
 import itertools
 import os
-import sys
 import time
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import flashattn2
+from flashattn2.bench.kernels import check_provider
 from flashattn2.ops import attention, config
-from flashattn2.reference import attention_ref
 
 T = config.TileConfig
 CANDIDATES = {
@@ -50,22 +50,10 @@ def make(batch, nheads, seqlen, d, dtype):
 
 
 def check(kernel, cfg, d, dtype, causal):
-    """max error vs an fp32 reference, against PyTorch's own error in dtype (fwd out, bwd dq/dk/dv)."""
-    q, k, v, do = make(1, 2, 1000, d, dtype)
-    k, v = k[:, :777], v[:, :777]
+    """'' when this tile obeys flash-attn's rule (out and gradients), else what failed."""
     with config.override(**{kernel: cfg}):
-        out, lse = attention.forward(q, k, v, d ** -0.5, causal)
-        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-        attention.backward(do, q, k, v, out, lse, None, dq, dk, dv, d ** -0.5, causal)
-    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ro, _ = attention_ref(qq, kk, vv, causal=causal)
-    refs = torch.autograd.grad(ro, (qq, kk, vv), do.float())
-    lo, _ = attention_ref(qq, kk, vv, causal=causal, upcast=False)
-    lows = torch.autograd.grad(lo, (qq, kk, vv), do)
-    e = lambda a, b: (a.float() - b.float()).abs().max().item()
-    ok = e(out, ro) <= 2 * e(lo, ro) + 1e-4
-    ok &= all(e(g, r) <= 3 * e(l, r) + 1e-4 for g, r, l in zip((dq, dk, dv), refs, lows))
-    return ok, e(out, ro), max(e(g, r) for g, r in zip((dq, dk, dv), refs))
+        return check_provider(lambda q, k, v, c: flashattn2.flash_attn_func(q, k, v, causal=c), "bshd",
+                              dtype, d, causal)
 
 
 def time_ours(kernel, cfg, shape, dtype, causal):
@@ -129,9 +117,9 @@ def main():
             for cfg in CANDIDATES[(kernel, d)]:
                 t0 = time.time()
                 try:
-                    checks = [check(kernel, cfg, d, dtype, c) for c in (False, True)]
-                    ok = all(c[0] for c in checks)
-                    print(kernel, d, cfg, "errors (out, grads):", [c[1:] for c in checks], flush=True)
+                    problems = "; ".join(p for p in (check(kernel, cfg, d, dtype, c) for c in (False, True)) if p)
+                    ok = not problems
+                    print(kernel, d, cfg, "check:", problems or "ok", flush=True)
                 except Exception as exc:
                     print(kernel, d, cfg, "failed:", str(exc).splitlines()[-1][:160], flush=True)
                     continue

@@ -11,7 +11,7 @@ import subprocess
 
 import torch
 
-from ..reference import attention_ref
+from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref, tolerance
 from .providers import attention_flops, providers
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -55,13 +55,13 @@ def check_provider(fn, layout, dtype, headdim, causal) -> str:
     out = fn(qn, kn, vn, causal)
     grads = torch.autograd.grad(out, (qn, kn, vn), _to_layout(do, layout))
     back = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
-    err = lambda a, b: (a.double() - b.double()).abs().max().item()
     problems = []
-    if not err(back(out), ref_out) <= 2 * err(low_out, ref_out) + 1e-4:
-        problems.append(f"out err {err(back(out), ref_out):.2e}")
-    for name, g, r, lo in zip("qkv", grads, ref_grads, low_grads):
-        if not err(back(g), r) <= 3 * err(lo, r) + 1e-4:
-            problems.append(f"d{name} err {err(back(g), r):.2e}")
+    results = [("out", back(out), ref_out, low_out, FWD_FACTOR)]
+    results += [(f"d{n}", back(g), r, lo, BWD_FACTOR) for n, g, r, lo in zip("qkv", grads, ref_grads, low_grads)]
+    for name, ours, ref, low, factor in results:
+        ok, err, bound = tolerance.check(ours, ref, low, factor)
+        if not ok:
+            problems.append(f"{name} error {err:.2e} > {bound:.2e}")
     return "; ".join(problems)
 
 
@@ -86,7 +86,6 @@ def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes)
             step = lambda: torch.autograd.grad(fn(qg, kg, vg, causal), (qg, kg, vg), do)
         step()
         result[mode] = do_bench(step, warmup=10, rep=60, return_mode="median")
-        del qg, kg, vg
     return result
 
 

@@ -1,0 +1,28 @@
+"""flash_attn's tolerance rule, in one place for the tests, the benchmark's gate and the tools:
+our max error against a high-precision reference may be at most `factor` times the error of
+PyTorch doing the same math in the input dtype, plus a small floor."""
+from __future__ import annotations
+
+import torch
+
+FWD_FACTOR = 2.0  # forward outputs (out, lse)
+BWD_FACTOR = 3.0  # gradients
+
+
+def floor(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    # a gradient that is exactly 0 in PyTorch's math (one key: dK = 0) comes out as rounding
+    # noise of size eps * |dO||V| from ours; far below any real bug's error
+    scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    return (1e-5 if dtype == torch.float32 else 1e-4) * scale
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check(ours: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, factor: float) -> tuple[bool, float, float]:
+    """(passes, our error, the bound). ours/low in the input dtype, ref the fp32/fp64 oracle.
+    A NaN anywhere in ours fails."""
+    err = max_error(ours, ref)
+    bound = factor * max_error(low, ref) + floor(ours.dtype, ref)
+    return err <= bound, err, bound
