@@ -87,6 +87,14 @@ def test_strided_inputs(layout):
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
+def test_broadcast_output_gradient():
+    """out.sum() sends an expanded (stride-0) dO; the backward must not feed it to TMA as is."""
+    q, k, v = make_qkv((2, 130, 130, 4, 2, 64), torch.bfloat16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    check_against_reference(q, k, v, out, lse, grads, torch.ones_like(out), True)
+
+
 def test_softmax_scale():
     q, k, v = make_qkv((1, 65, 65, 2, 2, 64), torch.float16)
     out = flashattn2.flash_attn_func(q, k, v, softmax_scale=0.37)

@@ -1,5 +1,5 @@
 """Compile-only check, no GPU needed: every tile the config table can select builds for sm_90
-(TMA and pointer paths) and sm_80 within the target's shared memory. The interpreter accepts
+(TMA and pointer paths), sm_80 and sm_86 (99 KB GPUs) within the target's shared memory. The interpreter accepts
 kernels the GPU compiler rejects (TRITON-ON-CPU.md), so this runs tools/compile_check.py in a
 process without TRITON_INTERPRET."""
 import json
@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+@pytest.mark.parametrize("arch", ["sm90", "sm80", "sm86"])
 def test_every_table_entry_compiles(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_check.py"), "--arch", arch],

@@ -19,8 +19,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from flashattn2.kernels import bwd, fwd  # noqa: E402
 from flashattn2.ops import config  # noqa: E402
 
-SHARED_LIMIT = {"sm90": 232448, "sm80": 166912}  # bytes per block, opt-in maximum
-CAPABILITY = {"sm90": 90, "sm80": 80}
+SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
+CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
 FP32_POINTERS = {"Lse", "Delta", "DLse"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}

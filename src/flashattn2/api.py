@@ -15,10 +15,6 @@ from .ops.registry import PackedAttention
 from .ops.registry import fwd as _fwd_op
 
 
-def _last_dim_contiguous(*tensors: torch.Tensor):
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
-
-
 def _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes):
     checks.check_qkv(q, k, v)
     checks.check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
@@ -57,7 +53,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         S_dmask (with return_attn_probs): an empty tensor (no dropout).
     """
     scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    q, k, v = _last_dim_contiguous(q, k, v)
     out, lse = _fwd_op(q, k, v, scale, bool(causal))
     return _result(out, lse, return_attn_probs)
 
@@ -71,7 +66,6 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
     scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    (qkv,) = _last_dim_contiguous(qkv)
     out, lse = PackedAttention.apply(None, qkv, scale, bool(causal), "qkv")
     return _result(out, lse, return_attn_probs)
 
@@ -83,6 +77,5 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
     scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    q, kv = _last_dim_contiguous(q, kv)
     out, lse = PackedAttention.apply(q, kv, scale, bool(causal), "kv")
     return _result(out, lse, return_attn_probs)

@@ -4,6 +4,7 @@ The kernels are imported on first use. TRITON_INTERPRET=1 must be set before tri
 imported (torch's custom-op machinery imports it), so in practice before Python starts."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -37,6 +38,11 @@ def interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernels().fwd.attn_fwd_kernel, InterpretedFunction)
+
+
+def device_of(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's (flash_attn's CUDAGuard)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _tma_scratch(size: int, alignment: int, stream):

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
-ARCHS = ("sm90", "sm80", "interp")
+# sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
+# sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
+ARCHS = ("sm90", "sm80", "sm86", "interp")
 HEAD_DIM_BUCKETS = (64, 128, 256)  # BLOCK_D <= 64 share the 64 entry
 
 
@@ -56,6 +58,17 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm80", 64, 2, "bwd_dq"):     TileConfig(128, 64, 8, 2),
     ("sm80", 128, 2, "bwd_dq"):    TileConfig(128, 64, 8, 1),
     ("sm80", 256, 2, "bwd_dq"):    TileConfig(64, 64, 8, 1),
+    # 99 KB of shared memory (RTX 3090/4090, A10, L4, L40, RTX 5090): smaller tiles, not measured
+    # here; the compile-only check keeps them inside the limit.
+    ("sm86", 64, 2, "fwd"):        TileConfig(128, 64, 4, 2),
+    ("sm86", 128, 2, "fwd"):       TileConfig(64, 64, 4, 2),
+    ("sm86", 256, 2, "fwd"):       TileConfig(64, 32, 4, 1),
+    ("sm86", 64, 2, "bwd_dkdv"):   TileConfig(64, 64, 4, 2),
+    ("sm86", 128, 2, "bwd_dkdv"):  TileConfig(64, 64, 4, 1),
+    ("sm86", 256, 2, "bwd_dkdv"):  TileConfig(32, 32, 4, 1),
+    ("sm86", 64, 2, "bwd_dq"):     TileConfig(64, 64, 4, 2),
+    ("sm86", 128, 2, "bwd_dq"):    TileConfig(64, 64, 4, 1),
+    ("sm86", 256, 2, "bwd_dq"):    TileConfig(32, 32, 4, 1),
 }
 # fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared
 # memory in bounds (correctness path, not tuned).
@@ -65,7 +78,7 @@ _FP32 = {
     256: TileConfig(16, 16, 4, 1),
 }
 # fmt: on
-for _arch in ("sm90", "sm80"):
+for _arch in ("sm90", "sm80", "sm86"):
     for _bucket, _cfg in _FP32.items():
         for _kernel in KERNELS:
             _TABLE[(_arch, _bucket, 4, _kernel)] = _cfg
@@ -85,8 +98,10 @@ def head_dim_bucket(head_dim: int) -> int:
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
         return "interp"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm90" if major >= 9 else "sm80"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major in (9, 10):
+        return "sm90"
+    return "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
 
 
 def select(kernel: str, arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> TileConfig:

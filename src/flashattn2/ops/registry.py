@@ -8,10 +8,20 @@ import torch
 from . import _runtime, attention
 
 
+def _for_kernels(t: torch.Tensor) -> torch.Tensor:
+    """Last dimension contiguous and no broadcast (stride-0) dimension: what the kernels and TMA
+    descriptors accept. A gradient of out.sum() arrives expanded, with stride 0."""
+    if t.stride(-1) != 1 or 0 in t.stride():
+        return t.contiguous()
+    return t
+
+
 @torch.library.custom_op("flashattn2::fwd", mutates_args=())
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention.forward(q, k, v, softmax_scale, causal)
+    q, k, v = (_for_kernels(t) for t in (q, k, v))
+    with _runtime.device_of(q):
+        return attention.forward(q, k, v, softmax_scale, causal)
 
 
 @fwd.register_fake
@@ -25,11 +35,12 @@ def _(q, k, v, softmax_scale, causal):
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
         dv: torch.Tensor, softmax_scale: float, causal: bool) -> None:
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
+    lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal)
+    with _runtime.device_of(q):
+        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal)
 
 
 @bwd.register_fake

@@ -3,6 +3,8 @@ our max error against a high-precision reference may be at most `factor` times t
 PyTorch doing the same math in the input dtype, plus a small floor."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 FWD_FACTOR = 2.0  # forward outputs (out, lse)
@@ -22,7 +24,7 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check(ours: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, factor: float) -> tuple[bool, float, float]:
     """(passes, our error, the bound). ours/low in the input dtype, ref the fp32/fp64 oracle.
-    A NaN anywhere in ours fails."""
+    A NaN anywhere in ours fails, and so does a baseline that is not finite."""
     err = max_error(ours, ref)
     bound = factor * max_error(low, ref) + floor(ours.dtype, ref)
-    return err <= bound, err, bound
+    return err <= bound and math.isfinite(bound), err, bound
