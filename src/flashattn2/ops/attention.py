@@ -18,7 +18,7 @@ def _use_tma(arch: str, *tensors: torch.Tensor) -> bool:
         return False
     for t in tensors:
         es = t.element_size()
-        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+        if t.data_ptr() % 16 or any((s * es) % 16 or s == 0 for s in t.stride()[:-1]):
             return False
     return True
 
