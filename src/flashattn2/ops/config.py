@@ -35,18 +35,20 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 64, 2, "fwd"):        TileConfig(128, 128, 4, 3),
     # d128 fwd: 527/488 TFLOP/s at 16k (full/causal), 470/358 at 2k; next best 128x128 w8 s3: 486/467
     ("sm90", 128, 2, "fwd"):       TileConfig(128, 64, 4, 2),
-    # d256: not swept yet (the Hopper issue's); correct on the H200 (tests), compile-checked
-    ("sm90", 256, 2, "fwd"):       TileConfig(64, 64, 4, 2),
+    # d256 fwd: 516/506 at 16k, 465/361 at 2k (SDPA flash 320/292, 305/262); 64x64 w4 s1: 446/445
+    ("sm90", 256, 2, "fwd"):       TileConfig(128, 64, 8, 2),
     # d64 bwd (with dQ 128x64 w8 s2): 347/322 at 16k, 301/230 at 2k; 32x64 w4 s3: 347/316
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(32, 128, 4, 3),
     # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
     ("sm90", 128, 2, "bwd_dkdv"):  TileConfig(64, 128, 8, 3),
-    ("sm90", 256, 2, "bwd_dkdv"):  TileConfig(64, 64, 8, 1),
+    # d256 bwd (with dQ 64x64 w8 s1): 189/184 at 16k, 187/141 at 2k (SDPA flash 259/253, 228/189)
+    ("sm90", 256, 2, "bwd_dkdv"):  TileConfig(64, 64, 8, 2),
     # d64 dQ (with dK/dV 64x128 w8 s2): 318/287 at 16k, 258/188 at 2k; 128x64 w8 s2: 310/291
     ("sm90", 64, 2, "bwd_dq"):     TileConfig(64, 64, 4, 3),
     # d128 dQ (with dK/dV 64x128 w8 s2): 369/370 at 16k, 328/264 at 2k; 128x128 w8 s2: 358/360
     ("sm90", 128, 2, "bwd_dq"):    TileConfig(128, 32, 4, 3),
-    ("sm90", 256, 2, "bwd_dq"):    TileConfig(64, 64, 8, 1),
+    # d256 dQ (with dK/dV 64x64 w8 s1): 222/188 at 16k, 220/152 at 2k; 64x64 w8 s2: 186/163
+    ("sm90", 256, 2, "bwd_dq"):    TileConfig(128, 32, 8, 2),
     # sm80 and anything without TMA: FA2's A100 tiles (paper, section 4), not measured here;
     # the compile-only check keeps them inside sm80's 163 KB of shared memory.
     ("sm80", 64, 2, "fwd"):        TileConfig(128, 64, 4, 3),
