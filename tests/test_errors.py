@@ -36,13 +36,17 @@ def test_bad_inputs(case, exc, match):
 @pytest.mark.parametrize("kwargs, exc, match", [
     pytest.param(dict(dropout_p=0.1), NotImplementedError, "dropout_p", id="dropout"),
     pytest.param(dict(dropout_p=1.0), ValueError, "dropout_p", id="dropout-range"),
-    pytest.param(dict(window_size=(4, 0)), NotImplementedError, "window_size", id="window"),
     pytest.param(dict(window_size=(-2, 0)), ValueError, "window_size", id="window-range"),
-    pytest.param(dict(softcap=30.0), NotImplementedError, "softcap", id="softcap"),
-    pytest.param(dict(alibi_slopes=torch.ones(2)), NotImplementedError, "alibi_slopes", id="alibi"),
+    pytest.param(dict(window_size=(1.5, 0)), ValueError, "window_size", id="window-float"),
+    pytest.param(dict(softcap=-1.0), ValueError, "softcap", id="softcap-negative"),
+    pytest.param(dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, "alibi_slopes", id="alibi-dtype"),
+    pytest.param(dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes", id="alibi-shape"),
+    pytest.param(dict(alibi_slopes=[0.5, 0.25]), TypeError, "alibi_slopes", id="alibi-type"),
     pytest.param(dict(softmax_scale=-0.1), NotImplementedError, "softmax_scale", id="negative-scale"),
 ])
 def test_unsupported_options(kwargs, exc, match):
+    if isinstance(kwargs.get("alibi_slopes"), torch.Tensor):
+        kwargs = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"].to(DEVICE))
     for fn, args in ((flashattn2.flash_attn_func, qkv()),
                      (flashattn2.flash_attn_qkvpacked_func, (torch.stack(qkv(), dim=2),)),
                      (flashattn2.flash_attn_kvpacked_func, (qkv()[0], torch.stack(qkv()[1:], dim=2)))):

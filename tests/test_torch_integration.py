@@ -7,20 +7,35 @@ from cases import make_qkv, randn
 from flashattn2.ops import registry
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_opcheck_fwd(causal):
+OPTIONS = [
+    pytest.param((False, -1, -1, 0.0, False), id="full"),
+    pytest.param((True, -1, -1, 0.0, False), id="causal"),
+    pytest.param((True, 9, -1, 2.0, True), id="causal-window-softcap-alibi"),
+]
+
+
+def _args(options, nheads=4):
+    causal, left, right, softcap, alibi = options
+    slopes = torch.rand(nheads, device=randn(1, dtype=torch.float32).device) if alibi else None
+    return (causal, left, right, softcap, slopes)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_opcheck_fwd(options):
     q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16)
-    torch.library.opcheck(registry.fwd, (q, k, v, 0.25, causal))
+    torch.library.opcheck(registry.fwd, (q, k, v, 0.25, *_args(options)))
 
 
+@pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
-def test_opcheck_bwd(with_dlse):
+def test_opcheck_bwd(with_dlse, options):
     q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16, requires_grad=False)
-    out, lse = registry.fwd(q, k, v, 0.25, True)
+    args = _args(options)
+    out, lse = registry.fwd(q, k, v, 0.25, *args)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, 0.25, True))
+    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, 0.25, *args))
 
 
 class TinyAttention(torch.nn.Module):
@@ -37,7 +52,9 @@ class TinyAttention(torch.nn.Module):
         elif self.packing == "kv":
             out = flashattn2.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True)
         else:
-            out = flashattn2.flash_attn_func(*qkv.unbind(2), causal=True)
+            slopes = torch.full((self.heads,), 0.25, device=x.device)
+            out = flashattn2.flash_attn_func(*qkv.unbind(2), causal=True, window_size=(16, -1), softcap=3.0,
+                                             alibi_slopes=slopes)
         return out.reshape(b, s, -1)
 
 

@@ -21,7 +21,7 @@ from flashattn2.ops import config  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 
@@ -33,7 +33,7 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
             sig[name] = "constexpr"
         elif name[0].isupper():  # tensors are the capitalised arguments
             sig[name] = "*fp32" if name in FP32_POINTERS else "*" + TYPE[elem_bytes]
-        elif name == "sm_scale":
+        elif name in ("sm_scale", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -42,18 +42,25 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
     return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
 
 
+# the plain causal path, and every score modification at once (LOCAL excludes CAUSAL)
+VARIANTS = {
+    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False),
+    "local-softcap-alibi": dict(CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True),
+}
+
+
 def cases(arch):
     for (entry_arch, bucket, elem_bytes, kernel), cfg in config.table_entries():
         if entry_arch != arch:
             continue
         fp32 = elem_bytes == 4
         for use_tma in ((True, False) if arch == "sm90" else (False,)):
-            # causal compiles the masked loop too (a superset of the code); bf16 needs the same
-            # shared memory as fp16
-            constexprs = dict(CAUSAL=True, USE_TMA=use_tma, UPCAST=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
-                              HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
-            name = f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'tma' if use_tma else 'ptr'}"
-            yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
+            for variant, flags in VARIANTS.items():
+                # bf16 needs the same shared memory as fp16
+                constexprs = dict(**flags, USE_TMA=use_tma, UPCAST=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
+                                  HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
+                name = f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}"
+                yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
     pre = dict(HAS_DLSE=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
 

@@ -15,10 +15,14 @@ from .ops.registry import PackedAttention
 from .ops.registry import fwd as _fwd_op
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes):
+def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """Validate; return fwd's options (softmax_scale, causal, window_left, window_right, softcap)."""
     checks.check_qkv(q, k, v)
-    checks.check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+    checks.check_alibi(alibi_slopes, q)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    left, right = (int(w) for w in window_size)
+    return scale, bool(causal), left, right, float(softcap)
 
 
 def _result(out, lse, return_attn_probs):
@@ -39,9 +43,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         dropout_p: attention dropout probability. Only 0.0 is implemented yet.
         softmax_scale: scaling of q k^T, default headdim ** -0.5.
         causal: bottom-right aligned causal mask (see the module docstring).
-        window_size: (left, right) sliding window; only (-1, -1) is implemented yet.
-        softcap: tanh softcapping of the scores; only 0.0 is implemented yet.
-        alibi_slopes: ALiBi slopes; only None is implemented yet.
+        window_size: (left, right) sliding window, -1 for unbounded: query i sees keys j with
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; causal=True
+            sets right = 0. Key blocks outside the window are skipped.
+        softcap: > 0 turns the scaled scores into softcap * tanh(scores / softcap).
+        alibi_slopes: float32 (nheads,) or (batch, nheads): the bias
+            -slope * |i + seqlen_k - seqlen_q - j| is added to the scores (after softcap).
         deterministic: accepted for compatibility; the backward is always deterministic (dQ is
             computed in its own pass, without atomics).
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
@@ -52,8 +59,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             It is differentiable.
         S_dmask (with return_attn_probs): an empty tensor (no dropout).
     """
-    scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    out, lse = _fwd_op(q, k, v, scale, bool(causal))
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
     return _result(out, lse, return_attn_probs)
 
 
@@ -65,8 +72,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
-    scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(None, qkv, scale, bool(causal), "qkv")
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
     return _result(out, lse, return_attn_probs)
 
 
@@ -76,6 +83,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
-    scale = _prepare(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(q, kv, scale, bool(causal), "kv")
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
     return _result(out, lse, return_attn_probs)

@@ -2,13 +2,15 @@
 query block in its own pass (no atomics: every run gives bitwise-identical gradients).
 
 P is recomputed from the saved logsumexp: P = exp(S - L). With dP = dO V^T and
-dS = P * (dP - D): dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K.
+dS = P * (dP - D): dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K. With softcap,
+S = c * tanh(QK^T * scale / c) and dS picks up the factor 1 - tanh^2; the ALiBi bias has no
+gradient.
 """
 import triton
 import triton.language as tl
 
-from .common import LOG2E, causal_mask, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
-    query_block_range, store_rows
+from .common import LOG2E, alibi_bias, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
+    query_block_range, store_rows, tanh, visible
 
 
 @triton.jit
@@ -40,22 +42,50 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _scores_bwd(qk, qi, kj, lse2, seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2,
+                window_left, window_right, MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """P = exp(S - L) recomputed, and dS's softcap factor 1 - tanh^2 (1.0 without softcap).
+
+    Orientation-free: qk is [M, N] with qi [M, 1], kj [1, N], lse2 [M, 1], or all transposed.
+    """
+    grad_factor = 1.0
+    if SOFTCAP:
+        t = tanh(qk * softcap_in)
+        s = t * softcap_out
+        grad_factor = 1.0 - t * t
+    else:
+        s = qk * qk_scale
+    if ALIBI:
+        s += alibi_bias(qi, kj, seqlen_q, seqlen_k, slope2)
+    p = tl.math.exp2(s - lse2)
+    if MASKED:
+        p = tl.where(visible(qi, kj, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL), p, 0.0)
+    return p, grad_factor
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, m_hi,
-                seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale,
-                MASKED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
+                window_left, window_right,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(m_lo, m_hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
         # rows past seqlen_q load lse = +inf, so their P is exactly 0
         lse2 = load_vec(lse_ptr, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
         # P^T, [BLOCK_N, BLOCK_M]: computed transposed so dV and dK need no transpose of P or dS
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED:
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            pT = tl.where(tl.trans(causal_mask(offs_m, offs_n, seqlen_k - seqlen_q, seqlen_k)), pT, 0.0)
+        if MASKED or SOFTCAP or ALIBI:
+            pT, factorT = _scores_bwd(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+                                      qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+                                      MASKED, CAUSAL, LOCAL, SOFTCAP, ALIBI)
+        else:
+            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_N, BLOCK_D]
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -63,22 +93,26 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
         # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * factorT
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    nheads, nheads_k, seqlen_q, seqlen_k, group_size,
-    sm_scale,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_k, group_size, window_left, window_right,
+    sm_scale, softcap,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
@@ -89,6 +123,8 @@ def attn_bwd_dkdv_kernel(
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     start_n = pid_n * BLOCK_N
     qk_scale = sm_scale * LOG2E
+    softcap_in = sm_scale / softcap
+    softcap_out = softcap * LOG2E
 
     k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
                              HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -99,7 +135,8 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    m_start, m_full = query_block_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    m_lo, full_lo, full_hi, m_end = query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                      CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
     for g in range(0, group_size):
         off_h = off_hk * group_size + g
         q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
@@ -107,12 +144,22 @@ def attn_bwd_dkdv_kernel(
         do_src = make_desc_or_ptr(DOut + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dos,
                                   HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         row0 = (off_b * nheads + off_h) * seqlen_q
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n,
-                             m_start, m_full, seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale,
-                             True, USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n,
-                             m_full, seqlen_q, seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale,
-                             False, USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
+                             seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
+                             window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST,
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_lo, full_hi,
+                             seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
+                             window_left, window_right, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST,
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+        if LOCAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_hi, m_end,
+                                 seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
+                                 slope2, window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                                 UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + off_hk * stride_dkh, seqlen_k, stride_dks,
                               HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -126,25 +173,28 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
-              stride_ks, stride_vs, qk_scale,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+              stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASKED:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            if CAUSAL:
-                p = tl.where(causal_mask(offs_m, offs_n, seqlen_k - seqlen_q, seqlen_k), p, 0.0)
-            else:
-                p = tl.where((offs_n < seqlen_k)[None, :], p, 0.0)
+        if MASKED or SOFTCAP or ALIBI:
+            p, factor = _scores_bwd(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                                    qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+                                    MASKED, CAUSAL, LOCAL, SOFTCAP, ALIBI)
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * factor
         # [BLOCK_M, BLOCK_D]
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -152,15 +202,17 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ,
+    Q, K, V, DOut, Lse, Delta, DQ, Alibi,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    batch, nheads, seqlen_q, seqlen_k, group_size,
-    sm_scale,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_alibi_b,
+    batch, nheads, seqlen_q, seqlen_k, group_size, window_left, window_right,
+    sm_scale, softcap,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
@@ -177,6 +229,11 @@ def attn_bwd_dq_kernel(
     off_hk = off_h // group_size
     start_m = pid_m * BLOCK_M
     qk_scale = sm_scale * LOG2E
+    softcap_in = sm_scale / softcap
+    softcap_out = softcap * LOG2E
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
 
     q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
                              HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -195,12 +252,20 @@ def attn_bwd_dq_kernel(
 
     # the last key block is masked even without causal: zero-filled K rows past seqlen_k would
     # otherwise give P = exp(-L), harmless only while it stays finite
-    n_full, n_end = key_block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, 0, n_full, seqlen_q, seqlen_k,
-                   stride_ks, stride_vs, qk_scale, False, CAUSAL, USE_TMA, UPCAST, DOT_PRECISION,
+    n_lo, full_lo, full_hi, n_end = key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                    CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
+    if LOCAL:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
+                       stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+                       True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
+                       HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
+                   stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+                   False, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_full, n_end, seqlen_q, seqlen_k,
-                   stride_ks, stride_vs, qk_scale, True, CAUSAL, USE_TMA, UPCAST, DOT_PRECISION,
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
+                   stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+                   True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     dq_dst = make_desc_or_ptr(DQ + off_b * stride_dqb + off_h * stride_dqh, seqlen_q, stride_dqs,

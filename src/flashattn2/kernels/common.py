@@ -55,45 +55,88 @@ def load_vec(ptr, start, seqlen, BLOCK: tl.constexpr, other):
 
 
 @triton.jit
-def causal_mask(offs_m, offs_n, diag_offset, seqlen_k):
-    """[BLOCK_M, BLOCK_N] True where query offs_m may see key offs_n (bottom-right causal, in range)."""
-    return (offs_n[None, :] <= offs_m[:, None] + diag_offset) & (offs_n[None, :] < seqlen_k)
+def visible(qi, kj, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
+    """True where query qi may see key kj; qi and kj broadcast against each other ([M, 1] and
+    [1, N], or transposed), so both tile orientations share this code.
+
+    Alignment is bottom-right: with diag = seqlen_k - seqlen_q, causal row i sees keys
+    j <= i + diag; a local window sees i + diag - window_left <= j <= i + diag + window_right.
+    """
+    diag = seqlen_k - seqlen_q
+    mask = kj < seqlen_k
+    if CAUSAL:
+        mask = mask & (kj <= qi + diag)
+    if LOCAL:
+        mask = mask & (kj <= qi + (diag + window_right)) & (kj >= qi + (diag - window_left))
+    return mask
 
 
 @triton.jit
-def key_block_range(start_m, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """For query rows [start_m, start_m + BLOCK_M): (n_full, n_end).
+def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr,
+                    LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For query rows [start_m, start_m + BLOCK_M): (n_lo, full_lo, full_hi, n_end).
 
-    Key blocks starting in [0, n_full) are visible to every row of the block and need no mask;
-    blocks in [n_full, n_end) cross the causal diagonal or the end of the keys and are masked;
-    blocks from n_end on are skipped. Causal alignment is bottom-right: row i sees keys
-    j <= i + seqlen_k - seqlen_q.
+    Key blocks in [full_lo, full_hi) are visible to every row and need no mask; blocks in
+    [n_lo, full_lo) (left edge of a local window) and [full_hi, n_end) (the causal diagonal, the
+    window's right edge, the end of the keys) are masked; the rest are skipped. n_lo = full_lo = 0
+    unless LOCAL.
     """
+    diag = seqlen_k - seqlen_q
+    n_lo = 0
+    full_lo = 0
     n_end = seqlen_k
-    n_full = seqlen_k // BLOCK_N * BLOCK_N
+    full_hi = seqlen_k // BLOCK_N * BLOCK_N
     if CAUSAL:
-        diag = seqlen_k - seqlen_q
         n_end = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag, 0))
-        n_full = tl.minimum(n_full, tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N)
-        n_full = tl.minimum(n_full, n_end)
-    return n_full, n_end
+        full_hi = tl.minimum(full_hi, tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N)
+        full_hi = tl.minimum(full_hi, n_end)
+    if LOCAL:
+        n_end = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag + window_right, 0))
+        n_lo = tl.minimum(tl.maximum(start_m + diag - window_left, 0) // BLOCK_N * BLOCK_N, n_end)
+        # the block's last row has the highest lower bound, its first row the lowest upper bound
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0), BLOCK_N) * BLOCK_N
+        full_hi = tl.minimum(full_hi, tl.maximum(start_m + diag + window_right + 1, 0) // BLOCK_N * BLOCK_N)
+        full_lo = tl.minimum(tl.maximum(full_lo, n_lo), n_end)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), n_end)
+    return n_lo, full_lo, full_hi, n_end
 
 
 @triton.jit
-def query_block_range(start_n, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """For key rows [start_n, start_n + BLOCK_N): (m_start, m_full).
+def query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr,
+                      LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For key rows [start_n, start_n + BLOCK_N): (m_lo, full_lo, full_hi, m_end).
 
-    Query blocks in [m_start, m_full) see part of the key block (masked); blocks in
-    [m_full, seqlen_q) see all of it; blocks before m_start see none of it and are skipped.
+    Query blocks in [full_lo, full_hi) see all of the key block; [m_lo, full_lo) and
+    [full_hi, m_end) see part of it (masked); the rest see none of it and are skipped.
     """
-    m_start = 0
-    m_full = 0
+    diag = seqlen_k - seqlen_q
+    m_lo = 0
+    full_lo = 0
+    full_hi = seqlen_q
+    m_end = seqlen_q
     if CAUSAL:
-        diag = seqlen_k - seqlen_q
-        m_start = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-        m_full = tl.minimum(m_full, seqlen_q)
-        m_start = tl.minimum(m_start, m_full)
-    return m_start, m_full
+        m_lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    if LOCAL:
+        m_end = tl.minimum(seqlen_q, tl.maximum(start_n + BLOCK_N - diag + window_left, 0))
+        m_lo = tl.maximum(start_n - diag - window_right, 0) // BLOCK_M * BLOCK_M
+        # rows that see the whole block: the block's last key under their upper bound, its
+        # first key over their lower bound
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag - window_right, 0), BLOCK_M) * BLOCK_M
+        full_hi = tl.minimum(seqlen_q, tl.maximum(start_n - diag + window_left + 1, 0)) // BLOCK_M * BLOCK_M
+    m_lo = tl.minimum(m_lo, m_end)
+    full_lo = tl.minimum(tl.maximum(full_lo, m_lo), m_end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), m_end)
+    return m_lo, full_lo, full_hi, m_end
+
+
+@triton.jit
+def tanh(x):
+    """1 - 2 / (exp(2x) + 1): exact limits +-1, no libdevice (the interpreter has none)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def alibi_bias(qi, kj, seqlen_q, seqlen_k, slope2):
+    """ALiBi bias in base 2, -slope * log2(e) * |i + seqlen_k - seqlen_q - j|, for broadcasting qi, kj."""
+    return -slope2 * tl.abs(qi + (seqlen_k - seqlen_q) - kj).to(tl.float32)

@@ -3,37 +3,47 @@
 One program per (query block, batch, head): the Q tile stays on chip while K/V tiles stream past;
 an online softmax keeps the running row max `m_i` and row sum `l_i` (base 2) and an unscaled fp32
 accumulator, which is divided by `l_i` once at the end. Only O and the logsumexp are written.
+Softcap, ALiBi and a local window are constexpr flags: when off they cost nothing.
 """
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, causal_mask, key_block_range, load_rows, make_desc_or_ptr, store_rows
+from .common import LN2, LOG2E, alibi_bias, key_block_range, load_rows, make_desc_or_ptr, store_rows, \
+    tanh, visible
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
-               stride_ks, stride_vs, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED:
+        if MASKED or SOFTCAP or ALIBI:
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            if CAUSAL:
-                mask = causal_mask(offs_m, offs_n, seqlen_k - seqlen_q, seqlen_k)
+            # scores in base 2: softcap * tanh(qk * scale / softcap), then the ALiBi bias
+            if SOFTCAP:
+                s = tanh(qk * softcap_in) * softcap_out
             else:
-                mask = (offs_n < seqlen_k)[None, :]
-            qk = tl.where(mask, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+                s = qk * qk_scale
+            if ALIBI:
+                s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, slope2)
+            if MASKED:
+                mask = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                               CAUSAL, LOCAL)
+                s = tl.where(mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_shift[:, None])
+            p = tl.math.exp2(s - m_shift[:, None])
             alpha = tl.math.exp2(m_i - m_shift)
         else:
+            # the common case: the scale folded into one FMA, the max taken before scaling (scale >= 0)
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
@@ -48,14 +58,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, Alibi,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    batch, nheads, seqlen_q, seqlen_k, group_size,
-    sm_scale,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_alibi_b,
+    batch, nheads, seqlen_q, seqlen_k, group_size, window_left, window_right,
+    sm_scale, softcap,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
@@ -74,6 +86,11 @@ def attn_fwd_kernel(
     off_hk = off_h // group_size
     start_m = pid_m * BLOCK_M
     qk_scale = sm_scale * LOG2E
+    softcap_in = sm_scale / softcap
+    softcap_out = softcap * LOG2E
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
 
     q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
                              HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -89,13 +106,21 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    n_full, n_end = key_block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, 0, n_full, seqlen_q, seqlen_k,
-                               stride_ks, stride_vs, qk_scale, False, CAUSAL, USE_TMA, UPCAST,
-                               DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_full, n_end, seqlen_q, seqlen_k,
-                               stride_ks, stride_vs, qk_scale, True, CAUSAL, USE_TMA, UPCAST,
-                               DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+    n_lo, full_lo, full_hi, n_end = key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                    CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
+    if LOCAL:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
+                                   stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
+                                   window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                                   UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
+                               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
+                               window_left, window_right, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                               UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
+                               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
+                               window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                               UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
     empty = l_i == 0.0

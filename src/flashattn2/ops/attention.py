@@ -5,9 +5,43 @@ dimension contiguous, one dtype, one device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _runtime, config
+
+
+@dataclass(frozen=True)
+class ScoreMods:
+    """How scores are formed and masked, resolved from flash_attn's arguments.
+
+    causal=True sets the window's right edge to 0 (flash_attn's rule); a window that is only
+    that becomes the CAUSAL path, any other finite edge the LOCAL path, where an unbounded edge
+    is replaced by one that cannot bind (seqlen_q + seqlen_k).
+    """
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+    def kernel_args(self, seqlen_q: int, seqlen_k: int, like: torch.Tensor):
+        """(pointer/runtime arguments, constexpr flags) for the kernels."""
+        left, right = self.window_left, 0 if self.causal else self.window_right
+        causal = left < 0 and right == 0
+        local = not causal and (left >= 0 or right >= 0)
+        far = seqlen_q + seqlen_k
+        alibi = self.alibi_slopes
+        runtime = dict(
+            Alibi=alibi if alibi is not None else like,
+            stride_alibi_b=alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0,
+            window_left=left if left >= 0 else far,
+            window_right=right if right >= 0 else far,
+            softcap=self.softcap if self.softcap > 0 else 1.0,
+        )
+        flags = dict(CAUSAL=causal, LOCAL=local, SOFTCAP=self.softcap > 0, ALIBI=alibi is not None)
+        return runtime, flags
 
 
 def _use_tma(arch: str, *tensors: torch.Tensor) -> bool:
@@ -54,7 +88,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            mods: ScoreMods) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, seqlen_q, nheads, headdim) in q's dtype, lse (batch, nheads, seqlen_q) fp32."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
@@ -63,14 +97,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     lse = _runtime.empty((batch, nheads, seqlen_q), torch.float32, q.device)
     if out.numel() == 0:
         return out.to(q.dtype), lse
-    cfg = config.select("fwd", arch, head_dim, q.dtype, causal)
+    runtime, flags = mods.kernel_args(seqlen_q, seqlen_k, lse)
+    cfg = config.select("fwd", arch, head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
     _runtime.kernels().fwd.attn_fwd_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, runtime["Alibi"],
         *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out),
-        batch, nheads, seqlen_q, seqlen_k, nheads // nheads_k,
-        softmax_scale,
-        CAUSAL=causal,
+        runtime["stride_alibi_b"],
+        batch, nheads, seqlen_q, seqlen_k, nheads // nheads_k, runtime["window_left"], runtime["window_right"],
+        softmax_scale, runtime["softcap"],
+        **flags,
         **_flags(q, arch, q, k, v, out),
         HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m,
@@ -85,7 +121,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
              dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-             softmax_scale: float, causal: bool) -> None:
+             softmax_scale: float, mods: ScoreMods) -> None:
     """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are
     fine). `dlse` is the gradient flowing into the returned logsumexp, or None."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -116,14 +152,17 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     gq, gk, gv = grads
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = nheads // nheads_k
+    runtime, mod_flags = mods.kernel_args(seqlen_q, seqlen_k, lse)
+    causal = mod_flags["CAUSAL"]
 
     cfg = config.select("bwd_dkdv", arch, head_dim, q.dtype, causal)
     K.attn_bwd_dkdv_kernel[(_cdiv(seqlen_k, cfg.block_n) * batch * nheads_k,)](
-        q, k, v, dout, lse, delta, gk, gv,
+        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"],
         *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *_bsh(gk), *_bsh(gv),
-        nheads, nheads_k, seqlen_q, seqlen_k, group,
-        softmax_scale,
-        CAUSAL=causal,
+        runtime["stride_alibi_b"],
+        nheads, nheads_k, seqlen_q, seqlen_k, group, runtime["window_left"], runtime["window_right"],
+        softmax_scale, runtime["softcap"],
+        **mod_flags,
         **flags,
         HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m,
@@ -134,11 +173,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     )
     cfg = config.select("bwd_dq", arch, head_dim, q.dtype, causal)
     K.attn_bwd_dq_kernel[(_cdiv(seqlen_q, cfg.block_m) * batch * nheads,)](
-        q, k, v, dout, lse, delta, gq,
+        q, k, v, dout, lse, delta, gq, runtime["Alibi"],
         *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *_bsh(gq),
-        batch, nheads, seqlen_q, seqlen_k, group,
-        softmax_scale,
-        CAUSAL=causal,
+        runtime["stride_alibi_b"],
+        batch, nheads, seqlen_q, seqlen_k, group, runtime["window_left"], runtime["window_right"],
+        softmax_scale, runtime["softcap"],
+        **mod_flags,
         **flags,
         HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m,

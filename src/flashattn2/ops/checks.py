@@ -57,25 +57,35 @@ def check_device(device: torch.device, name: str) -> None:
     raise ValueError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
 
 
-def check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes) -> None:
+def check_options(dropout_p, softmax_scale, window_size, softcap) -> None:
     """Validate the options, and refuse those not implemented yet rather than ignore them."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if softmax_scale is not None and not softmax_scale >= 0:
         raise NotImplementedError(f"softmax_scale must be >= 0 (got {softmax_scale})")
-    if len(tuple(window_size)) != 2 or any(w < -1 for w in window_size):
-        raise ValueError(f"window_size must be (left, right) with entries >= -1, got {window_size}")
-    if softcap < 0:
+    window = tuple(window_size)
+    if len(window) != 2 or any(int(w) != w or w < -1 for w in window):
+        raise ValueError(f"window_size must be (left, right) with integers >= -1, got {window_size}")
+    if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
-    unsupported = [
-        ("dropout_p", dropout_p != 0.0),
-        ("window_size", tuple(window_size) != (-1, -1)),
-        ("softcap", softcap != 0.0),
-        ("alibi_slopes", alibi_slopes is not None),
-    ]
-    for name, used in unsupported:
-        if used:
-            raise NotImplementedError(f"{name} is not implemented yet in flashattn2")
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashattn2")
+
+
+def check_alibi(alibi_slopes, q) -> None:
+    """alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on q's device."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    batch, nheads = q.shape[0], q.shape[-2]
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                         f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
 
 
 def check_packed(name: str, t, count: int) -> None:

@@ -16,16 +16,24 @@ def _for_kernels(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _mods(causal, window_left, window_right, softcap, alibi_slopes) -> attention.ScoreMods:
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    return attention.ScoreMods(causal, window_left, window_right, softcap, alibi_slopes)
+
+
 @torch.library.custom_op("flashattn2::fwd", mutates_args=())
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, softcap: float,
+        alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = (_for_kernels(t) for t in (q, k, v))
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes)
     with _runtime.device_of(q):
-        return attention.forward(q, k, v, softmax_scale, causal)
+        return attention.forward(q, k, v, softmax_scale, mods)
 
 
 @fwd.register_fake
-def _(q, k, v, softmax_scale, causal):
+def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
     batch, seqlen_q, nheads, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -34,33 +42,35 @@ def _(q, k, v, softmax_scale, causal):
 @torch.library.custom_op("flashattn2::bwd", mutates_args=("dq", "dk", "dv"))
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-        dv: torch.Tensor, softmax_scale: float, causal: bool) -> None:
+        dv: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+        softcap: float, alibi_slopes: torch.Tensor | None) -> None:
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes)
     with _runtime.device_of(q):
-        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal)
+        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods)
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal):
+def _(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window_left, window_right, softcap,
+      alibi_slopes):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, *options, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.args = (softmax_scale, *options)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *ctx.args, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -71,31 +81,30 @@ class PackedAttention(torch.autograd.Function):
 
     packing "qkv": `packed` is (batch, seqlen, 3, nheads, headdim) and `q` is None;
     packing "kv": `packed` is (batch, seqlen_k, 2, nheads_k, headdim) beside `q`.
+    `options` are fwd's (softmax_scale, causal, window_left, window_right, softcap).
     """
 
     @staticmethod
-    def forward(ctx, q, packed, softmax_scale, causal, packing):
+    def forward(ctx, q, packed, alibi_slopes, packing, *options):
         if packing == "qkv":
             q, k, v = packed.unbind(dim=2)
         else:
             k, v = packed.unbind(dim=2)
-        out, lse = fwd(q, k, v, softmax_scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, packing)
+        out, lse = fwd(q, k, v, *options, alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+        ctx.packing, ctx.options = packing, options
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, causal, packing = ctx.args
-        if packing == "qkv":
+        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+        if ctx.packing == "qkv":
             dpacked = _runtime.empty((*q.shape[:2], 3, *q.shape[2:]), q.dtype, q.device)
             dq, dk, dv = dpacked.unbind(dim=2)
         else:
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:2], 2, *k.shape[2:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=2)
-        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal)
-        if packing == "qkv":
-            return None, dpacked, None, None, None
-        return dq, dpacked, None, None, None
+        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *ctx.options, alibi_slopes)
+        nones = (None,) * (2 + len(ctx.options))
+        return (None if ctx.packing == "qkv" else dq), dpacked, *nones

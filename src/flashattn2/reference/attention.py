@@ -12,7 +12,24 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j <= i + (seqlen_k - seqlen_q)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+def local_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal=False, device=None):
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j: with d = seqlen_k - seqlen_q,
+    i + d - left <= j <= i + d + right, -1 meaning unbounded; causal sets right = 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        mask &= j <= i + right
+    if left >= 0:
+        mask &= j >= i - left
+    return mask
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window_size=(-1, -1),
+                  softcap=0.0, alibi_slopes=None):
     """Attention on (batch, seqlen, nheads, headdim) inputs; returns (out, lse).
 
     upcast=True computes in float32 (float64 for float32 inputs): the oracle. upcast=False does
@@ -20,18 +37,30 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     yardstick of flash_attn's tolerance rule. out is returned in the input dtype when
     upcast=False, in the compute dtype otherwise; lse (batch, nheads, seqlen_q) in the compute
     dtype for upcast, float32 otherwise.
+
+    Scores: s = q k^T * softmax_scale; with softcap, softcap * tanh(s / softcap); with
+    alibi_slopes ((nheads,) or (batch, nheads)), minus slope * |i + seqlen_k - seqlen_q - j|;
+    then the causal / window mask.
     """
     dtype = q.dtype
     if upcast:
         compute = torch.float64 if dtype == torch.float32 else torch.float32
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
-    nheads, nheads_k = q.shape[2], k.shape[2]
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     k = k.repeat_interleave(nheads // nheads_k, dim=2)
     v = v.repeat_interleave(nheads // nheads_k, dim=2)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
-    if causal:
-        visible = causal_mask(q.shape[1], k.shape[1], q.device)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.reshape(-1, nheads)[:, :, None, None].to(scores.dtype)
+        dist = (torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+                - torch.arange(seqlen_k, device=q.device)[None, :]).abs()
+        scores = scores - slopes * dist.to(scores.dtype)
+    if causal or tuple(window_size) != (-1, -1):
+        visible = local_mask(seqlen_q, seqlen_k, window_size, causal, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
     empty = torch.isneginf(lse)
