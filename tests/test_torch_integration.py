@@ -15,15 +15,16 @@ OPTIONS = [
 
 
 def _args(options, nheads=4):
+    """fwd's arguments after v, for a dense call with softmax_scale 0.25."""
     causal, left, right, softcap, alibi = options
     slopes = torch.rand(nheads, device=randn(1, dtype=torch.float32).device) if alibi else None
-    return (causal, left, right, softcap, slopes)
+    return (None, None, 0, 0, 0.25, causal, left, right, softcap, slopes)
 
 
 @pytest.mark.parametrize("options", OPTIONS)
 def test_opcheck_fwd(options):
     q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16)
-    torch.library.opcheck(registry.fwd, (q, k, v, 0.25, *_args(options)))
+    torch.library.opcheck(registry.fwd, (q, k, v, *_args(options)))
 
 
 @pytest.mark.parametrize("options", OPTIONS)
@@ -31,11 +32,11 @@ def test_opcheck_fwd(options):
 def test_opcheck_bwd(with_dlse, options):
     q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16, requires_grad=False)
     args = _args(options)
-    out, lse = registry.fwd(q, k, v, 0.25, *args)
+    out, lse = registry.fwd(q, k, v, *args)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, 0.25, *args))
+    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, *args))
 
 
 class TinyAttention(torch.nn.Module):
@@ -74,4 +75,29 @@ def test_compile_fullgraph(backend, packing):
     grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
     torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
     for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck_varlen():
+    cu = torch.tensor([0, 20, 21, 50], dtype=torch.int32, device=randn(1, dtype=torch.float32).device)
+    q, k, v = (randn(50, h, 32, dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
+    args = (cu, cu, 29, 29, 0.25, True, -1, -1, 0.0, None)
+    torch.library.opcheck(registry.fwd, (q, k, v, *args))
+    out, lse = registry.fwd(q.detach(), k.detach(), v.detach(), *args)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.library.opcheck(registry.bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
+                                         dq, dk, dv, *args))
+
+
+def test_compile_fullgraph_varlen():
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 20, 21, 50], dtype=torch.int32, device=randn(1, dtype=torch.float32).device)
+
+    def step(q, k, v):
+        return flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, 29, 29, causal=True).square().sum()
+
+    q, k, v = (randn(50, 4, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    eager = torch.autograd.grad(step(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
+    for g, e in zip(compiled, eager):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

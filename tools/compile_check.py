@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, fwd  # noqa: E402
+from flashattn2.kernels import bwd, fill, fwd  # noqa: E402
 from flashattn2.ops import config  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
@@ -32,8 +32,11 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name[0].isupper():  # tensors are the capitalised arguments
-            sig[name] = "*fp32" if name in FP32_POINTERS else "*" + TYPE[elem_bytes]
-        elif name in ("sm_scale", "softcap"):
+            if name.startswith("CuSeqlens"):
+                sig[name] = "*i32"
+            else:
+                sig[name] = "*fp32" if name in FP32_POINTERS else "*" + TYPE[elem_bytes]
+        elif name in ("sm_scale", "softcap", "value"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -42,10 +45,10 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
     return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
 
 
-# the plain causal path, and every score modification at once (LOCAL excludes CAUSAL)
+# the plain causal path, and every option at once (LOCAL excludes CAUSAL)
 VARIANTS = {
-    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False),
-    "local-softcap-alibi": dict(CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True),
+    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, IS_VARLEN=False),
+    "varlen-local-softcap-alibi": dict(CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, IS_VARLEN=True),
 }
 
 
@@ -61,8 +64,9 @@ def cases(arch):
                                   HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
                 name = f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}"
                 yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
-    pre = dict(HAS_DLSE=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
+    pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
+    yield f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(BLOCK_R=64, BLOCK_C=128), config.TileConfig(64, 64, 4, 1)
 
 
 def main():
@@ -76,7 +80,7 @@ def main():
             shared = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg).metadata.shared
             row.update(shared=shared, limit=SHARED_LIMIT[args.arch], ok=shared <= SHARED_LIMIT[args.arch])
         except Exception as exc:  # a ptxas or lowering error is a failed entry, reported with the rest
-            row.update(ok=False, error=str(exc).strip().splitlines()[-1][:300])
+            row.update(ok=False, error=" | ".join(str(exc).strip().splitlines()[-4:])[:500])
         failures += not row["ok"]
         print(json.dumps(row), flush=True)
     sys.exit(1 if failures else 0)

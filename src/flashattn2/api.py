@@ -15,14 +15,25 @@ from .ops.registry import PackedAttention
 from .ops.registry import fwd as _fwd_op
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    """Validate; return fwd's options (softmax_scale, causal, window_left, window_right, softcap)."""
-    checks.check_qkv(q, k, v)
+_DENSE = (None, None, 0, 0)  # fwd's varlen arguments (cu_seqlens_q/k, max_seqlen_q/k) when dense
+
+
+def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, varlen=None):
+    """Validate; return fwd's arguments after v, alibi_slopes excepted: (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+    softcap). varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or None."""
+    checks.check_qkv(q, k, v, varlen=varlen is not None)
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    checks.check_alibi(alibi_slopes, q)
+    if varlen is None:
+        seq_args, batch = _DENSE, q.shape[0]
+    else:
+        cu_q, cu_k, max_q, max_k = varlen
+        max_q, max_k = checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k, q, k)
+        seq_args, batch = (cu_q, cu_k, max_q, max_k), cu_q.shape[0] - 1
+    checks.check_alibi(alibi_slopes, q, batch)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     left, right = (int(w) for w in window_size)
-    return scale, bool(causal), left, right, float(softcap)
+    return (*seq_args, scale, bool(causal), left, right, float(softcap))
 
 
 def _result(out, lse, return_attn_probs):
@@ -84,5 +95,62 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
+    return _result(out, lse, return_attn_probs)
+
+
+def _no_block_table(block_table):
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged K/V) is not implemented yet in flashattn2")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash_attn_func on sequences of different lengths packed along the first dimension.
+
+    Arguments:
+        q: (total_q, nheads, headdim); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1].
+        k, v: (total_k, nheads_k, headdim), likewise with cu_seqlens_k.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), starting at 0, non-decreasing (a
+            sequence may be empty). Rows past cu_seqlens[-1] belong to no sequence: their
+            output and gradient are 0 (logsumexp +inf).
+        max_seqlen_q, max_seqlen_k: int (or a one-element tensor) >= every sequence's length.
+        Causal alignment, window, softcap and ALiBi apply per sequence (alibi_slopes may be
+        (batch, nheads) with batch = len(cu_seqlens) - 1). Other arguments as flash_attn_func;
+        block_table (paged K/V) is not implemented yet.
+    Returns:
+        out (total_q, nheads, headdim); with return_attn_probs also softmax_lse (nheads,
+        total_q) float32 and an empty S_dmask.
+    The cu_seqlens values are checked on the host (one device sync) outside torch.compile.
+    """
+    _no_block_table(block_table)
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
+    checks.check_packed("qkv", qkv, 3, varlen=True)
+    q, k, v = qkv.unbind(dim=1)
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k,
+    headdim); the backward writes one dkv."""
+    checks.check_packed("kv", kv, 2, varlen=True)
+    k, v = kv.unbind(dim=1)
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
     return _result(out, lse, return_attn_probs)

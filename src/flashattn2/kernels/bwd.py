@@ -10,31 +10,36 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, alibi_bias, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
-    query_block_range, store_rows, tanh, visible
+    query_block_range, seq_bounds, store_rows, tanh, visible
 
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    Out, DOut, Delta, DLse,
+    Out, DOut, Delta, DLse, CuSeqlensQ,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    nheads, seqlen_q,
-    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_lse_b, stride_lse_h,
+    nheads, max_seqlen_q,
+    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    # Delta = rowsum(dO * O) - dLse, (batch, nheads, seqlen_q) fp32. The logsumexp's gradient
+    # Delta = rowsum(dO * O) - dLse, laid out like the logsumexp. The logsumexp's gradient
     # dS += P * dLse folds into the same term: dS = P * (dP - Delta).
-    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
     pid_m = tl.program_id(0) % num_m_blocks
     off_bh = tl.program_id(0) // num_m_blocks
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     start_m = pid_m * BLOCK_M
-    o = load_rows(Out + off_b * stride_ob + off_h * stride_oh, start_m, seqlen_q, stride_os,
-                  HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
-    do = load_rows(DOut + off_b * stride_dob + off_h * stride_doh, start_m, seqlen_q, stride_dos,
-                   HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
+    o = load_rows(Out + off_b * stride_ob + q_start * stride_os + off_h * stride_oh, start_m, seqlen_q,
+                  stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+    do = load_rows(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh, start_m, seqlen_q,
+                   stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
     delta = tl.sum(o * do, 1)
-    row0 = off_bh.to(tl.int64) * seqlen_q
+    row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     if HAS_DLSE:
         delta -= load_vec(DLse + row0, start_m, seqlen_q, BLOCK_M, 0.0)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -101,35 +106,40 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_lse_b, stride_lse_h,
     stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_k, group_size, window_left, window_right,
+    nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
-    num_n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    num_n_blocks = tl.cdiv(max_seqlen_k, BLOCK_N)
     pid_n = tl.program_id(0) % num_n_blocks
     off_bhk = tl.program_id(0) // num_n_blocks
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     start_n = pid_n * BLOCK_N
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
+    if start_n >= seqlen_k:
+        return
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
 
-    k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
-                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = make_desc_or_ptr(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs,
-                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
+                             stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = make_desc_or_ptr(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh, seqlen_k,
+                             stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
     v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -139,11 +149,11 @@ def attn_bwd_dkdv_kernel(
                                                       CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
     for g in range(0, group_size):
         off_h = off_hk * group_size + g
-        q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
-                                 HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        do_src = make_desc_or_ptr(DOut + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dos,
-                                  HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        row0 = (off_b * nheads + off_h) * seqlen_q
+        q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
+                                 stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_src = make_desc_or_ptr(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh,
+                                  seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
@@ -161,10 +171,10 @@ def attn_bwd_dkdv_kernel(
                                  slope2, window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
                                  UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
-    dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + off_hk * stride_dkh, seqlen_k, stride_dks,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    dv_dst = make_desc_or_ptr(DV + off_b * stride_dvb + off_hk * stride_dvh, seqlen_k, stride_dvs,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh, seqlen_k,
+                              stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    dv_dst = make_desc_or_ptr(DV + off_b * stride_dvb + k_start * stride_dvs + off_hk * stride_dvh, seqlen_k,
+                              stride_dvs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     store_rows(dk_dst, (dk * sm_scale).to(DK.dtype.element_ty), start_n, seqlen_k, stride_dks,
                HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     store_rows(dv_dst, dv.to(DV.dtype.element_ty), start_n, seqlen_k, stride_dvs,
@@ -202,20 +212,21 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Alibi,
+    Q, K, V, DOut, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
+    stride_lse_b, stride_lse_h,
     stride_alibi_b,
-    batch, nheads, seqlen_q, seqlen_k, group_size, window_left, window_right,
+    batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
     num_bh = batch * nheads
     pid = tl.program_id(0)
     if CAUSAL:
@@ -228,6 +239,10 @@ def attn_bwd_dq_kernel(
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
     start_m = pid_m * BLOCK_M
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
@@ -235,17 +250,17 @@ def attn_bwd_dq_kernel(
     if ALIBI:
         slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
 
-    q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
-                             HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    do_src = make_desc_or_ptr(DOut + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dos,
-                              HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
-                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = make_desc_or_ptr(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs,
-                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
+                             stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    do_src = make_desc_or_ptr(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh, seqlen_q,
+                              stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
+                             stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = make_desc_or_ptr(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh, seqlen_k,
+                             stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
     do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
-    row0 = off_bh.to(tl.int64) * seqlen_q
+    row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     lse2 = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
     delta = load_vec(Delta + row0, start_m, seqlen_q, BLOCK_M, 0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -268,7 +283,7 @@ def attn_bwd_dq_kernel(
                    True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
-    dq_dst = make_desc_or_ptr(DQ + off_b * stride_dqb + off_h * stride_dqh, seqlen_q, stride_dqs,
-                              HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    dq_dst = make_desc_or_ptr(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh, seqlen_q,
+                              stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
     store_rows(dq_dst, (dq * sm_scale).to(DQ.dtype.element_ty), start_m, seqlen_q, stride_dqs,
                HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)

@@ -11,7 +11,8 @@ def make_desc_or_ptr(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS:
                      BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
     """A (seqlen, HEAD_DIM) matrix of one (batch, head): a TMA descriptor, or the base pointer itself."""
     if USE_TMA:
-        return tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
+        # an empty varlen sequence still gets a valid (never read) descriptor
+        return tl.make_tensor_descriptor(base, shape=[tl.maximum(seqlen, 1), HEAD_DIM], strides=[stride_s, 1],
                                          block_shape=[BLOCK_ROWS, BLOCK_D])
     else:
         return base
@@ -140,3 +141,13 @@ def tanh(x):
 def alibi_bias(qi, kj, seqlen_q, seqlen_k, slope2):
     """ALiBi bias in base 2, -slope * log2(e) * |i + seqlen_k - seqlen_q - j|, for broadcasting qi, kj."""
     return -slope2 * tl.abs(qi + (seqlen_k - seqlen_q) - kj).to(tl.float32)
+
+
+@triton.jit
+def seq_bounds(CuSeqlens, off_b, max_seqlen, IS_VARLEN: tl.constexpr):
+    """(first row, length) of batch entry off_b: from cu_seqlens in varlen, else (0, max_seqlen)."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + off_b)
+        return start.to(tl.int64), tl.load(CuSeqlens + off_b + 1) - start
+    else:
+        return tl.zeros([], dtype=tl.int64), max_seqlen

@@ -8,8 +8,8 @@ Softcap, ALiBi and a local window are constexpr flags: when off they cost nothin
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, alibi_bias, key_block_range, load_rows, make_desc_or_ptr, store_rows, \
-    tanh, visible
+from .common import LN2, LOG2E, alibi_bias, key_block_range, load_rows, make_desc_or_ptr, seq_bounds, \
+    store_rows, tanh, visible
 
 
 @triton.jit
@@ -58,19 +58,21 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, Alibi,
+    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
     stride_alibi_b,
-    batch, nheads, seqlen_q, seqlen_k, group_size, window_left, window_right,
+    batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
+    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
     num_bh = batch * nheads
     pid = tl.program_id(0)
     if CAUSAL:
@@ -85,6 +87,10 @@ def attn_fwd_kernel(
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
     start_m = pid_m * BLOCK_M
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
@@ -92,14 +98,14 @@ def attn_fwd_kernel(
     if ALIBI:
         slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
 
-    q_src = make_desc_or_ptr(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qs,
-                             HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = make_desc_or_ptr(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks,
-                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = make_desc_or_ptr(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs,
-                             HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    o_src = make_desc_or_ptr(Out + off_b * stride_ob + off_h * stride_oh, seqlen_q, stride_os,
-                             HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
+                             stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
+                             stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = make_desc_or_ptr(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh, seqlen_k,
+                             stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    o_src = make_desc_or_ptr(Out + off_b * stride_ob + q_start * stride_os + off_h * stride_oh, seqlen_q,
+                             stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
 
     q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -130,4 +136,5 @@ def attn_fwd_kernel(
     store_rows(o_src, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,
                BLOCK_D, USE_TMA)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
+    tl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)

@@ -5,6 +5,7 @@ dimension contiguous, one dtype, one device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +76,69 @@ def _out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
     return torch.float32 if arch == "interp" else dtype
 
 
-def _bsh(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+@dataclass(frozen=True)
+class Varlen:
+    """Sequences packed along the first dimension: q (total_q, nheads, headdim) holds sequence b
+    in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, (batch + 1,)); likewise k and v."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    batch: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    varlen: Varlen | None
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> "_Geometry":
+        if varlen is None:
+            batch, seqlen_q, nheads, head_dim = q.shape
+            return _Geometry(batch, nheads, k.shape[2], head_dim, seqlen_q, k.shape[1], None)
+        _, nheads, head_dim = q.shape
+        return _Geometry(varlen.cu_seqlens_q.shape[0] - 1, nheads, k.shape[1], head_dim,
+                         varlen.max_seqlen_q, varlen.max_seqlen_k, varlen)
+
+    def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, seqlen, head) strides in elements; varlen has no batch stride."""
+        if self.varlen is not None:
+            return 0, t.stride(0), t.stride(1)
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def lse_shape(self, q: torch.Tensor) -> tuple[int, ...]:
+        # flash_attn's layouts: (batch, nheads, seqlen_q), or (nheads, total_q) in varlen
+        return (self.nheads, q.shape[0]) if self.varlen is not None else (self.batch, self.nheads, q.shape[1])
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        return (0, lse.stride(0)) if self.varlen is not None else (lse.stride(0), lse.stride(1))
+
+    def cu_seqlens(self, like: torch.Tensor):
+        if self.varlen is None:
+            return like, like  # never read: IS_VARLEN is off
+        return self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
+
+
+def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, rows_dim: int = 0) -> None:
+    """Fill the rows of x past cu_seqlens[-1] along rows_dim (x: (total, ...) with the other
+    dimensions of a row one contiguous block, or lse (nheads, total) with rows_dim=1)."""
+    total = x.shape[rows_dim]
+    if total == 0:
+        return
+    if rows_dim == 0:
+        stride_r, stride_c, ncols = x.stride(0), 1, math.prod(x.shape[1:])
+    else:
+        stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
+    block_r = 64
+    _runtime.kernels().fill.fill_tail_kernel[(_cdiv(total, block_r),)](
+        x, cu_seqlens, cu_seqlens.shape[0] - 1, total, stride_r, stride_c, ncols, value,
+        BLOCK_R=block_r, BLOCK_C=128,
+    )
 
 
 def _block_d(head_dim: int) -> int:
@@ -87,61 +149,72 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-            mods: ScoreMods) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (batch, seqlen_q, nheads, headdim) in q's dtype, lse (batch, nheads, seqlen_q) fp32."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, mods: ScoreMods,
+            varlen: Varlen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out like q in q's dtype; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
+    geo = _Geometry.of(q, k, varlen)
     arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
-    out = _runtime.empty((batch, seqlen_q, nheads, head_dim), _out_dtype(q.dtype, arch), q.device)
-    lse = _runtime.empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    out = _runtime.empty(q.shape, _out_dtype(q.dtype, arch), q.device)
+    lse = _runtime.empty(geo.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0:
         return out.to(q.dtype), lse
-    runtime, flags = mods.kernel_args(seqlen_q, seqlen_k, lse)
-    cfg = config.select("fwd", arch, head_dim, q.dtype, flags["CAUSAL"])
-    grid = (_cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
+    if geo.batch == 0 or geo.max_seqlen_q == 0:  # varlen with no query rows in any sequence
+        out.zero_(), lse.fill_(float("inf"))
+        return out.to(q.dtype), lse
+    runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
+    cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
+    grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     _runtime.kernels().fwd.attn_fwd_kernel[grid](
-        q, k, v, out, lse, runtime["Alibi"],
-        *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out),
+        q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse),
+        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
+        *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        batch, nheads, seqlen_q, seqlen_k, nheads // nheads_k, runtime["window_left"], runtime["window_right"],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
+        runtime["window_left"], runtime["window_right"],
         softmax_scale, runtime["softcap"],
         **flags,
+        IS_VARLEN=varlen is not None,
         **_flags(q, arch, q, k, v, out),
-        HEAD_DIM=head_dim,
+        HEAD_DIM=geo.head_dim,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_D=_block_d(head_dim),
+        BLOCK_D=_block_d(geo.head_dim),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if varlen is not None:
+        _fill_tail(out, varlen.cu_seqlens_q, 0.0)
+        _fill_tail(lse, varlen.cu_seqlens_q, float("inf"), rows_dim=1)
     return out.to(q.dtype), lse
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
              dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-             softmax_scale: float, mods: ScoreMods) -> None:
+             softmax_scale: float, mods: ScoreMods, varlen: Varlen | None = None) -> None:
     """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are
     fine). `dlse` is the gradient flowing into the returned logsumexp, or None."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
-    if q.numel() == 0 or k.numel() == 0:
+    geo = _Geometry.of(q, k, varlen)
+    if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return
     arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
     K = _runtime.kernels().bwd
-    block_d = _block_d(head_dim)
+    block_d = _block_d(geo.head_dim)
+    cu_q, cu_k = geo.cu_seqlens(lse)
+    is_varlen = varlen is not None
 
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
-    delta = _runtime.empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    delta = _runtime.empty(lse.shape, torch.float32, q.device)
     pre_m = 64 if block_d <= 128 else 32
-    K.attn_bwd_preprocess_kernel[(_cdiv(seqlen_q, pre_m) * batch * nheads,)](
-        out, dout, delta, dlse if dlse is not None else delta,
-        *_bsh(out), *_bsh(dout),
-        nheads, seqlen_q,
+    K.attn_bwd_preprocess_kernel[(_cdiv(geo.max_seqlen_q, pre_m) * geo.batch * geo.nheads,)](
+        out, dout, delta, dlse if dlse is not None else delta, cu_q,
+        *geo.strides(out), *geo.strides(dout),
+        *geo.lse_strides(lse),
+        geo.nheads, geo.max_seqlen_q,
         HAS_DLSE=dlse is not None,
-        HEAD_DIM=head_dim,
+        IS_VARLEN=is_varlen,
+        HEAD_DIM=geo.head_dim,
         BLOCK_M=pre_m,
         BLOCK_D=block_d,
     )
@@ -150,40 +223,45 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if arch == "interp":
         grads = tuple(_runtime.empty(g.shape, torch.float32, g.device) for g in grads)
     gq, gk, gv = grads
+    if is_varlen:
+        # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
+        _fill_tail(gq, cu_q, 0.0)
+        _fill_tail(gk, cu_k, 0.0)
+        _fill_tail(gv, cu_k, 0.0)
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
-    group = nheads // nheads_k
-    runtime, mod_flags = mods.kernel_args(seqlen_q, seqlen_k, lse)
+    group = geo.nheads // geo.nheads_k
+    runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     causal = mod_flags["CAUSAL"]
+    common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=block_d)
 
-    cfg = config.select("bwd_dkdv", arch, head_dim, q.dtype, causal)
-    K.attn_bwd_dkdv_kernel[(_cdiv(seqlen_k, cfg.block_n) * batch * nheads_k,)](
-        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"],
-        *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *_bsh(gk), *_bsh(gv),
+    cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
+    K.attn_bwd_dkdv_kernel[(_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,)](
+        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k,
+        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
+        *geo.strides(gv),
+        *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        nheads, nheads_k, seqlen_q, seqlen_k, group, runtime["window_left"], runtime["window_right"],
+        geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
+        runtime["window_left"], runtime["window_right"],
         softmax_scale, runtime["softcap"],
-        **mod_flags,
-        **flags,
-        HEAD_DIM=head_dim,
+        **common,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    cfg = config.select("bwd_dq", arch, head_dim, q.dtype, causal)
-    K.attn_bwd_dq_kernel[(_cdiv(seqlen_q, cfg.block_m) * batch * nheads,)](
-        q, k, v, dout, lse, delta, gq, runtime["Alibi"],
-        *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(dout), *_bsh(gq),
+    cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
+    K.attn_bwd_dq_kernel[(_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)](
+        q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k,
+        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
+        *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        batch, nheads, seqlen_q, seqlen_k, group, runtime["window_left"], runtime["window_right"],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
+        runtime["window_left"], runtime["window_right"],
         softmax_scale, runtime["softcap"],
-        **mod_flags,
-        **flags,
-        HEAD_DIM=head_dim,
+        **common,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

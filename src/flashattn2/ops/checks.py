@@ -18,11 +18,15 @@ def _tensor(name: str, t, ndim: int, layout: str) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16 and float32")
 
 
-def check_qkv(q, k, v) -> None:
-    """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim)."""
-    _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    _tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+def check_qkv(q, k, v, varlen: bool = False) -> None:
+    """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim); in varlen
+    q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim)."""
+    ndim = 3 if varlen else 4
+    prefix = "(total_q, " if varlen else "(batch, seqlen_q, "
+    prefix_k = "(total_k, " if varlen else "(batch, seqlen_k, "
+    _tensor("q", q, ndim, prefix + "nheads, headdim)")
+    _tensor("k", k, ndim, prefix_k + "nheads_k, headdim)")
+    _tensor("v", v, ndim, prefix_k + "nheads_k, headdim)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"q, k and v must have one dtype: q is {q.dtype}, {name} is {t.dtype}")
@@ -30,19 +34,58 @@ def check_qkv(q, k, v) -> None:
             raise ValueError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    batch, seqlen_q, nheads, head_dim = q.shape
-    batch_k, seqlen_k, nheads_k, head_dim_k = k.shape
-    if batch_k != batch:
-        raise ValueError(f"batch size of k/v ({batch_k}) differs from q's ({batch})")
+    nheads, head_dim = q.shape[-2:]
+    nheads_k, head_dim_k = k.shape[-2:]
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"batch size of k/v ({k.shape[0]}) differs from q's ({q.shape[0]})")
     if head_dim_k != head_dim:
         raise ValueError(f"headdim of k/v ({head_dim_k}) differs from q's ({head_dim})")
-    if head_dim < 1 or seqlen_q < 1 or seqlen_k < 1 or nheads < 1 or nheads_k < 1:
+    if head_dim < 1 or nheads < 1 or nheads_k < 1 or (not varlen and min(q.shape[1], k.shape[1]) < 1):
         raise ValueError(f"seqlens, nheads and headdim must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if nheads % nheads_k:
         raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k})")
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
     check_device(q.device, "q")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> tuple[int, int]:
+    """Validate varlen's cu_seqlens (int32, (batch + 1,), starting at 0, non-decreasing, ending
+    within q / k) and max_seqlen (an int or a one-element tensor covering every sequence).
+    Returns the max_seqlens as ints. The value checks read cu_seqlens on the host (one sync);
+    they are skipped while torch.compile traces."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "must have the same length (batch + 1)")
+    maxes = []
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        m = int(m.item()) if isinstance(m, torch.Tensor) else m
+        if not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
+        maxes.append(m)
+    if torch.compiler.is_compiling():
+        return maxes[0], maxes[1]
+    both = torch.stack((cu_seqlens_q, cu_seqlens_k)).cpu()
+    for name, cu, total, max_seqlen in (("cu_seqlens_q", both[0], q.shape[0], maxes[0]),
+                                        ("cu_seqlens_k", both[1], k.shape[0], maxes[1])):
+        lengths = cu[1:] - cu[:-1]
+        if cu[0] != 0 or (lengths < 0).any():
+            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
+        if cu[-1] > total:
+            raise ValueError(f"{name} ends at {int(cu[-1])}, past the {total} rows of "
+                             f"{'q' if name.endswith('q') else 'k/v'}")
+        if lengths.numel() and int(lengths.max()) > max_seqlen:
+            raise ValueError(f"a sequence of length {int(lengths.max())} exceeds max_seqlen_{name[-1]}={max_seqlen}")
+    return maxes[0], maxes[1]
 
 
 def check_device(device: torch.device, name: str) -> None:
@@ -72,7 +115,7 @@ def check_options(dropout_p, softmax_scale, window_size, softcap) -> None:
         raise NotImplementedError("dropout_p > 0 is not implemented yet in flashattn2")
 
 
-def check_alibi(alibi_slopes, q) -> None:
+def check_alibi(alibi_slopes, q, batch: int) -> None:
     """alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on q's device."""
     if alibi_slopes is None:
         return
@@ -80,7 +123,7 @@ def check_alibi(alibi_slopes, q) -> None:
         raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    batch, nheads = q.shape[0], q.shape[-2]
+    nheads = q.shape[-2]
     if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
         raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
                          f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
@@ -88,9 +131,10 @@ def check_alibi(alibi_slopes, q) -> None:
         raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
 
 
-def check_packed(name: str, t, count: int) -> None:
-    """qkv (batch, seqlen, 3, nheads, headdim) or kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    layout = f"(batch, seqlen, {count}, nheads, headdim)"
-    _tensor(name, t, 5, layout)
-    if t.shape[2] != count:
+def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
+    """qkv (batch, seqlen, 3, nheads, headdim) or kv (batch, seqlen_k, 2, nheads_k, headdim);
+    in varlen qkv (total, 3, nheads, headdim) or kv (total_k, 2, nheads_k, headdim)."""
+    layout = f"({'total' if varlen else 'batch, seqlen'}, {count}, nheads, headdim)"
+    _tensor(name, t, 4 if varlen else 5, layout)
+    if t.shape[1 if varlen else 2] != count:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")

@@ -22,55 +22,71 @@ def _mods(causal, window_left, window_right, softcap, alibi_slopes) -> attention
     return attention.ScoreMods(causal, window_left, window_right, softcap, alibi_slopes)
 
 
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention.Varlen | None:
+    if cu_seqlens_q is None:
+        return None
+    return attention.Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+
+
 @torch.library.custom_op("flashattn2::fwd", mutates_args=())
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-        window_left: int, window_right: int, softcap: float,
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+        causal: bool, window_left: int, window_right: int, softcap: float,
         alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with cu_seqlens."""
     q, k, v = (_for_kernels(t) for t in (q, k, v))
     mods = _mods(causal, window_left, window_right, softcap, alibi_slopes)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
-        return attention.forward(q, k, v, softmax_scale, mods)
+        return attention.forward(q, k, v, softmax_scale, mods, varlen)
 
 
 @fwd.register_fake
-def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
-    batch, seqlen_q, nheads, _ = q.shape
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, alibi_slopes):
+    if cu_seqlens_q is None:
+        batch, seqlen_q, nheads, _ = q.shape
+        lse_shape = (batch, nheads, seqlen_q)
+    else:
+        lse_shape = (q.shape[1], q.shape[0])
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+        q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashattn2::bwd", mutates_args=("dq", "dk", "dv"))
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-        dv: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-        softcap: float, alibi_slopes: torch.Tensor | None) -> None:
+        dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+        window_right: int, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
     mods = _mods(causal, window_left, window_right, softcap, alibi_slopes)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
-        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods)
+        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen)
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window_left, window_right, softcap,
-      alibi_slopes):
+def _(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, *options, alibi_slopes = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.args = (softmax_scale, *options)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.options = options
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *ctx.args, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None
+    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
+    return dq, dk, dv, *(None,) * (3 + len(ctx.options))
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -79,32 +95,36 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 class PackedAttention(torch.autograd.Function):
     """Attention over packed inputs whose backward writes one packed gradient (no concat).
 
-    packing "qkv": `packed` is (batch, seqlen, 3, nheads, headdim) and `q` is None;
-    packing "kv": `packed` is (batch, seqlen_k, 2, nheads_k, headdim) beside `q`.
-    `options` are fwd's (softmax_scale, causal, window_left, window_right, softcap).
+    packing "qkv": `packed` is qkv (..., 3, nheads, headdim) and `q` is None; packing "kv":
+    `packed` is kv (..., 2, nheads_k, headdim) beside `q`. The packed dimension is 2 for dense
+    (batch, seqlen, ...) inputs and 1 for varlen (total, ...) ones. `options` are fwd's arguments
+    after v, alibi_slopes excepted: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    softmax_scale, causal, window_left, window_right, softcap).
     """
 
     @staticmethod
     def forward(ctx, q, packed, alibi_slopes, packing, *options):
+        dim = 2 if options[0] is None else 1
         if packing == "qkv":
-            q, k, v = packed.unbind(dim=2)
+            q, k, v = packed.unbind(dim=dim)
         else:
-            k, v = packed.unbind(dim=2)
+            k, v = packed.unbind(dim=dim)
         out, lse = fwd(q, k, v, *options, alibi_slopes)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-        ctx.packing, ctx.options = packing, options
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *options[:2])
+        ctx.packing, ctx.dim, ctx.options = packing, dim, options[2:]
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dim = ctx.dim
         if ctx.packing == "qkv":
-            dpacked = _runtime.empty((*q.shape[:2], 3, *q.shape[2:]), q.dtype, q.device)
-            dq, dk, dv = dpacked.unbind(dim=2)
+            dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
+            dq, dk, dv = dpacked.unbind(dim=dim)
         else:
             dq = _runtime.empty_like(q)
-            dpacked = _runtime.empty((*k.shape[:2], 2, *k.shape[2:]), k.dtype, k.device)
-            dk, dv = dpacked.unbind(dim=2)
-        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *ctx.options, alibi_slopes)
-        nones = (None,) * (2 + len(ctx.options))
+            dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
+            dk, dv = dpacked.unbind(dim=dim)
+        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
+        nones = (None,) * (4 + len(ctx.options))
         return (None if ctx.packing == "qkv" else dq), dpacked, *nones

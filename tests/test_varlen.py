@@ -1,0 +1,156 @@
+"""flash_attn_varlen_func and its packed forms: each sequence equals running it alone."""
+import pytest
+import torch
+
+import flashattn2
+from conftest import DEVICE, ON_GPU
+from flashattn2.ops import config
+from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
+from tolerance import assert_close
+
+T = config.TileConfig
+if ON_GPU:
+    LENGTHS = [([1000, 0, 1, 4097, 333], [900, 7, 0, 4097, 1500]), ([2048] * 4, [2048] * 4)]
+    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma")]
+else:
+    LENGTHS = [([70, 0, 1, 33, 5], [50, 9, 0, 33, 80]), ([64, 64], [64, 64])]
+    PATHS = [
+        pytest.param({}, id="ptr-64x64"),
+        pytest.param({"tma": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
+                      "bwd_dq": T(64, 16, 4, 1)}, id="tma-mixed-tiles"),
+    ]
+FEATURES = [
+    pytest.param(dict(), id="full"),
+    pytest.param(dict(causal=True), id="causal"),
+    pytest.param(dict(causal=True, window_size=(9, -1), softcap=2.0, alibi="bh"), id="causal-window-softcap-alibi"),
+]
+
+
+def cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+
+def make(lengths_q, lengths_k, nheads=4, nheads_k=2, d=48, dtype=torch.float16, extra_rows=0):
+    g = lambda n, h: torch.randn(n, h, d, device=DEVICE, dtype=dtype).requires_grad_()
+    return g(sum(lengths_q) + extra_rows, nheads), g(sum(lengths_k), nheads_k), g(sum(lengths_k), nheads_k)
+
+
+def resolve(opts, batch, nheads):
+    opts = dict(opts)
+    if opts.get("alibi") == "bh":
+        opts["alibi_slopes"] = torch.rand(batch, nheads, device=DEVICE) * 0.5
+    opts.pop("alibi", None)
+    return opts
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("opts", FEATURES)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed-with-empty", "equal"])
+def test_varlen_matches_each_sequence_alone(lengths, opts, path):
+    lengths_q, lengths_k = lengths
+    q, k, v = make(lengths_q, lengths_k)
+    opts = resolve(opts, len(lengths_q), q.shape[1])
+    cu_q, cu_k = cu(lengths_q), cu(lengths_k)
+    with config.override(**path):
+        out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                        return_attn_probs=True, **opts)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    for b in range(len(lengths_q)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lengths_q[b] == 0:
+            continue
+        seq_opts = dict(opts)
+        if "alibi_slopes" in opts:
+            seq_opts["alibi_slopes"] = opts["alibi_slopes"][b]
+        qb, kb, vb = (t.detach()[s][None].requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk)))
+        if lengths_k[b] == 0:  # no key: zeros and lse +inf, no gradient
+            assert torch.all(out[sq] == 0) and torch.all(torch.isposinf(lse[:, sq]))
+            assert torch.all(grads[0][sq] == 0)
+            continue
+        ref_out, ref_lse = attention_ref(qb, kb, vb, **seq_opts)
+        low_out, low_lse = attention_ref(qb, kb, vb, upcast=False, **seq_opts)
+        assert_close(f"out[{b}]", out[sq][None], ref_out, low_out, FWD_FACTOR)
+        finite = torch.isfinite(ref_lse[0])
+        assert_close(f"lse[{b}]", lse[:, sq][finite], ref_lse[0][finite], low_lse[0][finite], FWD_FACTOR)
+        dob = do[sq][None]
+        ref_grads = torch.autograd.grad(ref_out, (qb, kb, vb), dob.to(ref_out.dtype))
+        low_grads = torch.autograd.grad(low_out, (qb, kb, vb), dob)
+        assert_close(f"dq[{b}]", grads[0][sq][None], ref_grads[0], low_grads[0], BWD_FACTOR)
+        assert_close(f"dk[{b}]", grads[1][sk][None], ref_grads[1], low_grads[1], BWD_FACTOR)
+        assert_close(f"dv[{b}]", grads[2][sk][None], ref_grads[2], low_grads[2], BWD_FACTOR)
+    # keys of sequences without queries get no gradient
+    for b in range(len(lengths_q)):
+        if lengths_q[b] == 0:
+            sk = slice(cu_k[b], cu_k[b + 1])
+            assert torch.all(grads[1][sk] == 0) and torch.all(grads[2][sk] == 0)
+
+
+def test_rows_past_cu_seqlens_are_zero():
+    lengths = [5, 9]
+    q, k, v = make(lengths, lengths, extra_rows=6)
+    out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9, causal=True,
+                                                    return_attn_probs=True)
+    (dq,) = torch.autograd.grad(out, q, torch.randn_like(out))
+    assert torch.all(out[14:] == 0) and torch.all(torch.isposinf(lse[:, 14:])) and torch.all(dq[14:] == 0)
+    assert not torch.isnan(out).any() and not torch.isnan(dq).any()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_packed_forms(causal):
+    lengths = [30, 1, 47]
+    total = sum(lengths)
+    qkv = torch.randn(total, 3, 4, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    out = flashattn2.flash_attn_varlen_qkvpacked_func(qkv, cu(lengths), max(lengths), causal=causal)
+    do = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, do)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv.unbind(1))
+    ref = flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), max(lengths), max(lengths),
+                                            causal=causal)
+    assert torch.equal(out, ref)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(ref, (q, k, v), do), dim=1))
+    kv = qkv.detach()[:, 1:].clone().requires_grad_()
+    out_kv = flashattn2.flash_attn_varlen_kvpacked_func(q, kv, cu(lengths), cu(lengths), max(lengths),
+                                                        torch.tensor(max(lengths)), causal=causal)
+    assert torch.equal(out_kv, ref)
+
+
+def test_varlen_matches_dense_batch():
+    b, s = 3, 40
+    q, k, v = (torch.randn(b, s, 4, 32, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    dense = flashattn2.flash_attn_func(q, k, v, causal=True)
+    flat = lambda t: t.reshape(b * s, 4, 32)
+    cu_s = cu([s] * b)
+    varlen = flashattn2.flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_s, cu_s, s, s, causal=True)
+    assert torch.equal(varlen, flat(dense))
+
+
+@pytest.mark.parametrize("make_args, exc, match", [
+    pytest.param(lambda c: (c.long(), c), TypeError, "cu_seqlens_q must be int32", id="cu-dtype"),
+    pytest.param(lambda c: (c, c[:-1]), ValueError, "same length", id="cu-length"),
+    pytest.param(lambda c: (c.flip(0).contiguous(), c), ValueError, "non-decreasing", id="cu-order"),
+    pytest.param(lambda c: (c + 1, c), ValueError, "start at 0", id="cu-start"),
+    pytest.param(lambda c: (c, c * 2), ValueError, "past the", id="cu-past-end"),
+    pytest.param(lambda c: (c[None], c[None]), ValueError, "shape", id="cu-ndim"),
+])
+def test_bad_cu_seqlens(make_args, exc, match):
+    lengths = [5, 9]
+    q, k, v = make(lengths, lengths)
+    cu_q, cu_k = make_args(cu(lengths))
+    with pytest.raises(exc, match=match):
+        flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
+
+
+def test_bad_varlen_arguments():
+    lengths = [5, 9]
+    q, k, v = make(lengths, lengths)
+    with pytest.raises(ValueError, match="exceeds max_seqlen_q"):
+        flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 8, 9)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9, block_table=cu(lengths)[None])
+    with pytest.raises(ValueError, match="q must have 3 dimensions"):
+        flashattn2.flash_attn_varlen_func(q[None], k, v, cu(lengths), cu(lengths), 9, 9)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9,
+                                          alibi_slopes=torch.ones(3, 4, device=DEVICE))
