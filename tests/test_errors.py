@@ -34,7 +34,7 @@ def test_bad_inputs(case, exc, match):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    pytest.param(dict(dropout_p=0.1), NotImplementedError, "dropout_p", id="dropout"),
+    pytest.param(dict(dropout_p=0.1, softcap=5.0), NotImplementedError, "softcap", id="dropout-softcap"),
     pytest.param(dict(dropout_p=1.0), ValueError, "dropout_p", id="dropout-range"),
     pytest.param(dict(window_size=(-2, 0)), ValueError, "window_size", id="window-range"),
     pytest.param(dict(window_size=(1.5, 0)), ValueError, "window_size", id="window-float"),

@@ -18,7 +18,7 @@ def _args(options, nheads=4):
     """fwd's arguments after v, for a dense call with softmax_scale 0.25."""
     causal, left, right, softcap, alibi = options
     slopes = torch.rand(nheads, device=randn(1, dtype=torch.float32).device) if alibi else None
-    return (None, None, 0, 0, 0.25, causal, left, right, softcap, slopes)
+    return (None, None, 0, 0, 0.0, None, 0.25, causal, left, right, softcap, slopes)
 
 
 @pytest.mark.parametrize("options", OPTIONS)
@@ -81,7 +81,8 @@ def test_compile_fullgraph(backend, packing):
 def test_opcheck_varlen():
     cu = torch.tensor([0, 20, 21, 50], dtype=torch.int32, device=randn(1, dtype=torch.float32).device)
     q, k, v = (randn(50, h, 32, dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
-    args = (cu, cu, 29, 29, 0.25, True, -1, -1, 0.0, None)
+    seed = torch.tensor([1234], dtype=torch.int64, device=cu.device)
+    args = (cu, cu, 29, 29, 0.1, seed, 0.25, True, -1, -1, 0.0, None)
     torch.library.opcheck(registry.fwd, (q, k, v, *args))
     out, lse = registry.fwd(q.detach(), k.detach(), v.detach(), *args)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

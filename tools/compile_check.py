@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, fill, fwd  # noqa: E402
+from flashattn2.kernels import bwd, dmask, fill, fwd  # noqa: E402
 from flashattn2.ops import config  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
@@ -34,9 +34,11 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
         elif name[0].isupper():  # tensors are the capitalised arguments
             if name.startswith("CuSeqlens"):
                 sig[name] = "*i32"
+            elif name == "Seed":
+                sig[name] = "*i64"
             else:
                 sig[name] = "*fp32" if name in FP32_POINTERS else "*" + TYPE[elem_bytes]
-        elif name in ("sm_scale", "softcap", "value"):
+        elif name in ("sm_scale", "softcap", "value", "dropout_p"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -47,8 +49,9 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
 
 # the plain causal path, and every option at once (LOCAL excludes CAUSAL)
 VARIANTS = {
-    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, IS_VARLEN=False),
-    "varlen-local-softcap-alibi": dict(CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, IS_VARLEN=True),
+    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, IS_VARLEN=False),
+    "varlen-local-softcap-alibi-dropout": dict(CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, DROPOUT=True,
+                                               IS_VARLEN=True),
 }
 
 
@@ -67,6 +70,9 @@ def cases(arch):
     pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
     yield f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(BLOCK_R=64, BLOCK_C=128), config.TileConfig(64, 64, 4, 1)
+    dmask_flags = dict(CAUSAL=False, LOCAL=True, ALIBI=True, IS_VARLEN=True, UPCAST=False, DOT_PRECISION="tf32",
+                       HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, BLOCK_D=256)
+    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, config.TileConfig(64, 64, 4, 1)
 
 
 def main():

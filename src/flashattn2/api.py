@@ -12,6 +12,7 @@ import torch
 
 from .ops import checks
 from .ops.registry import PackedAttention
+from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
 
 
@@ -20,8 +21,10 @@ _DENSE = (None, None, 0, 0)  # fwd's varlen arguments (cu_seqlens_q/k, max_seqle
 
 def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, varlen=None):
     """Validate; return fwd's arguments after v, alibi_slopes excepted: (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-    softcap). varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or None."""
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal, window_left,
+    window_right, softcap). varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or
+    None. With dropout, the Philox seed is drawn from torch's generator for q's device, so
+    torch.manual_seed makes runs reproducible; the backward reuses it."""
     checks.check_qkv(q, k, v, varlen=varlen is not None)
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     if varlen is None:
@@ -33,14 +36,21 @@ def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     checks.check_alibi(alibi_slopes, q, batch)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     left, right = (int(w) for w in window_size)
-    return (*seq_args, scale, bool(causal), left, right, float(softcap))
+    dropout_p = float(dropout_p)
+    seed = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
+    return (*seq_args, dropout_p, seed, scale, bool(causal), left, right, float(softcap))
 
 
-def _result(out, lse, return_attn_probs):
+def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slopes=None):
     if not return_attn_probs:
         return out
-    # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
-    return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+    dropout_p = options[4] if options is not None else 0.0
+    if dropout_p == 0:
+        # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
+        return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+    with torch.no_grad():
+        s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options, alibi_slopes)
+    return out, lse, s_dmask
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -51,7 +61,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32.
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads must be a
             multiple of nheads_k (MQA/GQA: query head h uses K/V head h // (nheads // nheads_k)).
-        dropout_p: attention dropout probability. Only 0.0 is implemented yet.
+        dropout_p: attention dropout probability in [0, 1) (Philox, seeded from torch's generator,
+            so torch.manual_seed makes runs reproducible; not combinable with softcap).
         softmax_scale: scaling of q k^T, default headdim ** -0.5.
         causal: bottom-right aligned causal mask (see the module docstring).
         window_size: (left, right) sliding window, -1 for unbounded: query i sees keys j with
@@ -68,11 +79,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softmax_lse (with return_attn_probs): (batch, nheads, seqlen_q) float32, the natural
             logsumexp of each row of q k^T * softmax_scale (+inf for a row that sees no key).
             It is differentiable.
-        S_dmask (with return_attn_probs): an empty tensor (no dropout).
+        S_dmask (with return_attn_probs): an empty tensor without dropout; with dropout,
+            (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype holding
+            exp(score - rowmax) where kept and -exp(score - rowmax) where dropped (0 outside the
+            visible region), a testing aid computed by a second pass.
     """
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
-    return _result(out, lse, return_attn_probs)
+    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -85,7 +99,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     q, k, v = qkv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
-    return _result(out, lse, return_attn_probs)
+    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -96,7 +110,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k, v = kv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
-    return _result(out, lse, return_attn_probs)
+    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
 def _no_block_table(block_table):
@@ -128,7 +142,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
-    return _result(out, lse, return_attn_probs)
+    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -140,7 +154,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
     out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
-    return _result(out, lse, return_attn_probs)
+    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -153,4 +167,4 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
-    return _result(out, lse, return_attn_probs)
+    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)

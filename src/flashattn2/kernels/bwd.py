@@ -4,12 +4,13 @@ query block in its own pass (no atomics: every run gives bitwise-identical gradi
 P is recomputed from the saved logsumexp: P = exp(S - L). With dP = dO V^T and
 dS = P * (dP - D): dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K. With softcap,
 S = c * tanh(QK^T * scale / c) and dS picks up the factor 1 - tanh^2; the ALiBi bias has no
-gradient.
+gradient. With dropout (mask Z, kept scaled by 1 / (1 - p)): dV = (P Z)^T dO and
+dS = P * (Z dP - D), the mask regenerated from the same Philox offsets as the forward.
 """
 import triton
 import triton.language as tl
 
-from .common import LOG2E, alibi_bias, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
+from .common import LOG2E, alibi_bias, dropout_keep, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
     query_block_range, seq_bounds, store_rows, tanh, visible
 
 
@@ -72,9 +73,9 @@ def _scores_bwd(qk, qi, kj, lse2, seqlen_q, seqlen_k, qk_scale, softcap_in, soft
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, m_hi,
                 seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                window_left, window_right,
+                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -93,10 +94,17 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_N, BLOCK_D]
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keepT = dropout_keep(seed, rng_row0, offs_m[None, :], offs_n[:, None], max_seqlen_k, dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = load_vec(delta_ptr, start_m, seqlen_q, BLOCK_M, 0.0)
         # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * factorT
@@ -106,7 +114,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -116,9 +124,9 @@ def attn_bwd_dkdv_kernel(
     stride_lse_b, stride_lse_h,
     stride_alibi_b,
     nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
-    sm_scale, softcap,
+    sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
@@ -135,6 +143,9 @@ def attn_bwd_dkdv_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
 
     k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
                              stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -157,19 +168,22 @@ def attn_bwd_dkdv_kernel(
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
+        rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST,
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                             True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
                              DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_lo, full_hi,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST,
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                             False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
                              DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
         if LOCAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_hi, m_end,
                                  seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
-                                 slope2, window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
-                                 UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+                                 slope2, window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                                 True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh, seqlen_k,
                               stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -184,8 +198,9 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+              seed, rng_row0, max_seqlen_k, dropout_p,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-              ALIBI: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -202,6 +217,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_row0, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * factor
@@ -212,7 +230,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -221,9 +239,9 @@ def attn_bwd_dq_kernel(
     stride_lse_b, stride_lse_h,
     stride_alibi_b,
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
-    sm_scale, softcap,
+    sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
@@ -249,6 +267,10 @@ def attn_bwd_dq_kernel(
     slope2 = 0.0
     if ALIBI:
         slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
     q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
                              stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -272,15 +294,18 @@ def attn_bwd_dq_kernel(
     if LOCAL:
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
                        stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
-                       True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
+                       seed, rng_row0, max_seqlen_k, dropout_p,
+                       True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION,
                        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
                    stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
-                   False, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
+                   seed, rng_row0, max_seqlen_k, dropout_p,
+                   False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
                    stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
-                   True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA, UPCAST, DOT_PRECISION,
+                   seed, rng_row0, max_seqlen_k, dropout_p,
+                   True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     dq_dst = make_desc_or_ptr(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh, seqlen_q,

@@ -151,3 +151,12 @@ def seq_bounds(CuSeqlens, off_b, max_seqlen, IS_VARLEN: tl.constexpr):
         return start.to(tl.int64), tl.load(CuSeqlens + off_b + 1) - start
     else:
         return tl.zeros([], dtype=tl.int64), max_seqlen
+
+
+@triton.jit
+def dropout_keep(seed, rng_row0, qi, kj, max_seqlen_k, dropout_p):
+    """True where the score (query qi, key kj) is kept. Philox at offset
+    (rng_row0 + qi) * max_seqlen_k + kj, one number per score whatever the tiling, so the
+    backward regenerates the forward's mask; rng_row0 = (batch * nheads + head) * max_seqlen_q."""
+    offsets = (rng_row0 + qi.to(tl.int64)) * max_seqlen_k + kj.to(tl.int64)
+    return tl.rand(seed, offsets) >= dropout_p

@@ -8,15 +8,16 @@ Softcap, ALiBi and a local window are constexpr flags: when off they cost nothin
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, alibi_bias, key_block_range, load_rows, make_desc_or_ptr, seq_bounds, \
-    store_rows, tanh, visible
+from .common import LN2, LOG2E, alibi_bias, dropout_keep, key_block_range, load_rows, make_desc_or_ptr, \
+    seq_bounds, store_rows, tanh, visible
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
                stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
+               seed, rng_row0, max_seqlen_k, dropout_p,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -48,6 +49,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # the normaliser keeps every score; only the values mixed into O are dropped
+            keep = dropout_keep(seed, rng_row0, offs_m[:, None], (start_n + tl.arange(0, BLOCK_N))[None, :],
+                                max_seqlen_k, dropout_p)
+            p = tl.where(keep, p, 0.0)
         v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_M, BLOCK_D]
         acc = acc * alpha[:, None]
@@ -58,7 +64,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -66,9 +72,10 @@ def attn_fwd_kernel(
     stride_lse_b, stride_lse_h,
     stride_alibi_b,
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
-    sm_scale, softcap,
+    sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
@@ -97,6 +104,10 @@ def attn_fwd_kernel(
     slope2 = 0.0
     if ALIBI:
         slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
     q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
                              stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -117,20 +128,25 @@ def attn_fwd_kernel(
     if LOCAL:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
                                    stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
-                                   window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                                   window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA,
                                    UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
                                stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
-                               window_left, window_right, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                               window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                               False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA,
                                UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
                                stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
-                               window_left, window_right, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, USE_TMA,
+                               window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA,
                                UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     store_rows(o_src, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,

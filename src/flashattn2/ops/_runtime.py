@@ -27,9 +27,9 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernels() -> types.SimpleNamespace:
-    from ..kernels import bwd, fill, fwd
+    from ..kernels import bwd, dmask, fill, fwd
 
-    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill)
+    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask)
 
 
 @torch.compiler.assume_constant_result

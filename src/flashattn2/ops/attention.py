@@ -26,6 +26,8 @@ class ScoreMods:
     window_right: int = -1
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    seed: torch.Tensor | None = None  # int64 (1,): the Philox seed, drawn from torch's generator
 
     def kernel_args(self, seqlen_q: int, seqlen_k: int, like: torch.Tensor):
         """(pointer/runtime arguments, constexpr flags) for the kernels."""
@@ -40,8 +42,11 @@ class ScoreMods:
             window_left=left if left >= 0 else far,
             window_right=right if right >= 0 else far,
             softcap=self.softcap if self.softcap > 0 else 1.0,
+            Seed=self.seed if self.dropout_p > 0 else like,
+            dropout_p=self.dropout_p,
         )
-        flags = dict(CAUSAL=causal, LOCAL=local, SOFTCAP=self.softcap > 0, ALIBI=alibi is not None)
+        flags = dict(CAUSAL=causal, LOCAL=local, SOFTCAP=self.softcap > 0, ALIBI=alibi is not None,
+                     DROPOUT=self.dropout_p > 0)
         return runtime, flags
 
 
@@ -165,13 +170,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     _runtime.kernels().fwd.attn_fwd_kernel[grid](
-        q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse),
+        q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"],
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
         runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["softcap"],
+        softmax_scale, runtime["softcap"], runtime["dropout_p"],
         **flags,
         IS_VARLEN=varlen is not None,
         **_flags(q, arch, q, k, v, out),
@@ -236,14 +241,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
     K.attn_bwd_dkdv_kernel[(_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,)](
-        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k,
+        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"],
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
         *geo.strides(gv),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
         runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["softcap"],
+        softmax_scale, runtime["softcap"], runtime["dropout_p"],
         **common,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -252,13 +257,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     )
     cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
     K.attn_bwd_dq_kernel[(_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)](
-        q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k,
+        q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"],
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
         runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["softcap"],
+        softmax_scale, runtime["softcap"], runtime["dropout_p"],
         **common,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -268,3 +273,38 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if arch == "interp":
         for dst, src in zip((dq, dk, dv), grads):
             dst.copy_(src)
+
+
+def dropout_probs(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: ScoreMods,
+                  varlen: Varlen | None = None) -> torch.Tensor:
+    """S_dmask (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype: exp(score -
+    rowmax) where kept, its negative where dropped, 0 where not visible (a testing aid)."""
+    geo = _Geometry.of(q, k, varlen)
+    round128 = lambda n: _cdiv(n, 128) * 128
+    arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
+    shape = (geo.batch, geo.nheads, round128(geo.max_seqlen_q), round128(geo.max_seqlen_k))
+    probs = torch.zeros(shape, dtype=_out_dtype(q.dtype, arch), device=q.device)
+    if probs.numel() == 0 or geo.max_seqlen_q == 0:
+        return probs.to(q.dtype)
+    runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, probs)
+    block_m, block_n = 64, 64
+    _runtime.kernels().dmask.attn_dropout_mask_kernel[(_cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,)](
+        q, k, probs, runtime["Alibi"], *geo.cu_seqlens(probs), runtime["Seed"],
+        *geo.strides(q), *geo.strides(k),
+        probs.stride(0), probs.stride(1), probs.stride(2),
+        runtime["stride_alibi_b"],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
+        runtime["window_left"], runtime["window_right"],
+        softmax_scale, runtime["dropout_p"],
+        CAUSAL=flags["CAUSAL"],
+        LOCAL=flags["LOCAL"],
+        ALIBI=flags["ALIBI"],
+        IS_VARLEN=varlen is not None,
+        UPCAST=arch == "interp" or q.dtype == torch.float32,
+        DOT_PRECISION="ieee" if arch == "interp" or q.dtype == torch.float32 else "tf32",
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_block_d(geo.head_dim),
+    )
+    return probs.to(q.dtype)

@@ -111,8 +111,8 @@ def check_options(dropout_p, softmax_scale, window_size, softcap) -> None:
         raise ValueError(f"window_size must be (left, right) with integers >= -1, got {window_size}")
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashattn2")
+    if dropout_p > 0 and softcap > 0:
+        raise NotImplementedError("dropout_p > 0 with softcap > 0 is not supported (as in flash_attn)")
 
 
 def check_alibi(alibi_slopes, q, batch: int) -> None:

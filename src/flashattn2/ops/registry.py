@@ -16,10 +16,10 @@ def _for_kernels(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mods(causal, window_left, window_right, softcap, alibi_slopes) -> attention.ScoreMods:
+def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed) -> attention.ScoreMods:
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
-    return attention.ScoreMods(causal, window_left, window_right, softcap, alibi_slopes)
+    return attention.ScoreMods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
 
 
 def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention.Varlen | None:
@@ -30,20 +30,20 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention
 
 @torch.library.custom_op("flashattn2::fwd", mutates_args=())
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-        cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-        causal: bool, window_left: int, window_right: int, softcap: float,
-        alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+        seed: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+        softcap: float, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with cu_seqlens."""
     q, k, v = (_for_kernels(t) for t in (q, k, v))
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes)
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
         return attention.forward(q, k, v, softmax_scale, mods, varlen)
 
 
 @fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-      window_right, softcap, alibi_slopes):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes):
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, _ = q.shape
         lse_shape = (batch, nheads, seqlen_q)
@@ -57,13 +57,14 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
         dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-        window_right: int, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
+        max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
+        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+        alibi_slopes: torch.Tensor | None) -> None:
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes)
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
         attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen)
@@ -71,22 +72,52 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+      dropout_p, seed, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
     return None
 
 
+@torch.library.custom_op("flashattn2::dropout_probs", mutates_args=())
+def dropout_probs(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                  cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                  seed: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                  softcap: float, alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+    """S_dmask for the dropout mask fwd drew with the same seed (forward only, a testing aid)."""
+    q, k = _for_kernels(q), _for_kernels(k)
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    with _runtime.device_of(q):
+        return attention.dropout_probs(q, k, softmax_scale, mods, varlen)
+
+
+@dropout_probs.register_fake
+def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes):
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    seqlen_q = q.shape[1] if cu_seqlens_q is None else max_seqlen_q
+    seqlen_k = k.shape[1] if cu_seqlens_q is None else max_seqlen_k
+    round128 = lambda n: -(-n // 128) * 128
+    return q.new_empty((batch, q.shape[-2], round128(seqlen_q), round128(seqlen_k)))
+
+
+# fwd's arguments between v and alibi_slopes: the tensors among them travel through save_for_backward
+_TENSOR_ARGS = (0, 1, 5)  # cu_seqlens_q, cu_seqlens_k, seed
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes = inputs
+    q, k, v, *options, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    ctx.options = options
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *(options[i] for i in _TENSOR_ARGS))
+    ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
+    options = list(ctx.options)
+    for i, t in zip(_TENSOR_ARGS, tensors):
+        options[i] = t
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
-    return dq, dk, dv, *(None,) * (3 + len(ctx.options))
+    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
+    return dq, dk, dv, *(None,) * (1 + len(options))
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -98,8 +129,7 @@ class PackedAttention(torch.autograd.Function):
     packing "qkv": `packed` is qkv (..., 3, nheads, headdim) and `q` is None; packing "kv":
     `packed` is kv (..., 2, nheads_k, headdim) beside `q`. The packed dimension is 2 for dense
     (batch, seqlen, ...) inputs and 1 for varlen (total, ...) ones. `options` are fwd's arguments
-    after v, alibi_slopes excepted: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    softmax_scale, causal, window_left, window_right, softcap).
+    between v and alibi_slopes.
     """
 
     @staticmethod
@@ -110,13 +140,17 @@ class PackedAttention(torch.autograd.Function):
         else:
             k, v = packed.unbind(dim=dim)
         out, lse = fwd(q, k, v, *options, alibi_slopes)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *options[:2])
-        ctx.packing, ctx.dim, ctx.options = packing, dim, options[2:]
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *(options[i] for i in _TENSOR_ARGS))
+        ctx.packing, ctx.dim = packing, dim
+        ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
+        options = list(ctx.options)
+        for i, t in zip(_TENSOR_ARGS, tensors):
+            options[i] = t
         dim = ctx.dim
         if ctx.packing == "qkv":
             dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
@@ -125,6 +159,6 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
-        nones = (None,) * (4 + len(ctx.options))
+        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
+        nones = (None,) * (2 + len(options))
         return (None if ctx.packing == "qkv" else dq), dpacked, *nones

@@ -29,7 +29,7 @@ def local_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal=False,
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window_size=(-1, -1),
-                  softcap=0.0, alibi_slopes=None):
+                  softcap=0.0, alibi_slopes=None, dropout_mask=None, dropout_p=0.0):
     """Attention on (batch, seqlen, nheads, headdim) inputs; returns (out, lse).
 
     upcast=True computes in float32 (float64 for float32 inputs): the oracle. upcast=False does
@@ -40,7 +40,8 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window
 
     Scores: s = q k^T * softmax_scale; with softcap, softcap * tanh(s / softcap); with
     alibi_slopes ((nheads,) or (batch, nheads)), minus slope * |i + seqlen_k - seqlen_q - j|;
-    then the causal / window mask.
+    then the causal / window mask. dropout_mask ((batch, nheads, seqlen_q, seqlen_k) bool, True =
+    kept) multiplies the probabilities by mask / (1 - dropout_p) before they meet v.
     """
     dtype = q.dtype
     if upcast:
@@ -65,5 +66,7 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window
     lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
     empty = torch.isneginf(lse)
     attn = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    if dropout_mask is not None:
+        attn = attn.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", attn.to(v.dtype), v)
     return out, lse.masked_fill(empty, float("inf"))
