@@ -10,8 +10,8 @@ dS = P * (Z dP - D), the mask regenerated from the same Philox offsets as the fo
 import triton
 import triton.language as tl
 
-from .common import LOG2E, alibi_bias, dropout_keep, key_block_range, load_rows, load_vec, make_desc_or_ptr, \
-    query_block_range, seq_bounds, store_rows, tanh, visible
+from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, load_vec, \
+    make_desc_or_ptr, query_block_program, query_block_range, seq_bounds, store_rows, tanh, visible
 
 
 @triton.jit
@@ -143,9 +143,7 @@ def attn_bwd_dkdv_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(Seed)
+    _, seed = head_constants(Alibi, stride_alibi_b, off_b, 0, Seed, False, DROPOUT)
 
     k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
                              stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -165,9 +163,7 @@ def attn_bwd_dkdv_kernel(
         do_src = make_desc_or_ptr(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh,
                                   seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
+        slope2, _ = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
@@ -241,22 +237,14 @@ def attn_bwd_dq_kernel(
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
-    num_bh = batch * nheads
-    pid = tl.program_id(0)
-    if CAUSAL:
-        pid_m = num_m_blocks - 1 - pid // num_bh
-        off_bh = pid % num_bh
-    else:
-        pid_m = pid % num_m_blocks
-        off_bh = pid // num_m_blocks
+    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
-    start_m = pid_m * BLOCK_M
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
@@ -264,12 +252,7 @@ def attn_bwd_dq_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(Seed)
+    slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
     q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,

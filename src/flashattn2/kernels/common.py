@@ -160,3 +160,32 @@ def dropout_keep(seed, rng_row0, qi, kj, max_seqlen_k, dropout_p):
     backward regenerates the forward's mask; rng_row0 = (batch * nheads + head) * max_seqlen_q."""
     offsets = (rng_row0 + qi.to(tl.int64)) * max_seqlen_k + kj.to(tl.int64)
     return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def query_block_program(batch, nheads, max_seqlen_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(start_m, off_bh) of this program in a 1-D grid over query blocks x batch*heads. Causal:
+    the heaviest query blocks (most keys) of all heads first, for a shorter tail of the grid;
+    otherwise the query blocks of one head run together, sharing its K/V in L2."""
+    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
+    num_bh = batch * nheads
+    pid = tl.program_id(0)
+    if CAUSAL:
+        pid_m = num_m_blocks - 1 - pid // num_bh
+        off_bh = pid % num_bh
+    else:
+        pid_m = pid % num_m_blocks
+        off_bh = pid // num_m_blocks
+    return pid_m * BLOCK_M, off_bh
+
+
+@triton.jit
+def head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+    """(ALiBi slope * log2(e) of this batch entry and head, the dropout seed); 0 when off."""
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    return slope2, seed

@@ -4,7 +4,8 @@ A second pass after the forward, recomputing the scores and the dropout mask."""
 import triton
 import triton.language as tl
 
-from .common import LOG2E, alibi_bias, dropout_keep, key_block_range, load_rows, seq_bounds, visible
+from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, \
+    query_block_program, seq_bounds, visible
 
 
 @triton.jit
@@ -34,22 +35,16 @@ def attn_dropout_mask_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
-    pid_m = tl.program_id(0) % num_m_blocks
-    off_bh = tl.program_id(0) // num_m_blocks
+    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, False, BLOCK_M)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
-    start_m = pid_m * BLOCK_M
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
-    seed = tl.load(Seed)
+    slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, True)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_rows(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, start_m, seqlen_q, stride_qs,

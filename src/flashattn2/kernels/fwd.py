@@ -8,8 +8,8 @@ Softcap, ALiBi and a local window are constexpr flags: when off they cost nothin
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, alibi_bias, dropout_keep, key_block_range, load_rows, make_desc_or_ptr, \
-    seq_bounds, store_rows, tanh, visible
+from .common import LN2, LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, \
+    make_desc_or_ptr, query_block_program, seq_bounds, store_rows, tanh, visible
 
 
 @triton.jit
@@ -79,21 +79,10 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
-    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
-    num_bh = batch * nheads
-    pid = tl.program_id(0)
-    if CAUSAL:
-        # heaviest query blocks (most keys) first, across all heads: a shorter tail of the grid
-        pid_m = num_m_blocks - 1 - pid // num_bh
-        off_bh = pid % num_bh
-    else:
-        # the query blocks of one head run together, sharing its K/V in L2
-        pid_m = pid % num_m_blocks
-        off_bh = pid // num_m_blocks
+    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
-    start_m = pid_m * BLOCK_M
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
@@ -101,12 +90,7 @@ def attn_fwd_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Alibi + off_b * stride_alibi_b + off_h) * LOG2E
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(Seed)
+    slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
     q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
