@@ -143,7 +143,7 @@ def attn_bwd_dkdv_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
-    _, seed = head_constants(Alibi, stride_alibi_b, off_b, 0, Seed, False, DROPOUT)
+    no_slope, seed = head_constants(Alibi, stride_alibi_b, off_b, 0, Seed, False, DROPOUT)
 
     k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
                              stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -163,7 +163,7 @@ def attn_bwd_dkdv_kernel(
         do_src = make_desc_or_ptr(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh,
                                   seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
-        slope2, _ = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
+        slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
