@@ -1,4 +1,4 @@
-"""python -m flashattn2 [bench] [filters] | python -m flashattn2 bench report
+"""python -m flashattn2 [bench] [filters] | python -m flashattn2 bench report | python -m flashattn2 bench features
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -23,8 +23,9 @@ def _parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", default="bench", choices=["bench", "check"],
                     help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check")
-    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report"],
-                    help="kernels (default): measure; report: only rebuild table and plots from the CSV")
+    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report", "features"],
+                    help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
+                         "features: what varlen, window and the other options cost (headdim 128 by default)")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
@@ -34,6 +35,9 @@ def _parser():
     ap.add_argument("--csv", default=None, help="results CSV (appended); default bench/results/kernels-<gpu>.csv")
     ap.add_argument("--plots", default=None, help="folder for PNGs; default beside the CSV")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--baseline", default=None,
+                    help="features: a package built by tools/baseline_pkg.py to compare 'features off' with")
+    ap.add_argument("--cases", default="varlen,window,off,on", help="features: which cases")
     return ap
 
 
@@ -74,6 +78,8 @@ def main(argv=None) -> int:
         return _report(args.csv or _default_csv(None), args.plots)
     if args.command == "check" or not torch.cuda.is_available():
         return _cpu_check(argv)
+    if args.what == "features":
+        return _features(args)
     from .bench import kernels
 
     names = args.providers.split(",")
@@ -86,6 +92,23 @@ def main(argv=None) -> int:
                      [bool(c) for c in _ints(args.causal)], args.modes.split(","), names,
                      progress=not args.no_progress)
     return _report(path, args.plots)
+
+
+def _features(args):
+    import torch
+
+    from .bench import features
+
+    slug = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
+    path = args.csv or os.path.join(RESULTS, f"features-{slug}.csv")
+    headdim = _ints(args.headdims)[-1] if args.headdims != "64,128" else 128
+    features.run(path, args.dtypes.split(","), headdim, args.modes.split(","), args.baseline,
+                 args.cases.split(","))
+    text = features.markdown(path)
+    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
+        fh.write(text + "\n")
+    print(text)
+    return 0
 
 
 def _default_csv(gpu):

@@ -180,6 +180,19 @@ def query_block_program(batch, nheads, max_seqlen_q, CAUSAL: tl.constexpr, BLOCK
 
 
 @triton.jit
+def query_program(batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK,
+                  CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Where a program of the query-block grid works: (start_m, off_bh, off_b, off_h, off_hk,
+    q_start, seqlen_q, k_start, seqlen_k); off_hk is the K/V head of query head off_h (GQA)."""
+    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
+    return start_m, off_bh, off_b, off_h, off_h // group_size, q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
 def head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
     """(ALiBi slope * log2(e) of this batch entry and head, the dropout seed); 0 when off."""
     slope2 = 0.0

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, \
-    make_desc_or_ptr, query_block_program, seq_bounds, store_rows, tanh, visible
+    make_desc_or_ptr, query_program, store_rows, tanh, visible
 
 
 @triton.jit
@@ -79,12 +79,9 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
-    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
-    off_b = (off_bh // nheads).to(tl.int64)
-    off_h = (off_bh % nheads).to(tl.int64)
-    off_hk = off_h // group_size
-    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
+    start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
+        batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK, CAUSAL, IS_VARLEN,
+        BLOCK_M)
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E
