@@ -19,20 +19,28 @@ from .ops.registry import fwd as _fwd_op
 _DENSE = (None, None, 0, 0)  # fwd's varlen arguments (cu_seqlens_q/k, max_seqlen_q/k) when dense
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, varlen=None):
+def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
     """Validate; return fwd's arguments after v, alibi_slopes excepted: (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal, window_left,
-    window_right, softcap). varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) or
-    None. With dropout, the Philox seed is drawn from torch's generator for q's device, so
-    torch.manual_seed makes runs reproducible; the backward reuses it."""
-    checks.check_qkv(q, k, v, varlen=varlen is not None)
+    window_right, softcap). With dropout, the Philox seed is drawn from torch's generator for q's
+    device, so torch.manual_seed makes runs reproducible; the backward reuses it."""
+    checks.check_qkv(q, k, v, varlen=False)
+    return _options(q, _DENSE, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+
+
+def _prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes):
+    """_prepare for varlen; returns (options, verify): call verify() once the kernels are queued,
+    it raises on bad cu_seqlens values without stalling the GPU (checks.check_cu_seqlens)."""
+    checks.check_qkv(q, k, v, varlen=True)
+    *seq_args, verify = checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k, q, k)
+    options = _options(q, seq_args, cu_q.shape[0] - 1, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes)
+    return options, verify
+
+
+def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    if varlen is None:
-        seq_args, batch = _DENSE, q.shape[0]
-    else:
-        cu_q, cu_k, max_q, max_k = varlen
-        max_q, max_k = checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k, q, k)
-        seq_args, batch = (cu_q, cu_k, max_q, max_k), cu_q.shape[0] - 1
     checks.check_alibi(alibi_slopes, q, batch)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     left, right = (int(w) for w in window_size)
@@ -136,12 +144,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs also softmax_lse (nheads,
         total_q) float32 and an empty S_dmask.
-    The cu_seqlens values are checked on the host (one device sync) outside torch.compile.
+    The cu_seqlens values are checked on the host after the kernels are queued, from a copy that
+    does not wait for them (outside torch.compile).
     """
     _no_block_table(block_table)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
+    verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -151,9 +161,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
     checks.check_packed("qkv", qkv, 3, varlen=True)
     q, k, v = qkv.unbind(dim=1)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+    options, verify = _prepare_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
+    verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -164,7 +175,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     headdim); the backward writes one dkv."""
     checks.check_packed("kv", kv, 2, varlen=True)
     k, v = kv.unbind(dim=1)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
+    verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)

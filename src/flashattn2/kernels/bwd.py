@@ -95,7 +95,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
         do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_N, BLOCK_D]
         if DROPOUT:
-            keepT = dropout_keep(seed, rng_row0, offs_m[None, :], offs_n[:, None], max_seqlen_k, dropout_p)
+            keepT = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
             dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         else:
@@ -214,7 +214,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
         v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(seed, rng_row0, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+            keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:

@@ -154,12 +154,26 @@ def seq_bounds(CuSeqlens, off_b, max_seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(seed, rng_row0, qi, kj, max_seqlen_k, dropout_p):
-    """True where the score (query qi, key kj) is kept. Philox at offset
-    (rng_row0 + qi) * max_seqlen_k + kj, one number per score whatever the tiling, so the
-    backward regenerates the forward's mask; rng_row0 = (batch * nheads + head) * max_seqlen_q."""
-    offsets = (rng_row0 + qi.to(tl.int64)) * max_seqlen_k + kj.to(tl.int64)
-    return tl.rand(seed, offsets) >= dropout_p
+def dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """True where the score (query, key) of the tile [start_m, +BLOCK_M) x [start_n, +BLOCK_N)
+    is kept ([BLOCK_N, BLOCK_M] when TRANS); rng_row0 = (batch * nheads + head) * max_seqlen_q.
+
+    One Philox call (4 x 32 bits) gives eight 16-bit numbers, for keys 8c .. 8c + 7 of a row, at
+    offset (rng_row0 + query) * cdiv(max_seqlen_k, 8) + c: the number of a score does not depend
+    on the tiling, so the backward's tiles regenerate the forward's mask. A score is kept when its
+    number is >= round(dropout_p * 2^16). start_n and BLOCK_N are multiples of 8."""
+    rows = rng_row0 + start_m + tl.arange(0, BLOCK_M).to(tl.int64)
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    # [BLOCK_M, BLOCK_N // 8]
+    offsets = rows[:, None] * tl.cdiv(max_seqlen_k, 8) + groups[None, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, offsets)
+    w = tl.join(tl.join(w0, w1), tl.join(w2, w3))
+    # [BLOCK_M, BLOCK_N // 8, 2, 2, 2] -> [BLOCK_M, BLOCK_N]: key 8c + 4i + 2j + h is half h of word 2i + j
+    bits = tl.reshape(tl.join(w & 0xFFFF, w >> 16), [BLOCK_M, BLOCK_N])
+    if TRANS:
+        bits = tl.trans(bits)
+    return bits >= tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
 
 
 @triton.jit

@@ -64,7 +64,7 @@ def attn_dropout_mask_kernel(
                             window_left, window_right, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM,
                             BLOCK_N, BLOCK_D)
         p = tl.math.exp2(s - m_shift[:, None])
-        keep = dropout_keep(seed, rng_row0, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+        keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
         val = tl.where(keep, p, -p)
         ptrs = out_base + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :]
         tl.store(ptrs, val.to(SDmask.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & (offs_n < seqlen_k)[None, :])

@@ -51,8 +51,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             # the normaliser keeps every score; only the values mixed into O are dropped
-            keep = dropout_keep(seed, rng_row0, offs_m[:, None], (start_n + tl.arange(0, BLOCK_N))[None, :],
-                                max_seqlen_k, dropout_p)
+            keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
         v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
         # [BLOCK_M, BLOCK_D]

@@ -49,11 +49,16 @@ def check_qkv(q, k, v, varlen: bool = False) -> None:
     check_device(q.device, "q")
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> tuple[int, int]:
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
     """Validate varlen's cu_seqlens (int32, (batch + 1,), starting at 0, non-decreasing, ending
     within q / k) and max_seqlen (an int or a one-element tensor covering every sequence).
-    Returns the max_seqlens as ints. The value checks read cu_seqlens on the host (one sync);
-    they are skipped while torch.compile traces."""
+
+    Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, verify). The values are
+    checked without stalling the GPU: a copy to pinned host memory is queued, and verify(),
+    called after the kernels are launched, waits for that copy only (not for the kernels) and
+    raises ValueError on a bad value. Until then the kernels must stay in bounds whatever the
+    values, so the returned cu_seqlens are clamped to [0, rows] (equal to the given ones when
+    they are valid). Skipped while torch.compile traces."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -72,11 +77,31 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         if not isinstance(m, int) or m < 0:
             raise ValueError(f"{name} must be an int >= 0, got {m!r}")
         maxes.append(m)
+    totals = (q.shape[0], k.shape[0])
     if torch.compiler.is_compiling():
-        return maxes[0], maxes[1]
-    both = torch.stack((cu_seqlens_q, cu_seqlens_k)).cpu()
-    for name, cu, total, max_seqlen in (("cu_seqlens_q", both[0], q.shape[0], maxes[0]),
-                                        ("cu_seqlens_k", both[1], k.shape[0], maxes[1])):
+        return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+    if q.device.type != "cuda":
+        _check_cu_values(torch.stack((cu_seqlens_q, cu_seqlens_k)), totals, maxes)
+        return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+    host = torch.empty((2, cu_seqlens_q.shape[0]), dtype=torch.int32, pin_memory=True)
+    host[0].copy_(cu_seqlens_q, non_blocking=True)
+    host[1].copy_(cu_seqlens_k, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def verify():
+        copied.synchronize()
+        _check_cu_values(host, totals, maxes)
+    return cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]), maxes[0], maxes[1], verify
+
+
+def _nothing():
+    pass
+
+
+def _check_cu_values(both, totals, maxes):
+    for name, cu, total, max_seqlen in (("cu_seqlens_q", both[0], totals[0], maxes[0]),
+                                        ("cu_seqlens_k", both[1], totals[1], maxes[1])):
         lengths = cu[1:] - cu[:-1]
         if cu[0] != 0 or (lengths < 0).any():
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
@@ -85,7 +110,6 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
                              f"{'q' if name.endswith('q') else 'k/v'}")
         if lengths.numel() and int(lengths.max()) > max_seqlen:
             raise ValueError(f"a sequence of length {int(lengths.max())} exceeds max_seqlen_{name[-1]}={max_seqlen}")
-    return maxes[0], maxes[1]
 
 
 def check_device(device: torch.device, name: str) -> None:
