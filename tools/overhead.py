@@ -57,23 +57,34 @@ def main():
         "sdpa fwd": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
         "sdpa fwd+bwd": sdpa_fwd_bwd,
     }
+    from flashattn2.ops import attention, config, registry
+
+    mods = attention.ScoreMods(causal=True)
+    cases["ops.attention.forward (no custom op)"] = lambda: attention.forward(q, k, v, 0.125, mods)
+    cases["custom op fwd"] = lambda: registry.fwd(q, k, v, None, None, 0, 0, 0.0, None, 0.125, True, -1, -1,
+                                                  0.0, None)
+    cases["config.arch_of"] = lambda: config.arch_of(q.device)
+    cases["torch.empty_like"] = lambda: torch.empty_like(q)
     with torch.no_grad():
-        for name in ("flashattn2 fwd", "flashattn2 varlen fwd", "sdpa fwd"):
+        for name in ("flashattn2 fwd", "flashattn2 varlen fwd", "sdpa fwd", "ops.attention.forward (no custom op)",
+                     "custom op fwd", "config.arch_of", "torch.empty_like"):
             host, wall = per_call_us(cases[name])
             print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
     for name in ("flashattn2 fwd+bwd", "sdpa fwd+bwd"):
         host, wall = per_call_us(cases[name])
         print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
     if args.profile:
-        prof = cProfile.Profile()
-        with torch.no_grad():
-            prof.enable()
-            for _ in range(300):
-                cases["flashattn2 fwd"]()
-            prof.disable()
         with open(args.profile, "w") as fh:
-            pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(45)
-            pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(30)
+            for name in ("flashattn2 fwd", "flashattn2 varlen fwd", "flashattn2 fwd+bwd"):
+                prof = cProfile.Profile()
+                with torch.set_grad_enabled(name.endswith("bwd")):
+                    prof.enable()
+                    for _ in range(300):
+                        cases[name]()
+                    prof.disable()
+                print(f"===== {name}", file=fh)
+                pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(25)
+                pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .ops import checks
-from .ops.registry import PackedAttention
+from .ops.registry import Attention, PackedAttention
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
 
@@ -47,6 +47,15 @@ def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, 
     dropout_p = float(dropout_p)
     seed = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
     return (*seq_args, dropout_p, seed, scale, bool(causal), left, right, float(softcap))
+
+
+def _attention(q, k, v, options, alibi_slopes):
+    """The fwd op; in eager training through the Attention autograd.Function, which costs less
+    host time than the op's own autograd registration (used when compiling and by opcheck)."""
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and not torch.compiler.is_compiling()):
+        return Attention.apply(q, k, v, alibi_slopes, *options)
+    return _fwd_op(q, k, v, *options, alibi_slopes)
 
 
 def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slopes=None):
@@ -93,7 +102,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             visible region), a testing aid computed by a second pass.
     """
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
+    out, lse = _attention(q, k, v, options, alibi_slopes)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -150,7 +159,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _no_block_table(block_table)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = _fwd_op(q, k, v, *options, alibi_slopes)
+    out, lse = _attention(q, k, v, options, alibi_slopes)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 

@@ -123,6 +123,23 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class Attention(torch.autograd.Function):
+    """fwd with its backward through an autograd.Function: the API's path. The op's own
+    register_autograd serves direct callers of torch.ops.flashattn2.fwd; this path costs less
+    host time per call (no per-call autograd wrapper generation)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, *options):
+        out, lse = fwd(q, k, v, *options, alibi_slopes)
+        _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        dq, dk, dv, *_ = _backward(ctx, dout, dlse)
+        return dq, dk, dv, *(None,) * (1 + len(ctx.options))
+
+
 class PackedAttention(torch.autograd.Function):
     """Attention over packed inputs whose backward writes one packed gradient (no concat).
 
