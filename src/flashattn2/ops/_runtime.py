@@ -80,8 +80,11 @@ class _FastLaunch:
         if caches is None:
             return kernel[grid](*args, **kwargs)
         kernel_cache, key_cache, _, _, binder = caches
-        bound, specialization, options = binder(*args, debug=kernel.debug or rt.debug,
-                                                instrumentation_mode=knobs.compilation.instrumentation_mode, **kwargs)
+        # JITFunction.run's options, in its order: the cache key holds str(options)
+        opts = dict(kwargs)
+        opts["debug"] = opts.get("debug", kernel.debug) or rt.debug
+        opts["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        bound, specialization, options = binder(*args, **opts)
         compiled = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
         if compiled is None or hasattr(compiled, "result"):  # first call, or compiling asynchronously
             return kernel[grid](*args, **kwargs)
