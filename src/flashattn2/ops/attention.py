@@ -140,7 +140,7 @@ def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, rows_dim
     else:
         stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
     block_r = 64
-    _runtime.fast(_runtime.kernels().fill.fill_tail_kernel)[(_cdiv(total, block_r),)](
+    _runtime.kernels().fill.fill_tail_kernel[(_cdiv(total, block_r),)](
         x, cu_seqlens, cu_seqlens.shape[0] - 1, total, stride_r, stride_c, ncols, value,
         BLOCK_R=block_r, BLOCK_C=128,
     )
@@ -169,7 +169,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
-    _runtime.fast(_runtime.kernels().fwd.attn_fwd_kernel)[grid](
+    _runtime.kernels().fwd.attn_fwd_kernel[grid](
         q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"],
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
         *geo.lse_strides(lse),
@@ -212,7 +212,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
     delta = _runtime.empty(lse.shape, torch.float32, q.device)
     pre_m = 64 if block_d <= 128 else 32
-    _runtime.fast(K.attn_bwd_preprocess_kernel)[(_cdiv(geo.max_seqlen_q, pre_m) * geo.batch * geo.nheads,)](
+    K.attn_bwd_preprocess_kernel[(_cdiv(geo.max_seqlen_q, pre_m) * geo.batch * geo.nheads,)](
         out, dout, delta, dlse if dlse is not None else delta, cu_q,
         *geo.strides(out), *geo.strides(dout),
         *geo.lse_strides(lse),
@@ -240,7 +240,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=block_d)
 
     cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
-    _runtime.fast(K.attn_bwd_dkdv_kernel)[(_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,)](
+    K.attn_bwd_dkdv_kernel[(_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,)](
         q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"],
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
         *geo.strides(gv),
@@ -256,7 +256,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         num_stages=cfg.num_stages,
     )
     cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
-    _runtime.fast(K.attn_bwd_dq_kernel)[(_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)](
+    K.attn_bwd_dq_kernel[(_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)](
         q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"],
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
         *geo.lse_strides(lse),
@@ -288,7 +288,7 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: 
         return probs.to(q.dtype)
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, probs)
     block_m, block_n = 64, 64
-    _runtime.fast(_runtime.kernels().dmask.attn_dropout_mask_kernel)[(_cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,)](
+    _runtime.kernels().dmask.attn_dropout_mask_kernel[(_cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,)](
         q, k, probs, runtime["Alibi"], *geo.cu_seqlens(probs), runtime["Seed"],
         *geo.strides(q), *geo.strides(k),
         probs.stride(0), probs.stride(1), probs.stride(2),
