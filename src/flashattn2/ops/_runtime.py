@@ -27,9 +27,9 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernels() -> types.SimpleNamespace:
-    from ..kernels import bwd, dmask, fill, fwd
+    from ..kernels import bwd, dmask, fill, fwd, rotary
 
-    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask)
+    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary)
 
 
 @torch.compiler.assume_constant_result

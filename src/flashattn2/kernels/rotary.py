@@ -1,0 +1,51 @@
+"""Rotary embedding, in place on the first rotary_dim features of each row: GPT-NeoX halves
+(features j and j + rotary_dim/2) or GPT-J pairs (2j and 2j + 1). CONJ rotates by minus the
+angle, which is the backward. Positions past seqlen_ro are left unrotated."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rotary_kernel(X, Cos, Sin, CuSeqlens, Offsets,
+                  stride_xb, stride_xs, stride_xh, stride_cs,
+                  seqlen, nheads, seqlen_ro, half, offset,
+                  IS_VARLEN: tl.constexpr, OFFSETS_TENSOR: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  CONJ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_m = tl.program_id(0)
+    off_b = tl.program_id(1).to(tl.int64)
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + off_b).to(tl.int64)
+        seqlen = (tl.load(CuSeqlens + off_b + 1) - start).to(tl.int32)
+        base = X + start * stride_xs
+    else:
+        base = X + off_b * stride_xb
+    if pid_m * BLOCK_M >= seqlen:
+        return
+    if OFFSETS_TENSOR:
+        offset = tl.load(Offsets + off_b)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos = rows + offset
+    cols = tl.arange(0, BLOCK_H)
+    cs_mask = (pos < seqlen_ro)[:, None] & (cols < half)[None, :]
+    # [BLOCK_M, BLOCK_H]
+    cs_off = pos.to(tl.int64)[:, None] * stride_cs + cols[None, :]
+    c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)
+    s = tl.load(Sin + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
+    if CONJ:
+        s = -s
+    if INTERLEAVED:
+        c1 = 2 * cols
+        c2 = 2 * cols + 1
+    else:
+        c1 = cols
+        c2 = cols + half
+    mask = (rows < seqlen)[:, None] & (cols < half)[None, :]
+    for h in range(0, nheads):
+        p1 = base + rows.to(tl.int64)[:, None] * stride_xs + h * stride_xh + c1[None, :]
+        p2 = base + rows.to(tl.int64)[:, None] * stride_xs + h * stride_xh + c2[None, :]
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * c - x2 * s
+        y2 = x1 * s + x2 * c
+        tl.store(p1, y1.to(X.dtype.element_ty), mask=mask)
+        tl.store(p2, y2.to(X.dtype.element_ty), mask=mask)
