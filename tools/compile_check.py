@@ -16,8 +16,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, dmask, fill, fwd  # noqa: E402
-from flashattn2.ops import config  # noqa: E402
+from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
+from flashattn2.ops import config, kvcache  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
@@ -26,13 +26,18 @@ TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 
 
-def compile_kernel(fn, arch, elem_bytes, constexprs, cfg):
+INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets"}
+
+
+def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
     sig = {}
     for name in fn.arg_names:
-        if name in constexprs:
+        if types and name in types:
+            sig[name] = types[name]
+        elif name in constexprs:
             sig[name] = "constexpr"
         elif name[0].isupper():  # tensors are the capitalised arguments
-            if name.startswith("CuSeqlens"):
+            if name.startswith("CuSeqlens") or name in INDEX_POINTERS:
                 sig[name] = "*i32"
             elif name == "Seed":
                 sig[name] = "*i64"
@@ -73,17 +78,41 @@ def cases(arch):
     dmask_flags = dict(CAUSAL=False, LOCAL=True, ALIBI=True, IS_VARLEN=True, UPCAST=False, DOT_PRECISION="tf32",
                        HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, BLOCK_D=256)
     yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, config.TileConfig(64, 64, 4, 1)
+    # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
+    # and with every option; the split-merging and rotary kernels
+    for head_dim in (64, 128, 256):
+        for elem_bytes in (2, 4):
+            for rows in (16, 64):
+                block_m, block_n, warps, stages = kvcache._tiles(rows, head_dim, False, elem_bytes)
+                for variant, split in (("plain", False), ("paged-leftpad-local-softcap-alibi-split", True)):
+                    flags = dict(CAUSAL=not split, LOCAL=split, SOFTCAP=split, ALIBI=split, PAGED=split, BATCH_IDX=not split,
+                                 LEFTPAD=split, SEQLENS_TENSOR=split, SPLIT=split, UPCAST=elem_bytes == 4,
+                                 DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32", HEAD_DIM=head_dim,
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_dim)
+                    types = {"Out": "*fp32"} if split else None
+                    yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{variant}", decode.attn_kvcache_kernel,
+                           elem_bytes, flags, config.TileConfig(block_m, block_n, warps, stages), types)
+        combine = dict(HEAD_DIM=head_dim, BLOCK_R=16, BLOCK_S=128, BLOCK_D=head_dim)
+        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 4, 1),
+               {"OutPart": "*fp32", "LsePart": "*fp32"})
+    for interleaved in (False, True):
+        flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
+        yield (f"{arch}-rotary-{'gptj' if interleaved else 'neox'}", rotary.rotary_kernel, 2, flags,
+               config.TileConfig(8, 8, 4, 1), None)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", choices=sorted(SHARED_LIMIT), required=True)
+    ap.add_argument("--match", default="", help="only the configurations whose id contains this")
     args = ap.parse_args()
     failures = 0
-    for name, fn, elem_bytes, constexprs, cfg in cases(args.arch):
+    for name, fn, elem_bytes, constexprs, cfg, *types in cases(args.arch):
+        if args.match not in name:
+            continue
         row = dict(id=name, tile=f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
         try:
-            shared = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg).metadata.shared
+            shared = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *types).metadata.shared
             row.update(shared=shared, limit=SHARED_LIMIT[args.arch], ok=shared <= SHARED_LIMIT[args.arch])
         except Exception as exc:  # a ptxas or lowering error is a failed entry, reported with the rest
             row.update(ok=False, error=" | ".join(str(exc).strip().splitlines()[-4:])[:500])

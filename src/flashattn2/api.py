@@ -14,6 +14,7 @@ from .ops import checks
 from .ops.registry import Attention, PackedAttention
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
+from .ops.registry import fwd_kvcache as _fwd_kvcache_op
 
 
 _DENSE = (None, None, 0, 0)  # fwd's varlen arguments (cu_seqlens_q/k, max_seqlen_q/k) when dense
@@ -189,3 +190,55 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention over a KV cache, for decoding and chunked prefill (inference: no backward).
+
+    If k and v (batch, seqlen_new, nheads_k, headdim) are given, they are written into k_cache /
+    v_cache in place at positions cache_seqlens[b] .. + seqlen_new (k rotated first when
+    rotary_cos/sin are given), and attention then runs over the updated cache.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim); nheads a multiple of nheads_k (the query heads of a
+            group are processed in one pass over their K/V).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table
+            (num_blocks, page_size, nheads_k, headdim) for any page size.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), q's dtype. The new k is rotated at
+            positions cache_seqlens + i; q at the same positions when causal or local, else all
+            of q at position cache_seqlens. rotary_interleaved: GPT-J pairs (True) or GPT-NeoX
+            halves (False).
+        cache_seqlens: int, or int32 (batch,): the tokens already in each cache row (None: the
+            whole cache is valid, nothing can be appended).
+        cache_batch_idx: int32 (batch,): the cache row of each sequence (contiguous cache).
+        cache_leftpad: int32 (batch,): each sequence's keys start at this cache position.
+        block_table: int32 (batch, max_blocks): the pages of each sequence.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func; causal
+            and windows are aligned to the bottom-right corner (the last query sees the last key).
+        num_splits: split each sequence's keys over this many programs and merge the partial
+            results; 0 chooses from the GPU's size, 1 disables splitting.
+        return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q), float32.
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
+
+    The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are checked on
+    the host before anything is written (one device sync; skipped under torch.compile).
+    """
+    checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, num_splits, alibi_slopes)
+    checks.check_options(0.0, softmax_scale, window_size, softcap)
+    checks.check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    left, right = (int(w) for w in window_size)
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens, seqlen_int = cache_seqlens, 0
+    else:
+        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+        seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
+    out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
+                               cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
+                               float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+    return (out, lse) if return_softmax_lse else out

@@ -27,9 +27,9 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernels() -> types.SimpleNamespace:
-    from ..kernels import bwd, dmask, fill, fwd, rotary
+    from ..kernels import bwd, decode, dmask, fill, fwd, rotary
 
-    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary)
+    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary, decode=decode)
 
 
 @torch.compiler.assume_constant_result

@@ -162,3 +162,154 @@ def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
     _tensor(name, t, 4 if varlen else 5, layout)
     if t.shape[1 if varlen else 2] != count:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+
+
+def _index_tensor(name, t, shape, dtypes=(torch.int32,)):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                  cache_leftpad, block_table, num_splits, alibi_slopes):
+    """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments; the values that live on
+    the device (cache_seqlens, block_table, ...) are checked by check_kvcache_values."""
+    _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    paged = block_table is not None
+    layout = "(num_blocks, page_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    _tensor("k_cache", k_cache, 4, layout)
+    _tensor("v_cache", v_cache, 4, layout)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}: the cache must have q's dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (it is written in place)")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
+    nheads_k = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"headdim of k_cache ({k_cache.shape[3]}) differs from q's ({head_dim})")
+    if nheads % nheads_k:
+        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads_k of the cache ({nheads_k})")
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    check_device(q.device, "q")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, "
+                                 f"headdim={head_dim}), got {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+        if cache_seqlens is None:
+            raise ValueError("appending k/v needs cache_seqlens (where each sequence's new tokens go)")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin need the new k/v: the rotary embedding is applied on append")
+        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2), got "
+                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.shape[1] > head_dim:
+            raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds headdim {head_dim}")
+        if rotary_cos.dtype != q.dtype or rotary_sin.dtype != q.dtype:
+            raise TypeError(f"rotary_cos/rotary_sin must have q's dtype {q.dtype}, got {rotary_cos.dtype}")
+        if rotary_cos.device != q.device or rotary_sin.device != q.device:
+            raise ValueError("rotary_cos/rotary_sin must be on q's device")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _index_tensor("cache_seqlens", cache_seqlens, (batch,))
+    elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or cache_seqlens < 0):
+        raise TypeError(f"cache_seqlens must be an int >= 0 or an int32 ({batch},) tensor, got {cache_seqlens!r}")
+    _index_tensor("cache_batch_idx", cache_batch_idx, (batch,))
+    _index_tensor("cache_leftpad", cache_leftpad, (batch,))
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be (batch={batch}, max_blocks), got "
+                             f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
+        _index_tensor("block_table", block_table, block_table.shape)
+        if cache_batch_idx is not None:
+            raise NotImplementedError("cache_batch_idx with a paged cache (block_table) is not supported, as in "
+                                      "flash_attn: index the block table instead")
+    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad), ("block_table", block_table)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
+    check_alibi(alibi_slopes, q, batch)
+
+
+def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
+    """The checks that read device values, in one host sync, before any memory is touched:
+    appends stay inside the cache, the pages a sequence uses exist, left padding and batch
+    indices are in range, rotary tables cover every position. Skipped while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    seqlen_new = 0 if k is None else k.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    host = _to_host(cache_seqlens, cache_leftpad, cache_batch_idx, block_table)  # one transfer
+    if isinstance(cache_seqlens, int):
+        seqlens = torch.tensor([cache_seqlens])
+    elif cache_seqlens is None:
+        seqlens = torch.tensor([capacity])
+    else:
+        seqlens = host[0]
+    if seqlens.numel() == 0:
+        return
+    ends = seqlens.long() + seqlen_new
+    if int(seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {seqlens.tolist()}")
+    if int(ends.max()) > capacity:
+        raise ValueError(f"cache_seqlens + seqlen_new reaches {int(ends.max())}, past the cache's "
+                         f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
+    if rotary_cos is not None and int(ends.max()) > rotary_cos.shape[0]:
+        raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs "
+                         f"{int(ends.max())}")
+    if cache_leftpad is not None:
+        pad = host[1]
+        if int(pad.min()) < 0 or bool((pad > seqlens.long()).any()):
+            raise ValueError(f"cache_leftpad must be in [0, cache_seqlens], got {pad.tolist()}")
+    if cache_batch_idx is not None:
+        idx = host[2]
+        if int(idx.min()) < 0 or int(idx.max()) >= k_cache.shape[0]:
+            raise ValueError(f"cache_batch_idx must index the {k_cache.shape[0]} cache rows, got {idx.tolist()}")
+    if paged:
+        page = k_cache.shape[1]
+        table = host[3]
+        used = (ends.expand(table.shape[0]) + page - 1) // page  # pages each sequence touches
+        cols = torch.arange(table.shape[1])[None, :]
+        live = table[cols < used[:, None]]
+        if live.numel() and (int(live.min()) < 0 or int(live.max()) >= k_cache.shape[0]):
+            raise ValueError(f"block_table entries must index the {k_cache.shape[0]} blocks of k_cache, got values "
+                             f"in [{int(live.min())}, {int(live.max())}]")
+
+
+def _to_host(*tensors):
+    """The given device tensors (None kept) as int64 CPU tensors, through one copy."""
+    present = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not present:
+        return [None] * len(tensors)
+    flat = torch.cat([t.reshape(-1).long() for t in present]).cpu()
+    out, at = [], 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            out.append(flat[at:at + t.numel()].reshape(t.shape))
+            at += t.numel()
+        else:
+            out.append(None)
+    return out

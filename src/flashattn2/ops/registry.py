@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime, attention
+from . import _runtime, attention, kvcache
 
 
 def _for_kernels(t: torch.Tensor) -> torch.Tensor:
@@ -179,3 +179,39 @@ class PackedAttention(torch.autograd.Function):
         bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
         nones = (None,) * (2 + len(options))
         return (None if ctx.packing == "qkv" else dq), dpacked, *nones
+
+
+@torch.library.custom_op("flashattn2::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                cache_seqlens: torch.Tensor | None, cache_seqlen_int: int, cache_batch_idx: torch.Tensor | None,
+                cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float,
+                causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over
+    the cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int
+    cache_seqlens travels as cache_seqlen_int with cache_seqlens None."""
+    with _runtime.device_of(q):
+        cache = kvcache.Cache(k_cache, v_cache, _contiguous(cache_seqlens), cache_seqlen_int,
+                              _contiguous(cache_batch_idx), _contiguous(cache_leftpad), _contiguous(block_table))
+        rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), rotary_interleaved)
+        seqlen_new = 0
+        if k is not None:
+            kvcache.append_(cache, k, v, rotary)
+            seqlen_new = k.shape[1]
+            if rotary is not None:
+                q = kvcache.rotate_q(q, cache, rotary, per_token=causal or window_left >= 0 or window_right >= 0)
+        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
+        return kvcache.forward(_for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits)
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+      alibi_slopes, num_splits):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)

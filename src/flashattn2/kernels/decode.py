@@ -1,0 +1,183 @@
+"""Attention over a KV cache (flash_attn_with_kvcache): decoding, speculative decoding and
+chunked prefill.
+
+Grid: (row blocks, batch * nheads_k, splits). The query heads that share a K/V head are packed
+into the rows of one program (row r is query r // group of head hk * group + r % group), so K/V
+are read once per group. The keys of sequence b are cache positions [leftpad, cache_seqlens +
+seqlen_new), read through the block table when paged (a gather per key row: any page size).
+
+Split-KV: split s covers keys [s * chunk, (s + 1) * chunk) -- a fixed chunk of keys, so a row's
+reduction order depends on its own keys only -- and writes a partial output and logsumexp in
+fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
+"""
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, alibi_bias, tanh, visible
+
+
+@triton.jit
+def attn_kvcache_kernel(
+    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_os, stride_ob, stride_oq, stride_oh,
+    stride_ls, stride_lb, stride_lh,
+    stride_bt, stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, page_size, chunk,
+    window_left, window_right, sm_scale, softcap,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    off_bhk = tl.program_id(1)
+    split = tl.program_id(2)
+    off_b = (off_bhk // nheads_k).to(tl.int64)
+    off_hk = (off_bhk % nheads_k).to(tl.int64)
+    group = nheads // nheads_k
+
+    if SEQLENS_TENSOR:
+        cache_seqlen = tl.load(CacheSeqlens + off_b)
+    key_end = cache_seqlen + seqlen_new  # physical end of this sequence's keys
+    left_pad = 0
+    if LEFTPAD:
+        left_pad = tl.load(LeftPad + off_b)
+    seqlen_k = key_end - left_pad  # keys are cache positions left_pad + j, j in [0, seqlen_k)
+
+    # packed rows: query qi of head hk * group + g
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // group
+    heads = off_hk * group + rows % group
+    row_ok = qi < seqlen_q
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    # [BLOCK_M, BLOCK_D]
+    q = tl.load(Q + off_b * stride_qb + qi.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh
+                + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # this split's keys, narrowed to what the block's rows can see
+    n_lo = split * chunk
+    n_hi = tl.minimum(n_lo + chunk, seqlen_k)
+    diag = seqlen_k - seqlen_q
+    qi_first = pid_m * BLOCK_M // group
+    qi_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    if CAUSAL:
+        n_hi = tl.minimum(n_hi, qi_last + diag + 1)
+    if LOCAL:
+        n_hi = tl.minimum(n_hi, qi_last + diag + window_right + 1)
+        n_lo = tl.maximum(n_lo, (qi_first + diag - window_left) // BLOCK_N * BLOCK_N)
+
+    if PAGED:
+        bt_row = BlockTable + off_b * stride_bt
+        k_base = K + off_hk * stride_kh
+        v_base = V + off_hk * stride_vh
+    else:
+        cache_row = off_b
+        if BATCH_IDX:
+            cache_row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
+        k_base = K + cache_row * stride_kb + off_hk * stride_kh
+        v_base = V + cache_row * stride_vb + off_hk * stride_vh
+
+    qk_scale = sm_scale * LOG2E
+    softcap_in = sm_scale / softcap
+    softcap_out = softcap * LOG2E
+    slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_alibi_b + heads, mask=row_ok, other=0.0) * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        kj = start_n + tl.arange(0, BLOCK_N)
+        k_ok = kj < n_hi
+        pos = (kj + left_pad).to(tl.int64)
+        if PAGED:
+            page = tl.load(bt_row + pos // page_size, mask=k_ok, other=0).to(tl.int64)
+            k_off = page * stride_kb + (pos % page_size) * stride_ks
+            v_off = page * stride_vb + (pos % page_size) * stride_vs
+        else:
+            k_off = pos * stride_ks
+            v_off = pos * stride_vs
+        kv_mask = k_ok[:, None] & col_ok[None, :]
+        # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_base + k_off[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            s = tanh(qk * softcap_in) * softcap_out
+        else:
+            s = qk * qk_scale
+        if ALIBI:
+            s += alibi_bias(qi[:, None], kj[None, :], seqlen_q, seqlen_k, slope2[:, None])
+        mask = visible(qi[:, None], kj[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL)
+        s = tl.where(mask & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + v_off[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_safe)) * LN2
+    # a split (or a row) that saw no key: lse -inf for the combine, +inf in the final result
+    lse = tl.where(empty, float("-inf") if SPLIT else float("inf"), lse)
+    o_ptrs = (Out + split * stride_os + off_b * stride_ob + qi.to(tl.int64)[:, None] * stride_oq
+              + heads[:, None] * stride_oh + cols[None, :])
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_combine_kernel(
+    OutPart, LsePart, Out, Lse,
+    stride_ps, stride_ls, stride_lb, stride_lh,
+    rows, seqlen_q, nheads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the splits of rows [pid * BLOCK_R, ...): out = sum_s exp(lse_s - lse) out_s with
+    lse = log sum_s exp(lse_s); a row that no split saw gets out 0 and lse +inf. Row r is
+    (batch, query, head) in the order of the contiguous (batch, seqlen_q, nheads, headdim) out
+    and its splits; the logsumexps are (splits,) batch, nheads, seqlen_q with the given strides."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows
+    b = r // (seqlen_q * nheads)
+    i = (r // nheads) % seqlen_q
+    h = r % nheads
+    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + i
+    s = tl.arange(0, BLOCK_S)
+    # [BLOCK_R, BLOCK_S]
+    lse_s = tl.load(LsePart + s[None, :] * stride_ls + lse_off[:, None],
+                    mask=r_ok[:, None] & (s[None, :] < num_splits), other=float("-inf"))
+    m = tl.max(lse_s, 1)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2((lse_s - m_shift[:, None]) * LOG2E)
+    total = tl.sum(w, 1)
+    empty = total == 0.0
+    w = w / tl.where(empty, 1.0, total)[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (cols[None, :] < HEAD_DIM)
+    row_off = r.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for split in range(0, num_splits):
+        part = tl.load(OutPart + split * stride_ps + row_off, mask=mask, other=0.0)
+        w_split = tl.sum(tl.where(s[None, :] == split, w, 0.0), 1)
+        acc += tl.where(w_split[:, None] > 0.0, part * w_split[:, None], 0.0)
+    lse = tl.where(empty, float("inf"), m_shift + tl.math.log2(tl.where(empty, 1.0, total)) * LN2)
+    tl.store(Out + row_off, acc.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Lse + lse_off, lse, mask=r_ok)

@@ -1,0 +1,173 @@
+"""flash_attn_with_kvcache's launcher: append the new keys/values (rotated) into the cache,
+rotate q, then attend over the cache, split over keys when the batch is too small to fill the
+GPU, and merge the splits."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import _runtime, attention
+from . import rotary as _rotary
+
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class Cache:
+    """The cache as the kernel reads it. Contiguous: k/v (batch_cache, capacity, nheads_k,
+    headdim), row cache_batch_idx[b] (or b) for sequence b. Paged: k/v (num_blocks, page_size,
+    nheads_k, headdim) and block_table (batch, max_blocks)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    seqlens: torch.Tensor | None  # int32 (batch,), or None with seqlen_int
+    seqlen_int: int
+    batch_idx: torch.Tensor | None
+    leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        if self.block_table is not None:
+            return self.block_table.shape[1] * self.page_size
+        return self.k.shape[1]
+
+
+def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary) -> None:
+    """Write k_new/v_new (batch, seqlen_new, nheads_k, headdim) at positions cache_seqlens[b] + i;
+    k rotated there first when rotary = (cos, sin, interleaved) is given."""
+    batch, seqlen_new = k_new.shape[:2]
+    device = k_new.device
+    start = cache.seqlens.long() if cache.seqlens is not None else torch.full(
+        (batch,), cache.seqlen_int, dtype=torch.long, device=device)
+    if rotary is not None:
+        cos, sin, interleaved = rotary
+        k_new = _rotary.rotate_(k_new.clone(), cos, sin, interleaved, start)
+    pos = start[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # (batch, seqlen_new)
+    if cache.block_table is not None:
+        rows = cache.block_table.long().gather(1, pos // cache.page_size)
+        pos = pos % cache.page_size
+    elif cache.batch_idx is not None:
+        rows = cache.batch_idx.long()[:, None].expand_as(pos)
+    else:
+        rows = torch.arange(batch, device=device)[:, None].expand_as(pos)
+    cache.k[rows, pos] = k_new
+    cache.v[rows, pos] = v_new
+
+
+def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Tensor:
+    """q rotated (a copy) at positions cache_seqlens[b] + i (per_token: causal or local), else
+    every query of sequence b at position cache_seqlens[b]."""
+    cos, sin, interleaved = rotary
+    batch, seqlen_q, nheads, head_dim = q.shape
+    offsets = cache.seqlens if cache.seqlens is not None else cache.seqlen_int
+    q = q.contiguous().clone()
+    if per_token or seqlen_q == 1:
+        return _rotary.rotate_(q, cos, sin, interleaved, offsets)
+    # one position per sequence: its queries become heads of a single token
+    _rotary.rotate_(q.view(batch, 1, seqlen_q * nheads, head_dim), cos, sin, interleaved, offsets)
+    return q
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decoding reads K/V once per group: the rows are
+    few (group x seqlen_q), the keys many. Not tuned yet (no measurement chose these); sized so
+    that fp32 at headdim 256 fits the 99 KB of shared memory of sm86/89 (compile_check)."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    if interp:
+        return block_m, 16, 1, 1
+    block_n = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
+    if elem_bytes == 4:
+        return block_m, block_n // 2, 4, 1
+    return block_m, block_n, 4, 2
+
+
+def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, sm_count: int) -> int:
+    """num_splits > 0: that many (at most MAX_SPLITS and one per key block). 0: enough splits for
+    about two programs per SM when the batch alone does not fill the GPU, each split keeping at
+    least four key blocks."""
+    n_blocks = max(1, -(-capacity // block_n))
+    if num_splits > 0:
+        return max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    if programs >= sm_count:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * sm_count // programs), n_blocks // 4))
+
+
+def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: attention.ScoreMods,
+            num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append).
+    Returns out like q and lse fp32 (batch, nheads, seqlen_q)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = cache.k.shape[2]
+    group = nheads // nheads_k
+    interp = _runtime.interpreted()
+    out_dtype = torch.float32 if interp else q.dtype
+    out = _runtime.empty((batch, seqlen_q, nheads, head_dim), out_dtype, q.device)
+    lse = _runtime.empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    if out.numel() == 0:
+        return out.to(q.dtype), lse
+    rows = group * seqlen_q
+    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, q.element_size())
+    programs = -(-rows // block_m) * batch * nheads_k
+    sm_count = 8 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
+    chunk = -(-cache.capacity // (splits * block_n)) * block_n
+    splits = -(-cache.capacity // chunk)
+    if splits > 1:
+        out_part = _runtime.empty((splits, batch, seqlen_q, nheads, head_dim), torch.float32, q.device)
+        lse_part = _runtime.empty((splits, batch, nheads, seqlen_q), torch.float32, q.device)
+        dst, dst_lse = out_part, lse_part
+        dst_strides = out_part.stride()[:4]
+        lse_strides = lse_part.stride()[:3]
+    else:
+        dst, dst_lse = out, lse
+        dst_strides = (0, *out.stride()[:3])
+        lse_strides = (0, *lse.stride()[:2])
+    runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
+    flags.pop("DROPOUT")
+    upcast = interp or q.dtype == torch.float32
+    kernels = _runtime.kernels().decode
+    bt = cache.block_table
+    k, v = cache.k, cache.v
+    with _runtime.device_of(q):
+        kernels.attn_kvcache_kernel[(-(-rows // block_m), batch * nheads_k, splits)](
+            q, k, v, dst, dst_lse,
+            cache.seqlens if cache.seqlens is not None else lse,
+            cache.batch_idx if cache.batch_idx is not None else lse,
+            cache.leftpad if cache.leftpad is not None else lse,
+            bt if bt is not None else lse,
+            runtime["Alibi"],
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *dst_strides, *lse_strides,
+            bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
+            nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, cache.page_size, chunk,
+            runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"],
+            **flags,
+            PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
+            SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1,
+            UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
+            num_warps=warps, num_stages=stages,
+        )
+        if splits > 1:
+            total_rows = batch * seqlen_q * nheads
+            block_r = 16
+            kernels.attn_combine_kernel[(-(-total_rows // block_r),)](
+                out_part, lse_part, out, lse,
+                out_part.stride(0), lse_part.stride(0), lse.stride(0), lse.stride(1),
+                total_rows, seqlen_q, nheads, splits,
+                HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
+                BLOCK_D=attention._block_d(head_dim),
+            )
+    return out.to(q.dtype), lse

@@ -1,0 +1,299 @@
+"""flash_attn_with_kvcache against the plain-PyTorch reference (append, rotate, attend): output and
+logsumexp by flash-attn's rule (factor 3, 5 with ALiBi), cache contents after the call, splits
+against no split. On the CPU a pairwise covering sample of the options; on the GPU more."""
+import itertools
+import random
+
+import pytest
+import torch
+
+import flashattn2
+from cases import randn
+from conftest import DEVICE, ON_GPU
+from flashattn2.reference import tolerance
+from flashattn2.reference.kvcache import kvcache_ref
+from tolerance import assert_close
+
+# option -> its values; the first value is the plain one
+OPTIONS = {
+    "dtype": [torch.float16, torch.bfloat16, torch.float32],
+    "paged": [None, 16, 5],           # page size (None: a contiguous cache)
+    "seqlen_new": [0, 1, 4],
+    "rotary": [None, "neox", "gptj"],
+    "mask": ["none", "causal", "window", "causal-window"],
+    "softcap": [0.0, 3.0],
+    "alibi": [False, True],
+    "group": [1, 2, 4],               # nheads / nheads_k
+    "seqlen_q": [1, 3],
+    "seqlens": ["tensor", "int"],
+    "batch_idx": [False, True],
+    "leftpad": [False, True],
+    "splits": [1, 0, 3],
+}
+
+
+def _valid(c):
+    if c.get("rotary") and c.get("seqlen_new") == 0:
+        return False  # rotary is applied on append
+    if c.get("batch_idx") and c.get("paged"):
+        return False  # unsupported, as in flash_attn
+    return True
+
+
+def pairwise(options, seed=0):
+    """A small list of configurations (dicts) in which every pair of values of two options
+    appears at least once (greedy covering; invalid combinations skipped)."""
+    rng = random.Random(seed)
+    names = list(options)
+    uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
+                 for va in options[a] for vb in options[b] if _valid({a: va, b: vb})}
+    configs = []
+    while uncovered:
+        best, best_gain = None, -1
+        for _ in range(60):
+            a, va, b, vb = rng.choice(sorted(uncovered, key=repr))
+            c = {a: va, b: vb}
+            for n in names:
+                if n in c:
+                    continue
+                choices = [v for v in options[n] if _valid({**c, n: v})]
+                # the value that covers most still-uncovered pairs with what is chosen so far
+                c[n] = max(choices, key=lambda v: sum((m, c[m], n, v) in uncovered or (n, v, m, c[m]) in uncovered
+                                                      for m in c) + rng.random() * 0.1)
+            gain = sum((x, c[x], y, c[y]) in uncovered for x, y in itertools.combinations(names, 2))
+            if _valid(c) and gain > best_gain:
+                best, best_gain = c, gain
+        configs.append(best)
+        uncovered -= {(x, best[x], y, best[y]) for x, y in itertools.combinations(names, 2)}
+    return configs
+
+
+def _id(c):
+    parts = [str(c["dtype"]).replace("torch.", "")]
+    parts += [f"{k}={v}" for k, v in c.items() if k != "dtype" and v != OPTIONS[k][0]]
+    return "-".join(parts)
+
+
+CONFIGS = pairwise(OPTIONS)
+if ON_GPU:  # and a denser sample: three more covering arrays with other seeds
+    CONFIGS += pairwise(OPTIONS, 1) + pairwise(OPTIONS, 2) + pairwise(OPTIONS, 3)
+HEADDIMS = [128, 64, 40] if not ON_GPU else [128, 256, 64, 96]
+CAPACITY = 70 if not ON_GPU else 3000
+
+
+def make_case(c, head_dim, capacity=CAPACITY, batch=3, nheads_k=2):
+    dtype, group = c["dtype"], c["group"]
+    nheads = nheads_k * group
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    seqlen_new = c["seqlen_new"]
+    if c["seqlens"] == "int":
+        seqlens = int(torch.randint(0, capacity - seqlen_new + 1, (1,), generator=gen))
+        lens = torch.full((batch,), seqlens)
+    else:
+        lens = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=gen)
+        lens[0] = capacity - seqlen_new  # one sequence fills its cache
+        seqlens = lens.to(torch.int32).to(DEVICE)
+    q = randn(batch, c["seqlen_q"], nheads, head_dim, dtype=dtype)
+    kwargs = dict(cache_seqlens=seqlens)
+    if c["paged"]:
+        page = c["paged"]
+        max_blocks = -(-capacity // page)
+        num_blocks = batch * max_blocks + 3
+        k_cache = randn(num_blocks, page, nheads_k, head_dim, dtype=dtype)
+        perm = torch.randperm(num_blocks, generator=gen)[:batch * max_blocks]
+        kwargs["block_table"] = perm.view(batch, max_blocks).to(torch.int32).to(DEVICE)
+    else:
+        rows = batch + 2 if c["batch_idx"] else batch
+        k_cache = randn(rows, capacity, nheads_k, head_dim, dtype=dtype)
+        if c["batch_idx"]:
+            kwargs["cache_batch_idx"] = torch.randperm(rows, generator=gen)[:batch].to(torch.int32).to(DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    if seqlen_new:
+        kwargs["k"] = randn(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
+        kwargs["v"] = randn(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
+    if c["leftpad"]:
+        kwargs["cache_leftpad"] = (torch.rand(batch, generator=gen) * (lens + 1)).long().clamp(max=lens).to(
+            torch.int32).to(DEVICE)
+    if c["rotary"]:
+        rotary_dim = head_dim if head_dim % 32 else head_dim // 2
+        angle = torch.rand(capacity, rotary_dim // 2, device=DEVICE) * 6.28
+        kwargs.update(rotary_cos=angle.cos().to(dtype), rotary_sin=angle.sin().to(dtype),
+                      rotary_interleaved=c["rotary"] == "gptj")
+    mask = c["mask"]
+    kwargs["causal"] = "causal" in mask
+    if "window" in mask:
+        kwargs["window_size"] = (int(torch.randint(0, capacity // 2, (1,), generator=gen)),
+                                 -1 if "causal" in mask else int(torch.randint(0, 4, (1,), generator=gen)))
+    kwargs["softcap"] = c["softcap"]
+    if c["alibi"]:
+        kwargs["alibi_slopes"] = torch.rand(batch, nheads, device=DEVICE) * 0.3
+    return q, k_cache, v_cache, kwargs
+
+
+def run_ours(q, k_cache, v_cache, kwargs, splits):
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out, lse = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=splits,
+                                                  return_softmax_lse=True)
+    return out, lse, k_cache, v_cache
+
+
+def check(q, k_cache, v_cache, kwargs, splits, name=""):
+    out, lse, k_after, v_after = run_ours(q, k_cache, v_cache, kwargs, splits)
+    ref_out, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, **kwargs)
+    low_out, _, _, _ = kvcache_ref(q, k_cache, v_cache, **kwargs, upcast=False)
+    factor = 5.0 if "alibi_slopes" in kwargs else 3.0
+    assert_close(name + "out", out, ref_out, low_out, factor)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "rows without keys must have lse +inf"
+    assert (lse[~finite] == float("inf")).all()
+    torch.testing.assert_close(lse[finite], ref_lse[finite].float(), rtol=1e-3, atol=1e-3)
+    if "rotary_cos" in kwargs:  # rotated in fp32 by both, rounded once: equal up to an ulp
+        torch.testing.assert_close(k_after, ref_k, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(k_after, ref_k)
+    assert torch.equal(v_after, ref_v)
+    return out, lse
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, id=_id(c)) for c in CONFIGS])
+def test_kvcache(config):
+    head_dim = HEADDIMS[CONFIGS.index(config) % len(HEADDIMS)]
+    q, k_cache, v_cache, kwargs = make_case(config, head_dim)
+    check(q, k_cache, v_cache, kwargs, config["splits"])
+
+
+def test_pairwise_sample_covers_every_pair():
+    covered = {(a, c[a], b, c[b]) for c in CONFIGS for a, b in itertools.combinations(OPTIONS, 2)}
+    for a, b in itertools.combinations(OPTIONS, 2):
+        for va in OPTIONS[a]:
+            for vb in OPTIONS[b]:
+                if _valid({a: va, b: vb}):
+                    assert (a, va, b, vb) in covered, (a, va, b, vb)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 64])
+def test_splits_match_no_split(splits):
+    c = dict(dtype=torch.float16, paged=16, seqlen_new=2, rotary=None, mask="causal", softcap=0.0, alibi=False,
+             group=4, seqlen_q=2, seqlens="tensor", batch_idx=False, leftpad=True, splits=1)
+    q, k_cache, v_cache, kwargs = make_case(c, 64)
+    one, lse_one, _, _ = run_ours(q, k_cache, v_cache, kwargs, 1)
+    out, lse = check(q, k_cache, v_cache, kwargs, splits)
+    low, _, _, _ = kvcache_ref(q, k_cache, v_cache, **kwargs, upcast=False)
+    ref, _, _, _ = kvcache_ref(q, k_cache, v_cache, **kwargs)
+    # the split result is as close to the reference as the unsplit one, by the same rule
+    ok, err, bound = tolerance.check(out, ref, one, 2.0)
+    assert ok or err <= 2 * (one.double() - ref.double()).abs().max().item() + 1e-3, (err, bound)
+    finite = torch.isfinite(lse_one)
+    torch.testing.assert_close(lse[finite], lse_one[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_empty_sequences_and_full_cache():
+    """A sequence with no keys at all (cache_seqlens 0, nothing appended) gives 0 and lse +inf;
+    cache_seqlens=None attends to the whole cache."""
+    q = randn(2, 1, 4, 32, dtype=torch.float16)
+    k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
+    seqlens = torch.tensor([0, 7], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 3):
+        out, lse = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits,
+                                                      return_softmax_lse=True)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and (lse[0] == float("inf")).all()
+    check(q, k_cache, v_cache, {}, 0)
+
+
+def test_decode_loop_appends_token_by_token():
+    """generate(): one token per step; the cache grows, each step matches the reference."""
+    c = dict(dtype=torch.bfloat16, paged=5, seqlen_new=1, rotary="neox", mask="causal", softcap=0.0, alibi=False,
+             group=2, seqlen_q=1, seqlens="tensor", batch_idx=False, leftpad=False, splits=0)
+    q, k_cache, v_cache, kwargs = make_case(c, 64, capacity=40, batch=2)
+    kwargs["cache_seqlens"] = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    for step in range(6):
+        kwargs["k"], kwargs["v"] = (randn(2, 1, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        q = randn(2, 1, 4, 64, dtype=torch.bfloat16)
+        ref_out, _, ref_k, ref_v = kvcache_ref(q, ref_k, ref_v, **kwargs)
+        out = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+        low, _, _, _ = kvcache_ref(q, k_cache.clone(), v_cache.clone(), **kwargs, upcast=False)
+        assert_close(f"step {step} out", out, ref_out, low, 3.0)
+        torch.testing.assert_close(k_cache, ref_k, rtol=1e-2, atol=1e-2)
+        assert torch.equal(v_cache, ref_v)
+        kwargs["cache_seqlens"] = kwargs["cache_seqlens"] + 1
+
+
+def test_compile_decode_step_fullgraph():
+    torch._dynamo.reset()
+    q = randn(2, 1, 4, 32, dtype=torch.float32)
+    k_cache, v_cache = randn(2, 16, 2, 32, dtype=torch.float32), randn(2, 16, 2, 32, dtype=torch.float32)
+    k, v = randn(2, 1, 2, 32, dtype=torch.float32), randn(2, 1, 2, 32, dtype=torch.float32)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True) * 2
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    eager = step(q, kc, vc, k, v, seqlens)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q, kc2, vc2, k, v, seqlens)
+    torch.testing.assert_close(compiled, eager)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)  # the cache mutation survives compilation
+
+
+def test_opcheck_kvcache():
+    from flashattn2.ops import registry
+
+    q = randn(2, 2, 4, 32, dtype=torch.float16)
+    k_cache, v_cache = randn(2, 16, 2, 32, dtype=torch.float16), randn(2, 16, 2, 32, dtype=torch.float16)
+    k, v = randn(2, 2, 2, 32, dtype=torch.float16), randn(2, 2, 2, 32, dtype=torch.float16)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(registry.fwd_kvcache, (q, k_cache, v_cache, k, v, None, None, seqlens, 0, None, None, None,
+                                                 0.2, True, -1, -1, 0.0, True, None, 2))
+
+
+def _errors():
+    q = randn(2, 1, 4, 32, dtype=torch.float16)
+    kc, vc = randn(2, 16, 2, 32, dtype=torch.float16), randn(2, 16, 2, 32, dtype=torch.float16)
+    k, v = randn(2, 3, 2, 32, dtype=torch.float16), randn(2, 3, 2, 32, dtype=torch.float16)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    cos = torch.ones(16, 8, dtype=torch.float16, device=DEVICE)
+    pages = randn(6, 4, 2, 32, dtype=torch.float16)
+    return [
+        ((q, kc.float(), vc), {}, TypeError, "q's dtype"),
+        ((q, kc, vc[:, :, :1]), {}, ValueError, "one shape"),
+        ((randn(2, 1, 3, 32, dtype=torch.float16), kc, vc), {}, ValueError, "GQA"),
+        ((q, kc, vc, k), {"cache_seqlens": 1}, ValueError, "together"),
+        ((q, kc, vc, k, v), {}, ValueError, "needs cache_seqlens"),
+        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 14], **i32)}, ValueError, "capacity of 16"),
+        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 4], dtype=torch.int64, device=DEVICE)}, TypeError,
+         "cache_seqlens must be"),
+        ((q, kc, vc), {"cache_seqlens": 3, "cache_batch_idx": torch.tensor([0, 2], **i32)}, ValueError,
+         "cache_batch_idx must index"),
+        ((q, kc, vc), {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([4, 0], **i32)},
+         ValueError, "cache_leftpad"),
+        ((q, kc, vc, k, v), {"cache_seqlens": 1, "rotary_cos": cos, "rotary_sin": cos[:, :4]}, ValueError,
+         "rotary_cos/rotary_sin must be"),
+        ((q, kc, vc, k, v), {"cache_seqlens": 1, "rotary_cos": torch.ones(16, 20, dtype=torch.float16, device=DEVICE),
+                             "rotary_sin": torch.ones(16, 20, dtype=torch.float16, device=DEVICE)}, ValueError,
+         "rotary_dim 40"),
+        ((q, kc, vc, k, v), {"cache_seqlens": 10, "rotary_cos": cos[:12], "rotary_sin": cos[:12]}, ValueError,
+         "12 positions"),
+        ((q, kc, vc), {"cache_seqlens": 1, "rotary_cos": cos, "rotary_sin": cos}, ValueError, "need the new k/v"),
+        ((q, pages, pages), {"cache_seqlens": 5, "block_table": torch.tensor([[0, 1], [2, 9]], **i32)}, ValueError,
+         "block_table entries"),
+        ((q, pages, pages), {"cache_seqlens": 9, "block_table": torch.tensor([[0, 1], [2, 3]], **i32)}, ValueError,
+         "capacity of 8"),
+        ((q, pages, pages), {"cache_seqlens": 5, "block_table": torch.tensor([[0, 1], [2, 3]], **i32),
+                             "cache_batch_idx": torch.tensor([0, 1], **i32)}, NotImplementedError, "cache_batch_idx"),
+        ((q, kc, vc), {"cache_seqlens": 3, "num_splits": -1}, ValueError, "num_splits"),
+        ((q, kc, vc), {"cache_seqlens": 3, "window_size": (-2, 0)}, ValueError, "window_size"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(18))
+def test_bad_arguments_raise_before_writing(index):
+    cases = _errors()
+    assert len(cases) == 18
+    args, kwargs, exc, match = cases[index]
+    caches = [t.clone() for t in args[1:3]]
+    with pytest.raises(exc, match=match):
+        flashattn2.flash_attn_with_kvcache(*args, **kwargs)
+    for before, after in zip(caches, args[1:3]):
+        assert torch.equal(before, after), "the cache was written before the error"
