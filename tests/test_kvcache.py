@@ -297,3 +297,62 @@ def test_bad_arguments_raise_before_writing(index):
         flashattn2.flash_attn_with_kvcache(*args, **kwargs)
     for before, after in zip(caches, args[1:3]):
         assert torch.equal(before, after), "the cache was written before the error"
+
+
+def _paged(k, lengths, page, gen):
+    """Scatter packed keys (total, hk, d) of sequences of the given lengths into pages at random
+    block indices: (pages (num_blocks, page, hk, d), block_table (batch, max_blocks))."""
+    max_blocks = max(1, max(-(-n // page) for n in lengths))
+    num_blocks = len(lengths) * max_blocks + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    table = order[:len(lengths) * max_blocks].view(len(lengths), max_blocks)
+    pages = torch.randn(num_blocks, page, *k.shape[1:], generator=gen).to(k.dtype).to(k.device)
+    start = 0
+    for b, n in enumerate(lengths):
+        for j in range(n):
+            pages[table[b, j // page], j % page] = k[start + j]
+        start += n
+    return pages, table.to(torch.int32).to(k.device)
+
+
+@pytest.mark.parametrize("page", [16, 3])
+@pytest.mark.parametrize("opts", [
+    pytest.param({}, id="full"),
+    pytest.param({"causal": True}, id="causal"),
+    pytest.param({"causal": True, "window_size": (7, -1), "softcap": 2.0, "alibi": True}, id="causal-window-softcap-alibi"),
+])
+def test_varlen_paged_prefill(page, opts):
+    """flash_attn_varlen_func(block_table=...) equals the same call on the packed K/V, and each
+    sequence obeys flash-attn's rule against the reference."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    lengths_q = [5, 0, 17, 1] if not ON_GPU else [500, 0, 1700, 1]
+    lengths_k = [9, 4, 17, 130] if not ON_GPU else [900, 40, 1700, 3000]  # 130: long enough to be split
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(4, device=DEVICE) * 0.3
+    cu = lambda n: torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = randn(sum(lengths_q) + 3, 4, 64, dtype=torch.bfloat16)  # 3 rows past cu_seqlens_q[-1]
+    k, v = randn(sum(lengths_k), 2, 64, dtype=torch.bfloat16), randn(sum(lengths_k), 2, 64, dtype=torch.bfloat16)
+    k_pages, table = _paged(k, lengths_k, page, gen)
+    v_pages = torch.zeros_like(k_pages)
+    for b, n in enumerate(lengths_k):  # the same pages for v
+        start = sum(lengths_k[:b])
+        for j in range(n):
+            v_pages[table[b, j // page], j % page] = v[start + j]
+    args = (cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k))
+    out, lse, _ = flashattn2.flash_attn_varlen_func(q, k_pages, v_pages, *args, block_table=table,
+                                                    return_attn_probs=True, **opts)
+    dense, dense_lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, *args, return_attn_probs=True, **opts)
+    assert out.shape == dense.shape and lse.shape == dense_lse.shape
+    torch.testing.assert_close(out, dense, rtol=2e-2, atol=2e-2)
+    finite = torch.isfinite(dense_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], dense_lse[finite], rtol=1e-3, atol=1e-3)
+    from flashattn2.reference import attention_ref
+    sq, sk = 0, 0
+    for nq, nk in zip(lengths_q, lengths_k):
+        ref, _ = attention_ref(q[None, sq:sq + nq], k[None, sk:sk + nk], v[None, sk:sk + nk], **opts)
+        low, _ = attention_ref(q[None, sq:sq + nq], k[None, sk:sk + nk], v[None, sk:sk + nk], upcast=False, **opts)
+        assert_close(f"sequence at {sq}", out[None, sq:sq + nq], ref, low, 5.0 if "alibi_slopes" in opts else 3.0)
+        sq, sk = sq + nq, sk + nk
+    assert torch.equal(out[sq:], torch.zeros_like(out[sq:])) and (lse[:, sq:] == float("inf")).all()

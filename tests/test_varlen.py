@@ -147,8 +147,20 @@ def test_bad_varlen_arguments():
     q, k, v = make(lengths, lengths)
     with pytest.raises(ValueError, match="exceeds max_seqlen_q"):
         flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 8, 9)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    pages = k.new_zeros(4, 8, *k.shape[1:])
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="k must have 4 dimensions"):
         flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9, block_table=cu(lengths)[None])
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        flashattn2.flash_attn_varlen_func(q.requires_grad_(), pages, pages, cu(lengths), cu(lengths), 9, 9,
+                                          block_table=table)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flashattn2.flash_attn_varlen_func(q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9, dropout_p=0.1,
+                                          block_table=table)
+    with pytest.raises(ValueError, match="block_table entries"):
+        flashattn2.flash_attn_varlen_func(q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9,
+                                          block_table=table + 2)
+    q = q.detach()
     with pytest.raises(ValueError, match="q must have 3 dimensions"):
         flashattn2.flash_attn_varlen_func(q[None], k, v, cu(lengths), cu(lengths), 9, 9)
     with pytest.raises(ValueError, match="alibi_slopes"):

@@ -23,9 +23,10 @@ def _parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", default="bench", choices=["bench", "check"],
                     help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check")
-    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report", "features"],
+    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report", "features", "decode"],
                     help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
-                         "features: what varlen, window and the other options cost (headdim 128 by default)")
+                         "features: what varlen, window and the other options cost (headdim 128 by default); "
+                         "decode: GB/s of K/V read when decoding over a KV cache")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
@@ -38,6 +39,11 @@ def _parser():
     ap.add_argument("--baseline", default=None,
                     help="features: a package built by tools/baseline_pkg.py to compare 'features off' with")
     ap.add_argument("--cases", default="varlen,window,off,on", help="features: which cases")
+    ap.add_argument("--batches", default="1,8,64", help="decode: batch sizes")
+    ap.add_argument("--caches", default="1024,8192,32768,131072", help="decode: cache lengths")
+    ap.add_argument("--kv-heads", default="32,8", help="decode: K/V heads (32 query heads)")
+    ap.add_argument("--layouts", default="contiguous,paged-16,paged-256", help="decode: flashattn2's cache layouts")
+    ap.add_argument("--timings", default="eager,graph", help="decode: eager and/or graph (CUDA graph replay)")
     return ap
 
 
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
         return _cpu_check(argv)
     if args.what == "features":
         return _features(args)
+    if args.what == "decode":
+        return _decode(args)
     from .bench import kernels
 
     names = args.providers.split(",")
@@ -105,6 +113,22 @@ def _features(args):
     features.run(path, args.dtypes.split(","), headdim, args.modes.split(","), args.baseline,
                  args.cases.split(","))
     text = features.markdown(path)
+    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
+        fh.write(text + "\n")
+    print(text)
+    return 0
+
+
+def _decode(args):
+    import torch
+
+    from .bench import decode
+
+    slug = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
+    path = args.csv or os.path.join(RESULTS, f"decode-{slug}.csv")
+    decode.run(path, _ints(args.batches), _ints(args.caches), _ints(args.kv_heads), args.layouts.split(","),
+               args.timings.split(","), peers="sdpa" in args.providers)
+    text = decode.markdown(path)
     with open(os.path.splitext(path)[0] + ".md", "w") as fh:
         fh.write(text + "\n")
     print(text)

@@ -15,6 +15,7 @@ from .ops.registry import Attention, PackedAttention
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
 from .ops.registry import fwd_kvcache as _fwd_kvcache_op
+from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 
 
 _DENSE = (None, None, 0, 0)  # fwd's varlen arguments (cu_seqlens_q/k, max_seqlen_q/k) when dense
@@ -131,11 +132,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def _no_block_table(block_table):
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged K/V) is not implemented yet in flashattn2")
-
-
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -149,20 +145,44 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             output and gradient are 0 (logsumexp +inf).
         max_seqlen_q, max_seqlen_k: int (or a one-element tensor) >= every sequence's length.
         Causal alignment, window, softcap and ALiBi apply per sequence (alibi_slopes may be
-        (batch, nheads) with batch = len(cu_seqlens) - 1). Other arguments as flash_attn_func;
-        block_table (paged K/V) is not implemented yet.
+        (batch, nheads) with batch = len(cu_seqlens) - 1). Other arguments as flash_attn_func.
+        block_table: int32 (batch, max_blocks) for a paged K/V: k/v are then (num_blocks,
+            page_size, nheads_k, headdim), any page size, and sequence b's keys are its first
+            cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b]. Forward
+            only (no dropout, inputs must not require grad).
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs also softmax_lse (nheads,
         total_q) float32 and an empty S_dmask.
     The cu_seqlens values are checked on the host after the kernels are queued, from a copy that
     does not wait for them (outside torch.compile).
     """
-    _no_block_table(block_table)
+    if block_table is not None:
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = _attention(q, k, v, options, alibi_slopes)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+
+
+def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_attn_probs, block_table):
+    """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
+    max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                      dropout_p)
+    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+    checks.check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
+                                  "call it under torch.no_grad() or with inputs that do not require grad")
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    left, right = (int(w) for w in window_size)
+    out, lse = _fwd_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, block_table, scale, bool(causal),
+                                    left, right, float(softcap), alibi_slopes)
+    if not return_attn_probs:
+        return out
+    return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -6,6 +6,9 @@ into the rows of one program (row r is query r // group of head hk * group + r %
 are read once per group. The keys of sequence b are cache positions [leftpad, cache_seqlens +
 seqlen_new), read through the block table when paged (a gather per key row: any page size).
 
+Paged prefill (flash_attn_varlen_func with block_table): VARLEN_Q reads sequence b's queries
+from rows cu_seqlens_q[b] .. of a packed (total_q, nheads, headdim) q.
+
 Split-KV: split s covers keys [s * chunk, (s + 1) * chunk) -- a fixed chunk of keys, so a row's
 reduction order depends on its own keys only -- and writes a partial output and logsumexp in
 fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
@@ -18,7 +21,7 @@ from .common import LN2, LOG2E, alibi_bias, tanh, visible
 
 @triton.jit
 def attn_kvcache_kernel(
-    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi,
+    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi, CuSeqlensQ,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -29,7 +32,7 @@ def attn_kvcache_kernel(
     window_left, window_right, sm_scale, softcap,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, VARLEN_Q: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -39,6 +42,12 @@ def attn_kvcache_kernel(
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     group = nheads // nheads_k
 
+    q_start = 0
+    if VARLEN_Q:  # paged prefill: q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of a (total_q, ...) tensor
+        q_start = tl.load(CuSeqlensQ + off_b).to(tl.int64)
+        seqlen_q = (tl.load(CuSeqlensQ + off_b + 1) - q_start).to(tl.int32)
+        if pid_m * BLOCK_M >= seqlen_q * group:
+            return
     if SEQLENS_TENSOR:
         cache_seqlen = tl.load(CacheSeqlens + off_b)
     key_end = cache_seqlen + seqlen_new  # physical end of this sequence's keys
@@ -55,7 +64,7 @@ def attn_kvcache_kernel(
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
     # [BLOCK_M, BLOCK_D]
-    q = tl.load(Q + off_b * stride_qb + qi.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh
+    q = tl.load(Q + off_b * stride_qb + (q_start + qi.to(tl.int64))[:, None] * stride_qs + heads[:, None] * stride_qh
                 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -137,10 +146,10 @@ def attn_kvcache_kernel(
     lse = (m_i + tl.math.log2(l_safe)) * LN2
     # a split (or a row) that saw no key: lse -inf for the combine, +inf in the final result
     lse = tl.where(empty, float("-inf") if SPLIT else float("inf"), lse)
-    o_ptrs = (Out + split * stride_os + off_b * stride_ob + qi.to(tl.int64)[:, None] * stride_oq
+    o_ptrs = (Out + split * stride_os + off_b * stride_ob + (q_start + qi.to(tl.int64))[:, None] * stride_oq
               + heads[:, None] * stride_oh + cols[None, :])
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + qi, lse, mask=row_ok)
+    tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
 
 
 @triton.jit

@@ -256,8 +256,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
     """The checks that read device values, in one host sync, before any memory is touched:
     appends stay inside the cache, the pages a sequence uses exist, left padding and batch
-    indices are in range, rotary tables cover every position. Skipped while torch.compile traces."""
-    if torch.compiler.is_compiling():
+    indices are in range, rotary tables cover every position. Skipped while torch.compile traces
+    and while a CUDA graph is captured (a host read is not allowed there)."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
     seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
@@ -313,3 +314,63 @@ def _to_host(*tensors):
         else:
             out.append(None)
     return out
+
+
+def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                       dropout_p):
+    """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then the values
+    of cu_seqlens and block_table in one host read (outside torch.compile)."""
+    _tensor("q", q, 3, "(total_q, nheads, headdim)")
+    layout = "(num_blocks, page_size, nheads_k, headdim) with block_table"
+    _tensor("k", k_cache, 4, layout)
+    _tensor("v", v_cache, 4, layout)
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} must have one shape")
+    nheads, head_dim = q.shape[1:]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"headdim of k ({k_cache.shape[3]}) differs from q's ({head_dim})")
+    if nheads % k_cache.shape[2]:
+        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads_k ({k_cache.shape[2]})")
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    check_device(q.device, "q")
+    if dropout_p > 0:
+        raise NotImplementedError("dropout_p > 0 with block_table (paged K/V) is not supported: it is forward-only")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _index_tensor(name, cu, (cu_seqlens_q.shape[0],) if isinstance(cu_seqlens_q, torch.Tensor) else (1,))
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be (batch={batch}, max_blocks) int32")
+    _index_tensor("block_table", block_table, block_table.shape)
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
+    maxes = []
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        m = int(m.item()) if isinstance(m, torch.Tensor) else m
+        if not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
+        maxes.append(m)
+    if torch.compiler.is_compiling():
+        return maxes[0]
+    cu_q, cu_k, table = _to_host(cu_seqlens_q, cu_seqlens_k, block_table)
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    _check_cu_values(torch.stack((cu_q, cu_k)), (q.shape[0], batch * capacity), maxes)
+    lengths = cu_k[1:] - cu_k[:-1]
+    if lengths.numel() and int(lengths.max()) > capacity:
+        raise ValueError(f"a sequence of {int(lengths.max())} keys exceeds the block_table capacity of {capacity}")
+    page = k_cache.shape[1]
+    used = (lengths + page - 1) // page
+    live = table[torch.arange(table.shape[1])[None, :] < used[:, None]]
+    if live.numel() and (int(live.min()) < 0 or int(live.max()) >= k_cache.shape[0]):
+        raise ValueError(f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
+                         f"[{int(live.min())}, {int(live.max())}]")
+    return maxes[0]

@@ -105,35 +105,49 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
 
 
 def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: attention.ScoreMods,
-            num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+            num_splits: int, varlen_q: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append).
-    Returns out like q and lse fp32 (batch, nheads, seqlen_q)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    Returns out like q and lse fp32 (batch, nheads, seqlen_q). With varlen_q = (cu_seqlens_q,
+    max_seqlen_q), q is (total_q, nheads, headdim) and lse (nheads, total_q) (paged prefill)."""
+    nheads, head_dim = q.shape[-2:]
+    if varlen_q is not None:
+        cu_q, seqlen_q = varlen_q
+        batch, total_q = cu_q.shape[0] - 1, q.shape[0]
+        lse_shape = (nheads, total_q)
+    else:
+        batch, seqlen_q = q.shape[:2]
+        lse_shape = (batch, nheads, seqlen_q)
     nheads_k = cache.k.shape[2]
     group = nheads // nheads_k
     interp = _runtime.interpreted()
     out_dtype = torch.float32 if interp else q.dtype
-    out = _runtime.empty((batch, seqlen_q, nheads, head_dim), out_dtype, q.device)
-    lse = _runtime.empty((batch, nheads, seqlen_q), torch.float32, q.device)
-    if out.numel() == 0:
+    out = _runtime.empty(q.shape, out_dtype, q.device)
+    lse = _runtime.empty(lse_shape, torch.float32, q.device)
+    if out.numel() == 0 or batch == 0 or seqlen_q == 0:
+        out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     rows = group * seqlen_q
     block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, q.element_size())
     programs = -(-rows // block_m) * batch * nheads_k
-    sm_count = 8 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sm_count = 64 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
     chunk = -(-cache.capacity // (splits * block_n)) * block_n
     splits = -(-cache.capacity // chunk)
+    # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
+    # varlen the query index is the row of the packed tensor and the batch stride is 0
     if splits > 1:
-        out_part = _runtime.empty((splits, batch, seqlen_q, nheads, head_dim), torch.float32, q.device)
-        lse_part = _runtime.empty((splits, batch, nheads, seqlen_q), torch.float32, q.device)
-        dst, dst_lse = out_part, lse_part
-        dst_strides = out_part.stride()[:4]
-        lse_strides = lse_part.stride()[:3]
+        dst = _runtime.empty((splits, *q.shape), torch.float32, q.device)
+        dst_lse = _runtime.empty((splits, *lse_shape), torch.float32, q.device)
     else:
-        dst, dst_lse = out, lse
-        dst_strides = (0, *out.stride()[:3])
-        lse_strides = (0, *lse.stride()[:2])
+        dst, dst_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    if varlen_q is not None:
+        q_strides = (0, *q.stride()[:2])
+        dst_strides = (dst.stride(0), 0, *dst.stride()[1:3])
+        lse_strides = (dst_lse.stride(0), 0, dst_lse.stride(1))
+    else:
+        q_strides = q.stride()[:3]
+        dst_strides = dst.stride()[:4]
+        lse_strides = dst_lse.stride()[:3]
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
@@ -148,26 +162,34 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             cache.leftpad if cache.leftpad is not None else lse,
             bt if bt is not None else lse,
             runtime["Alibi"],
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            varlen_q[0] if varlen_q is not None else lse,
+            *q_strides, *k.stride()[:3], *v.stride()[:3],
             *dst_strides, *lse_strides,
             bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
             nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, cache.page_size, chunk,
             runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"],
             **flags,
             PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
-            SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1,
+            SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
             UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
             num_warps=warps, num_stages=stages,
         )
         if splits > 1:
-            total_rows = batch * seqlen_q * nheads
+            # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
+            b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
+            lse_b = 0 if varlen_q is not None else lse.stride(0)
+            lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
+            total_rows = b_ * sq_ * nheads
             block_r = 16
             kernels.attn_combine_kernel[(-(-total_rows // block_r),)](
-                out_part, lse_part, out, lse,
-                out_part.stride(0), lse_part.stride(0), lse.stride(0), lse.stride(1),
-                total_rows, seqlen_q, nheads, splits,
+                dst, dst_lse, out, lse,
+                dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
+                total_rows, sq_, nheads, splits,
                 HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
                 BLOCK_D=attention._block_d(head_dim),
             )
+    if varlen_q is not None:
+        attention._fill_tail(out, varlen_q[0], 0.0)
+        attention._fill_tail(lse, varlen_q[0], float("inf"), rows_dim=1)
     return out.to(q.dtype), lse

@@ -215,3 +215,26 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_se
       alibi_slopes, num_splits):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashattn2::fwd_varlen_paged", mutates_args=())
+def fwd_varlen_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, block_table: torch.Tensor, softmax_scale: float,
+                     causal: bool, window_left: int, window_right: int, softcap: float,
+                     alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_varlen_func over a paged K/V (forward only): q (total_q, nheads, headdim),
+    k_cache/v_cache (num_blocks, page_size, nheads_k, headdim), sequence b's keys are its first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b]. (out, lse (nheads, total_q))."""
+    with _runtime.device_of(q):
+        cu_k = cu_seqlens_k.contiguous()
+        seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+        cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, None, None, block_table.contiguous())
+        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
+        return kvcache.forward(_for_kernels(q), cache, 0, softmax_scale, mods, 0,
+                               varlen_q=(cu_seqlens_q.contiguous(), max_seqlen_q))
+
+
+@fwd_varlen_paged.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

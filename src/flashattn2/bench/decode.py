@@ -1,0 +1,184 @@
+"""Decoding over a KV cache (`python -m flashattn2 bench decode`): one query token per sequence,
+bf16, headdim 128, 32 query heads, MHA (32 K/V heads) or GQA (8); GB/s of K/V read
+(2 * batch * nheads_k * cache * headdim * 2 bytes over the median time) for flashattn2 with a
+contiguous cache and paged caches (pages of 16 and 256), SDPA's FLASH and CUDNN backends, and a
+2 GiB device-to-device copy (read + write) as the bandwidth yardstick.
+
+Two timings per point: eager (a Python call per step, as a generate() loop without graphs) and
+graph (the step captured in a CUDA graph and replayed, as serving engines run decoding), so the
+host time of a call and the kernel's own time are told apart."""
+from __future__ import annotations
+
+import csv
+import os
+
+import torch
+import torch.nn.functional as F
+
+import flashattn2
+from ..reference.kvcache import kvcache_ref
+from .kernels import run_metadata
+
+FIELDS = ["provider", "layout", "batch", "nheads", "nheads_k", "cache", "timing", "ms", "gbs", "frac_copy", "note",
+          "gpu", "torch", "triton", "date", "git_sha"]
+HEAD_DIM = 128
+NHEADS = 32
+MAX_BYTES = 40 * 2**30
+
+
+def copy_gbs() -> float:
+    from triton.testing import do_bench
+
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return 2 * src.numel() * 2 / ms * 1e-6
+
+
+def _time(fn, timing):
+    from triton.testing import do_bench
+
+    if timing == "eager":
+        return do_bench(fn, warmup=10, rep=100, return_mode="median")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+
+
+def _flashattn2_case(batch, nheads_k, cache, layout):
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+    if layout == "contiguous":
+        k_cache = torch.randn(batch, cache, nheads_k, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        table = None
+    else:
+        page = int(layout.split("-")[1])
+        blocks = -(-cache // page)
+        k_cache = torch.randn(batch * blocks, page, nheads_k, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
+    v_cache = torch.randn_like(k_cache)
+
+    def step():
+        return flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    return step, (q, k_cache, v_cache, seqlens, table)
+
+
+def _check(step, tensors) -> str:
+    q, k_cache, v_cache, seqlens, table = tensors
+    out = step()
+    # the reference on the first sequence only (the others differ in data, not in code path)
+    kw = dict(cache_seqlens=seqlens[:1], block_table=None if table is None else table[:1])
+    ref, _, _, _ = kvcache_ref(q[:1], k_cache if table is not None else k_cache[:1],
+                               v_cache if table is not None else v_cache[:1], **kw)
+    err = (out[:1].float() - ref.float()).abs().max().item()
+    return "" if err < 2e-2 else f"check failed: max error {err:.3g}"
+
+
+def _sdpa_case(batch, nheads_k, cache, backend):
+    from torch.nn.attention import sdpa_kernel
+
+    q = torch.randn(batch, NHEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, nheads_k, cache, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+
+    def step():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=nheads_k != NHEADS)
+    return step
+
+
+def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_heads=(32, 8),
+        layouts=("contiguous", "paged-16", "paged-256"), timings=("eager", "graph"), peers=True):
+    from torch.nn.attention import SDPBackend
+
+    meta = run_metadata()
+    copy = copy_gbs()
+    print(f"device-to-device copy: {copy:.0f} GB/s (read + write)")
+    new = not os.path.exists(out_csv)
+    os.makedirs(os.path.dirname(os.path.abspath(out_csv)), exist_ok=True)
+    rows = []
+    with open(out_csv, "a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        for nheads_k in kv_heads:
+            for batch in batches:
+                for cache in caches:
+                    kv_bytes = 2 * batch * nheads_k * cache * HEAD_DIM * 2
+                    if kv_bytes > MAX_BYTES:
+                        continue
+                    cases = [("flashattn2", layout) for layout in layouts]
+                    if peers:
+                        cases += [("sdpa_flash", "contiguous"), ("sdpa_cudnn", "contiguous")]
+                    for provider, layout in cases:
+                        note = ""
+                        try:
+                            if provider == "flashattn2":
+                                step, tensors = _flashattn2_case(batch, nheads_k, cache, layout)
+                                note = _check(step, tensors)
+                            else:
+                                backend = SDPBackend.FLASH_ATTENTION if provider == "sdpa_flash" else \
+                                    SDPBackend.CUDNN_ATTENTION
+                                step = _sdpa_case(batch, nheads_k, cache, backend)
+                            times = {} if note else {t: _time(step, t) for t in timings}
+                        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                            times, note = {}, "failed: " + str(exc).splitlines()[0][:120]
+                        for timing in timings:
+                            ms = times.get(timing, float("nan"))
+                            gbs = kv_bytes / ms * 1e-6
+                            row = dict(provider=provider, layout=layout, batch=batch, nheads=NHEADS, nheads_k=nheads_k,
+                                       cache=cache, timing=timing, ms=f"{ms:.4f}", gbs=f"{gbs:.0f}",
+                                       frac_copy=f"{gbs / copy:.3f}", note=note, **meta)
+                            writer.writerow(row)
+                            rows.append(row)
+                        fh.flush()
+                        torch.cuda.empty_cache()
+                        print(f"hk={nheads_k} b={batch} cache={cache} {provider} {layout}: "
+                              + ", ".join(f"{t} {kv_bytes / times[t] * 1e-6:.0f} GB/s" for t in times) + (
+                                  f" {note}" if note else ""), flush=True)
+    return rows
+
+
+def markdown(path) -> str:
+    """Per (nheads_k, timing): GB/s of each provider/layout at each (batch, cache), and
+    flashattn2's best layout over the best SDPA backend. The last row of a point wins."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    if not rows:
+        return "no rows"
+    latest = {}
+    for r in rows:
+        latest[(r["nheads_k"], r["timing"], int(r["batch"]), int(r["cache"]), r["provider"], r["layout"])] = r
+    meta = rows[-1]
+    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {meta['git_sha']}. "
+             "Decode (1 query token), bf16, headdim 128, 32 query heads; GB/s of K/V read; x = flashattn2 "
+             "(contiguous) over the best SDPA backend, same run.\n"]
+    groups = sorted({(k[0], k[1]) for k in latest}, key=lambda g: (-int(g[0]), g[1]))
+    for hk, timing in groups:
+        cols = sorted({(k[4], k[5]) for k in latest if k[0] == hk and k[1] == timing})
+        points = sorted({(k[2], k[3]) for k in latest if k[0] == hk and k[1] == timing})
+        kind = "MHA" if int(hk) == 32 else f"GQA ({hk} K/V heads)"
+        lines.append(f"### {kind}, {timing}\n")
+        head = ["batch", "cache"] + [f"{p} {lay}" if p == "flashattn2" else p for p, lay in cols] + ["x best SDPA"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for batch, cache in points:
+            vals = {}
+            for p, lay in cols:
+                r = latest.get((hk, timing, batch, cache, p, lay))
+                vals[(p, lay)] = float(r["gbs"]) if r and r["gbs"] != "nan" else float("nan")
+            ours = vals.get(("flashattn2", "contiguous"), float("nan"))
+            peers = [v for (p, _), v in vals.items() if p != "flashattn2" and v == v]
+            best = max(peers) if peers else float("nan")
+            cells = [str(batch), str(cache)] + [("–" if v != v else f"{v:.0f}") for v in vals.values()]
+            cells.append("–" if ours != ours or best != best else f"{ours / best:.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
