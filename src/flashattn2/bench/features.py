@@ -243,28 +243,31 @@ def _pair(a, b, fa, fb) -> str:
 
 
 def markdown(path) -> str:
-    """The latest run's rows as tables: one per case, TFLOP/s per mode and the ratio to the case's
-    first variant."""
+    """One table per case: the latest row of each variant and mode (runs may differ between
+    cases, never within one: a case's variants are measured together), TFLOP/s and the ratio to
+    the case's first variant, with the git sha of the run."""
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     if not rows:
         return "no rows"
-    sha = rows[-1]["git_sha"]
-    rows = [r for r in rows if r["git_sha"] == sha]
-    meta = rows[-1]
-    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {sha}. "
-             "TFLOP/s counted per sequence from the pairs each query sees; x = ratio of TFLOP/s to the "
-             "case's first row (the same run); for `window`, x is time(row) / time(first).\n"]
-    table: dict = {}
+    latest: dict = {}
     for r in rows:
-        table.setdefault((r["dtype"], r["headdim"], r["case"]), {}).setdefault(r["variant"], {})[r["mode"]] = r
-    for (dtype, d, case), variants in table.items():
-        modes = list(next(iter(variants.values())))
-        lines.append(f"### {case}, {dtype}, headdim {d}\n")
+        latest[(r["case"], r["dtype"], r["headdim"], r["variant"], r["mode"])] = r
+    meta = rows[-1]
+    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. TFLOP/s counted per "
+             "sequence from the pairs each query sees; x = ratio of TFLOP/s to the case's first row (the same "
+             "run); for `window`, x is time(row) / time(first).\n"]
+    table: dict = {}
+    for (case, dtype, d, variant, mode), r in latest.items():
+        table.setdefault((case, dtype, d), {}).setdefault(variant, {})[mode] = r
+    for (case, dtype, d), variants in table.items():
+        first = next(iter(variants.values()))
+        modes = list(first)
+        shas = sorted({r["git_sha"] for v in variants.values() for r in v.values()})
+        lines.append(f"### {case}, {dtype}, headdim {d} (git {', '.join(shas)})\n")
         head = ["variant", "shape"] + [f"{m} TFLOP/s" for m in modes] + [f"x {m}" for m in modes]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
-        first = next(iter(variants.values()))
         for name, by_mode in variants.items():
             any_row = next(iter(by_mode.values()))
             cells = [name, any_row["shape"]]

@@ -39,11 +39,15 @@ def markdown(latest) -> str:
     if meta:
         lines.append(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
                      f"git {meta['git_sha']}. TFLOP/s (FLOPs as the FlashAttention-2 paper counts them); "
-                     "x = flashattn2's speed over the peer's, from the same run.\n")
+                     "x = flashattn2's speed over the peer's. A table whose rows come from several runs lists them: "
+                     "a ratio against a peer that was not re-measured in flashattn2's run is across runs.\n")
     for (dtype, d, causal, mode), by_len in sorted(groups(latest).items()):
         present = [p for p in ORDER if any(p in v for v in by_len.values())]
         peers = [p for p in present if p != "flashattn2"]
-        lines.append(f"### {dtype}, headdim {d}, {'causal' if causal else 'non-causal'}, {mode}\n")
+        shas = sorted({row["git_sha"] for (dt, hd, c, md, _, _), row in latest.items()
+                       if (dt, hd, c, md) == (dtype, d, causal, mode)})
+        runs = f" (runs: git {', '.join(shas)})" if len(shas) > 1 else ""
+        lines.append(f"### {dtype}, headdim {d}, {'causal' if causal else 'non-causal'}, {mode}{runs}\n")
         head = ["seqlen"] + present + [f"x {p}" for p in peers if "flashattn2" in present]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
