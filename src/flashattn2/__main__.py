@@ -107,16 +107,11 @@ def _features(args):
 
     from .bench import features
 
-    slug = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
-    path = args.csv or os.path.join(RESULTS, f"features-{slug}.csv")
+    path = args.csv or os.path.join(RESULTS, f"features-{_slug(torch.cuda.get_device_name())}.csv")
     headdim = _ints(args.headdims)[-1] if args.headdims != "64,128" else 128
     features.run(path, args.dtypes.split(","), headdim, args.modes.split(","), args.baseline,
                  args.cases.split(","))
-    text = features.markdown(path)
-    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
-        fh.write(text + "\n")
-    print(text)
-    return 0
+    return _write_markdown(path, features.markdown(path))
 
 
 def _decode(args):
@@ -124,12 +119,18 @@ def _decode(args):
 
     from .bench import decode
 
-    slug = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
-    path = args.csv or os.path.join(RESULTS, f"decode-{slug}.csv")
+    path = args.csv or os.path.join(RESULTS, f"decode-{_slug(torch.cuda.get_device_name())}.csv")
     decode.run(path, _ints(args.batches), _ints(args.caches), _ints(args.kv_heads), args.layouts.split(","),
                args.timings.split(","), peers="sdpa" in args.providers)
-    text = decode.markdown(path)
-    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
+    return _write_markdown(path, decode.markdown(path))
+
+
+def _slug(gpu: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-")
+
+
+def _write_markdown(csv_path: str, text: str) -> int:
+    with open(os.path.splitext(csv_path)[0] + ".md", "w") as fh:
         fh.write(text + "\n")
     print(text)
     return 0
@@ -141,8 +142,7 @@ def _default_csv(gpu):
     if gpu is None:  # report only: the newest CSV there
         found = sorted(glob.glob(os.path.join(RESULTS, "kernels-*.csv")), key=os.path.getmtime)
         return found[-1] if found else os.path.join(RESULTS, "kernels.csv")
-    slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-")
-    return os.path.join(RESULTS, f"kernels-{slug}.csv")
+    return os.path.join(RESULTS, f"kernels-{_slug(gpu)}.csv")
 
 
 if __name__ == "__main__":

@@ -42,11 +42,16 @@ def check_qkv(q, k, v, varlen: bool = False) -> None:
         raise ValueError(f"headdim of k/v ({head_dim_k}) differs from q's ({head_dim})")
     if head_dim < 1 or nheads < 1 or nheads_k < 1 or (not varlen and min(q.shape[1], k.shape[1]) < 1):
         raise ValueError(f"seqlens, nheads and headdim must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    check_heads(nheads, nheads_k, head_dim, q.device, "k/v")
+
+
+def check_heads(nheads, nheads_k, head_dim, device, kv_name) -> None:
+    """The GQA ratio, the head-dim limit and q's device."""
     if nheads % nheads_k:
-        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k})")
+        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads of {kv_name} ({nheads_k})")
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
-    check_device(q.device, "q")
+    check_device(device, "q")
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
@@ -59,24 +64,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     raises ValueError on a bad value. Until then the kernels must stay in bounds whatever the
     values, so the returned cu_seqlens are clamped to [0, rows] (equal to the given ones when
     they are valid). Skipped while torch.compile traces."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
-                         "must have the same length (batch + 1)")
-    maxes = []
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        m = int(m.item()) if isinstance(m, torch.Tensor) else m
-        if not isinstance(m, int) or m < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
-        maxes.append(m)
+    _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
+    maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     totals = (q.shape[0], k.shape[0])
     if torch.compiler.is_compiling():
         return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
@@ -93,6 +82,32 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         copied.synchronize()
         _check_cu_values(host, totals, maxes)
     return cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]), maxes[0], maxes[1], verify
+
+
+def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "must have the same length (batch + 1)")
+
+
+def _max_seqlens(max_seqlen_q, max_seqlen_k) -> list[int]:
+    """max_seqlen_q/k as ints (a one-element tensor is read)."""
+    maxes = []
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        m = int(m.item()) if isinstance(m, torch.Tensor) else m
+        if not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
+        maxes.append(m)
+    return maxes
 
 
 def _nothing():
@@ -197,11 +212,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     nheads_k = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"headdim of k_cache ({k_cache.shape[3]}) differs from q's ({head_dim})")
-    if nheads % nheads_k:
-        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads_k of the cache ({nheads_k})")
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
-    check_device(q.device, "q")
+    check_heads(nheads, nheads_k, head_dim, q.device, "the cache")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (or neither)")
     if k is not None:
@@ -334,31 +345,17 @@ def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     nheads, head_dim = q.shape[1:]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"headdim of k ({k_cache.shape[3]}) differs from q's ({head_dim})")
-    if nheads % k_cache.shape[2]:
-        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads_k ({k_cache.shape[2]})")
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
-    check_device(q.device, "q")
+    check_heads(nheads, k_cache.shape[2], head_dim, q.device, "k/v")
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 with block_table (paged K/V) is not supported: it is forward-only")
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _index_tensor(name, cu, (cu_seqlens_q.shape[0],) if isinstance(cu_seqlens_q, torch.Tensor) else (1,))
-        if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+    _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     batch = cu_seqlens_q.shape[0] - 1
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be (batch={batch}, max_blocks) int32")
     _index_tensor("block_table", block_table, block_table.shape)
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
-    maxes = []
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        m = int(m.item()) if isinstance(m, torch.Tensor) else m
-        if not isinstance(m, int) or m < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
-        maxes.append(m)
+    maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     if torch.compiler.is_compiling():
         return maxes[0]
     cu_q, cu_k, table = _to_host(cu_seqlens_q, cu_seqlens_k, block_table)
