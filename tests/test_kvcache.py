@@ -23,8 +23,8 @@ OPTIONS = {
     "mask": ["none", "causal", "window", "causal-window"],
     "softcap": [0.0, 3.0],
     "alibi": [False, True],
-    "group": [1, 2, 4],               # nheads / nheads_k
-    "seqlen_q": [1, 3],
+    "group": [1, 2, 4, 8],            # nheads / nheads_k
+    "seqlen_q": [1, 3, 9],            # 9 x group 8: several row blocks
     "seqlens": ["tensor", "int"],
     "batch_idx": [False, True],
     "leftpad": [False, True],
@@ -116,7 +116,7 @@ def make_case(c, head_dim, capacity=CAPACITY, batch=3, nheads_k=2):
             torch.int32).to(DEVICE)
     if c["rotary"]:
         rotary_dim = head_dim if head_dim % 32 else head_dim // 2
-        angle = torch.rand(capacity, rotary_dim // 2, device=DEVICE) * 6.28
+        angle = torch.rand(capacity + 16, rotary_dim // 2, device=DEVICE) * 6.28  # causal q may reach past the keys
         kwargs.update(rotary_cos=angle.cos().to(dtype), rotary_sin=angle.sin().to(dtype),
                       rotary_interleaved=c["rotary"] == "gptj")
     mask = c["mask"]
@@ -284,13 +284,14 @@ def _errors():
                              "cache_batch_idx": torch.tensor([0, 1], **i32)}, NotImplementedError, "cache_batch_idx"),
         ((q, kc, vc), {"cache_seqlens": 3, "num_splits": -1}, ValueError, "num_splits"),
         ((q, kc, vc), {"cache_seqlens": 3, "window_size": (-2, 0)}, ValueError, "window_size"),
+        ((randn(3, 1, 4, 32, dtype=torch.float16), kc, vc), {"cache_seqlens": 3}, ValueError, "2 rows for a batch of 3"),
     ]
 
 
-@pytest.mark.parametrize("index", range(18))
+@pytest.mark.parametrize("index", range(19))
 def test_bad_arguments_raise_before_writing(index):
     cases = _errors()
-    assert len(cases) == 18
+    assert len(cases) == 19
     args, kwargs, exc, match = cases[index]
     caches = [t.clone() for t in args[1:3]]
     with pytest.raises(exc, match=match):
@@ -356,3 +357,15 @@ def test_varlen_paged_prefill(page, opts):
         assert_close(f"sequence at {sq}", out[None, sq:sq + nq], ref, low, 5.0 if "alibi_slopes" in opts else 3.0)
         sq, sk = sq + nq, sk + nk
     assert torch.equal(out[sq:], torch.zeros_like(out[sq:])) and (lse[:, sq:] == float("inf")).all()
+
+
+def test_window_past_the_cache_is_no_window():
+    """flash_attn's rule: a window edge >= the cache length is -1, so a non-causal call with
+    window (capacity, capacity) rotates all of q at cache_seqlens, like no window."""
+    c = dict(dtype=torch.float32, paged=None, seqlen_new=2, rotary="neox", mask="none", softcap=0.0, alibi=False,
+             group=2, seqlen_q=3, seqlens="tensor", batch_idx=False, leftpad=False, splits=1)
+    q, k_cache, v_cache, kwargs = make_case(c, 64, capacity=40)
+    plain = run_ours(q, k_cache, v_cache, kwargs, 1)[0]
+    wide = run_ours(q, k_cache, v_cache, {**kwargs, "window_size": (40, 40)}, 1)[0]
+    torch.testing.assert_close(wide, plain)
+    check(q, k_cache, v_cache, {**kwargs, "window_size": (40, 40)}, 1)

@@ -40,13 +40,26 @@ def test_apply_rotary_emb(dtype, interleaved, rotary_dim, headdim, offsets):
     close(dx, rotary_ref(g, cos, sin, interleaved, offs, conjugate=True))
 
 
-def test_positions_past_cos_are_left_alone():
+@pytest.mark.parametrize("offs", ["tensor", "int"])
+def test_positions_past_cos_are_left_alone(offs):
+    """flash_attn's rule: only seqlen <= seqlen_ro is required; positions past the table stay."""
     x = randn(1, 10, 2, 32, dtype=torch.float32)
     cos, sin = cos_sin(12, 32, torch.float32)
-    offs = torch.tensor([6], device=DEVICE, dtype=torch.int32)  # positions 6..15, cos has 12 rows
+    offs = torch.tensor([6], device=DEVICE, dtype=torch.int32) if offs == "tensor" else 6  # positions 6..15
     out = apply_rotary_emb(x, cos, sin, seqlen_offsets=offs)
     close(out, rotary_ref(x, cos, sin, False, offs))
     assert torch.equal(out[:, 6:], x[:, 6:])
+
+
+def test_strided_offsets_and_gradient():
+    x = randn(3, 9, 2, 32, dtype=torch.float32, requires_grad=True)
+    cos, sin = cos_sin(20, 32, torch.float32)
+    offs = torch.arange(0, 12, device=DEVICE, dtype=torch.int64)[::4]  # 0, 4, 8: a strided tensor
+    out = apply_rotary_emb(x, cos, sin, seqlen_offsets=offs)
+    close(out, rotary_ref(x.detach(), cos, sin, False, offs.contiguous()))
+    g = torch.randn(3, 9, 1, 32, device=DEVICE).expand(3, 9, 2, 32)  # a stride-0 head dimension
+    (dx,) = torch.autograd.grad(out, x, g)
+    close(dx, rotary_ref(g.contiguous(), cos, sin, False, offs.contiguous(), conjugate=True))
 
 
 def test_inplace_and_varlen():
@@ -124,8 +137,10 @@ def test_bad_arguments():
         apply_rotary_emb(x, *cos_sin(8, 64, torch.float16))
     with pytest.raises(TypeError, match="dtype"):
         apply_rotary_emb(x, cos.float(), sin.float())
-    with pytest.raises(ValueError, match="positions up to 11"):
-        apply_rotary_emb(x, cos, sin, seqlen_offsets=3)
+    with pytest.raises(ValueError, match="seqlen 8 exceeds the 6 positions"):
+        apply_rotary_emb(x, cos[:6], sin[:6])
+    with pytest.raises(ValueError, match="seqlen_offsets must be >= 0"):
+        apply_rotary_emb(x, cos, sin, seqlen_offsets=-1)
     with pytest.raises(ValueError, match="seqlen_offsets"):
         apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.zeros(3, dtype=torch.int32, device=DEVICE))
     with pytest.raises(NotImplementedError, match="XPos"):

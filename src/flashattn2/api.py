@@ -250,13 +250,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, num_splits, alibi_slopes)
     checks.check_options(0.0, softmax_scale, window_size, softcap)
-    checks.check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    # flash_attn's rule: a window edge that reaches past the cache is no edge (this decides
+    # whether q is rotated per token)
+    left, right = (-1 if int(w) >= capacity else int(w) for w in window_size)
+    per_token = causal or left >= 0 or right >= 0
+    checks.check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                                q.shape[1] if per_token else 1)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    left, right = (int(w) for w in window_size)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, seqlen_int = cache_seqlens, 0
     else:
-        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
         seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
     out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
                                cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,

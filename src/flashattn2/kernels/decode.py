@@ -1,7 +1,8 @@
 """Attention over a KV cache (flash_attn_with_kvcache): decoding, speculative decoding and
 chunked prefill.
 
-Grid: (row blocks, batch * nheads_k, splits). The query heads that share a K/V head are packed
+Grid: (batch * nheads_k, row blocks, splits) -- batch * nheads_k first: CUDA caps the other
+two axes at 65535. The query heads that share a K/V head are packed
 into the rows of one program (row r is query r // group of head hk * group + r % group), so K/V
 are read once per group. The keys of sequence b are cache positions [leftpad, cache_seqlens +
 seqlen_new), read through the block table when paged (a gather per key row: any page size).
@@ -35,9 +36,9 @@ def attn_kvcache_kernel(
     SPLIT: tl.constexpr, VARLEN_Q: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    off_bhk = tl.program_id(1)
-    split = tl.program_id(2)
+    off_bhk = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2).to(tl.int64)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     group = nheads // nheads_k
@@ -171,7 +172,7 @@ def attn_combine_kernel(
     lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + i
     s = tl.arange(0, BLOCK_S)
     # [BLOCK_R, BLOCK_S]
-    lse_s = tl.load(LsePart + s[None, :] * stride_ls + lse_off[:, None],
+    lse_s = tl.load(LsePart + s.to(tl.int64)[None, :] * stride_ls + lse_off[:, None],
                     mask=r_ok[:, None] & (s[None, :] < num_splits), other=float("-inf"))
     m = tl.max(lse_s, 1)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
@@ -184,7 +185,7 @@ def attn_combine_kernel(
     row_off = r.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for split in range(0, num_splits):
-        part = tl.load(OutPart + split * stride_ps + row_off, mask=mask, other=0.0)
+        part = tl.load(OutPart + tl.cast(split, tl.int64) * stride_ps + row_off, mask=mask, other=0.0)
         w_split = tl.sum(tl.where(s[None, :] == split, w, 0.0), 1)
         acc += tl.where(w_split[:, None] > 0.0, part * w_split[:, None], 0.0)
     lse = tl.where(empty, float("inf"), m_shift + tl.math.log2(tl.where(empty, 1.0, total)) * LN2)

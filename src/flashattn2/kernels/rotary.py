@@ -1,6 +1,6 @@
 """Rotary embedding, in place on the first rotary_dim features of each row: GPT-NeoX halves
 (features j and j + rotary_dim/2) or GPT-J pairs (2j and 2j + 1). CONJ rotates by minus the
-angle, which is the backward. Positions past seqlen_ro are left unrotated."""
+angle, which is the backward. Positions outside [0, seqlen_ro) are left unrotated."""
 import triton
 import triton.language as tl
 
@@ -26,7 +26,7 @@ def rotary_kernel(X, Cos, Sin, CuSeqlens, Offsets,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pos = rows + offset
     cols = tl.arange(0, BLOCK_H)
-    cs_mask = (pos < seqlen_ro)[:, None] & (cols < half)[None, :]
+    cs_mask = ((pos >= 0) & (pos < seqlen_ro))[:, None] & (cols < half)[None, :]
     # [BLOCK_M, BLOCK_H]
     cs_off = pos.to(tl.int64)[:, None] * stride_cs + cols[None, :]
     c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)

@@ -31,14 +31,20 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):
             raise TypeError("cu_seqlens must be an int32 (batch + 1,) tensor")
     elif x.dim() != 4:
         raise ValueError(f"{what} must be (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
+    if cu_seqlens is not None and cu_seqlens.device != x.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, {what} on {x.device}")
     if isinstance(seqlen_offsets, torch.Tensor):
         batch = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"seqlen_offsets must be an int or an int32/int64 ({batch},) tensor, got "
                              f"{seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}")
-    elif cu_seqlens is None and int(seqlen_offsets) + x.shape[1] > cos.shape[0]:
-        raise ValueError(f"positions up to {int(seqlen_offsets) + x.shape[1]} need cos/sin with that many rows, "
-                         f"got {cos.shape[0]}")
+        if seqlen_offsets.device != x.device:
+            raise ValueError(f"seqlen_offsets is on {seqlen_offsets.device}, {what} on {x.device}")
+    elif int(seqlen_offsets) < 0:
+        raise ValueError(f"seqlen_offsets must be >= 0, got {seqlen_offsets}")
+    if cu_seqlens is None and x.shape[1] > cos.shape[0]:
+        # flash_attn's rule: positions past the table (from an offset) are left unrotated
+        raise ValueError(f"seqlen {x.shape[1]} exceeds the {cos.shape[0]} positions of cos/sin")
 
 
 class ApplyRotaryEmb(torch.autograd.Function):
@@ -63,7 +69,9 @@ class ApplyRotaryEmb(torch.autograd.Function):
             cos, sin, cu_seqlens, offsets = ctx.saved_tensors
         else:
             (cos, sin, cu_seqlens), offsets = ctx.saved_tensors, ctx.seqlen_offsets
-        grad = grad.clone() if not ctx.inplace or grad.stride(-1) != 1 else grad
+        # rotated in place: a private dense copy (the incoming gradient may be shared, strided or
+        # expanded with stride 0)
+        grad = grad.clone(memory_format=torch.contiguous_format)
         _rotary.rotate_(grad, cos, sin, ctx.interleaved, offsets, cu_seqlens, conjugate=True,
                         max_seqlen=ctx.max_seqlen)
         return grad, None, None, None, None, None, None, None
@@ -94,7 +102,7 @@ class _RotateInPlace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         for select, c, s in zip(ctx.views, ctx.cos, ctx.sin):
             _rotary.rotate_(select(grad), c, s, ctx.interleaved, ctx.seqlen_offsets, conjugate=True)
         return grad, None, None, None, None, None

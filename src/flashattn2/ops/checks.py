@@ -246,6 +246,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or cache_seqlens < 0):
         raise TypeError(f"cache_seqlens must be an int >= 0 or an int32 ({batch},) tensor, got {cache_seqlens!r}")
     _index_tensor("cache_batch_idx", cache_batch_idx, (batch,))
+    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: give cache_batch_idx, or a "
+                         "cache with a row per sequence")
     _index_tensor("cache_leftpad", cache_leftpad, (batch,))
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
@@ -264,10 +267,12 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     check_alibi(alibi_slopes, q, batch)
 
 
-def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
+def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                         q_positions=1):
     """The checks that read device values, in one host sync, before any memory is touched:
     appends stay inside the cache, the pages a sequence uses exist, left padding and batch
-    indices are in range, rotary tables cover every position. Skipped while torch.compile traces
+    indices are in range, rotary tables cover every position (the new keys', and q_positions
+    queries from cache_seqlens on). Skipped while torch.compile traces
     and while a CUDA graph is captured (a host read is not allowed there)."""
     if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
@@ -289,9 +294,10 @@ def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx,
     if int(ends.max()) > capacity:
         raise ValueError(f"cache_seqlens + seqlen_new reaches {int(ends.max())}, past the cache's "
                          f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
-    if rotary_cos is not None and int(ends.max()) > rotary_cos.shape[0]:
+    rotary_end = int(seqlens.max()) + max(seqlen_new, q_positions)
+    if rotary_cos is not None and rotary_end > rotary_cos.shape[0]:
         raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs "
-                         f"{int(ends.max())}")
+                         f"{rotary_end}")
     if cache_leftpad is not None:
         pad = host[1]
         if int(pad.min()) < 0 or bool((pad > seqlens.long()).any()):

@@ -47,7 +47,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary) -> N
         (batch,), cache.seqlen_int, dtype=torch.long, device=device)
     if rotary is not None:
         cos, sin, interleaved = rotary
-        k_new = _rotary.rotate_(k_new.clone(), cos, sin, interleaved, start)
+        k_new = _rotary.rotate_(k_new.clone(memory_format=torch.contiguous_format), cos, sin, interleaved, start)
     pos = start[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # (batch, seqlen_new)
     if cache.block_table is not None:
         rows = cache.block_table.long().gather(1, pos // cache.page_size)
@@ -123,7 +123,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     out_dtype = torch.float32 if interp else q.dtype
     out = _runtime.empty(q.shape, out_dtype, q.device)
     lse = _runtime.empty(lse_shape, torch.float32, q.device)
-    if out.numel() == 0 or batch == 0 or seqlen_q == 0:
+    if out.numel() == 0 or batch == 0 or seqlen_q == 0 or cache.capacity == 0:
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     rows = group * seqlen_q
@@ -155,7 +155,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     bt = cache.block_table
     k, v = cache.k, cache.v
     with _runtime.device_of(q):
-        kernels.attn_kvcache_kernel[(-(-rows // block_m), batch * nheads_k, splits)](
+        kernels.attn_kvcache_kernel[(batch * nheads_k, -(-rows // block_m), splits)](
             q, k, v, dst, dst_lse,
             cache.seqlens if cache.seqlens is not None else lse,
             cache.batch_idx if cache.batch_idx is not None else lse,

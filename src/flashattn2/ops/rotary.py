@@ -35,6 +35,10 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     block_m = 8 if half > 64 else 16
     block_h = max(1, 1 << (half - 1).bit_length())
     cos, sin = cos.contiguous(), sin.contiguous()
+    if offsets_tensor:
+        seqlen_offsets = seqlen_offsets.contiguous()
+    if varlen:
+        cu_seqlens = cu_seqlens.contiguous()
     grid = (-(-seqlen // block_m), batch)
     with _runtime.device_of(x):
         _runtime.kernels().rotary.rotary_kernel[grid](

@@ -27,7 +27,9 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     else:
         seqlens = cache_seqlens.long().cpu()
     leftpad = torch.zeros(batch, dtype=torch.long) if cache_leftpad is None else cache_leftpad.long().cpu()
-    local = tuple(window_size) != (-1, -1)
+    # flash_attn's rule: a window edge past the cache is no edge
+    window_size = tuple(-1 if w >= capacity else w for w in window_size)
+    local = window_size != (-1, -1)
     outs, lses = [], []
     for b in range(batch):
         if paged:
