@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from .ops import checks
-from .ops.registry import Attention, PackedAttention
+from .ops.registry import Attention, PackedAttention, run_fwd
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
-from .ops.registry import fwd_kvcache as _fwd_kvcache_op
+from .ops.registry import run_fwd_kvcache as _fwd_kvcache_op
 from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 
 
@@ -52,12 +52,14 @@ def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, 
 
 
 def _attention(q, k, v, options, alibi_slopes):
-    """The fwd op; in eager training through the Attention autograd.Function, which costs less
-    host time than the op's own autograd registration (used when compiling and by opcheck)."""
-    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and not torch.compiler.is_compiling()):
+    """The fwd op while torch.compile traces (with its autograd registration); in eager mode its
+    body, through the Attention autograd.Function when a gradient is needed: the op's dispatch
+    and autograd wrapper cost host time on every call and only tracing needs them."""
+    if torch.compiler.is_compiling():
+        return _fwd_op(q, k, v, *options, alibi_slopes)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return Attention.apply(q, k, v, alibi_slopes, *options)
-    return _fwd_op(q, k, v, *options, alibi_slopes)
+    return run_fwd(q, k, v, *options, alibi_slopes)
 
 
 def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slopes=None):

@@ -28,17 +28,30 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention
     return attention.Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
 
 
+def fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale,
+             causal, window_left, window_right, softcap, alibi_slopes):
+    """The body of flashattn2::fwd. Eager callers run it directly: the op's dispatch costs tens of
+    microseconds of host time per call and only torch.compile needs it (run_fwd chooses)."""
+    q, k, v = (_for_kernels(t) for t in (q, k, v))
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    with _runtime.device_of(q):
+        return attention.forward(q, k, v, softmax_scale, mods, varlen)
+
+
 @torch.library.custom_op("flashattn2::fwd", mutates_args=())
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
         cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
         seed: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int, window_right: int,
         softcap: float, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with cu_seqlens."""
-    q, k, v = (_for_kernels(t) for t in (q, k, v))
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
-    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    with _runtime.device_of(q):
-        return attention.forward(q, k, v, softmax_scale, mods, varlen)
+    return fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed,
+                    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+
+
+def run_fwd(*args):
+    """fwd's arguments: the op while torch.compile traces, its body otherwise."""
+    return fwd(*args) if torch.compiler.is_compiling() else fwd_impl(*args)
 
 
 @fwd.register_fake
@@ -53,13 +66,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
         q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flashattn2::bwd", mutates_args=("dq", "dk", "dv"))
-def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-        dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-        max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
-        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        alibi_slopes: torch.Tensor | None) -> None:
+def bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             dropout_p, seed, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    """The body of flashattn2::bwd (see fwd_impl)."""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
@@ -68,6 +77,22 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
         attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen)
+
+
+@torch.library.custom_op("flashattn2::bwd", mutates_args=("dq", "dk", "dv"))
+def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+        dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+        max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
+        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+        alibi_slopes: torch.Tensor | None) -> None:
+    bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             dropout_p, seed, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+
+
+def run_bwd(*args):
+    """bwd's arguments: the op while torch.compile traces, its body otherwise."""
+    return bwd(*args) if torch.compiler.is_compiling() else bwd_impl(*args)
 
 
 @bwd.register_fake
@@ -110,13 +135,13 @@ def _setup_context(ctx, inputs, output):
     ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, backward_op=None):
     q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
     options = list(ctx.options)
     for i, t in zip(_TENSOR_ARGS, tensors):
         options[i] = t
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
+    (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
     return dq, dk, dv, *(None,) * (1 + len(options))
 
 
@@ -130,13 +155,13 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, *options):
-        out, lse = fwd(q, k, v, *options, alibi_slopes)
+        out, lse = run_fwd(q, k, v, *options, alibi_slopes)
         _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv, *_ = _backward(ctx, dout, dlse)
+        dq, dk, dv, *_ = _backward(ctx, dout, dlse, run_bwd)
         return dq, dk, dv, *(None,) * (1 + len(ctx.options))
 
 
@@ -156,7 +181,7 @@ class PackedAttention(torch.autograd.Function):
             q, k, v = packed.unbind(dim=dim)
         else:
             k, v = packed.unbind(dim=dim)
-        out, lse = fwd(q, k, v, *options, alibi_slopes)
+        out, lse = run_fwd(q, k, v, *options, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *(options[i] for i in _TENSOR_ARGS))
         ctx.packing, ctx.dim = packing, dim
         ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
@@ -176,21 +201,15 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
+        run_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
         nones = (None,) * (2 + len(options))
         return (None if ctx.packing == "qkv" else dq), dpacked, *nones
 
 
-@torch.library.custom_op("flashattn2::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
-def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
-                v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
-                cache_seqlens: torch.Tensor | None, cache_seqlen_int: int, cache_batch_idx: torch.Tensor | None,
-                cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float,
-                causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-                alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over
-    the cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int
-    cache_seqlens travels as cache_seqlen_int with cache_seqlens None."""
+def fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int,
+                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                     softcap, rotary_interleaved, alibi_slopes, num_splits):
+    """The body of flashattn2::fwd_kvcache (eager callers run it directly, see fwd_impl)."""
     with _runtime.device_of(q):
         cache = kvcache.Cache(k_cache, v_cache, _contiguous(cache_seqlens), cache_seqlen_int,
                               _contiguous(cache_batch_idx), _contiguous(cache_leftpad), _contiguous(block_table))
@@ -203,6 +222,26 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 q = kvcache.rotate_q(q, cache, rotary, per_token=causal or window_left >= 0 or window_right >= 0)
         mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
         return kvcache.forward(_for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits)
+
+
+@torch.library.custom_op("flashattn2::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                cache_seqlens: torch.Tensor | None, cache_seqlen_int: int, cache_batch_idx: torch.Tensor | None,
+                cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float,
+                causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over
+    the cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int
+    cache_seqlens travels as cache_seqlen_int with cache_seqlens None."""
+    return fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int,
+                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits)
+
+
+def run_fwd_kvcache(*args):
+    """fwd_kvcache's arguments: the op while torch.compile traces, its body otherwise."""
+    return fwd_kvcache(*args) if torch.compiler.is_compiling() else fwd_kvcache_impl(*args)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
