@@ -43,7 +43,7 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
                 sig[name] = "*i64"
             else:
                 sig[name] = "*fp32" if name in FP32_POINTERS else "*" + TYPE[elem_bytes]
-        elif name in ("sm_scale", "softcap", "value", "dropout_p"):
+        elif name in ("sm_scale", "softcap", "dropout_p") or name.startswith("value"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -74,7 +74,8 @@ def cases(arch):
                 yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
     pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
-    yield f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(BLOCK_R=64, BLOCK_C=128), config.TileConfig(64, 64, 4, 1)
+    yield (f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
+           config.TileConfig(64, 64, 4, 1), {"X1": "*fp32"})
     dmask_flags = dict(CAUSAL=False, LOCAL=True, ALIBI=True, IS_VARLEN=True, UPCAST=False, DOT_PRECISION="tf32",
                        HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, BLOCK_D=256)
     yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, config.TileConfig(64, 64, 4, 1)

@@ -171,10 +171,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, return_attn_probs, block_table):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
-    max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                      dropout_p)
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    checks.check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1)
+    max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                      dropout_p, alibi_slopes)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
                                   "call it under torch.no_grad() or with inputs that do not require grad")

@@ -20,8 +20,8 @@ import os
 import torch
 
 import flashattn2
-from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref, tolerance
-from .kernels import DTYPES, run_metadata
+from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref
+from .kernels import DTYPES, problems, run_metadata, time_modes
 
 FIELDS = ["case", "variant", "dtype", "headdim", "nheads", "shape", "mode", "ms", "tflops", "note",
           "gpu", "torch", "triton", "date", "git_sha"]
@@ -46,31 +46,6 @@ def _flops(lengths_q, lengths_k, nheads, headdim, causal, mode, window=None):
     return total * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
 
 
-def _time(call, inputs, modes):
-    """{mode: ms}: call(*inputs) -> out; the backward differentiates w.r.t. every input."""
-    from triton.testing import do_bench
-
-    result = {}
-    leaves = [t.detach().requires_grad_() for t in inputs]
-    out = call(*leaves)
-    do = torch.randn_like(out)
-    for mode in modes:
-        if mode == "fwd":
-            with torch.no_grad():
-                call(*inputs)
-                result[mode] = do_bench(lambda: call(*inputs), warmup=10, rep=60, return_mode="median")
-        elif mode == "bwd":
-            out = call(*leaves)
-            step = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
-            step()
-            result[mode] = do_bench(step, warmup=10, rep=60, return_mode="median")
-        else:
-            step = lambda: torch.autograd.grad(call(*leaves), leaves, do)  # noqa: E731
-            step()
-            result[mode] = do_bench(step, warmup=10, rep=60, return_mode="median")
-    return result
-
-
 def _check(call, ref, inputs) -> str:
     """'' when call's out and grads obey flash-attn's rule against ref (fp32 and low precision)."""
     leaves = [t.detach().requires_grad_() for t in inputs]
@@ -81,14 +56,9 @@ def _check(call, ref, inputs) -> str:
     low_out = ref(*leaves, upcast=False)
     ref_grads = torch.autograd.grad(ref_out, leaves, do.float())
     low_grads = torch.autograd.grad(low_out, leaves, do)
-    problems = []
     named = [("out", out, ref_out, low_out, FWD_FACTOR)]
     named += [(f"grad{i}", g, r, lo, BWD_FACTOR) for i, (g, r, lo) in enumerate(zip(grads, ref_grads, low_grads))]
-    for name, ours, r, lo, factor in named:
-        ok, err, bound = tolerance.check(ours, r, lo, factor)
-        if not ok:
-            problems.append(f"{name} error {err:.2e} > {bound:.2e}")
-    return "; ".join(problems)
+    return problems(named)
 
 
 def _dense(batch, seqlen, nheads, headdim, dtype):
@@ -165,10 +135,10 @@ def run(out_csv, dtypes=("fp16", "bf16"), headdim=128, modes=("fwd", "bwd", "fwd
                 call_v, ref_v, inputs_v = _varlen_case(MIXED, nheads, headdim, dtype, causal)
                 note_v = _check(call_v, ref_v, inputs_v)
                 c = "causal" if causal else "full"
-                t_d = {} if note_d else _time(call_d, dense_inputs, modes)
+                t_d = {} if note_d else time_modes(call_d, dense_inputs, modes)
                 out.add(f"varlen-{c}", "dense 8x2048", dtype_name, headdim, nheads, "8x2048", t_d,
                         lambda m: _flops(eq, eq, nheads, headdim, causal, m), note_d)
-                t_v = {} if note_v else _time(call_v, inputs_v, modes)
+                t_v = {} if note_v else time_modes(call_v, inputs_v, modes)
                 out.add(f"varlen-{c}", "varlen mixed", dtype_name, headdim, nheads, "+".join(map(str, MIXED)),
                         t_v, lambda m: _flops(MIXED, MIXED, nheads, headdim, causal, m), note_v)
                 print(f"{tag} varlen {c}: " + _pair(t_v, t_d, lambda m: _flops(MIXED, MIXED, nheads, headdim,
@@ -181,8 +151,8 @@ def run(out_csv, dtypes=("fp16", "bf16"), headdim=128, modes=("fwd", "bwd", "fwd
             cau = _dense(8, 2048, nheads, headdim, dtype)
             call_c = _api_dense(flashattn2, causal=True)
             note_c = _check(call_c, _ref_dense(causal=True), [t[:2] for t in cau])
-            t_w = {} if note_w else _time(call_w, win, modes)
-            t_c = {} if note_c else _time(call_c, cau, modes)
+            t_w = {} if note_w else time_modes(call_w, win, modes)
+            t_c = {} if note_c else time_modes(call_c, cau, modes)
             out.add("window", "causal 8x2k", dtype_name, headdim, nheads, "8x2048", t_c,
                     lambda m: _flops([2048] * 8, [2048] * 8, nheads, headdim, True, m), note_c)
             out.add("window", "window (1024,0) 1x16k", dtype_name, headdim, nheads, "1x16384", t_w,
@@ -198,7 +168,7 @@ def run(out_csv, dtypes=("fp16", "bf16"), headdim=128, modes=("fwd", "bwd", "fwd
                     acc = {"now": {}, "base": {}}
                     for _ in range(ROUNDS if not note else 0):  # alternate: drift hits both alike
                         for name, call in (("base", old), ("now", now)):
-                            for m, ms in _time(call, inputs, modes).items():
+                            for m, ms in time_modes(call, inputs, modes).items():
                                 acc[name].setdefault(m, []).append(ms)
                     med = {k: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for k, d in acc.items()}
                     c = "causal" if causal else "full"
@@ -223,7 +193,7 @@ def run(out_csv, dtypes=("fp16", "bf16"), headdim=128, modes=("fwd", "bwd", "fwd
                     note = ""
                     if "dropout_p" not in opts:  # dropout is checked by the test suite against S_dmask
                         note = _check(call, _ref_dense(causal=causal, **opts), [t[:1, :1024] for t in inputs])
-                    times = {} if note else _time(call, inputs, modes)
+                    times = {} if note else time_modes(call, inputs, modes)
                     fl = lambda m, c=causal: _flops([seqlen] * batch, [seqlen] * batch, nheads, headdim, c, m)  # noqa: E731
                     out.add(f"on-{c}", name, dtype_name, headdim, nheads, f"{batch}x{seqlen}", times, fl, note)
                     if name == "off":

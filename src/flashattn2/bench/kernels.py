@@ -42,6 +42,17 @@ def _to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "bshd" else t.transpose(1, 2).contiguous()
 
 
+def problems(results) -> str:
+    """'' when every (name, ours, reference, low-precision result, factor) obeys flash-attn's
+    rule, else which do not and by how much."""
+    found = []
+    for name, ours, ref, low, factor in results:
+        ok, err, bound = tolerance.check(ours, ref, low, factor)
+        if not ok:
+            found.append(f"{name} error {err:.2e} > {bound:.2e}")
+    return "; ".join(found)
+
+
 def check_provider(fn, layout, dtype, headdim, causal) -> str:
     """'' when fwd and bwd obey flash-attn's rule on a small odd-sized problem, else why not."""
     shape = (1, 511, 2, headdim)
@@ -55,38 +66,41 @@ def check_provider(fn, layout, dtype, headdim, causal) -> str:
     out = fn(qn, kn, vn, causal)
     grads = torch.autograd.grad(out, (qn, kn, vn), _to_layout(do, layout))
     back = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
-    problems = []
     results = [("out", back(out), ref_out, low_out, FWD_FACTOR)]
     results += [(f"d{n}", back(g), r, lo, BWD_FACTOR) for n, g, r, lo in zip("qkv", grads, ref_grads, low_grads)]
-    for name, ours, ref, low, factor in results:
-        ok, err, bound = tolerance.check(ours, ref, low, factor)
-        if not ok:
-            problems.append(f"{name} error {err:.2e} > {bound:.2e}")
-    return "; ".join(problems)
+    return problems(results)
 
 
-def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes):
-    """{mode: ms} for one provider at one point (NaN with a note when it cannot run)."""
+def time_modes(call, inputs, modes):
+    """{mode: ms} (do_bench medians) of call(*inputs) -> out: the forward without autograd, the
+    backward alone (w.r.t. every input), and forward + backward."""
     from triton.testing import do_bench
 
-    shape = (batch, seqlen, nheads, headdim)
-    q, k, v, do = (_to_layout(torch.randn(shape, device="cuda", dtype=dtype), layout) for _ in range(4))
     result = {}
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = call(*leaves)
+    do = torch.randn_like(out)
     for mode in modes:
         if mode == "fwd":
             with torch.no_grad():
-                fn(q, k, v, causal)  # compile / plan outside the timing
-                result[mode] = do_bench(lambda: fn(q, k, v, causal), warmup=10, rep=60, return_mode="median")
+                call(*inputs)  # compile / plan outside the timing
+                result[mode] = do_bench(lambda: call(*inputs), warmup=10, rep=60, return_mode="median")
             continue
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         if mode == "bwd":
-            out = fn(qg, kg, vg, causal)
-            step = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+            out = call(*leaves)
+            step = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
         else:
-            step = lambda: torch.autograd.grad(fn(qg, kg, vg, causal), (qg, kg, vg), do)
+            step = lambda: torch.autograd.grad(call(*leaves), leaves, do)  # noqa: E731
         step()
         result[mode] = do_bench(step, warmup=10, rep=60, return_mode="median")
     return result
+
+
+def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes):
+    """{mode: ms} for one provider at one point."""
+    shape = (batch, seqlen, nheads, headdim)
+    inputs = [_to_layout(torch.randn(shape, device="cuda", dtype=dtype), layout) for _ in range(3)]
+    return time_modes(lambda q, k, v: fn(q, k, v, causal), inputs, modes)
 
 
 def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=16384, hidden=2048,

@@ -129,20 +129,26 @@ class _Geometry:
         return self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
 
 
-def _fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, rows_dim: int = 0) -> None:
-    """Fill the rows of x past cu_seqlens[-1] along rows_dim (x: (total, ...) with the other
-    dimensions of a row one contiguous block, or lse (nheads, total) with rows_dim=1)."""
-    total = x.shape[rows_dim]
-    if total == 0:
+def _fill_tails(*slots) -> None:
+    """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim), the rows of x past
+    cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
+    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots."""
+    args = []
+    totals = []
+    for x, cu_seqlens, value, rows_dim in slots:
+        total = x.shape[rows_dim]
+        if rows_dim == 0:
+            stride_r, stride_c, ncols = x.stride(0), 1, math.prod(x.shape[1:])
+        else:
+            stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
+        args += [x, cu_seqlens, total, stride_r, stride_c, ncols, value]
+        totals.append(total)
+    if max(totals) == 0:
         return
-    if rows_dim == 0:
-        stride_r, stride_c, ncols = x.stride(0), 1, math.prod(x.shape[1:])
-    else:
-        stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
+    args += args[:7] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
     block_r = 64
-    _runtime.kernels().fill.fill_tail_kernel[(_cdiv(total, block_r),)](
-        x, cu_seqlens, cu_seqlens.shape[0] - 1, total, stride_r, stride_c, ncols, value,
-        BLOCK_R=block_r, BLOCK_C=128,
+    _runtime.kernels().fill.fill_tail_kernel[(_cdiv(max(totals), block_r),)](
+        *args, slots[0][1].shape[0] - 1, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128,
     )
 
 
@@ -188,8 +194,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         num_stages=cfg.num_stages,
     )
     if varlen is not None:
-        _fill_tail(out, varlen.cu_seqlens_q, 0.0)
-        _fill_tail(lse, varlen.cu_seqlens_q, float("inf"), rows_dim=1)
+        _fill_tails((out, varlen.cu_seqlens_q, 0.0, 0), (lse, varlen.cu_seqlens_q, float("inf"), 1))
     return out.to(q.dtype), lse
 
 
@@ -230,9 +235,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     gq, gk, gv = grads
     if is_varlen:
         # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
-        _fill_tail(gq, cu_q, 0.0)
-        _fill_tail(gk, cu_k, 0.0)
-        _fill_tail(gv, cu_k, 0.0)
+        _fill_tails((gq, cu_q, 0.0, 0), (gk, cu_k, 0.0, 0), (gv, cu_k, 0.0, 0))
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)

@@ -334,7 +334,7 @@ def _to_host(*tensors):
 
 
 def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                       dropout_p):
+                       dropout_p, alibi_slopes=None):
     """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then the values
     of cu_seqlens and block_table in one host read (outside torch.compile)."""
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
@@ -362,6 +362,7 @@ def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
+    check_alibi(alibi_slopes, q, batch)
     if torch.compiler.is_compiling():
         return maxes[0]
     cu_q, cu_k, table = _to_host(cu_seqlens_q, cu_seqlens_k, block_table)

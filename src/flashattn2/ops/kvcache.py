@@ -190,6 +190,5 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
                 BLOCK_D=attention._block_d(head_dim),
             )
     if varlen_q is not None:
-        attention._fill_tail(out, varlen_q[0], 0.0)
-        attention._fill_tail(lse, varlen_q[0], float("inf"), rows_dim=1)
+        attention._fill_tails((out, varlen_q[0], 0.0, 0), (lse, varlen_q[0], float("inf"), 1))
     return out.to(q.dtype), lse

@@ -135,11 +135,17 @@ def _setup_context(ctx, inputs, output):
     ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
 
 
-def _backward(ctx, dout, dlse, backward_op=None):
+def _saved(ctx):
+    """What _setup_context saved: (q, k, v, out, lse, alibi_slopes, options)."""
     q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
     options = list(ctx.options)
     for i, t in zip(_TENSOR_ARGS, tensors):
         options[i] = t
+    return q, k, v, out, lse, alibi_slopes, options
+
+
+def _backward(ctx, dout, dlse, backward_op=None):
+    q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
     (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
     return dq, dk, dv, *(None,) * (1 + len(options))
@@ -149,9 +155,9 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class Attention(torch.autograd.Function):
-    """fwd with its backward through an autograd.Function: the API's path. The op's own
-    register_autograd serves direct callers of torch.ops.flashattn2.fwd; this path costs less
-    host time per call (no per-call autograd wrapper generation)."""
+    """fwd's body and bwd's through an autograd.Function: the API's eager path (no dispatcher, no
+    per-call autograd wrapper). The op's own register_autograd serves torch.compile and direct
+    callers of torch.ops.flashattn2.fwd."""
 
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, *options):
@@ -182,17 +188,13 @@ class PackedAttention(torch.autograd.Function):
         else:
             k, v = packed.unbind(dim=dim)
         out, lse = run_fwd(q, k, v, *options, alibi_slopes)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *(options[i] for i in _TENSOR_ARGS))
+        _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
         ctx.packing, ctx.dim = packing, dim
-        ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
-        options = list(ctx.options)
-        for i, t in zip(_TENSOR_ARGS, tensors):
-            options[i] = t
+        q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
         dim = ctx.dim
         if ctx.packing == "qkv":
             dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
