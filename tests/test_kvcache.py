@@ -162,6 +162,33 @@ def test_kvcache(config):
     check(q, k_cache, v_cache, kwargs, config["splits"])
 
 
+# On the H200, the full product of the options that choose a kernel path (dtype, page, rotary,
+# mask, GQA packing, split), at small sizes; the other options at their plain values.
+PRODUCT = [dict(zip(("dtype", "paged", "rotary", "mask", "group", "splits"), values))
+           for values in itertools.product([torch.float16, torch.bfloat16], [None, 16, 5], [None, "neox", "gptj"],
+                                           OPTIONS["mask"], [1, 8], [1, 0])] if ON_GPU else []
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the full product runs on the GPU; the CPU runs the pairwise sample")
+@pytest.mark.parametrize("config", [pytest.param(c, id=_id({**c, "seqlen_new": 4})) for c in PRODUCT])
+def test_kvcache_product(config):
+    c = {name: values[0] for name, values in OPTIONS.items()} | config | {"seqlen_new": 4, "seqlen_q": 4}
+    q, k_cache, v_cache, kwargs = make_case(c, 128, capacity=700)
+    check(q, k_cache, v_cache, kwargs, c["splits"])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="128k-token caches are for the GPU")
+@pytest.mark.parametrize("paged", [None, 16, 256], ids=["contiguous", "page16", "page256"])
+@pytest.mark.parametrize("group", [1, 4], ids=["mha", "gqa4"])
+def test_long_cache(paged, group):
+    """Caches up to 128k keys: split (heuristic) and unsplit against the reference."""
+    c = {name: values[0] for name, values in OPTIONS.items()} | dict(
+        dtype=torch.bfloat16, paged=paged, seqlen_new=1, rotary="neox", group=group)
+    q, k_cache, v_cache, kwargs = make_case(c, 128, capacity=131072, batch=2)
+    for splits in (0, 1):
+        check(q, k_cache, v_cache, kwargs, splits, name=f"splits={splits} ")
+
+
 def test_pairwise_sample_covers_every_pair():
     covered = {(a, c[a], b, c[b]) for c in CONFIGS for a, b in itertools.combinations(OPTIONS, 2)}
     for a, b in itertools.combinations(OPTIONS, 2):

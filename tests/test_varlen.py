@@ -4,7 +4,7 @@ import torch
 
 import flashattn2
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import config
+from flashattn2.ops import checks, config
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
@@ -140,6 +140,25 @@ def test_bad_cu_seqlens(make_args, exc, match):
     cu_q, cu_k = make_args(cu(lengths))
     with pytest.raises(exc, match=match):
         flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
+
+
+def test_cu_seqlens_checked_once_until_modified():
+    """Checked cu_seqlens are remembered (no host read on later calls) while unchanged; a new
+    total or max_seqlen is still checked against them, and an in-place change forgets them."""
+    lengths = [5, 9]
+    q, k, v = make(lengths, lengths)
+    cu_s = cu(lengths)
+    ref = flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9)
+    assert checks.known(cu_s) == (14, 9)
+    assert torch.equal(flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9), ref)
+    with pytest.raises(ValueError, match="exceeds max_seqlen_q"):
+        flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 8, 9)
+    with pytest.raises(ValueError, match="past the"):
+        flashattn2.flash_attn_varlen_func(q[:10], k, v, cu_s, cu_s, 9, 9)
+    cu_s[1] = 20
+    assert checks.known(cu_s) is None
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 20, 20)
 
 
 def test_bad_varlen_arguments():

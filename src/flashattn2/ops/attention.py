@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, config
+from . import _runtime, checks, config
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,11 @@ class _Geometry:
 def _fill_tails(*slots) -> None:
     """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim), the rows of x past
     cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
-    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots."""
+    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots. Slots whose
+    cu_seqlens is known to end at the last row (checks.known) need nothing: no launch then."""
+    slots = [slot for slot in slots if (checks.known(slot[1]) or (-1,))[0] != slot[0].shape[slot[3]]]
+    if not slots:
+        return
     args = []
     totals = []
     for x, cu_seqlens, value, rows_dim in slots:

@@ -1,6 +1,8 @@
 """Argument validation shared by the public entry points: every error names the argument."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _runtime
@@ -63,14 +65,21 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     called after the kernels are launched, waits for that copy only (not for the kernels) and
     raises ValueError on a bad value. Until then the kernels must stay in bounds whatever the
     values, so the returned cu_seqlens are clamped to [0, rows] (equal to the given ones when
-    they are valid). Skipped while torch.compile traces."""
+    they are valid). A tensor whose values passed is remembered (see `known`) and not read
+    again: a model passes one cu_seqlens to every layer, forward and backward. Skipped while
+    torch.compile traces."""
     _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     totals = (q.shape[0], k.shape[0])
     if torch.compiler.is_compiling():
         return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+    seen_q, seen_k = known(cu_seqlens_q), known(cu_seqlens_k)
+    if (seen_q is not None and seen_k is not None and seen_q[0] <= totals[0] and seen_k[0] <= totals[1]
+            and seen_q[1] <= maxes[0] and seen_k[1] <= maxes[1]):
+        return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+    cus = (cu_seqlens_q, cu_seqlens_k)
     if q.device.type != "cuda":
-        _check_cu_values(torch.stack((cu_seqlens_q, cu_seqlens_k)), totals, maxes)
+        _check_cu_values(torch.stack(cus), totals, maxes, cus)
         return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
     host = torch.empty((2, cu_seqlens_q.shape[0]), dtype=torch.int32, pin_memory=True)
     host[0].copy_(cu_seqlens_q, non_blocking=True)
@@ -80,8 +89,30 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
 
     def verify():
         copied.synchronize()
-        _check_cu_values(host, totals, maxes)
+        _check_cu_values(host, totals, maxes, cus)
     return cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]), maxes[0], maxes[1], verify
+
+
+# id(cu_seqlens) -> (weak reference, version counter, data_ptr, (last value, longest sequence)) of
+# tensors whose values were checked. An entry holds while that tensor lives and is not modified
+# in place (torch bumps the version counter of a tensor and its views on every in-place op).
+_KNOWN: dict[int, tuple] = {}
+_KNOWN_MAX = 64
+
+
+def known(cu: torch.Tensor) -> tuple[int, int] | None:
+    """(cu[-1], max sequence length) of a cu_seqlens tensor checked earlier and unchanged since, or None."""
+    entry = _KNOWN.get(id(cu))
+    if entry is None or entry[0]() is not cu or entry[1] != cu._version or entry[2] != cu.data_ptr():
+        return None
+    return entry[3]
+
+
+def _remember(cu: torch.Tensor, values: tuple[int, int]) -> None:
+    if len(_KNOWN) >= _KNOWN_MAX:
+        for key in [key for key, entry in _KNOWN.items() if entry[0]() is None] or [next(iter(_KNOWN))]:
+            del _KNOWN[key]
+    _KNOWN[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), values)
 
 
 def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
@@ -114,7 +145,10 @@ def _nothing():
     pass
 
 
-def _check_cu_values(both, totals, maxes):
+def _check_cu_values(both, totals, maxes, tensors=None):
+    """Check the values (rows of `both`, on the host); remember `tensors` (the given
+    cu_seqlens_q/k) as checked when they pass."""
+    seen = []
     for name, cu, total, max_seqlen in (("cu_seqlens_q", both[0], totals[0], maxes[0]),
                                         ("cu_seqlens_k", both[1], totals[1], maxes[1])):
         lengths = cu[1:] - cu[:-1]
@@ -123,8 +157,13 @@ def _check_cu_values(both, totals, maxes):
         if cu[-1] > total:
             raise ValueError(f"{name} ends at {int(cu[-1])}, past the {total} rows of "
                              f"{'q' if name.endswith('q') else 'k/v'}")
-        if lengths.numel() and int(lengths.max()) > max_seqlen:
-            raise ValueError(f"a sequence of length {int(lengths.max())} exceeds max_seqlen_{name[-1]}={max_seqlen}")
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest > max_seqlen:
+            raise ValueError(f"a sequence of length {longest} exceeds max_seqlen_{name[-1]}={max_seqlen}")
+        seen.append((int(cu[-1]), longest))
+    if tensors is not None:
+        for cu, values in zip(tensors, seen):
+            _remember(cu, values)
 
 
 def check_device(device: torch.device, name: str) -> None:
