@@ -33,3 +33,12 @@ def fresh_seed(request):
     torch.manual_seed(seed)
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each xdist worker shares the one GPU: hand cached blocks back after each test, or a few
+    workers that ran the large cases starve the others (out-of-memory in unrelated tests)."""
+    yield
+    if ON_GPU:
+        torch.cuda.empty_cache()

@@ -85,8 +85,10 @@ def cases(arch):
         for elem_bytes in (2, 4):
             for rows in (16, 64):
                 block_m, block_n, warps, stages = kvcache._tiles(rows, head_dim, False, elem_bytes)
-                for variant, split in (("plain", False), ("paged-varlen-leftpad-local-softcap-alibi-split", True)):
-                    flags = dict(CAUSAL=not split, LOCAL=split, SOFTCAP=split, ALIBI=split, PAGED=split, BATCH_IDX=not split,
+                for variant, split, page in (("plain", False, 1), ("paged-varlen-leftpad-local-softcap-alibi-split", True, 16),
+                                             ("paged256", False, 256)):
+                    flags = dict(CAUSAL=not split, LOCAL=split, SOFTCAP=split, ALIBI=split, PAGED=page > 1,
+                                 BATCH_IDX=page == 1, PAGE_SIZE=page,
                                  LEFTPAD=split, SEQLENS_TENSOR=split, SPLIT=split, VARLEN_Q=split,
                                  UPCAST=elem_bytes == 4,
                                  DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32", HEAD_DIM=head_dim,

@@ -29,11 +29,12 @@ def attn_kvcache_kernel(
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lh,
     stride_bt, stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, page_size, chunk,
+    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk,
     window_left, window_right, sm_scale, softcap,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
     SPLIT: tl.constexpr, VARLEN_Q: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     off_bhk = tl.program_id(0)
@@ -106,12 +107,18 @@ def attn_kvcache_kernel(
     for start_n in range(n_lo, n_hi, BLOCK_N):
         kj = start_n + tl.arange(0, BLOCK_N)
         k_ok = kj < n_hi
-        pos = (kj + left_pad).to(tl.int64)
         if PAGED:
-            page = tl.load(bt_row + pos // page_size, mask=k_ok, other=0).to(tl.int64)
-            k_off = page * stride_kb + (pos % page_size) * stride_ks
-            v_off = page * stride_vb + (pos % page_size) * stride_vs
+            if PAGE_SIZE % BLOCK_N == 0 and not LEFTPAD:  # the block (start_n: a multiple of BLOCK_N) is in one page
+                page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+                in_page = (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            else:  # a page per key row (int32 math; PAGE_SIZE a constant: shifts for powers of two)
+                pos = kj + left_pad
+                page = tl.load(bt_row + pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+                in_page = (pos % PAGE_SIZE).to(tl.int64)
+            k_off = page * stride_kb + in_page * stride_ks
+            v_off = page * stride_vb + in_page * stride_vs
         else:
+            pos = (kj + left_pad).to(tl.int64)
             k_off = pos * stride_ks
             v_off = pos * stride_vs
         kv_mask = k_ok[:, None] & col_ok[None, :]
