@@ -81,23 +81,30 @@ def cases(arch):
     yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, config.TileConfig(64, 64, 4, 1)
     # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
     # and with every option; the split-merging and rotary kernels
+    # (path, split) entry of the tile table: the kernel's flags that take that path
+    variants = {("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1),
+                ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1),
+                ("page-block", False): dict(PAGED=True, PAGE_SIZE=256),
+                ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256),
+                ("page-row", False): dict(PAGED=True, PAGE_SIZE=16, LOCAL=True),
+                ("page-row", True): dict(PAGED=True, PAGE_SIZE=16, LEFTPAD=True, LOCAL=True, SOFTCAP=True,
+                                         ALIBI=True, SEQLENS_TENSOR=True, SPLIT=True, VARLEN_Q=True)}
+    off = dict(CAUSAL=False, LOCAL=False, SOFTCAP=False, ALIBI=False, PAGED=False, BATCH_IDX=False, LEFTPAD=False,
+               SEQLENS_TENSOR=False, SPLIT=False, VARLEN_Q=False)
     for head_dim in (64, 128, 256):
         for elem_bytes in (2, 4):
-            for rows in (16, 64):
-                block_m, block_n, warps, stages = kvcache._tiles(rows, head_dim, False, elem_bytes)
-                for variant, split, page in (("plain", False, 1), ("paged-varlen-leftpad-local-softcap-alibi-split", True, 16),
-                                             ("paged256", False, 256)):
-                    flags = dict(CAUSAL=not split, LOCAL=split, SOFTCAP=split, ALIBI=split, PAGED=page > 1,
-                                 BATCH_IDX=page == 1, PAGE_SIZE=page,
-                                 LEFTPAD=split, SEQLENS_TENSOR=split, SPLIT=split, VARLEN_Q=split,
-                                 UPCAST=elem_bytes == 4,
+            for (path, split), chosen in variants.items():
+                for rows in ((16, 64) if chosen.get("VARLEN_Q") else (16,)):
+                    block_m, block_n, warps, stages = kvcache._tiles(rows, head_dim, False, elem_bytes, path, split)
+                    flags = dict(off, **chosen, UPCAST=elem_bytes == 4,
                                  DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32", HEAD_DIM=head_dim,
                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_dim)
                     types = {"Out": "*fp32"} if split else None
-                    yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{variant}", decode.attn_kvcache_kernel,
-                           elem_bytes, flags, config.TileConfig(block_m, block_n, warps, stages), types)
-        combine = dict(HEAD_DIM=head_dim, BLOCK_R=16, BLOCK_S=128, BLOCK_D=head_dim)
-        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 4, 1),
+                    yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
+                           decode.attn_kvcache_kernel, elem_bytes, flags,
+                           config.TileConfig(block_m, block_n, warps, stages), types)
+        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim)
+        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 2, 1),
                {"OutPart": "*fp32", "LsePart": "*fp32"})
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)

@@ -164,37 +164,38 @@ def attn_kvcache_kernel(
 def attn_combine_kernel(
     OutPart, LsePart, Out, Lse,
     stride_ps, stride_ls, stride_lb, stride_lh,
-    rows, seqlen_q, nheads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    seqlen_q, nheads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge the splits of rows [pid * BLOCK_R, ...): out = sum_s exp(lse_s - lse) out_s with
-    lse = log sum_s exp(lse_s); a row that no split saw gets out 0 and lse +inf. Row r is
-    (batch, query, head) in the order of the contiguous (batch, seqlen_q, nheads, headdim) out
-    and its splits; the logsumexps are (splits,) batch, nheads, seqlen_q with the given strides."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < rows
+    """Merge the splits of one row: out = sum_s exp(lse_s - lse) out_s with lse = log sum_s
+    exp(lse_s); a row that no split saw gets out 0 and lse +inf. Row r (the program) is (batch,
+    query, head) in the order of the contiguous (batch, seqlen_q, nheads, headdim) out and of
+    each split's part; the logsumexps are (splits,) batch, nheads, seqlen_q with the given
+    strides. One program per row, the splits read CHUNK_S at a time: a batch of one sequence
+    has few rows and up to 128 splits, so rows are the parallel axis, not splits."""
+    r = tl.program_id(0).to(tl.int64)
     b = r // (seqlen_q * nheads)
     i = (r // nheads) % seqlen_q
     h = r % nheads
-    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + i
+    lse_off = b * stride_lb + h * stride_lh + i
     s = tl.arange(0, BLOCK_S)
-    # [BLOCK_R, BLOCK_S]
-    lse_s = tl.load(LsePart + s.to(tl.int64)[None, :] * stride_ls + lse_off[:, None],
-                    mask=r_ok[:, None] & (s[None, :] < num_splits), other=float("-inf"))
-    m = tl.max(lse_s, 1)
+    lse_s = tl.load(LsePart + s.to(tl.int64) * stride_ls + lse_off, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2((lse_s - m_shift[:, None]) * LOG2E)
-    total = tl.sum(w, 1)
+    total = tl.sum(tl.math.exp2((lse_s - m_shift) * LOG2E), 0)
     empty = total == 0.0
-    w = w / tl.where(empty, 1.0, total)[:, None]
-    cols = tl.arange(0, BLOCK_D)
-    mask = r_ok[:, None] & (cols[None, :] < HEAD_DIM)
-    row_off = r.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for split in range(0, num_splits):
-        part = tl.load(OutPart + tl.cast(split, tl.int64) * stride_ps + row_off, mask=mask, other=0.0)
-        w_split = tl.sum(tl.where(s[None, :] == split, w, 0.0), 1)
-        acc += tl.where(w_split[:, None] > 0.0, part * w_split[:, None], 0.0)
     lse = tl.where(empty, float("inf"), m_shift + tl.math.log2(tl.where(empty, 1.0, total)) * LN2)
-    tl.store(Out + row_off, acc.to(Out.dtype.element_ty), mask=mask)
-    tl.store(Lse + lse_off, lse, mask=r_ok)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    row_off = r * HEAD_DIM
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        ok = sc < num_splits
+        lse_c = tl.load(LsePart + sc.to(tl.int64) * stride_ls + lse_off, mask=ok, other=float("-inf"))
+        w = tl.math.exp2((lse_c - lse) * LOG2E)  # 0 for a split without keys (and for all when empty)
+        part = tl.load(OutPart + sc.to(tl.int64)[:, None] * stride_ps + row_off + cols[None, :],
+                       mask=ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
+    tl.store(Out + row_off + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
+    tl.store(Lse + lse_off, lse)

@@ -79,17 +79,44 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+# (path, split) -> (BLOCK_N, num_warps, num_stages) at headdim 128 in 16-bit types. Paths:
+# "contiguous" (a cache row per sequence), "page-block" (pages a multiple of BLOCK_N, no left
+# padding: a key block lies in one page), "page-row" (a page per key row: small pages). Chosen
+# by a sweep of 12 tiles on the H200 (2026-11-29, git d112cf6, CUDA-graph GB/s of K/V read at
+# bf16, 32 query heads, MHA and GQA-8, batch 1/8/64, cache 1k-128k); the numbers name points
+# where the entry won or came within 2%:
+DECODE_TILES = {
+    ("contiguous", True): (128, 4, 2),   # MHA 1x32k 3626 GB/s, 1x128k 4017; GQA 8x32k 3996
+    ("contiguous", False): (128, 4, 3),  # GQA 64x8k 4462 (stages 2: 3995), 64x128k 4659; MHA 64x32k 4580
+    ("page-block", True): (128, 8, 2),   # page 256: MHA 1x32k 3662, 1x128k 4118; GQA 1x32k 2195
+    ("page-block", False): (128, 8, 3),  # page 256: MHA 8x8k 4247, 64x32k 4550; GQA 64x8k 4403
+    ("page-row", True): (128, 4, 2),     # page 16: MHA 1x128k 4000; GQA 8x32k 4000
+    ("page-row", False): (64, 4, 3),     # page 16: MHA 64x32k 4513; GQA 64x8k 4355 (128-key blocks: 3992)
+}
+
+
+def _path(cache: Cache, block_n: int) -> str:
+    if cache.block_table is None:
+        return "contiguous"
+    if cache.leftpad is None and cache.page_size % block_n == 0:
+        return "page-block"
+    return "page-row"
+
+
+def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: str = "contiguous",
+           split: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decoding reads K/V once per group: the rows are
-    few (group x seqlen_q), the keys many. Not tuned yet (no measurement chose these); sized so
-    that fp32 at headdim 256 fits the 99 KB of shared memory of sm86/89 (compile_check)."""
+    few (group x seqlen_q), the keys many. Other head dims keep the bytes of a key block of the
+    headdim-128 entry; fp32 halves it and drops the pipeline so that headdim 256 fits the 99 KB
+    of shared memory of sm86/89 (compile_check)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     if interp:
         return block_m, 16, 1, 1
-    block_n = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
+    block_n, warps, stages = DECODE_TILES[(path, split)]
+    block_n = max(32, min(256, block_n * 128 // max(64, attention._block_d(head_dim))))
     if elem_bytes == 4:
-        return block_m, block_n // 2, 4, 1
-    return block_m, block_n, 4, 2
+        return block_m, max(16, block_n // (4 if head_dim > 128 else 2)), 4, 1
+    return block_m, block_n, warps, stages
 
 
 def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, sm_count: int) -> int:
@@ -127,9 +154,14 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     rows = group * seqlen_q
-    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, q.element_size())
+    block_m = _tiles(rows, head_dim, interp)[0]
     programs = -(-rows // block_m) * batch * nheads_k
     sm_count = 64 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
+    # the tile's path; the kernel itself takes the one-page-per-block addressing when its
+    # PAGE_SIZE and BLOCK_N allow it
+    path = _path(cache, DECODE_TILES[("page-block", split)][0])
+    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, q.element_size(), path, split)
     splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
     chunk = -(-cache.capacity // (splits * block_n)) * block_n
     splits = -(-cache.capacity // chunk)
@@ -180,14 +212,12 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
             lse_b = 0 if varlen_q is not None else lse.stride(0)
             lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
-            total_rows = b_ * sq_ * nheads
-            block_r = 16
-            kernels.attn_combine_kernel[(-(-total_rows // block_r),)](
+            kernels.attn_combine_kernel[(b_ * sq_ * nheads,)](
                 dst, dst_lse, out, lse,
                 dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
-                total_rows, sq_, nheads, splits,
-                HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
-                BLOCK_D=attention._block_d(head_dim),
+                sq_, nheads, splits,
+                HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
+                BLOCK_D=attention._block_d(head_dim), num_warps=2,
             )
     if varlen_q is not None:
         attention._fill_tails((out, varlen_q[0], 0.0, 0), (lse, varlen_q[0], float("inf"), 1))
