@@ -312,13 +312,22 @@ def _errors():
         ((q, kc, vc), {"cache_seqlens": 3, "num_splits": -1}, ValueError, "num_splits"),
         ((q, kc, vc), {"cache_seqlens": 3, "window_size": (-2, 0)}, ValueError, "window_size"),
         ((randn(3, 1, 4, 32, dtype=torch.float16), kc, vc), {"cache_seqlens": 3}, ValueError, "2 rows for a batch of 3"),
+        # values found by the kernels' own check (tensor cache_seqlens): the append writes nothing
+        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 10], **i32), "rotary_cos": cos[:12],
+                             "rotary_sin": cos[:12]}, ValueError, "12 positions"),
+        ((q, pages, pages, k, v), {"cache_seqlens": torch.tensor([1, 4], **i32),
+                                   "block_table": torch.tensor([[0, 1], [2, 9]], **i32)}, ValueError,
+         "block_table entries"),
+        ((q, kc, vc), {"cache_seqlens": torch.tensor([3, 17], **i32)}, ValueError, "capacity of 16"),
+        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([0, -1], **i32)},
+         ValueError, "cache_leftpad"),
     ]
 
 
-@pytest.mark.parametrize("index", range(19))
+@pytest.mark.parametrize("index", range(23))
 def test_bad_arguments_raise_before_writing(index):
     cases = _errors()
-    assert len(cases) == 19
+    assert len(cases) == 23
     args, kwargs, exc, match = cases[index]
     caches = [t.clone() for t in args[1:3]]
     with pytest.raises(exc, match=match):

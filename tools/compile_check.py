@@ -26,7 +26,7 @@ TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 
 
-INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets"}
+INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err"}
 
 
 def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
@@ -82,15 +82,15 @@ def cases(arch):
     # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path
-    variants = {("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1),
+    variants = {("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True),
                 ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1),
                 ("page-block", False): dict(PAGED=True, PAGE_SIZE=256),
-                ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256),
+                ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256, CHECK=True),
                 ("page-row", False): dict(PAGED=True, PAGE_SIZE=16, LOCAL=True),
                 ("page-row", True): dict(PAGED=True, PAGE_SIZE=16, LEFTPAD=True, LOCAL=True, SOFTCAP=True,
-                                         ALIBI=True, SEQLENS_TENSOR=True, SPLIT=True, VARLEN_Q=True)}
+                                         ALIBI=True, SEQLENS_TENSOR=True, SPLIT=True, VARLEN_Q=True, CHECK=True)}
     off = dict(CAUSAL=False, LOCAL=False, SOFTCAP=False, ALIBI=False, PAGED=False, BATCH_IDX=False, LEFTPAD=False,
-               SEQLENS_TENSOR=False, SPLIT=False, VARLEN_Q=False)
+               SEQLENS_TENSOR=False, SPLIT=False, VARLEN_Q=False, CHECK=False)
     for head_dim in (64, 128, 256):
         for elem_bytes in (2, 4):
             for (path, split), chosen in variants.items():
@@ -103,6 +103,12 @@ def cases(arch):
                     yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
                            decode.attn_kvcache_kernel, elem_bytes, flags,
                            config.TileConfig(block_m, block_n, warps, stages), types)
+        for paged, rotate in ((False, True), (True, False)):
+            append = dict(CHECK=True, PAGED=paged, BATCH_IDX=not paged, LEFTPAD=True, SEQLENS_TENSOR=True,
+                          PAGE_SIZE=16 if paged else 1, ROTARY=rotate, INTERLEAVED=rotate, HEAD_DIM=head_dim,
+                          BLOCK_B=256, BLOCK_T=16, BLOCK_D=head_dim)
+            yield (f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}", decode.kvcache_append_kernel, 2,
+                   append, config.TileConfig(16, 16, 4, 1), None)
         combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim)
         yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 2, 1),
                {"OutPart": "*fp32", "LsePart": "*fp32"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .ops import checks
+from .ops.kvcache import Check
 from .ops.registry import Attention, PackedAttention, run_fwd
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
@@ -245,8 +246,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
-    The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are checked on
-    the host before anything is written (one device sync; skipped under torch.compile).
+    The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are checked by
+    the kernels: the append writes nothing when one is out of range, and the call then raises
+    ValueError (the host reads one flag after the launches). Under torch.compile and CUDA-graph
+    capture there is no check: out-of-range values are clamped into range (nothing is read or
+    written out of bounds), as flash_attn does not check them either.
     """
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, num_splits, alibi_slopes)
@@ -256,8 +260,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # whether q is rotated per token)
     left, right = (-1 if int(w) >= capacity else int(w) for w in window_size)
     per_token = causal or left >= 0 or right >= 0
-    checks.check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                                q.shape[1] if per_token else 1)
+    q_positions = q.shape[1] if per_token else 1
+    values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, q_positions)
+    # an int cache_seqlens is checked here (no device read); the tensors' values by the kernels
+    if not isinstance(cache_seqlens, torch.Tensor):
+        checks.check_kvcache_seqlen(capacity if cache_seqlens is None else cache_seqlens, capacity,
+                                    0 if k is None else k.shape[1], rotary_cos, q_positions, block_table is not None)
+    check = None
+    if any(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)):
+        check = _kvcache_check(q, capacity, k, rotary_cos, q_positions)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, seqlen_int = cache_seqlens, 0
@@ -265,5 +276,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
     out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
                                cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
-                               float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+                               float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                               check=check)
+    if check is not None and check.err.item():
+        checks.check_kvcache_values(*values)  # raises with the details
+        raise ValueError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
+
+
+def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
+    """The device-side check of the cache tensors' values (ops.kvcache.Check), or None while
+    torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
+    kernels then only clamp the values into range."""
+    if torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    seqlen_new = 0 if k is None else k.shape[1]
+    limit = capacity - seqlen_new
+    if rotary_cos is not None:
+        limit = min(limit, rotary_cos.shape[0] - max(seqlen_new, q_positions))
+    return Check(torch.zeros(1, dtype=torch.int32, device=q.device), limit)

@@ -22,19 +22,19 @@ from .common import LN2, LOG2E, alibi_bias, tanh, visible
 
 @triton.jit
 def attn_kvcache_kernel(
-    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi, CuSeqlensQ,
+    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi, CuSeqlensQ, Err,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lh,
     stride_bt, stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk,
+    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, seqlen_limit,
     window_left, window_right, sm_scale, softcap,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
     SPLIT: tl.constexpr, VARLEN_Q: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     off_bhk = tl.program_id(0)
@@ -50,12 +50,21 @@ def attn_kvcache_kernel(
         seqlen_q = (tl.load(CuSeqlensQ + off_b + 1) - q_start).to(tl.int32)
         if pid_m * BLOCK_M >= seqlen_q * group:
             return
+    # the values read from memory are clamped into range, so that no value makes the kernel read
+    # out of bounds; with CHECK a value out of range (cache_seqlens past seqlen_limit, left
+    # padding past the keys, a cache row or page that does not exist) also sets Err, which the
+    # host reads after the launch
+    bad = tl.full([], 0, tl.int1)
     if SEQLENS_TENSOR:
         cache_seqlen = tl.load(CacheSeqlens + off_b)
+        bad = (cache_seqlen < 0) | (cache_seqlen > seqlen_limit)
+        cache_seqlen = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
     key_end = cache_seqlen + seqlen_new  # physical end of this sequence's keys
     left_pad = 0
     if LEFTPAD:
         left_pad = tl.load(LeftPad + off_b)
+        bad |= (left_pad < 0) | (left_pad > cache_seqlen)
+        left_pad = tl.minimum(tl.maximum(left_pad, 0), key_end)
     seqlen_k = key_end - left_pad  # keys are cache positions left_pad + j, j in [0, seqlen_k)
 
     # packed rows: query qi of head hk * group + g
@@ -91,6 +100,8 @@ def attn_kvcache_kernel(
         cache_row = off_b
         if BATCH_IDX:
             cache_row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
+            bad |= (cache_row < 0) | (cache_row >= n_rows)
+            cache_row = tl.minimum(tl.maximum(cache_row, 0), n_rows - 1)
         k_base = K + cache_row * stride_kb + off_hk * stride_kh
         v_base = V + cache_row * stride_vb + off_hk * stride_vh
 
@@ -104,17 +115,21 @@ def attn_kvcache_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    page_bad = tl.full([], 0, tl.int1)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         kj = start_n + tl.arange(0, BLOCK_N)
         k_ok = kj < n_hi
         if PAGED:
             if PAGE_SIZE % BLOCK_N == 0 and not LEFTPAD:  # the block (start_n: a multiple of BLOCK_N) is in one page
-                page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+                page = tl.load(bt_row + start_n // PAGE_SIZE)
+                page_bad |= (page < 0) | (page >= n_rows)
                 in_page = (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
             else:  # a page per key row (int32 math; PAGE_SIZE a constant: shifts for powers of two)
                 pos = kj + left_pad
-                page = tl.load(bt_row + pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+                page = tl.load(bt_row + pos // PAGE_SIZE, mask=k_ok, other=0)
+                page_bad |= tl.max((k_ok & ((page < 0) | (page >= n_rows))).to(tl.int32), 0) > 0
                 in_page = (pos % PAGE_SIZE).to(tl.int64)
+            page = tl.minimum(tl.maximum(page, 0), n_rows - 1).to(tl.int64)
             k_off = page * stride_kb + in_page * stride_ks
             v_off = page * stride_vb + in_page * stride_vs
         else:
@@ -148,6 +163,8 @@ def attn_kvcache_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if CHECK:
+        tl.store(Err, 1, mask=bad | page_bad)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]
@@ -199,3 +216,110 @@ def attn_combine_kernel(
         acc += tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
     tl.store(Out + row_off + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
     tl.store(Lse + lse_off, lse)
+
+
+@triton.jit
+def _values_out_of_range(CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, stride_bt,
+                         batch, cache_seqlen, seqlen_new, seqlen_limit, n_rows,
+                         PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr,
+                         SEQLENS_TENSOR: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Whether any sequence has cache_seqlens outside [0, seqlen_limit], left padding outside
+    [0, cache_seqlens], a cache row that does not exist, or a page it writes to (positions
+    cache_seqlens .. + seqlen_new) that does not exist."""
+    bad = tl.zeros([BLOCK_B], dtype=tl.int1)
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B)
+        b_ok = bs < batch
+        if SEQLENS_TENSOR:
+            sl = tl.load(CacheSeqlens + bs, mask=b_ok, other=0)
+        else:
+            sl = tl.zeros([BLOCK_B], dtype=tl.int32) + cache_seqlen
+        sl_bad = (sl < 0) | (sl > seqlen_limit)
+        bad |= b_ok & sl_bad
+        if LEFTPAD:
+            pad = tl.load(LeftPad + bs, mask=b_ok, other=0)
+            bad |= b_ok & ((pad < 0) | (pad > sl))
+        if BATCH_IDX:
+            row = tl.load(CacheBatchIdx + bs, mask=b_ok, other=0)
+            bad |= b_ok & ((row < 0) | (row >= n_rows))
+        if PAGED:
+            live_b = b_ok & ~sl_bad
+            first = tl.where(live_b, sl, 0) // PAGE_SIZE
+            last = (tl.where(live_b, sl, 0) + seqlen_new - 1) // PAGE_SIZE
+            for p in range(0, (seqlen_new - 1) // PAGE_SIZE + 2):
+                live = live_b & (first + p <= last)
+                page = tl.load(BlockTable + bs.to(tl.int64) * stride_bt + first + p, mask=live, other=0)
+                bad |= live & ((page < 0) | (page >= n_rows))
+    return tl.max(bad.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def kvcache_append_kernel(
+    KNew, VNew, K, V, Cos, Sin, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Err,
+    stride_nb, stride_ns, stride_nh, stride_wb, stride_ws, stride_wh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_cs,
+    batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit, seqlen_ro, half,
+    CHECK: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr,
+    SEQLENS_TENSOR: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
+    into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
+    GPT-J pairs of the first 2 * half features, by the angle of its position, in fp32, rounded
+    once). CHECK: every program first checks every sequence's values and none writes when one is
+    out of range (Err is set instead), so a bad call leaves the cache untouched. The values are
+    also clamped into range, so that nothing is written out of bounds without CHECK."""
+    off_b = tl.program_id(0).to(tl.int64)
+    pid_t = tl.program_id(1)
+    if CHECK:
+        if _values_out_of_range(CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, stride_bt, batch, cache_seqlen,
+                                seqlen_new, seqlen_limit, n_rows, PAGED, BATCH_IDX, LEFTPAD, SEQLENS_TENSOR,
+                                PAGE_SIZE, BLOCK_B):
+            tl.store(Err, 1)
+            return
+    if SEQLENS_TENSOR:
+        cache_seqlen = tl.load(CacheSeqlens + off_b)
+    start = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < seqlen_new
+    pos = start + t
+    if PAGED:
+        page = tl.load(BlockTable + off_b * stride_bt + pos // PAGE_SIZE, mask=t_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), n_rows - 1).to(tl.int64)
+        k_rows = K + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+        v_rows = V + page * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vs
+    else:
+        row = off_b
+        if BATCH_IDX:
+            row = tl.minimum(tl.maximum(tl.load(CacheBatchIdx + off_b), 0), n_rows - 1).to(tl.int64)
+        k_rows = K + row * stride_kb + pos.to(tl.int64) * stride_ks
+        v_rows = V + row * stride_vb + pos.to(tl.int64) * stride_vs
+    cols = tl.arange(0, BLOCK_D)
+    mask = t_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    t64 = t.to(tl.int64)
+    if ROTARY:
+        rot = cols < 2 * half
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            partner = cols ^ 1
+            angle = cols // 2
+            sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+        else:  # halves (j, j + half)
+            partner = tl.where(cols < half, cols + half, cols - half)
+            angle = tl.where(cols < half, cols, cols - half)
+            sign = tl.where(cols < half, -1.0, 1.0)
+        partner = tl.where(rot, partner, cols)
+        cs_mask = mask & rot[None, :] & (pos < seqlen_ro)[:, None]
+        cs_off = pos.to(tl.int64)[:, None] * stride_cs + angle[None, :]
+        c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)
+        s = tl.load(Sin + cs_off, mask=cs_mask, other=0.0).to(tl.float32) * sign[None, :]
+    for h in range(0, nheads_k):
+        src = KNew + off_b * stride_nb + t64[:, None] * stride_ns + h * stride_nh
+        x = tl.load(src + cols[None, :], mask=mask, other=0.0)
+        if ROTARY:
+            x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
+        tl.store(k_rows[:, None] + h * stride_kh + cols[None, :], x, mask=mask)
+        val = tl.load(VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols[None, :], mask=mask,
+                      other=0.0)
+        tl.store(v_rows[:, None] + h * stride_vh + cols[None, :], val, mask=mask)

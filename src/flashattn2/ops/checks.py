@@ -87,10 +87,16 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     copied = torch.cuda.Event()
     copied.record()
 
+    clamped = (cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]))
+
     def verify():
         copied.synchronize()
         _check_cu_values(host, totals, maxes, cus)
-    return cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]), maxes[0], maxes[1], verify
+        for given, copy in zip(cus, clamped):  # equal values: the backward's copies are known too
+            entry = known(given)
+            if entry is not None:
+                _remember(copy, entry)
+    return *clamped, maxes[0], maxes[1], verify
 
 
 # id(cu_seqlens) -> (weak reference, version counter, data_ptr, (last value, longest sequence)) of
@@ -232,7 +238,7 @@ def _index_tensor(name, t, shape, dtypes=(torch.int32,)):
 def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                   cache_leftpad, block_table, num_splits, alibi_slopes):
     """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments; the values that live on
-    the device (cache_seqlens, block_table, ...) are checked by check_kvcache_values."""
+    the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check)."""
     _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
     layout = "(num_blocks, page_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
@@ -306,13 +312,27 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     check_alibi(alibi_slopes, q, batch)
 
 
+def check_kvcache_seqlen(seqlen: int, capacity: int, seqlen_new: int, rotary_cos, q_positions: int,
+                         paged: bool) -> None:
+    """An int cache_seqlens (host values: no device read): the append stays inside the cache and
+    the rotary table covers the positions rotated. The messages are check_kvcache_values'."""
+    if seqlen < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {seqlen}")
+    if seqlen + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens + seqlen_new reaches {seqlen + seqlen_new}, past the cache's "
+                         f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
+    rotary_end = seqlen + max(seqlen_new, q_positions)
+    if rotary_cos is not None and rotary_end > rotary_cos.shape[0]:
+        raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs {rotary_end}")
+
+
 def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                          q_positions=1):
-    """The checks that read device values, in one host sync, before any memory is touched:
-    appends stay inside the cache, the pages a sequence uses exist, left padding and batch
-    indices are in range, rotary tables cover every position (the new keys', and q_positions
-    queries from cache_seqlens on). Skipped while torch.compile traces
-    and while a CUDA graph is captured (a host read is not allowed there)."""
+    """The checks that read device values, in one host sync: appends stay inside the cache, the
+    pages a sequence uses exist, left padding and batch indices are in range, rotary tables
+    cover every position (the new keys', and q_positions queries from cache_seqlens on). The
+    KV-cache call runs it for its message once the kernels' own check found a bad value. Skipped while torch.compile traces and while a CUDA
+    graph is captured (a host read is not allowed there)."""
     if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
     seqlen_new = 0 if k is None else k.shape[1]

@@ -38,26 +38,56 @@ class Cache:
         return self.k.shape[1]
 
 
-def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary) -> None:
+@dataclass(frozen=True)
+class Check:
+    """Device-side checking of the cache tensors' values: err (int32 (1,), zero) is set by a
+    kernel that finds a value out of range; cache_seqlens may not exceed seqlen_limit (the
+    capacity less the new tokens, and the rotary table's end less the positions rotated)."""
+    err: torch.Tensor
+    seqlen_limit: int
+
+
+def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, check: Check | None = None) -> None:
     """Write k_new/v_new (batch, seqlen_new, nheads_k, headdim) at positions cache_seqlens[b] + i;
-    k rotated there first when rotary = (cos, sin, interleaved) is given."""
-    batch, seqlen_new = k_new.shape[:2]
-    device = k_new.device
-    start = cache.seqlens.long() if cache.seqlens is not None else torch.full(
-        (batch,), cache.seqlen_int, dtype=torch.long, device=device)
+    k rotated there first when rotary = (cos, sin, interleaved) is given. One kernel; with check
+    every program first checks every sequence's values (cache_seqlens, cache_leftpad,
+    cache_batch_idx, the pages written) and none writes if one is out of range."""
+    batch, seqlen_new, nheads_k, head_dim = k_new.shape
+    if batch == 0 or seqlen_new == 0:
+        return
+    interp = _runtime.interpreted()
     if rotary is not None:
         cos, sin, interleaved = rotary
-        k_new = _rotary.rotate_(k_new.clone(memory_format=torch.contiguous_format), cos, sin, interleaved, start)
-    pos = start[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # (batch, seqlen_new)
-    if cache.block_table is not None:
-        rows = cache.block_table.long().gather(1, pos // cache.page_size)
-        pos = pos % cache.page_size
-    elif cache.batch_idx is not None:
-        rows = cache.batch_idx.long()[:, None].expand_as(pos)
+        if interp and k_new.dtype != torch.float32:
+            # the interpreter's fp32 -> 16-bit store truncates: rotate in fp32, let torch round
+            offsets = cache.seqlens if cache.seqlens is not None else cache.seqlen_int
+            k_new = _rotary.rotate_(k_new.float(), cos, sin, interleaved, offsets).to(k_new.dtype)
+            rotary = None
     else:
-        rows = torch.arange(batch, device=device)[:, None].expand_as(pos)
-    cache.k[rows, pos] = k_new
-    cache.v[rows, pos] = v_new
+        cos = sin = k_new
+        interleaved = False
+    bt = cache.block_table
+    dummy = k_new
+    block_t = min(16, 1 << (seqlen_new - 1).bit_length())
+    with _runtime.device_of(k_new):
+        _runtime.kernels().decode.kvcache_append_kernel[(batch, -(-seqlen_new // block_t))](
+            k_new, v_new, cache.k, cache.v, cos, sin,
+            cache.seqlens if cache.seqlens is not None else dummy,
+            cache.batch_idx if cache.batch_idx is not None else dummy,
+            cache.leftpad if cache.leftpad is not None else dummy,
+            bt if bt is not None else dummy,
+            check.err if check is not None else dummy,
+            *k_new.stride()[:3], *v_new.stride()[:3], *cache.k.stride()[:3], *cache.v.stride()[:3],
+            bt.stride(0) if bt is not None else 0, cos.stride(0),
+            batch, nheads_k, seqlen_new, cache.seqlen_int, cache.capacity, cache.k.shape[0],
+            check.seqlen_limit if check is not None else cache.capacity - seqlen_new,
+            cos.shape[0] if rotary is not None else 0, cos.shape[1] if rotary is not None else 0,
+            CHECK=check is not None, PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None,
+            LEFTPAD=cache.leftpad is not None, SEQLENS_TENSOR=cache.seqlens is not None,
+            PAGE_SIZE=cache.page_size if bt is not None else 1, ROTARY=rotary is not None, INTERLEAVED=interleaved,
+            HEAD_DIM=head_dim, BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())), BLOCK_T=block_t,
+            BLOCK_D=attention._block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
+        )
 
 
 def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Tensor:
@@ -132,10 +162,13 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
 
 
 def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: attention.ScoreMods,
-            num_splits: int, varlen_q: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            num_splits: int, varlen_q: tuple[torch.Tensor, int] | None = None,
+            check: Check | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append).
     Returns out like q and lse fp32 (batch, nheads, seqlen_q). With varlen_q = (cu_seqlens_q,
-    max_seqlen_q), q is (total_q, nheads, headdim) and lse (nheads, total_q) (paged prefill)."""
+    max_seqlen_q), q is (total_q, nheads, headdim) and lse (nheads, total_q) (paged prefill).
+    Values read from the cache tensors are clamped into range; with check, a value out of range
+    also sets check.err."""
     nheads, head_dim = q.shape[-2:]
     if varlen_q is not None:
         cu_q, seqlen_q = varlen_q
@@ -195,15 +228,18 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             bt if bt is not None else lse,
             runtime["Alibi"],
             varlen_q[0] if varlen_q is not None else lse,
+            check.err if check is not None else lse,
             *q_strides, *k.stride()[:3], *v.stride()[:3],
             *dst_strides, *lse_strides,
             bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
-            nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, chunk,
+            nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, chunk, cache.capacity, k.shape[0],
+            check.seqlen_limit if check is not None else cache.capacity,
             runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"],
             **flags,
             PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
             SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
             UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", PAGE_SIZE=cache.page_size if bt is not None else 1,
+            CHECK=check is not None,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
             num_warps=warps, num_stages=stages,
         )

@@ -210,20 +210,21 @@ class PackedAttention(torch.autograd.Function):
 
 def fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int,
                      cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                     softcap, rotary_interleaved, alibi_slopes, num_splits):
-    """The body of flashattn2::fwd_kvcache (eager callers run it directly, see fwd_impl)."""
+                     softcap, rotary_interleaved, alibi_slopes, num_splits, check=None):
+    """The body of flashattn2::fwd_kvcache (eager callers run it directly, see fwd_impl). check:
+    a kvcache.Check (eager calls only), set when a cache tensor holds a value out of range."""
     with _runtime.device_of(q):
         cache = kvcache.Cache(k_cache, v_cache, _contiguous(cache_seqlens), cache_seqlen_int,
                               _contiguous(cache_batch_idx), _contiguous(cache_leftpad), _contiguous(block_table))
         rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), rotary_interleaved)
         seqlen_new = 0
         if k is not None:
-            kvcache.append_(cache, k, v, rotary)
+            kvcache.append_(cache, k, v, rotary, check)
             seqlen_new = k.shape[1]
             if rotary is not None:
                 q = kvcache.rotate_q(q, cache, rotary, per_token=causal or window_left >= 0 or window_right >= 0)
         mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
-        return kvcache.forward(_for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits)
+        return kvcache.forward(_for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits, check=check)
 
 
 @torch.library.custom_op("flashattn2::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -241,9 +242,10 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                             window_right, softcap, rotary_interleaved, alibi_slopes, num_splits)
 
 
-def run_fwd_kvcache(*args):
-    """fwd_kvcache's arguments: the op while torch.compile traces, its body otherwise."""
-    return fwd_kvcache(*args) if torch.compiler.is_compiling() else fwd_kvcache_impl(*args)
+def run_fwd_kvcache(*args, check=None):
+    """fwd_kvcache's arguments: the op while torch.compile traces (check is then None), its body
+    otherwise."""
+    return fwd_kvcache(*args) if torch.compiler.is_compiling() else fwd_kvcache_impl(*args, check=check)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
