@@ -121,7 +121,8 @@ DECODE_TILES = {
     ("page-block", True): (128, 8, 2),   # page 256: MHA 1x32k 3662, 1x128k 4118; GQA 1x32k 2195
     ("page-block", False): (128, 8, 3),  # page 256: MHA 8x8k 4247, 64x32k 4550; GQA 64x8k 4403
     ("page-row", True): (128, 4, 2),     # page 16: MHA 1x128k 4000; GQA 8x32k 4000
-    ("page-row", False): (64, 4, 3),     # page 16: MHA 64x32k 4513; GQA 64x8k 4355 (128-key blocks: 3992)
+    ("page-row", False): (128, 8, 2),    # page 16: MHA 8x8k 4043, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317
+    #                                      (64/4/3 wins at batch 64, 4513 and 4509, but loses 20% at batch 8)
 }
 
 
