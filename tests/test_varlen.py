@@ -161,6 +161,29 @@ def test_cu_seqlens_checked_once_until_modified():
         flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 20, 20)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_longest_first_order_changes_nothing(causal, monkeypatch):
+    """Once cu_seqlens are known the grid takes the sequences longest first (SeqOrder); the
+    results, dropout's mask included, are bitwise those of the given order."""
+    lengths = [5, 40, 0, 17, 33] if not ON_GPU else [300, 2000, 0, 900, 1500]
+    q, k, v = make(lengths, lengths)
+    cu_s = cu(lengths)
+    do = torch.randn_like(q)
+    results = []
+    for sort in (False, True):
+        if not sort:
+            monkeypatch.setattr(checks, "known_order", lambda cu: None)
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(7)
+        out = flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, max(lengths), max(lengths), dropout_p=0.2,
+                                                causal=causal)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    assert checks.known_order(cu_s).tolist() == [1, 4, 3, 0, 2]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_bad_varlen_arguments():
     lengths = [5, 9]
     q, k, v = make(lengths, lengths)

@@ -114,7 +114,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -126,7 +126,7 @@ def attn_bwd_dkdv_kernel(
     nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
@@ -135,6 +135,8 @@ def attn_bwd_dkdv_kernel(
     off_bhk = tl.program_id(0) // num_n_blocks
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
+    if SORTED:  # varlen: slot b works on sequence SeqOrder[b] (longest first: a shorter tail)
+        off_b = tl.load(SeqOrder + off_b).to(tl.int64)
     start_n = pid_n * BLOCK_N
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
@@ -226,7 +228,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
+    Q, K, V, DOut, Lse, Delta, DQ, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -237,13 +239,13 @@ def attn_bwd_dq_kernel(
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
         batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK, CAUSAL, IS_VARLEN,
-        BLOCK_M)
+        BLOCK_M, SeqOrder, SORTED)
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E

@@ -37,7 +37,7 @@ def attn_dropout_mask_kernel(
 ):
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
         batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK, False, IS_VARLEN,
-        BLOCK_M)
+        BLOCK_M, CuSeqlensQ, False)
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E

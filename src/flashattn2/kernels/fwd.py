@@ -63,7 +63,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
+    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -73,14 +73,14 @@ def attn_fwd_kernel(
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
         batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK, CAUSAL, IS_VARLEN,
-        BLOCK_M)
+        BLOCK_M, SeqOrder, SORTED)
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E

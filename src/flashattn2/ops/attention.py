@@ -128,6 +128,13 @@ class _Geometry:
             return like, like  # never read: IS_VARLEN is off
         return self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
 
+    def order(self, cu: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(SeqOrder, SORTED): the sequences longest first by the lengths of cu (one of the
+        varlen's cu_seqlens), known once its values were checked (checks.known_order); the
+        grid's slots follow that order. Otherwise cu and False (never read)."""
+        order = checks.known_order(cu) if self.varlen is not None else None
+        return (cu, False) if order is None else (order, True)
+
 
 def _fill_tails(*slots) -> None:
     """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim), the rows of x past
@@ -179,8 +186,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
+    # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
+    order, is_sorted = geo.order(geo.cu_seqlens(lse)[1])
     _runtime.kernels().fwd.attn_fwd_kernel[grid](
-        q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"],
+        q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
@@ -189,6 +198,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         softmax_scale, runtime["softcap"], runtime["dropout_p"],
         **flags,
         IS_VARLEN=varlen is not None,
+        SORTED=is_sorted,
         **_flags(q, arch, q, k, v, out),
         HEAD_DIM=geo.head_dim,
         BLOCK_M=cfg.block_m,
@@ -245,10 +255,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     causal = mod_flags["CAUSAL"]
     common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=block_d)
+    # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
+    order_q, sorted_q = geo.order(cu_q)
+    order_k, sorted_k = geo.order(cu_k)
 
     cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
     K.attn_bwd_dkdv_kernel[(_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,)](
-        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"],
+        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_q,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
         *geo.strides(gv),
         *geo.lse_strides(lse),
@@ -257,6 +270,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         runtime["window_left"], runtime["window_right"],
         softmax_scale, runtime["softcap"], runtime["dropout_p"],
         **common,
+        SORTED=sorted_q,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
@@ -264,7 +278,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     )
     cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
     K.attn_bwd_dq_kernel[(_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)](
-        q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"],
+        q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
@@ -272,6 +286,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         runtime["window_left"], runtime["window_right"],
         softmax_scale, runtime["softcap"], runtime["dropout_p"],
         **common,
+        SORTED=sorted_k,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,

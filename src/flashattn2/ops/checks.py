@@ -93,9 +93,9 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         copied.synchronize()
         _check_cu_values(host, totals, maxes, cus)
         for given, copy in zip(cus, clamped):  # equal values: the backward's copies are known too
-            entry = known(given)
+            entry = _entry(given)
             if entry is not None:
-                _remember(copy, entry)
+                _remember(copy, entry[3], entry[4])
     return *clamped, maxes[0], maxes[1], verify
 
 
@@ -106,19 +106,30 @@ _KNOWN: dict[int, tuple] = {}
 _KNOWN_MAX = 64
 
 
-def known(cu: torch.Tensor) -> tuple[int, int] | None:
-    """(cu[-1], max sequence length) of a cu_seqlens tensor checked earlier and unchanged since, or None."""
+def _entry(cu: torch.Tensor):
     entry = _KNOWN.get(id(cu))
     if entry is None or entry[0]() is not cu or entry[1] != cu._version or entry[2] != cu.data_ptr():
         return None
-    return entry[3]
+    return entry
 
 
-def _remember(cu: torch.Tensor, values: tuple[int, int]) -> None:
+def known(cu: torch.Tensor) -> tuple[int, int] | None:
+    """(cu[-1], max sequence length) of a cu_seqlens tensor checked earlier and unchanged since, or None."""
+    entry = _entry(cu)
+    return None if entry is None else entry[3]
+
+
+def known_order(cu: torch.Tensor) -> torch.Tensor | None:
+    """The sequence indices of a checked cu_seqlens, longest first (int32, on its device), or None."""
+    entry = _entry(cu)
+    return None if entry is None else entry[4]
+
+
+def _remember(cu: torch.Tensor, values: tuple[int, int], order: torch.Tensor) -> None:
     if len(_KNOWN) >= _KNOWN_MAX:
         for key in [key for key, entry in _KNOWN.items() if entry[0]() is None] or [next(iter(_KNOWN))]:
             del _KNOWN[key]
-    _KNOWN[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), values)
+    _KNOWN[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), values, order)
 
 
 def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
@@ -154,10 +165,11 @@ def _nothing():
 def _check_cu_values(both, totals, maxes, tensors=None):
     """Check the values (rows of `both`, on the host); remember `tensors` (the given
     cu_seqlens_q/k) as checked when they pass."""
-    seen = []
+    seen, orders = [], []
     for name, cu, total, max_seqlen in (("cu_seqlens_q", both[0], totals[0], maxes[0]),
                                         ("cu_seqlens_k", both[1], totals[1], maxes[1])):
         lengths = cu[1:] - cu[:-1]
+        orders.append(torch.argsort(lengths, descending=True, stable=True).to(torch.int32))
         if cu[0] != 0 or (lengths < 0).any():
             raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
         if cu[-1] > total:
@@ -168,8 +180,8 @@ def _check_cu_values(both, totals, maxes, tensors=None):
             raise ValueError(f"a sequence of length {longest} exceeds max_seqlen_{name[-1]}={max_seqlen}")
         seen.append((int(cu[-1]), longest))
     if tensors is not None:
-        for cu, values in zip(tensors, seen):
-            _remember(cu, values)
+        for cu, values, order in zip(tensors, seen, orders):
+            _remember(cu, values, order.to(cu.device))
 
 
 def check_device(device: torch.device, name: str) -> None:
