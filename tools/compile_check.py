@@ -21,12 +21,12 @@ from flashattn2.ops import config, kvcache  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "FinalLse"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 
 
-INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err", "SeqOrder", "Counter"}
+INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err", "SeqOrder"}
 
 
 def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
@@ -100,7 +100,7 @@ def cases(arch):
                     flags = dict(off, **chosen, UPCAST=elem_bytes == 4,
                                  DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32", HEAD_DIM=head_dim,
                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_dim)
-                    types = {"Out": "*fp32", "Counter": "*i32"} if split else None
+                    types = {"Out": "*fp32"} if split else None
                     yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
                            decode.attn_kvcache_kernel, elem_bytes, flags,
                            config.TileConfig(block_m, block_n, warps, stages), types)
@@ -110,6 +110,9 @@ def cases(arch):
                           BLOCK_B=256, BLOCK_T=16, BLOCK_D=head_dim)
             yield (f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}", decode.kvcache_append_kernel, 2,
                    append, config.TileConfig(16, 16, 4, 1), None)
+        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim)
+        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 2, 1),
+               {"OutPart": "*fp32", "LsePart": "*fp32"})
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
         yield (f"{arch}-rotary-{'gptj' if interleaved else 'neox'}", rotary.rotary_kernel, 2, flags,

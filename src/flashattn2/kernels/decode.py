@@ -12,9 +12,7 @@ from rows cu_seqlens_q[b] .. of a packed (total_q, nheads, headdim) q.
 
 Split-KV: split s covers keys [s * chunk, (s + 1) * chunk) -- a fixed chunk of keys, so a row's
 reduction order depends on its own keys only -- and writes a partial output and logsumexp in
-fp32; the last split of a tile to finish (a counter per tile) merges them in split order, so the
-result does not depend on which split finished last. Without splits the program writes out and
-lse directly.
+fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
 """
 import triton
 import triton.language as tl
@@ -25,13 +23,11 @@ from .common import LN2, LOG2E, alibi_bias, tanh, visible
 @triton.jit
 def attn_kvcache_kernel(
     Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi, CuSeqlensQ, Err,
-    FinalOut, FinalLse, Counter,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lh,
-    stride_fob, stride_foq, stride_foh, stride_flb, stride_flh,
     stride_bt, stride_alibi_b,
     nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, seqlen_limit,
     window_left, window_right, sm_scale, softcap,
@@ -175,39 +171,51 @@ def attn_kvcache_kernel(
     lse = (m_i + tl.math.log2(l_safe)) * LN2
     # a split (or a row) that saw no key: lse -inf for the combine, +inf in the final result
     lse = tl.where(empty, float("-inf") if SPLIT else float("inf"), lse)
-    q_rows = (q_start + qi.to(tl.int64))
-    o_off = off_b * stride_ob + q_rows[:, None] * stride_oq + heads[:, None] * stride_oh + cols[None, :]
-    l_off = off_b * stride_lb + heads * stride_lh + q_rows
-    o_mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(Out + split * stride_os + o_off, acc.to(Out.dtype.element_ty), mask=o_mask)
-    tl.store(Lse + split * stride_ls + l_off, lse, mask=row_ok)
-    if SPLIT:
-        # the last split of this tile to finish merges them all: no second kernel. Its
-        # partials are published by the barrier and the counter's release; the merging
-        # program reads them after the acquire, from L2 (.cg: not from a stale L1)
-        tl.debug_barrier()
-        num_splits = tl.num_programs(2)
-        done = tl.atomic_add(Counter + off_bhk * tl.num_programs(1) + pid_m, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for s in range(0, num_splits):
-                lse_s = tl.load(Lse + s * stride_ls + l_off, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                m_all = tl.maximum(m_all, lse_s)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for s in range(0, num_splits):
-                lse_s = tl.load(Lse + s * stride_ls + l_off, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                w = tl.math.exp2((lse_s - m_all) * LOG2E)  # 0 for a split without keys
-                part = tl.load(Out + s * stride_os + o_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-                merged += tl.where(w[:, None] > 0.0, part * w[:, None], 0.0)
-                total += w
-            no_key = total == 0.0
-            merged = merged / tl.where(no_key, 1.0, total)[:, None]
-            final_lse = tl.where(no_key, float("inf"), m_all + tl.math.log2(tl.where(no_key, 1.0, total)) * LN2)
-            tl.store(FinalOut + off_b * stride_fob + q_rows[:, None] * stride_foq + heads[:, None] * stride_foh
-                     + cols[None, :], merged.to(FinalOut.dtype.element_ty), mask=o_mask)
-            tl.store(FinalLse + off_b * stride_flb + heads * stride_flh + q_rows, final_lse, mask=row_ok)
+    o_ptrs = (Out + split * stride_os + off_b * stride_ob + (q_start + qi.to(tl.int64))[:, None] * stride_oq
+              + heads[:, None] * stride_oh + cols[None, :])
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_combine_kernel(
+    OutPart, LsePart, Out, Lse,
+    stride_ps, stride_ls, stride_lb, stride_lh,
+    seqlen_q, nheads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the splits of one row: out = sum_s exp(lse_s - lse) out_s with lse = log sum_s
+    exp(lse_s); a row that no split saw gets out 0 and lse +inf. Row r (the program) is (batch,
+    query, head) in the order of the contiguous (batch, seqlen_q, nheads, headdim) out and of
+    each split's part; the logsumexps are (splits,) batch, nheads, seqlen_q with the given
+    strides. One program per row, the splits read CHUNK_S at a time: a batch of one sequence
+    has few rows and up to 128 splits, so rows are the parallel axis, not splits."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // (seqlen_q * nheads)
+    i = (r // nheads) % seqlen_q
+    h = r % nheads
+    lse_off = b * stride_lb + h * stride_lh + i
+    s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(LsePart + s.to(tl.int64) * stride_ls + lse_off, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2((lse_s - m_shift) * LOG2E), 0)
+    empty = total == 0.0
+    lse = tl.where(empty, float("inf"), m_shift + tl.math.log2(tl.where(empty, 1.0, total)) * LN2)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    row_off = r * HEAD_DIM
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        ok = sc < num_splits
+        lse_c = tl.load(LsePart + sc.to(tl.int64) * stride_ls + lse_off, mask=ok, other=float("-inf"))
+        w = tl.math.exp2((lse_c - lse) * LOG2E)  # 0 for a split without keys (and for all when empty)
+        part = tl.load(OutPart + sc.to(tl.int64)[:, None] * stride_ps + row_off + cols[None, :],
+                       mask=ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
+    tl.store(Out + row_off + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
+    tl.store(Lse + lse_off, lse)
 
 
 @triton.jit

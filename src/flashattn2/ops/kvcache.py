@@ -1,6 +1,6 @@
 """flash_attn_with_kvcache's launcher: append the new keys/values (rotated) into the cache,
 rotate q, then attend over the cache, split over keys when the batch is too small to fill the
-GPU (the last split of each tile merges them)."""
+GPU, and merge the splits."""
 from __future__ import annotations
 
 import functools
@@ -210,15 +210,10 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         q_strides = (0, *q.stride()[:2])
         dst_strides = (dst.stride(0), 0, *dst.stride()[1:3])
         lse_strides = (dst_lse.stride(0), 0, dst_lse.stride(1))
-        final_strides = (0, *out.stride()[:2], 0, lse.stride(0))
     else:
         q_strides = q.stride()[:3]
         dst_strides = dst.stride()[:4]
         lse_strides = dst_lse.stride()[:3]
-        final_strides = (*out.stride()[:3], *lse.stride()[:2])
-    # split: one counter per tile; the last of its splits to finish merges them into out/lse
-    counter = torch.zeros(batch * nheads_k * -(-rows // block_m), dtype=torch.int32, device=q.device) \
-        if splits > 1 else lse
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
@@ -235,9 +230,8 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             runtime["Alibi"],
             varlen_q[0] if varlen_q is not None else lse,
             check.err if check is not None else lse,
-            out, lse, counter,
             *q_strides, *k.stride()[:3], *v.stride()[:3],
-            *dst_strides, *lse_strides, *final_strides,
+            *dst_strides, *lse_strides,
             bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
             nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, chunk, cache.capacity, k.shape[0],
             check.seqlen_limit if check is not None else cache.capacity,
@@ -250,6 +244,18 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
             num_warps=warps, num_stages=stages,
         )
+        if splits > 1:
+            # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
+            b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
+            lse_b = 0 if varlen_q is not None else lse.stride(0)
+            lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
+            kernels.attn_combine_kernel[(b_ * sq_ * nheads,)](
+                dst, dst_lse, out, lse,
+                dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
+                sq_, nheads, splits,
+                HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
+                BLOCK_D=attention._block_d(head_dim), num_warps=2,
+            )
     if varlen_q is not None:
         attention._fill_tails((out, varlen_q[0], 0.0, 0), (lse, varlen_q[0], float("inf"), 1))
     return out.to(q.dtype), lse
