@@ -321,19 +321,37 @@ def _errors():
         ((q, kc, vc), {"cache_seqlens": torch.tensor([3, 17], **i32)}, ValueError, "capacity of 16"),
         ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([0, -1], **i32)},
          ValueError, "cache_leftpad"),
+        # a bad page that the append does not write to but attention reads: still nothing written
+        ((q, pages, pages, k, v), {"cache_seqlens": torch.tensor([4, 1], **i32),
+                                   "block_table": torch.tensor([[9, 1, 3], [2, 4, 5]], **i32)}, ValueError,
+         "block_table entries"),
+        ((q, kc, vc, randn(2, 17, 2, 32, dtype=torch.float16), randn(2, 17, 2, 32, dtype=torch.float16)),
+         {"cache_seqlens": torch.tensor([0, 0], **i32)}, ValueError, "seqlen_new=17"),
+        ((q[:, :0], kc, vc), {"cache_seqlens": torch.tensor([3, 99], **i32)}, ValueError, "capacity of 16"),
     ]
 
 
-@pytest.mark.parametrize("index", range(23))
+@pytest.mark.parametrize("index", range(26))
 def test_bad_arguments_raise_before_writing(index):
     cases = _errors()
-    assert len(cases) == 23
+    assert len(cases) == 26
     args, kwargs, exc, match = cases[index]
     caches = [t.clone() for t in args[1:3]]
     with pytest.raises(exc, match=match):
         flashattn2.flash_attn_with_kvcache(*args, **kwargs)
     for before, after in zip(caches, args[1:3]):
         assert torch.equal(before, after), "the cache was written before the error"
+
+
+def test_new_keys_with_any_strides():
+    """k/v whose last dimension is not contiguous are appended as given (the kernel reads a
+    contiguous copy)."""
+    c = {name: values[0] for name, values in OPTIONS.items()} | dict(seqlen_new=4, rotary="neox")
+    q, k_cache, v_cache, kwargs = make_case(c, 32)
+    kwargs["k"] = kwargs["k"].transpose(-1, -2).contiguous().transpose(-1, -2)  # last-dim stride != 1
+    kwargs["v"] = kwargs["v"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert kwargs["k"].stride(-1) != 1
+    check(q, k_cache, v_cache, kwargs, 1)
 
 
 def _paged(k, lengths, page, gen):

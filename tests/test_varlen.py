@@ -184,6 +184,20 @@ def test_longest_first_order_changes_nothing(causal, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_varlen_under_inference_mode():
+    """Tensors made under torch.inference_mode have no version counter: never remembered, still
+    checked on every call."""
+    lengths = [5, 9]
+    with torch.inference_mode():
+        q, k, v = (t.detach() for t in make(lengths, lengths))
+        cu_s = cu(lengths)
+        out = flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9)
+        assert checks.known(cu_s) is None
+        assert torch.equal(flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9), out)
+        with pytest.raises(ValueError, match="exceeds max_seqlen_q"):
+            flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 8, 9)
+
+
 def test_bad_varlen_arguments():
     lengths = [5, 9]
     q, k, v = make(lengths, lengths)

@@ -267,15 +267,16 @@ def kvcache_append_kernel(
     """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
     into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
     GPT-J pairs of the first 2 * half features, by the angle of its position, in fp32, rounded
-    once). CHECK: every program first checks every sequence's values and none writes when one is
-    out of range (Err is set instead), so a bad call leaves the cache untouched. The values are
+    once). CHECK: every program first checks every sequence's values (and Err, set by the
+    page check that runs before it) and none writes when one is out of range (Err is set
+    instead), so a bad call leaves the cache untouched. The values are
     also clamped into range, so that nothing is written out of bounds without CHECK."""
     off_b = tl.program_id(0).to(tl.int64)
     pid_t = tl.program_id(1)
-    if CHECK:
+    if CHECK:  # Err may already be set by the host's page check (ops.kvcache._check_pages_read)
         if _values_out_of_range(CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, stride_bt, batch, cache_seqlen,
                                 seqlen_new, seqlen_limit, n_rows, PAGED, BATCH_IDX, LEFTPAD, SEQLENS_TENSOR,
-                                PAGE_SIZE, BLOCK_B):
+                                PAGE_SIZE, BLOCK_B) | (tl.load(Err) != 0):
             tl.store(Err, 1)
             return
     if SEQLENS_TENSOR:

@@ -85,7 +85,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     host[0].copy_(cu_seqlens_q, non_blocking=True)
     host[1].copy_(cu_seqlens_k, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(cu_seqlens_q.device))
 
     clamped = (cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]))
 
@@ -99,14 +99,19 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     return *clamped, maxes[0], maxes[1], verify
 
 
-# id(cu_seqlens) -> (weak reference, version counter, data_ptr, (last value, longest sequence)) of
-# tensors whose values were checked. An entry holds while that tensor lives and is not modified
-# in place (torch bumps the version counter of a tensor and its views on every in-place op).
+# id(cu_seqlens) -> (weak reference, version counter, data_ptr, (last value, longest sequence),
+# sequence order) of tensors whose values were checked. An entry holds while that tensor lives
+# and is not modified in place: torch bumps the version counter of a tensor and its views on
+# every in-place op. Writes that bypass the counter (through .data, numpy or DLPack, or by a
+# custom kernel) are not seen: such a tensor's new values are trusted, as flash_attn trusts
+# every cu_seqlens. Inference tensors have no counter and are never remembered.
 _KNOWN: dict[int, tuple] = {}
 _KNOWN_MAX = 64
 
 
 def _entry(cu: torch.Tensor):
+    if cu.is_inference():  # no version counter: never remembered
+        return None
     entry = _KNOWN.get(id(cu))
     if entry is None or entry[0]() is not cu or entry[1] != cu._version or entry[2] != cu.data_ptr():
         return None
@@ -126,6 +131,8 @@ def known_order(cu: torch.Tensor) -> torch.Tensor | None:
 
 
 def _remember(cu: torch.Tensor, values: tuple[int, int], order: torch.Tensor) -> None:
+    if cu.is_inference():  # made under torch.inference_mode: no version counter to trust
+        return
     if len(_KNOWN) >= _KNOWN_MAX:
         for key in [key for key, entry in _KNOWN.items() if entry[0]() is None] or [next(iter(_KNOWN))]:
             del _KNOWN[key]
@@ -181,7 +188,9 @@ def _check_cu_values(both, totals, maxes, tensors=None):
         seen.append((int(cu[-1]), longest))
     if tensors is not None:
         for cu, values, order in zip(tensors, seen, orders):
-            _remember(cu, values, order.to(cu.device))
+            if cu.device.type == "cuda":  # from pinned memory, without waiting for the kernels
+                order = order.pin_memory().to(cu.device, non_blocking=True)
+            _remember(cu, values, order)
 
 
 def check_device(device: torch.device, name: str) -> None:
@@ -312,6 +321,11 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
             raise ValueError(f"block_table must be (batch={batch}, max_blocks), got "
                              f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
         _index_tensor("block_table", block_table, block_table.shape)
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if k is not None and k.shape[1] > capacity:
+        raise ValueError(f"seqlen_new={k.shape[1]} new tokens do not fit the cache's "
+                         f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
+    if paged:
         if cache_batch_idx is not None:
             raise NotImplementedError("cache_batch_idx with a paged cache (block_table) is not supported, as in "
                                       "flash_attn: index the block table instead")

@@ -55,6 +55,11 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     batch, seqlen_new, nheads_k, head_dim = k_new.shape
     if batch == 0 or seqlen_new == 0:
         return
+    # the kernel reads rows of k/v with unit stride
+    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    if check is not None and cache.block_table is not None:
+        _check_pages_read(cache, seqlen_new, check)
     interp = _runtime.interpreted()
     if rotary is not None:
         cos, sin, interleaved = rotary
@@ -88,6 +93,21 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
             HEAD_DIM=head_dim, BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())), BLOCK_T=block_t,
             BLOCK_D=attention._block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
         )
+
+
+def _check_pages_read(cache: Cache, seqlen_new: int, check: Check) -> None:
+    """Flag, on the device and before the append, block-table entries out of range among the
+    pages each sequence uses (not only those the append writes): the append kernel reads the
+    flag and writes nothing, so a bad page raises before any memory is touched."""
+    table = cache.block_table
+    if cache.seqlens is not None:
+        ends = cache.seqlens.clamp(0, cache.capacity - seqlen_new) + seqlen_new
+    else:
+        ends = torch.full((table.shape[0],), cache.seqlen_int + seqlen_new, device=table.device)
+    used = (ends + cache.page_size - 1) // cache.page_size
+    cols = torch.arange(table.shape[1], device=table.device)
+    bad = ((table < 0) | (table >= cache.k.shape[0])) & (cols[None, :] < used[:, None])
+    check.err.copy_(bad.any().view(1))
 
 
 def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Tensor:
