@@ -134,4 +134,3 @@ def test_race_repeated_runs(causal):
             first = result
         for a, b in zip(first, result):
             assert torch.equal(a, b)
-

@@ -119,14 +119,23 @@ def cases(arch):
                config.TileConfig(8, 8, 4, 1), None)
 
 
+def _key(case):
+    name, fn, elem_bytes, constexprs, cfg, *types = case
+    return (fn.__name__, elem_bytes, tuple(sorted(constexprs.items())), cfg, repr(types))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", choices=sorted(SHARED_LIMIT), required=True)
     ap.add_argument("--match", default="", help="only the configurations whose id contains this")
     args = ap.parse_args()
     failures = 0
-    for name, fn, elem_bytes, constexprs, cfg, *types in cases(args.arch):
-        if args.match not in name:
+    # sm80 and sm86 share most configurations; sm86's lower shared-memory limit is the binding
+    # one, so sm80 compiles only those sm86 does not (its own table's larger tiles)
+    skip = {_key(case) for case in cases("sm86")} if args.arch == "sm80" else set()
+    for case in cases(args.arch):
+        name, fn, elem_bytes, constexprs, cfg, *types = case
+        if args.match not in name or _key(case) in skip:
             continue
         row = dict(id=name, tile=f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
         try:

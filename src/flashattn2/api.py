@@ -45,11 +45,15 @@ def _prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale,
 def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
-    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    scale = _scale(q, softmax_scale)
     left, right = (int(w) for w in window_size)
     dropout_p = float(dropout_p)
     seed = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
     return (*seq_args, dropout_p, seed, scale, bool(causal), left, right, float(softcap))
+
+
+def _scale(q, softmax_scale) -> float:
+    return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
 def _attention(q, k, v, options, alibi_slopes):
@@ -178,7 +182,7 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
                                   "call it under torch.no_grad() or with inputs that do not require grad")
-    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    scale = _scale(q, softmax_scale)
     left, right = (int(w) for w in window_size)
     out, lse = _fwd_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, block_table, scale, bool(causal),
                                     left, right, float(softcap), alibi_slopes)
@@ -272,7 +276,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
             checks.check_kvcache_values(*values)  # no kernel will run to check them
             check = None
-    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    scale = _scale(q, softmax_scale)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, seqlen_int = cache_seqlens, 0
     else:

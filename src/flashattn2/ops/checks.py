@@ -340,8 +340,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 
 def check_kvcache_seqlen(seqlen: int, capacity: int, seqlen_new: int, rotary_cos, q_positions: int,
                          paged: bool) -> None:
-    """An int cache_seqlens (host values: no device read): the append stays inside the cache and
-    the rotary table covers the positions rotated. The messages are check_kvcache_values'."""
+    """cache_seqlens (an int, or the largest of a tensor's values): the append stays inside the
+    cache and the rotary table covers the positions rotated."""
     if seqlen < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {seqlen}")
     if seqlen + seqlen_new > capacity:
@@ -357,8 +357,9 @@ def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx,
     """The checks that read device values, in one host sync: appends stay inside the cache, the
     pages a sequence uses exist, left padding and batch indices are in range, rotary tables
     cover every position (the new keys', and q_positions queries from cache_seqlens on). The
-    KV-cache call runs it for its message once the kernels' own check found a bad value. Skipped while torch.compile traces and while a CUDA
-    graph is captured (a host read is not allowed there)."""
+    KV-cache call runs it for its message once the kernels' own check found a bad value.
+    Skipped while torch.compile traces and while a CUDA graph is captured (a host read is not
+    allowed there)."""
     if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
     seqlen_new = 0 if k is None else k.shape[1]
@@ -376,13 +377,7 @@ def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx,
     ends = seqlens.long() + seqlen_new
     if int(seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {seqlens.tolist()}")
-    if int(ends.max()) > capacity:
-        raise ValueError(f"cache_seqlens + seqlen_new reaches {int(ends.max())}, past the cache's "
-                         f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
-    rotary_end = int(seqlens.max()) + max(seqlen_new, q_positions)
-    if rotary_cos is not None and rotary_end > rotary_cos.shape[0]:
-        raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs "
-                         f"{rotary_end}")
+    check_kvcache_seqlen(int(seqlens.max()), capacity, seqlen_new, rotary_cos, q_positions, paged)
     if cache_leftpad is not None:
         pad = host[1]
         if int(pad.min()) < 0 or bool((pad > seqlens.long()).any()):

@@ -116,7 +116,7 @@ def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Te
     cos, sin, interleaved = rotary
     batch, seqlen_q, nheads, head_dim = q.shape
     offsets = cache.seqlens if cache.seqlens is not None else cache.seqlen_int
-    q = q.contiguous().clone()
+    q = q.clone(memory_format=torch.contiguous_format)
     if per_token or seqlen_q == 1:
         return _rotary.rotate_(q, cos, sin, interleaved, offsets)
     # one position per sequence: its queries become heads of a single token
