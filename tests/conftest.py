@@ -27,6 +27,15 @@ def poison_outputs():
 
 
 @pytest.fixture(autouse=True)
+def verify_launches():
+    """On the GPU every direct relaunch of a remembered kernel (ops._runtime.launch) is checked
+    against the kernel Triton itself would choose for the same arguments."""
+    _runtime.VERIFY_LAUNCH = ON_GPU
+    yield
+    _runtime.VERIFY_LAUNCH = False
+
+
+@pytest.fixture(autouse=True)
 def fresh_seed(request):
     # fresh random inputs each run; the seed is printed so a failure can be replayed
     seed = int.from_bytes(os.urandom(4), "little")

@@ -70,6 +70,29 @@ def main():
                      "custom op fwd", "config.arch_of", "torch.empty_like"):
             host, wall = per_call_us(cases[name])
             print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
+    # decoding: batch 8, 32 query heads over 8 K/V heads, 8k cache, bf16
+    b, hk, n = 8, 8, 8192
+    bf = torch.bfloat16
+    dq = torch.randn(b, 1, 32, 128, device=dev, dtype=bf)
+    kc, vc = (torch.randn(b, n, hk, 128, device=dev, dtype=bf) for _ in range(2))
+    seqlens = torch.full((b,), n - 1, dtype=torch.int32, device=dev)
+    kn, vn = (torch.randn(b, 1, hk, 128, device=dev, dtype=bf) for _ in range(2))
+    ang = torch.rand(n + 16, 64, device=dev)
+    cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+    kp, vp = (torch.randn(b * n // 16, 16, hk, 128, device=dev, dtype=bf) for _ in range(2))
+    table = torch.randperm(b * n // 16, device=dev, dtype=torch.int32).view(b, n // 16)
+    dqs, kcs, vcs = (t.transpose(1, 2) for t in (dq, kc, vc))
+    decode = {
+        "kvcache decode": lambda: flashattn2.flash_attn_with_kvcache(dq, kc, vc, cache_seqlens=seqlens),
+        "kvcache append+rotary": lambda: flashattn2.flash_attn_with_kvcache(
+            dq, kc, vc, kn, vn, cos, sin, cache_seqlens=seqlens, causal=True),
+        "kvcache paged-16": lambda: flashattn2.flash_attn_with_kvcache(dq, kp, vp, cache_seqlens=seqlens,
+                                                                       block_table=table),
+        "sdpa decode": lambda: F.scaled_dot_product_attention(dqs, kcs, vcs, enable_gqa=True),
+    }
+    for name, fn in decode.items():
+        host, wall = per_call_us(fn)
+        print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
     for name in ("flashattn2 fwd+bwd", "sdpa fwd+bwd"):
         host, wall = per_call_us(cases[name])
         print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")

@@ -8,6 +8,8 @@ seqlen_q > seqlen_k) outputs zeros and has logsumexp +inf.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .ops import checks
@@ -281,11 +283,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens, seqlen_int = cache_seqlens, 0
     else:
         seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
-    out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
-                               cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
-                               float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                               check=check)
+    try:
+        out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
+                                   cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
+                                   float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                                   check=check)
+    except BaseException:
+        if check is not None:
+            check.err.zero_()
+        raise
     if check is not None and check.err.item():
+        check.err.zero_()  # the flag is reused by the next call on this stream
         checks.check_kvcache_values(*values)  # raises with the details
         raise ValueError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
@@ -301,4 +309,19 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     limit = capacity - seqlen_new
     if rotary_cos is not None:
         limit = min(limit, rotary_cos.shape[0] - max(seqlen_new, q_positions))
-    return Check(torch.zeros(1, dtype=torch.int32, device=q.device), limit)
+    return Check(_error_flag(q.device), limit)
+
+
+_ERROR_FLAGS: dict = {}
+
+
+def _error_flag(device: torch.device) -> torch.Tensor:
+    """A zero int32 flag for the kernels of this call, one per (device, stream, thread): a call
+    that finds it set zeroes it again before raising, so it is allocated and cleared once rather
+    than per call."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream, threading.get_ident())
+    flag = _ERROR_FLAGS.get(key)
+    if flag is None:
+        flag = _ERROR_FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import types
 
 import torch
@@ -57,3 +58,102 @@ def ensure_tma_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_tma_scratch)
+
+
+# --- launching -------------------------------------------------------------------------------
+# Triton's JITFunction.run costs ~50 us of host time per launch on the H200's host (binding
+# ~45 arguments, its cache key, a driver call per pointer to validate it), more than a decode
+# kernel runs. After a kernel has been launched once through it, `launch` remembers the compiled
+# kernel under a key that holds everything Triton specializes on -- the constexprs and options,
+# each tensor's dtype and 16-byte alignment, each int's class (== 1, divisible by 16, 32/64-bit),
+# the type of every other argument -- and relaunches it directly, pointers passed as integers.
+# Tests on the GPU set VERIFY_LAUNCH: every direct launch then first asks Triton which kernel
+# it would have launched (without launching) and fails if it is not the remembered one.
+# FLASHATTN2_DIRECT_LAUNCH=0 sends every launch through Triton's JITFunction.run.
+DIRECT_LAUNCH = os.environ.get("FLASHATTN2_DIRECT_LAUNCH", "1") != "0"
+VERIFY_LAUNCH = False
+_LAUNCHED: dict = {}
+_BINDERS: dict = {}
+
+
+def _binder(kernel, args: tuple, kwargs: dict):
+    """A function of (args, kwargs) that returns (the key, the launcher's arguments), generated
+    for the types of this call's arguments; None for arguments of other types."""
+    params = kernel.params
+    tail = [p.name for p in params[len(args):]]
+    missing = [n for n in tail if n not in kwargs]
+    if missing:
+        raise TypeError(f"launch of {kernel.__name__}: parameters {missing} not given by keyword")
+    values = list(args) + [kwargs[n] for n in tail]
+    exprs = [f"args[{i}]" for i in range(len(args))] + [f"kwargs[{n!r}]" for n in tail]
+    lines = [f"a{i} = {e}" for i, e in enumerate(exprs)]
+    every = ", ".join(f"a{i}" for i in range(len(values)))
+    lines.append(f"if tuple(map(type, ({every},))) != types: return None")
+    key, launch = [], []
+    for i, (p, a) in enumerate(zip(params, values)):
+        launch.append(f"a{i}")
+        if p.is_constexpr:
+            key.append(f"a{i}")
+        elif isinstance(a, torch.Tensor):
+            lines.append(f"p{i} = a{i}.data_ptr()")
+            launch[-1] = f"p{i}"
+            key.append(f"a{i}.dtype, p{i} & 15 == 0")
+        elif type(a) is int:
+            # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
+            key.append(f"1 if a{i} == 1 else (a{i} & 15 == 0, -0x80000000 <= a{i} < 0x80000000, a{i} >= 1 << 63)")
+    options = [n for n in kwargs if n not in tail]
+    key.append(f"({', '.join(f'kwargs[{n!r}]' for n in options)},)")
+    src = "\n    ".join(["def bind(args, kwargs):", *lines, f"return ({', '.join(key)}), ({', '.join(launch)},)"])
+    scope: dict = {"types": tuple(map(type, values))}
+    exec(src, scope)  # noqa: S102 -- code generated above from the kernel's parameters
+    return scope["bind"]
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs); every parameter after the positional ones by keyword."""
+    if not DIRECT_LAUNCH or interpreted() or kernel.pre_run_hooks or _launch_hooks():
+        kernel[grid](*args, **kwargs)
+        return
+    site = (id(kernel), len(args), tuple(kwargs))
+    bind = _BINDERS.get(site)
+    if bind is None:
+        bind = _BINDERS[site] = _binder(kernel, args, kwargs)
+    bound = bind(args, kwargs)
+    if bound is None:  # other argument types than this call site's first call
+        kernel[grid](*args, **kwargs)
+        return
+    spec, values = bound
+    device = torch.cuda.current_device()
+    key = (site, device, spec)
+    compiled = _LAUNCHED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        _LAUNCHED[key] = compiled.result() if hasattr(compiled, "result") else compiled
+        return
+    if VERIFY_LAUNCH and _triton_choice(kernel, device, args, kwargs) is not compiled:
+        raise AssertionError(f"launch of {kernel.__name__}: the remembered kernel is not the one Triton chooses")
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *values)
+
+
+def _triton_choice(kernel, device: int, args: tuple, kwargs: dict):
+    """The compiled kernel JITFunction.run would launch for these arguments (its steps in
+    triton 3.6, without the launch), or None if it has not compiled one."""
+    from triton import knobs
+    from triton.runtime.jit import compute_cache_key
+
+    kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    kernel_cache, key_cache, _, _, binder = kernel.device_caches[device]
+    _, specialization, options = binder(*args, **kwargs)
+    chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+    return chosen.result() if hasattr(chosen, "result") else chosen
+
+
+def _launch_hooks() -> bool:
+    """Whether a profiler (proton) has hooked Triton's launches: those go through Triton's path."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)

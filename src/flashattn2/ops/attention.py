@@ -158,7 +158,7 @@ def _fill_tails(*slots) -> None:
         return
     args += args[:7] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
     block_r = 64
-    _runtime.kernels().fill.fill_tail_kernel[(_cdiv(max(totals), block_r),)](
+    _runtime.launch(_runtime.kernels().fill.fill_tail_kernel, (_cdiv(max(totals), block_r),),
         *args, slots[0][1].shape[0] - 1, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128,
     )
 
@@ -188,7 +188,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
     order, is_sorted = geo.order(geo.cu_seqlens(lse)[1])
-    _runtime.kernels().fwd.attn_fwd_kernel[grid](
+    _runtime.launch(_runtime.kernels().fwd.attn_fwd_kernel, grid,
         q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
         *geo.lse_strides(lse),
@@ -231,7 +231,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
     delta = _runtime.empty(lse.shape, torch.float32, q.device)
     pre_m = 64 if block_d <= 128 else 32
-    K.attn_bwd_preprocess_kernel[(_cdiv(geo.max_seqlen_q, pre_m) * geo.batch * geo.nheads,)](
+    _runtime.launch(K.attn_bwd_preprocess_kernel, (_cdiv(geo.max_seqlen_q, pre_m) * geo.batch * geo.nheads,),
         out, dout, delta, dlse if dlse is not None else delta, cu_q,
         *geo.strides(out), *geo.strides(dout),
         *geo.lse_strides(lse),
@@ -260,7 +260,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     order_k, sorted_k = geo.order(cu_k)
 
     cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
-    K.attn_bwd_dkdv_kernel[(_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,)](
+    _runtime.launch(K.attn_bwd_dkdv_kernel, (_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
         q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_q,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
         *geo.strides(gv),
@@ -277,7 +277,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         num_stages=cfg.num_stages,
     )
     cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
-    K.attn_bwd_dq_kernel[(_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)](
+    _runtime.launch(K.attn_bwd_dq_kernel, (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
         q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
         *geo.lse_strides(lse),
@@ -310,7 +310,7 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: 
         return probs.to(q.dtype)
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, probs)
     block_m, block_n = 64, 64
-    _runtime.kernels().dmask.attn_dropout_mask_kernel[(_cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,)](
+    _runtime.launch(_runtime.kernels().dmask.attn_dropout_mask_kernel, (_cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,),
         q, k, probs, runtime["Alibi"], *geo.cu_seqlens(probs), runtime["Seed"],
         *geo.strides(q), *geo.strides(k),
         probs.stride(0), probs.stride(1), probs.stride(2),

@@ -75,7 +75,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     dummy = k_new
     block_t = min(16, 1 << (seqlen_new - 1).bit_length())
     with _runtime.device_of(k_new):
-        _runtime.kernels().decode.kvcache_append_kernel[(batch, -(-seqlen_new // block_t))](
+        _runtime.launch(_runtime.kernels().decode.kvcache_append_kernel, (batch, -(-seqlen_new // block_t)),
             k_new, v_new, cache.k, cache.v, cos, sin,
             cache.seqlens if cache.seqlens is not None else dummy,
             cache.batch_idx if cache.batch_idx is not None else dummy,
@@ -241,7 +241,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     bt = cache.block_table
     k, v = cache.k, cache.v
     with _runtime.device_of(q):
-        kernels.attn_kvcache_kernel[(batch * nheads_k, -(-rows // block_m), splits)](
+        _runtime.launch(kernels.attn_kvcache_kernel, (batch * nheads_k, -(-rows // block_m), splits),
             q, k, v, dst, dst_lse,
             cache.seqlens if cache.seqlens is not None else lse,
             cache.batch_idx if cache.batch_idx is not None else lse,
@@ -269,7 +269,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
             lse_b = 0 if varlen_q is not None else lse.stride(0)
             lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
-            kernels.attn_combine_kernel[(b_ * sq_ * nheads,)](
+            _runtime.launch(kernels.attn_combine_kernel, (b_ * sq_ * nheads,),
                 dst, dst_lse, out, lse,
                 dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
                 sq_, nheads, splits,
