@@ -54,6 +54,9 @@ def test_key_separates_triton_specializations():
     # an argument of another type than the first call's: no key, Triton's own path
     args = (base, base, 1.5, 3, 0.5)
     assert bind(args, {"C": 1, "num_warps": 4}) is None
+    # no options, constexprs by position
+    args = (base, base, 3, 4, 0.5, 2)
+    assert _runtime._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")

@@ -90,6 +90,7 @@ def main():
                                                                        block_table=table),
         "sdpa decode": lambda: F.scaled_dot_product_attention(dqs, kcs, vcs, enable_gqa=True),
     }
+    cases.update(decode)
     for name, fn in decode.items():
         host, wall = per_call_us(fn)
         print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
@@ -98,7 +99,7 @@ def main():
         print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
     if args.profile:
         with open(args.profile, "w") as fh:
-            for name in ("flashattn2 fwd", "flashattn2 varlen fwd", "flashattn2 fwd+bwd"):
+            for name in ("flashattn2 fwd", "kvcache decode", "kvcache append+rotary", "flashattn2 fwd+bwd"):
                 prof = cProfile.Profile()
                 with torch.set_grad_enabled(name.endswith("bwd")):
                     prof.enable()

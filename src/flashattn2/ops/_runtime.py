@@ -102,7 +102,7 @@ def _binder(kernel, args: tuple, kwargs: dict):
             # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
             key.append(f"1 if a{i} == 1 else (a{i} & 15 == 0, -0x80000000 <= a{i} < 0x80000000, a{i} >= 1 << 63)")
     options = [n for n in kwargs if n not in tail]
-    key.append(f"({', '.join(f'kwargs[{n!r}]' for n in options)},)")
+    key.append("(" + "".join(f"kwargs[{n!r}], " for n in options) + ")")
     src = "\n    ".join(["def bind(args, kwargs):", *lines, f"return ({', '.join(key)}), ({', '.join(launch)},)"])
     scope: dict = {"types": tuple(map(type, values))}
     exec(src, scope)  # noqa: S102 -- code generated above from the kernel's parameters
