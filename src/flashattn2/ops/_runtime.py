@@ -41,9 +41,14 @@ def interpreted() -> bool:
     return isinstance(kernels().fwd.attn_fwd_kernel, InterpretedFunction)
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
 def device_of(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensor's (flash_attn's CUDAGuard)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return _NO_SWITCH
+    return torch.cuda.device(t.device)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -72,6 +77,7 @@ def ensure_tma_allocator() -> None:
 # FLASHATTN2_DIRECT_LAUNCH=0 sends every launch through Triton's JITFunction.run.
 DIRECT_LAUNCH = os.environ.get("FLASHATTN2_DIRECT_LAUNCH", "1") != "0"
 VERIFY_LAUNCH = False
+direct_launches = 0  # how many launches took the direct path (tests check that it is taken)
 _LAUNCHED: dict = {}
 _BINDERS: dict = {}
 
@@ -132,6 +138,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         return
     if VERIFY_LAUNCH and _triton_choice(kernel, device, args, kwargs) is not compiled:
         raise AssertionError(f"launch of {kernel.__name__}: the remembered kernel is not the one Triton chooses")
+    global direct_launches
+    direct_launches += 1
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                  torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *values)
