@@ -54,6 +54,9 @@ def test_key_separates_triton_specializations():
     # an argument of another type than the first call's: no key, Triton's own path
     args = (base, base, 1.5, 3, 0.5)
     assert bind(args, {"C": 1, "num_warps": 4}) is None
+    # a call site whose argument types change gets a binder per combination
+    other = (base, base, 1.5, 3, 0.5)
+    _runtime._binder(kernel, other, {"C": 1, "num_warps": 4})(other, {"C": 1, "num_warps": 4})
     # no options, constexprs by position
     args = (base, base, 3, 4, 0.5, 2)
     assert _runtime._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
@@ -70,11 +73,13 @@ def test_relaunch_is_tritons_choice():
     before = _runtime.direct_launches
     for seqlen, nheads in [(16, 4), (17, 4), (16, 1), (33, 3), (16, 4), (17, 4)]:
         x = torch.randn(2, seqlen, nheads, 64, device=DEVICE, dtype=torch.float16)
-        ang = torch.rand(64, 16, device=DEVICE)
+        ang = torch.rand(80, 16, device=DEVICE)
         cos, sin = ang.cos().half(), ang.sin().half()
-        for _ in range(2):
-            out = apply_rotary_emb(x, cos, sin)
-            torch.testing.assert_close(out.float(), rotary_ref(x.float(), cos.float(), sin.float()), atol=2e-3,
-                                       rtol=2e-3)
-    # each shape's second call at least was launched directly (and verified)
-    assert _runtime.direct_launches - before >= 6
+        # an int offset and a tensor of offsets: two argument-type combinations at one call site
+        for offsets in (3, torch.tensor([0, 5], device=DEVICE, dtype=torch.int32)):
+            for _ in range(2):
+                out = apply_rotary_emb(x, cos, sin, seqlen_offsets=offsets)
+                ref = rotary_ref(x.float(), cos.float(), sin.float(), seqlen_offsets=offsets)
+                torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    # each (shape, offsets) pair's second call at least was launched directly (and verified)
+    assert _runtime.direct_launches - before >= 12

@@ -121,13 +121,17 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     site = (id(kernel), len(args), tuple(kwargs))
-    bind = _BINDERS.get(site)
-    if bind is None:
-        bind = _BINDERS[site] = _binder(kernel, args, kwargs)
-    bound = bind(args, kwargs)
-    if bound is None:  # other argument types than this call site's first call
-        kernel[grid](*args, **kwargs)
-        return
+    binders = _BINDERS.setdefault(site, [])
+    for bind in binders:  # one per combination of argument types seen here (a tensor or None, ...)
+        bound = bind(args, kwargs)
+        if bound is not None:
+            break
+    else:
+        if len(binders) >= 16:  # types that never settle: Triton's path
+            kernel[grid](*args, **kwargs)
+            return
+        binders.append(_binder(kernel, args, kwargs))
+        bound = binders[-1](args, kwargs)
     spec, values = bound
     device = torch.cuda.current_device()
     key = (site, device, spec)
