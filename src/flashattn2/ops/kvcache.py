@@ -172,17 +172,20 @@ def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: st
 
 def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, sm_count: int) -> int:
     """num_splits > 0: that many (at most MAX_SPLITS and one per key block). 0: when the batch
-    alone does not fill the GPU, as many splits as keep the programs at or below two per SM, each
-    split keeping at least four key blocks. Rounding up instead cost 5-12% wherever it pushed
-    the programs past 2 x SMs (H200, CUDA-graph GB/s, median of 3, 2026-11-29: MHA 1 x 128k 9
+    alone does not fill the GPU, as many splits as keep the programs at or below two per SM, and
+    at least one key block per split. Rounding up instead cost 5-12% wherever it pushed the
+    programs past 2 x SMs (H200, CUDA-graph GB/s, median of 3, 2026-11-29: MHA 1 x 128k 9
     splits 4159 vs 8 splits 4423; GQA-8 batch 8 x 128k 5 splits 4279 vs 4 splits 4529); it tied
-    or won at all 11 points swept (batch 1-8, cache 8k-128k, MHA and GQA-8)."""
+    or won at all 11 points swept (batch 1-8, cache 8k-128k, MHA and GQA-8). Short caches gain
+    from splits of a single block: at 1k keys 8 splits against the former floor of four blocks
+    per split (2): GQA-8 batch 1 345 vs 243 GB/s, MHA batch 1 997 vs 836; GQA-8 1 x 4k, 16
+    splits 952 vs 8 splits 839."""
     n_blocks = max(1, -(-capacity // block_n))
     if num_splits > 0:
         return max(1, min(num_splits, n_blocks, MAX_SPLITS))
     if programs >= sm_count:
         return 1
-    return max(1, min(MAX_SPLITS, 2 * sm_count // programs, n_blocks // 4))
+    return max(1, min(MAX_SPLITS, 2 * sm_count // programs, n_blocks))
 
 
 def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: attention.ScoreMods,
