@@ -157,7 +157,12 @@ def markdown(path) -> str:
     for r in rows:
         latest[(r["nheads_k"], r["timing"], int(r["batch"]), int(r["cache"]), r["provider"], r["layout"])] = r
     meta = rows[-1]
-    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {meta['git_sha']}. "
+    runs = {}
+    for r in latest.values():
+        runs[r["git_sha"]] = runs.get(r["git_sha"], 0) + 1
+    shas = ", ".join(f"{sha} ({n} measurements)" for sha, n in runs.items())
+    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {shas}; each "
+             "point from its last run, its peers from the same run. "
              "Decode (1 query token), bf16, headdim 128, 32 query heads; GB/s of K/V read; x = flashattn2 "
              "(contiguous) over the best SDPA backend, same run.\n"]
     groups = sorted({(k[0], k[1]) for k in latest}, key=lambda g: (-int(g[0]), g[1]))
