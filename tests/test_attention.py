@@ -134,3 +134,18 @@ def test_race_repeated_runs(causal):
             first = result
         for a, b in zip(first, result):
             assert torch.equal(a, b)
+
+
+def test_tma_alignment_rule():
+    """TMA only for 16-byte aligned bases and leading strides that are nonzero 16-byte multiples."""
+    from flashattn2.ops import attention
+
+    base = torch.empty(4096, dtype=torch.float16)
+    for offset, strides in [(0, (512, 64, 1)), (8, (512, 64, 1)), (1, (512, 64, 1)), (0, (520, 64, 1)),
+                            (0, (512, 4, 1)), (0, (0, 64, 1)), (16, (64, 0, 1)), (0, (1024, 128, 1)),
+                            (24, (256, 8, 1))]:
+        t = base.as_strided((2, 4, 8), strides, offset)
+        es = t.element_size()
+        expected = t.data_ptr() % 16 == 0 and all(s and (s * es) % 16 == 0 for s in strides[:-1])
+        assert attention._use_tma("sm90", t) == expected, (offset, strides)
+        assert not attention._use_tma("sm80", t)

@@ -58,7 +58,9 @@ def _use_tma(arch: str, *tensors: torch.Tensor) -> bool:
         return False
     for t in tensors:
         es = t.element_size()
-        if t.data_ptr() % 16 or any((s * es) % 16 or s == 0 for s in t.stride()[:-1]):
+        lead = t.stride()[:-1]
+        # gcd of the base and the leading strides in bytes: a multiple of 16 iff each one is
+        if 0 in lead or math.gcd(t.data_ptr(), *[s * es for s in lead]) % 16:
             return False
     return True
 

@@ -100,10 +100,16 @@ def head_dim_bucket(head_dim: int) -> int:
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
         return "interp"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major in (9, 10):
-        return "sm90"
-    return "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH.get(index)
+    if arch is None:  # get_device_capability costs ~5 us of host time per call
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
+        _ARCH[index] = arch
+    return arch
+
+
+_ARCH: dict = {}
 
 
 def select(kernel: str, arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> TileConfig:
