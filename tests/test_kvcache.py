@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashattn2
+from flashattn2.ops import _runtime
 from cases import randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.reference import tolerance
@@ -198,8 +199,13 @@ def test_pairwise_sample_covers_every_pair():
                     assert (a, va, b, vb) in covered, (a, va, b, vb)
 
 
+PDL = [False, pytest.param(True, marks=pytest.mark.skipif(not ON_GPU, reason="programmatic dependent launch: sm90"))]
+
+
+@pytest.mark.parametrize("pdl", PDL)
 @pytest.mark.parametrize("splits", [2, 5, 64])
-def test_splits_match_no_split(splits):
+def test_splits_match_no_split(splits, pdl, monkeypatch):
+    monkeypatch.setattr(_runtime, "PDL", pdl)
     c = dict(dtype=torch.float16, paged=16, seqlen_new=2, rotary=None, mask="causal", softcap=0.0, alibi=False,
              group=4, seqlen_q=2, seqlens="tensor", batch_idx=False, leftpad=True, splits=1)
     q, k_cache, v_cache, kwargs = make_case(c, 64)
@@ -211,6 +217,34 @@ def test_splits_match_no_split(splits):
     assert ok or err <= 2 * (one.double() - ref.double()).abs().max().item() + 1e-3, (err, bound)
     finite = torch.isfinite(lse_one)
     torch.testing.assert_close(lse[finite], lse_one[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_split_decode_in_cuda_graph(pdl, monkeypatch):
+    """A split decode step captured in a CUDA graph (as serving engines run it) replays the eager
+    result, with the combine launched as a programmatic dependent launch or not."""
+    monkeypatch.setattr(_runtime, "PDL", pdl)
+    q = randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    k_cache, v_cache = randn(1, 8192, 8, 128, dtype=torch.bfloat16), randn(1, 8192, 8, 128, dtype=torch.bfloat16)
+    seqlens = torch.tensor([8000], dtype=torch.int32, device=DEVICE)
+
+    def step():
+        return flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=16)
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 def test_empty_sequences_and_full_cache():

@@ -84,14 +84,14 @@ def cases(arch):
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path
     variants = {("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True),
-                ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1),
+                ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1, PDL=arch == "sm90"),
                 ("page-block", False): dict(PAGED=True, PAGE_SIZE=256),
                 ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256, CHECK=True),
                 ("page-row", False): dict(PAGED=True, PAGE_SIZE=16, LOCAL=True),
                 ("page-row", True): dict(PAGED=True, PAGE_SIZE=16, LEFTPAD=True, LOCAL=True, SOFTCAP=True,
                                          ALIBI=True, SEQLENS_TENSOR=True, SPLIT=True, VARLEN_Q=True, CHECK=True)}
     off = dict(CAUSAL=False, LOCAL=False, SOFTCAP=False, ALIBI=False, PAGED=False, BATCH_IDX=False, LEFTPAD=False,
-               SEQLENS_TENSOR=False, SPLIT=False, VARLEN_Q=False, CHECK=False)
+               SEQLENS_TENSOR=False, SPLIT=False, VARLEN_Q=False, CHECK=False, PDL=False)
     for head_dim in (64, 128, 256):
         for elem_bytes in (2, 4):
             for (path, split), chosen in variants.items():
@@ -110,7 +110,7 @@ def cases(arch):
                           BLOCK_B=256, BLOCK_T=16, BLOCK_D=head_dim)
             yield (f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}", decode.kvcache_append_kernel, 2,
                    append, config.TileConfig(16, 16, 4, 1), None)
-        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim)
+        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim, PDL=arch == "sm90")
         yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 2, 1),
                {"OutPart": "*fp32", "LsePart": "*fp32"})
     for interleaved in (False, True):

@@ -16,6 +16,7 @@ fp32; attn_combine_kernel merges them. Without splits the program writes out and
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import LN2, LOG2E, alibi_bias, tanh, visible
 
@@ -34,9 +35,11 @@ def attn_kvcache_kernel(
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
     SPLIT: tl.constexpr, VARLEN_Q: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr, PDL: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
+        gdc_launch_dependents()
     off_bhk = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
@@ -183,13 +186,17 @@ def attn_combine_kernel(
     stride_ps, stride_ls, stride_lb, stride_lh,
     seqlen_q, nheads, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one row: out = sum_s exp(lse_s - lse) out_s with lse = log sum_s
     exp(lse_s); a row that no split saw gets out 0 and lse +inf. Row r (the program) is (batch,
     query, head) in the order of the contiguous (batch, seqlen_q, nheads, headdim) out and of
     each split's part; the logsumexps are (splits,) batch, nheads, seqlen_q with the given
     strides. One program per row, the splits read CHUNK_S at a time: a batch of one sequence
-    has few rows and up to 128 splits, so rows are the parallel axis, not splits."""
+    has few rows and up to 128 splits, so rows are the parallel axis, not splits. PDL: launched
+    as a programmatic dependent of the split kernel (sm90+), it waits here for that grid's writes."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     b = r // (seqlen_q * nheads)
     i = (r // nheads) % seqlen_q

@@ -74,6 +74,10 @@ def ensure_tma_allocator() -> None:
 # the type of every other argument -- and relaunches it directly, pointers passed as integers.
 # Tests on the GPU set VERIFY_LAUNCH: every direct launch then first asks Triton which kernel
 # it would have launched (without launching) and fails if it is not the remembered one.
+# Experimental, off unless FLASHATTN2_PDL=1 (not yet measured): on sm90 the split-KV combine
+# kernel is launched as a programmatic dependent launch of the decode kernel, so its launch
+# overlaps the decode kernel's tail instead of following it.
+PDL = os.environ.get("FLASHATTN2_PDL", "0") == "1"
 # FLASHATTN2_DIRECT_LAUNCH=0 sends every launch through Triton's JITFunction.run.
 DIRECT_LAUNCH = os.environ.get("FLASHATTN2_DIRECT_LAUNCH", "1") != "0"
 VERIFY_LAUNCH = False

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, attention
+from . import _runtime, attention, config
 from . import rotary as _rotary
 
 MAX_SPLITS = 128
@@ -243,6 +243,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
+    pdl = splits > 1 and _runtime.PDL and not interp and config.arch_of(q.device) == "sm90"
     kernels = _runtime.kernels().decode
     bt = cache.block_table
     k, v = cache.k, cache.v
@@ -266,7 +267,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
             PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
             SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
             UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", PAGE_SIZE=cache.page_size if bt is not None else 1,
-            CHECK=check is not None,
+            CHECK=check is not None, PDL=pdl,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
             num_warps=warps, num_stages=stages,
         )
@@ -280,7 +281,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
                 dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
                 sq_, nheads, splits,
                 HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
-                BLOCK_D=attention._block_d(head_dim), num_warps=2,
+                BLOCK_D=attention._block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
             )
     if varlen_q is not None:
         attention._fill_tails((out, varlen_q[0], 0.0, 0), (lse, varlen_q[0], float("inf"), 1))
