@@ -376,6 +376,21 @@ def test_bad_arguments_raise_before_writing(index):
         assert torch.equal(before, after), "the cache was written before the error"
 
 
+def test_error_flag_is_clear_after_an_error():
+    """The device-side error flag is kept between calls: after a call that raised on a bad
+    cache_seqlens, the next (valid) call on the same stream must not raise, and must append."""
+    q = randn(2, 1, 4, 32, dtype=torch.float16)
+    k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
+    k, v = randn(2, 1, 2, 32, dtype=torch.float16), randn(2, 1, 2, 32, dtype=torch.float16)
+    for _ in range(2):
+        bad = torch.tensor([3, 25], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
+        good = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
+        flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=good)
+        assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[1, 7], v[1, 0])
+
+
 def test_new_keys_with_any_strides():
     """k/v whose last dimension is not contiguous are appended as given (the kernel reads a
     contiguous copy)."""

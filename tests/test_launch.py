@@ -21,9 +21,11 @@ def _kernel(A, B, n, m, x, C: tl.constexpr):
 kernel = JITFunction(_kernel)  # not triton.jit: on the CPU that gives the interpreter's function
 
 
-def _triton_spec(kernel, values):
-    return tuple(v if p.is_constexpr else native_specialize_impl(BaseBackend, v, False, True, True)
-                 for p, v in zip(kernel.params, values))
+def _triton_spec(kernel, values, options):
+    """What Triton's cache key holds for a call (runtime.jit.compute_cache_key), with the type of
+    each constexpr made explicit (Triton's tuples compare True == 1)."""
+    return tuple((type(v), v) if p.is_constexpr else native_specialize_impl(BaseBackend, v, False, True, True)
+                 for p, v in zip(kernel.params, values)) + (options,)
 
 
 def _sample(kind, rng, base):
@@ -32,31 +34,34 @@ def _sample(kind, rng, base):
         return base.to(dtype)[rng.choice([0, 0, 1, 8]):]  # offsets 0 / 2-4 / 16-32 bytes
     if kind == "int":
         return rng.choice([0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**33 + 1, 2**63])
+    if kind == "mixed":  # one position that takes an int, None, a float or a bool from call to call
+        return rng.choice([3, 16, 1, None, 0.5, True, False])
+    if kind == "float-or-none":
+        return rng.choice([0.5, 1.0, None])
     return rng.choice([0.5, 1.0, 0.0])
 
 
 def test_key_separates_triton_specializations():
+    """Two calls share a key only if Triton would compile them alike; calls with the same
+    argument types share it whenever Triton would."""
     rng = random.Random(0)
-
     base = torch.randn(64)
-    kinds = ["tensor", "tensor", "int", "int", "float"]
+    kinds = ["tensor", "tensor", "int", "mixed", "float-or-none"]
     calls = []
-    for _ in range(300):
+    for _ in range(400):
         args = tuple(_sample(k, rng, base) for k in kinds)
-        const = rng.choice([1, 2])
-        bind = _runtime._binder(kernel, args, {"C": const, "num_warps": 4})
-        key, launched = bind(args, {"C": const, "num_warps": 4})
-        calls.append((key, _triton_spec(kernel, (*args, const))))
+        kwargs = {"C": rng.choice([1, 2, True]), "num_warps": rng.choice([4, 8])}
+        key, launched = _runtime._bound(kernel, args, kwargs)
+        types = tuple(map(type, (*args, kwargs["C"])))
+        calls.append((key, _triton_spec(kernel, (*args, kwargs["C"]), kwargs["num_warps"]), types))
         # pointers go to the launcher as integers, everything else as given
-        assert launched[0] == args[0].data_ptr() and launched[2:] == (*args[2:], const)
-    for (k1, s1), (k2, s2) in itertools.combinations(calls, 2):
-        assert (k1 == k2) == (s1 == s2), (s1, s2)
-    # an argument of another type than the first call's: no key, Triton's own path
-    args = (base, base, 1.5, 3, 0.5)
-    assert bind(args, {"C": 1, "num_warps": 4}) is None
-    # a call site whose argument types change gets a binder per combination
-    other = (base, base, 1.5, 3, 0.5)
-    _runtime._binder(kernel, other, {"C": 1, "num_warps": 4})(other, {"C": 1, "num_warps": 4})
+        assert launched[0] == args[0].data_ptr() and launched[2:] == (*args[2:], kwargs["C"])
+    assert len({c[2] for c in calls}) > 8  # the sample did mix types at one call site
+    for (k1, s1, t1), (k2, s2, t2) in itertools.combinations(calls, 2):
+        if k1 == k2:
+            assert s1 == s2, (s1, s2)
+        if t1 == t2 and s1 == s2:
+            assert k1 == k2, (s1, s2)
     # no options, constexprs by position
     args = (base, base, 3, 4, 0.5, 2)
     assert _runtime._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
@@ -71,8 +76,12 @@ def test_relaunch_is_tritons_choice():
 
     assert _runtime.VERIFY_LAUNCH
     before = _runtime.direct_launches
-    for seqlen, nheads in [(16, 4), (17, 4), (16, 1), (33, 3), (16, 4), (17, 4)]:
-        x = torch.randn(2, seqlen, nheads, 64, device=DEVICE, dtype=torch.float16)
+    for seqlen, nheads, aligned in [(16, 4, True), (16, 4, False), (17, 4, True), (16, 1, False), (33, 3, True),
+                                    (17, 4, False)]:
+        shape = (2, seqlen, nheads, 64)
+        flat = torch.randn(2 * seqlen * nheads * 64 + 1, device=DEVICE, dtype=torch.float16)
+        # a base 16-byte aligned or 2 bytes off: two specializations of one shape
+        x = (flat[:-1] if aligned else flat[1:]).view(shape)
         ang = torch.rand(80, 16, device=DEVICE)
         cos, sin = ang.cos().half(), ang.sin().half()
         # an int offset and a tensor of offsets: two argument-type combinations at one call site

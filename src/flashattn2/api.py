@@ -283,16 +283,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens, seqlen_int = cache_seqlens, 0
     else:
         seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
+    bad = False
     try:
         out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
                                    cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
                                    float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
                                    check=check)
+        bad = check is not None and bool(check.err.item())
     except BaseException:
-        if check is not None:
-            check.err.zero_()
+        if check is not None:  # the flag may be set: drop it (the next call makes a new one)
+            _ERROR_FLAGS.pop(check.key, None)
         raise
-    if check is not None and check.err.item():
+    if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
         checks.check_kvcache_values(*values)  # raises with the details
         raise ValueError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
@@ -309,19 +311,22 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     limit = capacity - seqlen_new
     if rotary_cos is not None:
         limit = min(limit, rotary_cos.shape[0] - max(seqlen_new, q_positions))
-    return Check(_error_flag(q.device), limit)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.device.type == "cuda" else 0
+    key = (q.device, stream, threading.get_ident())
+    return Check(_error_flag(key), limit, key)
 
 
+# (device, stream, thread) -> a zero int32 flag for the kernels of a call: a call that finds it
+# set zeroes it again before raising, one that fails otherwise drops it, so it is allocated and
+# cleared once rather than per call. At most _ERROR_FLAGS_MAX streams and threads are kept.
 _ERROR_FLAGS: dict = {}
+_ERROR_FLAGS_MAX = 64
 
 
-def _error_flag(device: torch.device) -> torch.Tensor:
-    """A zero int32 flag for the kernels of this call, one per (device, stream, thread): a call
-    that finds it set zeroes it again before raising, so it is allocated and cleared once rather
-    than per call."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device, stream, threading.get_ident())
+def _error_flag(key) -> torch.Tensor:
     flag = _ERROR_FLAGS.get(key)
     if flag is None:
-        flag = _ERROR_FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        if len(_ERROR_FLAGS) >= _ERROR_FLAGS_MAX:
+            _ERROR_FLAGS.clear()  # a call holding a dropped flag still has it through its Check
+        flag = _ERROR_FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=key[0])
     return flag

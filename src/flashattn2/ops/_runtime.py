@@ -84,6 +84,7 @@ VERIFY_LAUNCH = False
 direct_launches = 0  # how many launches took the direct path (tests check that it is taken)
 _LAUNCHED: dict = {}
 _BINDERS: dict = {}
+_KERNELS: list = []
 
 
 def _binder(kernel, args: tuple, kwargs: dict):
@@ -119,26 +120,41 @@ def _binder(kernel, args: tuple, kwargs: dict):
     return scope["bind"]
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs); every parameter after the positional ones by keyword."""
-    if not DIRECT_LAUNCH or interpreted() or kernel.pre_run_hooks or _launch_hooks():
-        kernel[grid](*args, **kwargs)
-        return
+def _bound(kernel, args: tuple, kwargs: dict):
+    """(key, the launcher's arguments) of a call, or None when this call site has seen too many
+    combinations of argument types. The key holds the call site, the binder (so the argument
+    types: None, a float and a bool add nothing else to it), what Triton specializes on, and
+    the debug knobs that are part of Triton's own cache key."""
     site = (id(kernel), len(args), tuple(kwargs))
-    binders = _BINDERS.setdefault(site, [])
-    for bind in binders:  # one per combination of argument types seen here (a tensor or None, ...)
+    binders = _BINDERS.get(site)
+    if binders is None:
+        binders = _BINDERS[site] = []
+        _KERNELS.append(kernel)  # keeps id(kernel) from being reused by another function
+    for index, bind in enumerate(binders):  # one per combination of argument types seen here
         bound = bind(args, kwargs)
         if bound is not None:
             break
     else:
         if len(binders) >= 16:  # types that never settle: Triton's path
-            kernel[grid](*args, **kwargs)
-            return
+            return None
         binders.append(_binder(kernel, args, kwargs))
-        bound = binders[-1](args, kwargs)
-    spec, values = bound
+        index, bound = len(binders) - 1, binders[-1](args, kwargs)
+    knobs = _triton_knobs()
+    debug = (kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+    return (site, index, debug, bound[0]), bound[1]
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs); every parameter after the positional ones by keyword."""
+    if not DIRECT_LAUNCH or interpreted() or kernel.pre_run_hooks or _launch_hooks():
+        kernel[grid](*args, **kwargs)
+        return
+    bound = _bound(kernel, args, kwargs)
+    if bound is None:
+        kernel[grid](*args, **kwargs)
+        return
     device = torch.cuda.current_device()
-    key = (site, device, spec)
+    key = (bound[0], device)
     compiled = _LAUNCHED.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
@@ -150,7 +166,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     direct_launches += 1
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                  torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *values)
+                 None, None, None, *bound[1])
 
 
 def _triton_choice(kernel, device: int, args: tuple, kwargs: dict):
@@ -167,9 +183,15 @@ def _triton_choice(kernel, device: int, args: tuple, kwargs: dict):
     return chosen.result() if hasattr(chosen, "result") else chosen
 
 
-def _launch_hooks() -> bool:
-    """Whether a profiler (proton) has hooked Triton's launches: those go through Triton's path."""
+@functools.cache
+def _triton_knobs():
     from triton import knobs
 
+    return knobs
+
+
+def _launch_hooks() -> bool:
+    """Whether a profiler (proton) has hooked Triton's launches: those go through Triton's path."""
+    knobs = _triton_knobs()
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)

@@ -45,6 +45,7 @@ class Check:
     capacity less the new tokens, and the rotary table's end less the positions rotated)."""
     err: torch.Tensor
     seqlen_limit: int
+    key: object = None  # where the caller keeps err between calls
 
 
 def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, check: Check | None = None) -> None:
