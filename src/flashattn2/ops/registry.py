@@ -28,9 +28,12 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention
     return attention.Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
 
 
-def fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale,
-             causal, window_left, window_right, softcap, alibi_slopes):
-    """The body of flashattn2::fwd. Eager callers run it directly: the op's dispatch costs tens of
+def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+             cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+             seed: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+             softcap: float, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashattn2::fwd: dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with
+    cu_seqlens; (out, lse). Eager callers run this body directly: the op's dispatch costs tens of
     microseconds of host time per call and only torch.compile needs it (run_fwd chooses)."""
     q, k, v = (_for_kernels(t) for t in (q, k, v))
     mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
@@ -39,14 +42,7 @@ def fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dr
         return attention.forward(q, k, v, softmax_scale, mods, varlen)
 
 
-@torch.library.custom_op("flashattn2::fwd", mutates_args=())
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-        cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-        seed: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-        softcap: float, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with cu_seqlens."""
-    return fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed,
-                    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+fwd = torch.library.custom_op("flashattn2::fwd", fwd_impl, mutates_args=())
 
 
 def run_fwd(*args):
@@ -55,8 +51,7 @@ def run_fwd(*args):
 
 
 @fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal,
-      window_left, window_right, softcap, alibi_slopes):
+def _(q, k, v, cu_seqlens_q, *_):
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads, _ = q.shape
         lse_shape = (batch, nheads, seqlen_q)
@@ -66,9 +61,13 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
         q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, seed, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
-    """The body of flashattn2::bwd (see fwd_impl)."""
+def bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+             dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
+             softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+             alibi_slopes: torch.Tensor | None) -> None:
+    """flashattn2::bwd: writes dq, dk, dv (see fwd_impl for eager callers)."""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
@@ -79,15 +78,7 @@ def bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens
         attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen)
 
 
-@torch.library.custom_op("flashattn2::bwd", mutates_args=("dq", "dk", "dv"))
-def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-        dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-        max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
-        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        alibi_slopes: torch.Tensor | None) -> None:
-    bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, seed, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+bwd = torch.library.custom_op("flashattn2::bwd", bwd_impl, mutates_args=("dq", "dk", "dv"))
 
 
 def run_bwd(*args):
@@ -96,8 +87,7 @@ def run_bwd(*args):
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      dropout_p, seed, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+def _(*_):
     return None
 
 
@@ -115,8 +105,7 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor |
 
 
 @dropout_probs.register_fake
-def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal,
-      window_left, window_right, softcap, alibi_slopes):
+def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     seqlen_q = q.shape[1] if cu_seqlens_q is None else max_seqlen_q
     seqlen_k = k.shape[1] if cu_seqlens_q is None else max_seqlen_k
@@ -255,9 +244,7 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @fwd_kvcache.register_fake
-def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int, cache_batch_idx,
-      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-      alibi_slopes, num_splits):
+def _(q, *_):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
@@ -280,6 +267,5 @@ def fwd_varlen_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @fwd_varlen_paged.register_fake
-def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
-      window_left, window_right, softcap, alibi_slopes):
+def _(q, *_):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
