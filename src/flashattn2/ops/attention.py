@@ -86,11 +86,23 @@ def _out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
 @dataclass(frozen=True)
 class Varlen:
     """Sequences packed along the first dimension: q (total_q, nheads, headdim) holds sequence b
-    in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, (batch + 1,)); likewise k and v."""
+    in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, (batch + 1,)); likewise k and v.
+    known_*/order_*: what checks remembers of a cu_seqlens whose values were checked ((last
+    value, longest sequence) and the sequences longest first), or None; `of` looks them up."""
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    known_q: tuple[int, int] | None = None
+    known_k: tuple[int, int] | None = None
+    order_q: torch.Tensor | None = None
+    order_k: torch.Tensor | None = None
+
+    @staticmethod
+    def of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> "Varlen":
+        known_q, order_q = checks.remembered(cu_seqlens_q)
+        known_k, order_k = checks.remembered(cu_seqlens_k)
+        return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, known_q, known_k, order_q, order_k)
 
 
 @dataclass(frozen=True)
@@ -130,20 +142,21 @@ class _Geometry:
             return like, like  # never read: IS_VARLEN is off
         return self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
 
-    def order(self, cu: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(SeqOrder, SORTED): the sequences longest first by the lengths of cu (one of the
-        varlen's cu_seqlens), known once its values were checked (checks.known_order); the
-        grid's slots follow that order. Otherwise cu and False (never read)."""
-        order = checks.known_order(cu) if self.varlen is not None else None
-        return (cu, False) if order is None else (order, True)
+    def order(self, side: str, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(SeqOrder, SORTED): the sequences longest first by their "q" or "k" lengths, known once
+        that cu_seqlens was checked (Varlen.order_*); the grid's slots follow that order.
+        Otherwise `like` and False (never read)."""
+        order = None if self.varlen is None else getattr(self.varlen, "order_" + side)
+        return (like, False) if order is None else (order, True)
 
 
 def _fill_tails(*slots) -> None:
-    """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim), the rows of x past
-    cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
-    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots. Slots whose
-    cu_seqlens is known to end at the last row (checks.known) need nothing: no launch then."""
-    slots = [slot for slot in slots if (checks.known(slot[1]) or (-1,))[0] != slot[0].shape[slot[3]]]
+    """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim, known), the rows of
+    x past cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
+    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots. A slot whose
+    cu_seqlens is known (checks.remembered: known = (last value, longest)) to end at the last
+    row needs nothing: no launch then."""
+    slots = [slot[:4] for slot in slots if (slot[4] or (-1,))[0] != slot[0].shape[slot[3]]]
     if not slots:
         return
     args = []
@@ -189,7 +202,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
-    order, is_sorted = geo.order(geo.cu_seqlens(lse)[1])
+    order, is_sorted = geo.order("k", lse)
     _runtime.launch(_runtime.kernels().fwd.attn_fwd_kernel, grid,
         q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
@@ -210,7 +223,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         num_stages=cfg.num_stages,
     )
     if varlen is not None:
-        _fill_tails((out, varlen.cu_seqlens_q, 0.0, 0), (lse, varlen.cu_seqlens_q, float("inf"), 1))
+        cu_q, known_q = varlen.cu_seqlens_q, varlen.known_q
+        _fill_tails((out, cu_q, 0.0, 0, known_q), (lse, cu_q, float("inf"), 1, known_q))
     return out.to(q.dtype), lse
 
 
@@ -251,15 +265,16 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     gq, gk, gv = grads
     if is_varlen:
         # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
-        _fill_tails((gq, cu_q, 0.0, 0), (gk, cu_k, 0.0, 0), (gv, cu_k, 0.0, 0))
+        known_q, known_k = varlen.known_q, varlen.known_k
+        _fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     causal = mod_flags["CAUSAL"]
     common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=block_d)
     # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
-    order_q, sorted_q = geo.order(cu_q)
-    order_k, sorted_k = geo.order(cu_k)
+    order_q, sorted_q = geo.order("q", cu_q)
+    order_k, sorted_k = geo.order("k", cu_k)
 
     cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
     _runtime.launch(K.attn_bwd_dkdv_kernel, (_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),

@@ -120,14 +120,14 @@ def _entry(cu: torch.Tensor):
 
 def known(cu: torch.Tensor) -> tuple[int, int] | None:
     """(cu[-1], max sequence length) of a cu_seqlens tensor checked earlier and unchanged since, or None."""
-    entry = _entry(cu)
-    return None if entry is None else entry[3]
+    return remembered(cu)[0]
 
 
-def known_order(cu: torch.Tensor) -> torch.Tensor | None:
-    """The sequence indices of a checked cu_seqlens, longest first (int32, on its device), or None."""
+def remembered(cu: torch.Tensor) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """(known(cu), the sequence indices longest first (int32, on cu's device)), or (None, None)
+    for a cu_seqlens not checked earlier or modified since."""
     entry = _entry(cu)
-    return None if entry is None else entry[4]
+    return (None, None) if entry is None else (entry[3], entry[4])
 
 
 def _remember(cu: torch.Tensor, values: tuple[int, int], order: torch.Tensor) -> None:

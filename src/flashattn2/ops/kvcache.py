@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, attention, config
+from . import _runtime, attention, checks, config
 from . import rotary as _rotary
 
 MAX_SPLITS = 128
@@ -285,5 +285,6 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
                 BLOCK_D=attention._block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
             )
     if varlen_q is not None:
-        attention._fill_tails((out, varlen_q[0], 0.0, 0), (lse, varlen_q[0], float("inf"), 1))
+        known = checks.known(varlen_q[0])
+        attention._fill_tails((out, varlen_q[0], 0.0, 0, known), (lse, varlen_q[0], float("inf"), 1, known))
     return out.to(q.dtype), lse

@@ -25,7 +25,7 @@ def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, s
 def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention.Varlen | None:
     if cu_seqlens_q is None:
         return None
-    return attention.Varlen(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+    return attention.Varlen.of(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
 
 
 def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
