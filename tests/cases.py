@@ -58,3 +58,8 @@ def make_qkv(shape, dtype, requires_grad=True):
     return (randn(b, sq, h, d, dtype=dtype, requires_grad=requires_grad),
             randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad),
             randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad))
+
+
+def cu_seqlens(lengths) -> torch.Tensor:
+    """cu_seqlens (int32, on the test device) of sequences of these lengths."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)

@@ -9,7 +9,7 @@ import torch
 
 import flashattn2
 from flashattn2.ops import _runtime
-from cases import randn
+from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.reference import tolerance
 from flashattn2.reference.kvcache import kvcache_ref
@@ -433,7 +433,7 @@ def test_varlen_paged_prefill(page, opts):
     opts = dict(opts)
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = torch.rand(4, device=DEVICE) * 0.3
-    cu = lambda n: torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = cu_seqlens
     q = randn(sum(lengths_q) + 3, 4, 64, dtype=torch.bfloat16)  # 3 rows past cu_seqlens_q[-1]
     k, v = randn(sum(lengths_k), 2, 64, dtype=torch.bfloat16), randn(sum(lengths_k), 2, 64, dtype=torch.bfloat16)
     k_pages, table = _paged(k, lengths_k, page, gen)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cases import DTYPES, randn
+from cases import DTYPES, cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.layers.rotary import (RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_kv_,
                                       apply_rotary_emb_qkv_)
@@ -64,7 +64,7 @@ def test_strided_offsets_and_gradient():
 
 def test_inplace_and_varlen():
     lengths = [5, 0, SEQ]
-    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    cu = cu_seqlens(lengths)
     x = randn(sum(lengths), 2, 64, dtype=torch.float16)
     cos, sin = cos_sin(SEQ + 3, 48, torch.float16)
     offs = torch.tensor([3, 1, 0], device=DEVICE, dtype=torch.int32)

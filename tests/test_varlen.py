@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import flashattn2
+from cases import cu_seqlens
 from conftest import DEVICE, ON_GPU
 from flashattn2.ops import checks, config
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
@@ -26,8 +27,7 @@ FEATURES = [
 ]
 
 
-def cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+cu = cu_seqlens
 
 
 def make(lengths_q, lengths_k, nheads=4, nheads_k=2, d=48, dtype=torch.float16, extra_rows=0):
