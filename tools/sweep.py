@@ -60,13 +60,14 @@ def time_ours(kernel, cfg, shape, dtype, causal):
     batch, nheads, seqlen, d = shape
     q, k, v, do = make(batch, nheads, seqlen, d, dtype)
     scale = d ** -0.5
+    mods = attention.ScoreMods(causal=causal)
     with config.override(**{kernel: cfg}):
-        out, lse = attention.forward(q, k, v, scale, causal)
+        out, lse = attention.forward(q, k, v, scale, mods)
         if kernel == "fwd":
-            fn = lambda: attention.forward(q, k, v, scale, causal)
+            fn = lambda: attention.forward(q, k, v, scale, mods)
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            fn = lambda: attention.backward(do, q, k, v, out, lse, None, dq, dk, dv, scale, causal)
+            fn = lambda: attention.backward(do, q, k, v, out, lse, None, dq, dk, dv, scale, mods)
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     return ms
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn2
-from ..reference import FWD_FACTOR, tolerance
+from ..reference import tolerance
 from ..reference.kvcache import kvcache_ref
 from .kernels import run_metadata
 
@@ -72,16 +72,16 @@ def _flashattn2_case(batch, nheads_k, cache, layout):
 
 
 def _check(step, tensors) -> str:
-    """flash_attn's rule (reference.tolerance): the error against the fp32 reference at most
-    twice that of the same math in bf16, on the first sequence (the others differ in data, not
-    in code path)."""
+    """flash_attn's rule for the KV cache (reference.tolerance, factor 3 as in flash_attn's
+    kvcache tests and ours): the error against the fp32 reference at most three times that of
+    the same math in bf16, on the first sequence (the others differ in data, not code path)."""
     q, k_cache, v_cache, seqlens, table = tensors
     out = step()
     kw = dict(cache_seqlens=seqlens[:1], block_table=None if table is None else table[:1])
     caches = (k_cache, v_cache) if table is not None else (k_cache[:1], v_cache[:1])
     ref = kvcache_ref(q[:1], *caches, **kw)[0]
     low = kvcache_ref(q[:1], *caches, **kw, upcast=False)[0]
-    ok, err, bound = tolerance.check(out[:1], ref, low, FWD_FACTOR)
+    ok, err, bound = tolerance.check(out[:1], ref, low, 3.0)
     return "" if ok else f"check failed: max error {err:.3g} > {bound:.3g}"
 
 
