@@ -172,9 +172,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 def _triton_choice(kernel, device: int, args: tuple, kwargs: dict):
     """The compiled kernel JITFunction.run would launch for these arguments (its steps in
     triton 3.6, without the launch), or None if it has not compiled one."""
-    from triton import knobs
     from triton.runtime.jit import compute_cache_key
 
+    knobs = _triton_knobs()
     kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
     kernel_cache, key_cache, _, _, binder = kernel.device_caches[device]

@@ -1,6 +1,7 @@
 """flash_attn_with_kvcache's launcher: append the new keys/values (rotated) into the cache,
 rotate q, then attend over the cache, split over keys when the batch is too small to fill the
-GPU, and merge the splits."""
+GPU, and merge the splits. The caller (ops.registry) makes q's device the current one, as
+for the attention launchers."""
 from __future__ import annotations
 
 import functools
@@ -75,25 +76,24 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     bt = cache.block_table
     dummy = k_new
     block_t = min(16, 1 << (seqlen_new - 1).bit_length())
-    with _runtime.device_of(k_new):
-        _runtime.launch(_runtime.kernels().decode.kvcache_append_kernel, (batch, -(-seqlen_new // block_t)),
-            k_new, v_new, cache.k, cache.v, cos, sin,
-            cache.seqlens if cache.seqlens is not None else dummy,
-            cache.batch_idx if cache.batch_idx is not None else dummy,
-            cache.leftpad if cache.leftpad is not None else dummy,
-            bt if bt is not None else dummy,
-            check.err if check is not None else dummy,
-            *k_new.stride()[:3], *v_new.stride()[:3], *cache.k.stride()[:3], *cache.v.stride()[:3],
-            bt.stride(0) if bt is not None else 0, cos.stride(0),
-            batch, nheads_k, seqlen_new, cache.seqlen_int, cache.capacity, cache.k.shape[0],
-            check.seqlen_limit if check is not None else cache.capacity - seqlen_new,
-            cos.shape[0] if rotary is not None else 0, cos.shape[1] if rotary is not None else 0,
-            CHECK=check is not None, PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None,
-            LEFTPAD=cache.leftpad is not None, SEQLENS_TENSOR=cache.seqlens is not None,
-            PAGE_SIZE=cache.page_size if bt is not None else 1, ROTARY=rotary is not None, INTERLEAVED=interleaved,
-            HEAD_DIM=head_dim, BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())), BLOCK_T=block_t,
-            BLOCK_D=attention._block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
-        )
+    _runtime.launch(_runtime.kernels().decode.kvcache_append_kernel, (batch, -(-seqlen_new // block_t)),
+        k_new, v_new, cache.k, cache.v, cos, sin,
+        cache.seqlens if cache.seqlens is not None else dummy,
+        cache.batch_idx if cache.batch_idx is not None else dummy,
+        cache.leftpad if cache.leftpad is not None else dummy,
+        bt if bt is not None else dummy,
+        check.err if check is not None else dummy,
+        *k_new.stride()[:3], *v_new.stride()[:3], *cache.k.stride()[:3], *cache.v.stride()[:3],
+        bt.stride(0) if bt is not None else 0, cos.stride(0),
+        batch, nheads_k, seqlen_new, cache.seqlen_int, cache.capacity, cache.k.shape[0],
+        check.seqlen_limit if check is not None else cache.capacity - seqlen_new,
+        cos.shape[0] if rotary is not None else 0, cos.shape[1] if rotary is not None else 0,
+        CHECK=check is not None, PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None,
+        LEFTPAD=cache.leftpad is not None, SEQLENS_TENSOR=cache.seqlens is not None,
+        PAGE_SIZE=cache.page_size if bt is not None else 1, ROTARY=rotary is not None, INTERLEAVED=interleaved,
+        HEAD_DIM=head_dim, BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())), BLOCK_T=block_t,
+        BLOCK_D=attention._block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
+    )
 
 
 def _check_pages_read(cache: Cache, seqlen_new: int, check: Check) -> None:
@@ -155,13 +155,17 @@ def _path(cache: Cache, block_n: int) -> str:
     return "page-row"
 
 
+def _block_m(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
 def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: str = "contiguous",
            split: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decoding reads K/V once per group: the rows are
     few (group x seqlen_q), the keys many. Other head dims keep the bytes of a key block of the
     headdim-128 entry; fp32 halves it and drops the pipeline so that headdim 256 fits the 99 KB
     of shared memory of sm86/89 (compile_check)."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_m = _block_m(rows)
     if interp:
         return block_m, 16, 1, 1
     block_n, warps, stages = DECODE_TILES[(path, split)]
@@ -215,8 +219,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     rows = group * seqlen_q
-    block_m = _tiles(rows, head_dim, interp)[0]
-    programs = -(-rows // block_m) * batch * nheads_k
+    programs = -(-rows // _block_m(rows)) * batch * nheads_k
     sm_count = 64 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
     # the tile's path; the kernel itself takes the one-page-per-block addressing when its
@@ -248,42 +251,41 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     kernels = _runtime.kernels().decode
     bt = cache.block_table
     k, v = cache.k, cache.v
-    with _runtime.device_of(q):
-        _runtime.launch(kernels.attn_kvcache_kernel, (batch * nheads_k, -(-rows // block_m), splits),
-            q, k, v, dst, dst_lse,
-            cache.seqlens if cache.seqlens is not None else lse,
-            cache.batch_idx if cache.batch_idx is not None else lse,
-            cache.leftpad if cache.leftpad is not None else lse,
-            bt if bt is not None else lse,
-            runtime["Alibi"],
-            varlen_q[0] if varlen_q is not None else lse,
-            check.err if check is not None else lse,
-            *q_strides, *k.stride()[:3], *v.stride()[:3],
-            *dst_strides, *lse_strides,
-            bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
-            nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, chunk, cache.capacity, k.shape[0],
-            check.seqlen_limit if check is not None else cache.capacity,
-            runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"],
-            **flags,
-            PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
-            SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
-            UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", PAGE_SIZE=cache.page_size if bt is not None else 1,
-            CHECK=check is not None, PDL=pdl,
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
-            num_warps=warps, num_stages=stages,
+    _runtime.launch(kernels.attn_kvcache_kernel, (batch * nheads_k, -(-rows // block_m), splits),
+        q, k, v, dst, dst_lse,
+        cache.seqlens if cache.seqlens is not None else lse,
+        cache.batch_idx if cache.batch_idx is not None else lse,
+        cache.leftpad if cache.leftpad is not None else lse,
+        bt if bt is not None else lse,
+        runtime["Alibi"],
+        varlen_q[0] if varlen_q is not None else lse,
+        check.err if check is not None else lse,
+        *q_strides, *k.stride()[:3], *v.stride()[:3],
+        *dst_strides, *lse_strides,
+        bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
+        nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, chunk, cache.capacity, k.shape[0],
+        check.seqlen_limit if check is not None else cache.capacity,
+        runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"],
+        **flags,
+        PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
+        SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", PAGE_SIZE=cache.page_size if bt is not None else 1,
+        CHECK=check is not None, PDL=pdl,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
+        num_warps=warps, num_stages=stages,
+    )
+    if splits > 1:
+        # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
+        b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
+        lse_b = 0 if varlen_q is not None else lse.stride(0)
+        lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
+        _runtime.launch(kernels.attn_combine_kernel, (b_ * sq_ * nheads,),
+            dst, dst_lse, out, lse,
+            dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
+            sq_, nheads, splits,
+            HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
+            BLOCK_D=attention._block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
         )
-        if splits > 1:
-            # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
-            b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
-            lse_b = 0 if varlen_q is not None else lse.stride(0)
-            lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
-            _runtime.launch(kernels.attn_combine_kernel, (b_ * sq_ * nheads,),
-                dst, dst_lse, out, lse,
-                dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
-                sq_, nheads, splits,
-                HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
-                BLOCK_D=attention._block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
-            )
     if varlen_q is not None:
         known = checks.known(varlen_q[0])
         attention._fill_tails((out, varlen_q[0], 0.0, 0, known), (lse, varlen_q[0], float("inf"), 1, known))
