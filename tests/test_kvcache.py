@@ -391,6 +391,36 @@ def test_error_flag_is_clear_after_an_error():
         assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[1, 7], v[1, 0])
 
 
+def test_unchecked_calls_clamp_and_do_not_raise():
+    """set_kvcache_checks(False): a valid call gives the checked call's result; an out-of-range
+    cache_seqlens does not raise (nothing is read back), the values are clamped, and the other
+    sequences are unaffected. The setting is restored, and only a bool is taken."""
+    q = randn(2, 1, 4, 32, dtype=torch.float16)
+    k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
+    k, v = randn(2, 1, 2, 32, dtype=torch.float16), randn(2, 1, 2, 32, dtype=torch.float16)
+    good = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
+    checked = flashattn2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=good)
+    with pytest.raises(TypeError, match="enabled"):
+        flashattn2.set_kvcache_checks(0)
+    assert flashattn2.set_kvcache_checks(False) is True
+    try:
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
+        assert torch.equal(out, checked)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        bad = torch.tensor([3, 25], dtype=torch.int32, device=DEVICE)
+        out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad)
+        assert torch.isfinite(out).all()
+        assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(out[0], checked[0])
+        out = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
+            [3, 99], dtype=torch.int32, device=DEVICE))
+        assert torch.isfinite(out).all()
+    finally:
+        assert flashattn2.set_kvcache_checks(True) is False
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
+
+
 def test_new_keys_with_any_strides():
     """k/v whose last dimension is not contiguous are appended as given (the kernel reads a
     contiguous copy)."""

@@ -7,6 +7,7 @@ from .api import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
+    set_kvcache_checks,
 )
 
 __version__ = "0.1.0"
@@ -19,5 +20,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "set_kvcache_checks",
     "__version__",
 ]

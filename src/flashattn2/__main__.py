@@ -42,7 +42,8 @@ def _parser():
     ap.add_argument("--batches", default="1,8,64", help="decode: batch sizes")
     ap.add_argument("--caches", default="1024,8192,32768,131072", help="decode: cache lengths")
     ap.add_argument("--kv-heads", default="32,8", help="decode: K/V heads (32 query heads)")
-    ap.add_argument("--layouts", default="contiguous,paged-16,paged-256", help="decode: flashattn2's cache layouts")
+    ap.add_argument("--layouts", default="contiguous,paged-16,paged-256,contiguous-unchecked",
+                    help="decode: flashattn2's cache layouts (-unchecked: set_kvcache_checks(False), eager only)")
     ap.add_argument("--timings", default="eager,graph", help="decode: eager and/or graph (CUDA graph replay)")
     return ap
 

@@ -8,6 +8,7 @@ seqlen_q > seqlen_k) outputs zeros and has logsumexp +inf.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -254,9 +255,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are checked by
     the kernels: the append writes nothing when one is out of range, and the call then raises
-    ValueError (the host reads one flag after the launches). Under torch.compile and CUDA-graph
-    capture there is no check: out-of-range values are clamped into range (nothing is read or
-    written out of bounds), as flash_attn does not check them either.
+    ValueError (the host reads one flag after the launches, so the call waits for its kernels).
+    Under torch.compile and CUDA-graph capture, and after set_kvcache_checks(False), there is no
+    check: out-of-range values are clamped into range (nothing is read or written out of
+    bounds), as flash_attn does not check them either.
     """
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, num_splits, alibi_slopes)
@@ -305,7 +307,8 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     """The device-side check of the cache tensors' values (ops.kvcache.Check), or None while
     torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
     kernels then only clamp the values into range."""
-    if torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not _KVCACHE_CHECKS or torch.compiler.is_compiling() or (
+            q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None
     seqlen_new = 0 if k is None else k.shape[1]
     limit = capacity - seqlen_new
@@ -314,6 +317,27 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.device.type == "cuda" else 0
     key = (q.device, stream, threading.get_ident())
     return Check(_error_flag(key), limit, key)
+
+
+# Whether eager calls check the cache tensors' values (and so wait for their kernels); see
+# set_kvcache_checks.
+_KVCACHE_CHECKS = os.environ.get("FLASHATTN2_KVCACHE_CHECKS", "1") != "0"
+
+
+def set_kvcache_checks(enabled: bool) -> bool:
+    """Whether flash_attn_with_kvcache checks the values of cache_seqlens, cache_leftpad,
+    cache_batch_idx and block_table in eager calls (the default; FLASHATTN2_KVCACHE_CHECKS=0 in
+    the environment starts with it off). The check reads one flag back after the launches, so a
+    checked call waits for its own kernels and the host cannot queue the next layer's work while
+    the GPU runs this one. Off, a call reads nothing back and out-of-range values are clamped
+    into range, as under CUDA graphs and torch.compile: nothing is read or written out of bounds,
+    but the result of a bad value is silently wrong -- flash_attn's behaviour (it checks nothing).
+    Shapes, dtypes and an int cache_seqlens are checked either way. Returns the previous setting."""
+    global _KVCACHE_CHECKS
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _KVCACHE_CHECKS = _KVCACHE_CHECKS, enabled
+    return previous
 
 
 # (device, stream, thread) -> a zero int32 flag for the kernels of a call: a call that finds it

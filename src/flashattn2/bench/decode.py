@@ -2,7 +2,8 @@
 bf16, headdim 128, 32 query heads, MHA (32 K/V heads) or GQA (8); GB/s of K/V read
 (2 * batch * nheads_k * cache * headdim * 2 bytes over the median time) for flashattn2 with a
 contiguous cache and paged caches (pages of 16 and 256), SDPA's FLASH and CUDNN backends, and a
-2 GiB device-to-device copy (read + write) as the bandwidth yardstick.
+2 GiB device-to-device copy (read + write) as the bandwidth yardstick. "contiguous-unchecked" is
+the contiguous cache with set_kvcache_checks(False), timed eager only.
 
 Two timings per point: eager (a Python call per step, as a generate() loop without graphs) and
 graph (the step captured in a CUDA graph and replayed, as serving engines run decoding), so the
@@ -54,6 +55,10 @@ def _time(fn, timing):
 
 
 def _flashattn2_case(batch, nheads_k, cache, layout):
+    """layout: contiguous, paged-<page size>; a suffix -unchecked runs the step with
+    set_kvcache_checks(False) (no read-back of the value check: the host runs ahead)."""
+    unchecked = layout.endswith("-unchecked")
+    layout = layout.removesuffix("-unchecked")
     q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
     if layout == "contiguous":
@@ -68,7 +73,14 @@ def _flashattn2_case(batch, nheads_k, cache, layout):
 
     def step():
         return flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
-    return step, (q, k_cache, v_cache, seqlens, table)
+
+    def step_unchecked():
+        previous = flashattn2.set_kvcache_checks(False)
+        try:
+            return step()
+        finally:
+            flashattn2.set_kvcache_checks(previous)
+    return (step_unchecked if unchecked else step), (q, k_cache, v_cache, seqlens, table)
 
 
 def _check(step, tensors) -> str:
@@ -99,7 +111,8 @@ def _sdpa_case(batch, nheads_k, cache, backend):
 
 
 def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_heads=(32, 8),
-        layouts=("contiguous", "paged-16", "paged-256"), timings=("eager", "graph"), peers=True):
+        layouts=("contiguous", "paged-16", "paged-256", "contiguous-unchecked"), timings=("eager", "graph"),
+        peers=True):
     from torch.nn.attention import SDPBackend
 
     meta = run_metadata()
@@ -122,6 +135,8 @@ def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_head
                     if peers:
                         cases += [("sdpa_flash", "contiguous"), ("sdpa_cudnn", "contiguous")]
                     for provider, layout in cases:
+                        # unchecked differs from checked only in eager calls (graphs check nothing)
+                        case_timings = [t for t in timings if t == "eager" or not layout.endswith("-unchecked")]
                         note = ""
                         try:
                             if provider == "flashattn2":
@@ -131,10 +146,10 @@ def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_head
                                 backend = SDPBackend.FLASH_ATTENTION if provider == "sdpa_flash" else \
                                     SDPBackend.CUDNN_ATTENTION
                                 step = _sdpa_case(batch, nheads_k, cache, backend)
-                            times = {} if note else {t: _time(step, t) for t in timings}
+                            times = {} if note else {t: _time(step, t) for t in case_timings}
                         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                             times, note = {}, "failed: " + str(exc).splitlines()[0][:120]
-                        for timing in timings:
+                        for timing in case_timings:
                             ms = times.get(timing, float("nan"))
                             gbs = kv_bytes / ms * 1e-6
                             row = dict(provider=provider, layout=layout, batch=batch, nheads=NHEADS, nheads_k=nheads_k,
@@ -175,7 +190,9 @@ def markdown(path) -> str:
         points = sorted({(k[2], k[3]) for k in latest if k[0] == hk and k[1] == timing})
         kind = "MHA" if int(hk) == 32 else f"GQA ({hk} K/V heads)"
         lines.append(f"### {kind}, {timing}\n")
+        unchecked = ("flashattn2", "contiguous-unchecked") in cols
         head = ["batch", "cache"] + [f"{p} {lay}" if p == "flashattn2" else p for p, lay in cols] + ["x best SDPA"]
+        head += ["x best SDPA, unchecked"] if unchecked else []
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for batch, cache in points:
@@ -188,6 +205,9 @@ def markdown(path) -> str:
             best = max(peers) if peers else float("nan")
             cells = [str(batch), str(cache)] + [("–" if v != v else f"{v:.0f}") for v in vals.values()]
             cells.append("–" if ours != ours or best != best else f"{ours / best:.2f}")
+            if unchecked:
+                fast = vals[("flashattn2", "contiguous-unchecked")]
+                cells.append("–" if fast != fast or best != best else f"{fast / best:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -231,9 +231,10 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     splits = -(-cache.capacity // chunk)
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
-    if splits > 1:
-        dst = _runtime.empty((splits, *q.shape), torch.float32, q.device)
-        dst_lse = _runtime.empty((splits, *lse_shape), torch.float32, q.device)
+    if splits > 1:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
+        n_out = splits * q.numel()
+        work = _runtime.empty((n_out + splits * lse.numel(),), torch.float32, q.device)
+        dst, dst_lse = work[:n_out].view(splits, *q.shape), work[n_out:].view(splits, *lse_shape)
     else:
         dst, dst_lse = out.unsqueeze(0), lse.unsqueeze(0)
     if varlen_q is not None:
