@@ -501,3 +501,39 @@ def test_window_past_the_cache_is_no_window():
     wide = run_ours(q, k_cache, v_cache, {**kwargs, "window_size": (40, 40)}, 1)[0]
     torch.testing.assert_close(wide, plain)
     check(q, k_cache, v_cache, {**kwargs, "window_size": (40, 40)}, 1)
+
+
+def test_decode_plan():
+    """The tile and split choice (no kernel runs: the cache tensors are meta). The points are
+    the H200 measurements the table names (132 SMs, bf16, headdim 128, 32 query heads)."""
+    from flashattn2.ops import kvcache
+
+    def plan(batch, nheads_k, capacity, num_splits=0, page=None, group=None):
+        shape = (batch * -(-capacity // page), page, nheads_k, 128) if page else (batch, capacity, nheads_k, 128)
+        k = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        table = torch.empty(batch, -(-capacity // page), dtype=torch.int32, device="meta") if page else None
+        cache = kvcache.Cache(k, k, None, capacity, None, None, table)
+        rows = group if group is not None else 32 // nheads_k
+        return kvcache.plan(cache, rows, batch, 128, 2, num_splits, 132, False)
+
+    # GQA-8 1 x 32k: 32 splits of 1024 keys, short splits take 64-key blocks
+    assert plan(1, 8, 32768) == (16, 64, 4, 3, 32, 1024)
+    # MHA 1 x 128k: 8 splits of 16k keys keep 128/4/2
+    assert plan(1, 32, 131072) == (16, 128, 4, 2, 8, 16384)
+    # no split: many programs (MHA 64 x 1k: 2048) take 3 resident per SM, fewer (GQA 64 x 8k) one
+    assert plan(64, 32, 1024) == (16, 128, 4, 2, 1, 1024)
+    assert plan(64, 8, 8192) == (16, 128, 4, 3, 1, 8192)
+    assert plan(8, 32, 8192) == (16, 128, 4, 3, 1, 8192)
+    # paged caches keep their own entries; num_splits=1 never splits; a forced count is kept
+    assert plan(1, 8, 32768, page=16)[1:4] == kvcache.DECODE_TILES[("page-row", True)]
+    assert plan(1, 8, 32768, num_splits=1)[4] == 1
+    assert plan(1, 8, 32768, num_splits=5)[4] == 5
+    rng = random.Random(0)
+    for _ in range(300):
+        batch, nheads_k, capacity = rng.choice([1, 2, 8, 64]), rng.choice([1, 8, 32]), rng.randint(1, 200000)
+        page = rng.choice([None, 16, 256])
+        block_m, block_n, _, _, splits, chunk = plan(batch, nheads_k, capacity, rng.choice([0, 0, 1, 3, 200]),
+                                                     page=page, group=rng.choice([1, 4, 16, 40]))
+        capacity = -(-capacity // page) * page if page else capacity  # whole pages
+        assert chunk % block_n == 0 and (splits - 1) * chunk < capacity <= splits * chunk, (capacity, splits, chunk)
+        assert 1 <= splits <= kvcache.MAX_SPLITS

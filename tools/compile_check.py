@@ -85,6 +85,9 @@ def cases(arch):
     # (path, split) entry of the tile table: the kernel's flags that take that path
     variants = {("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True),
                 ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1, PDL=arch == "sm90"),
+                ("contiguous-short", True): dict(PAGED=False, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True,
+                                                 PDL=arch == "sm90"),
+                ("contiguous-many", False): dict(PAGED=False, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True),
                 ("page-block", False): dict(PAGED=True, PAGE_SIZE=256),
                 ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256, CHECK=True),
                 ("page-row", False): dict(PAGED=True, PAGE_SIZE=16, LOCAL=True),

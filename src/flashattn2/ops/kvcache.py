@@ -144,7 +144,17 @@ DECODE_TILES = {
     ("page-row", True): (128, 4, 2),     # page 16: MHA 1x128k 4000; GQA 8x32k 4000
     ("page-row", False): (128, 8, 2),    # page 16: MHA 8x8k 4043, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317
     #                                      (64/4/3 wins at batch 64, 4513 and 4509, but loses 20% at batch 8)
+    # Contiguous refinements, H200 sweep of 9 and 5 tiles (2026-11-29, git e6c2dc8, CUDA-graph GB/s,
+    # median of 3 interleaved rounds, two runs for the non-split points):
+    ("contiguous-short", True): (64, 4, 3),    # splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 (128/4/2:
+    #   2610), 1x8k 1444 (1389); MHA 1x8k 2769 (2685). Longer splits keep 128/4/2: GQA 8x32k (8k keys a
+    #   split) 4249 vs 4225, MHA 1x128k (16k) 4431 vs 4399
+    ("contiguous-many", False): (128, 4, 2),   # >= MANY_PROGRAMS programs (3 resident per SM, not 1):
+    #   MHA 64x1k 4318 and 4320 (128/4/3: 4224, 4225), 64x8k 4629 (4545). With fewer, 128/4/3 stays:
+    #   GQA 64x8k 4455 vs 3995, GQA 64x1k 3355 vs 3268, MHA 8x8k 4288 vs 4294
 }
+SHORT_SPLIT = 1024
+MANY_PROGRAMS = 1024
 
 
 def _path(cache: Cache, block_n: int) -> str:
@@ -193,6 +203,27 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
     return max(1, min(MAX_SPLITS, 2 * sm_count // programs, n_blocks))
 
 
+def plan(cache: Cache, rows: int, batch: int, head_dim: int, elem_bytes: int, num_splits: int, sm_count: int,
+         interp: bool) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, chunk) of a decode call: rows = group x
+    seqlen_q rows per program; each split reads chunk keys (a multiple of BLOCK_N)."""
+    programs = -(-rows // _block_m(rows)) * batch * cache.k.shape[2]
+    split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
+    # the tile's path; the kernel itself takes the one-page-per-block addressing when its
+    # PAGE_SIZE and BLOCK_N allow it
+    path = _path(cache, DECODE_TILES[("page-block", split)][0])
+    if path == "contiguous" and not split and programs >= MANY_PROGRAMS:
+        path = "contiguous-many"
+    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, path, split)
+    splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
+    chunk = -(-cache.capacity // (splits * block_n)) * block_n
+    splits = -(-cache.capacity // chunk)
+    if path == "contiguous" and splits > 1 and chunk <= SHORT_SPLIT:
+        # a smaller key block (it divides the chunk: both are powers of two, this one smaller)
+        block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, "contiguous-short", True)
+    return block_m, block_n, warps, stages, splits, chunk
+
+
 def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: attention.ScoreMods,
             num_splits: int, varlen_q: tuple[torch.Tensor, int] | None = None,
             check: Check | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,17 +249,10 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     if out.numel() == 0 or batch == 0 or seqlen_q == 0 or cache.capacity == 0:
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
-    rows = group * seqlen_q
-    programs = -(-rows // _block_m(rows)) * batch * nheads_k
     sm_count = 64 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
-    # the tile's path; the kernel itself takes the one-page-per-block addressing when its
-    # PAGE_SIZE and BLOCK_N allow it
-    path = _path(cache, DECODE_TILES[("page-block", split)][0])
-    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, q.element_size(), path, split)
-    splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
-    chunk = -(-cache.capacity // (splits * block_n)) * block_n
-    splits = -(-cache.capacity // chunk)
+    rows = group * seqlen_q
+    block_m, block_n, warps, stages, splits, chunk = plan(cache, rows, batch, head_dim, q.element_size(), num_splits,
+                                                          sm_count, interp)
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
     if splits > 1:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
