@@ -10,10 +10,12 @@ from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
 T = config.TileConfig
-# Kernel paths: on CUDA the table's choice and the forced pointer (non-TMA) path; on the CPU,
-# both load paths with tiles where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
+# Kernel paths: on CUDA the table's choice, the forced pointer (non-TMA) path, and the other
+# architectures' table entries and load path (on an H200: what an A100 or an RTX card runs); on
+# the CPU, both load paths with tiles where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma")]
+    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma"),
+             pytest.param({"arch": "sm80"}, id="sm80"), pytest.param({"arch": "sm86"}, id="sm86")]
 else:
     PATHS = [
         pytest.param({}, id="ptr-64x64"),
@@ -149,3 +151,19 @@ def test_tma_alignment_rule():
         expected = t.data_ptr() % 16 == 0 and all(s and (s * es) % 16 == 0 for s in strides[:-1])
         assert attention._use_tma("sm90", t) == expected, (offset, strides)
         assert not attention._use_tma("sm80", t)
+
+
+def test_arch_override():
+    """config.override(arch=...) makes a CUDA device select another architecture's entries and
+    load path (the GPU tests run sm80 and sm86 that way); the interpreter ignores it."""
+    cuda = torch.device("cuda", 0)  # never touched: the override answers first
+    with config.override(arch="sm80"):
+        assert config.arch_of(cuda) == "sm80"
+        assert config.arch_of(torch.device("cpu")) == "interp"
+        assert config.select("fwd", "sm80", 128, torch.float16, False) == config._TABLE[("sm80", 128, 2, "fwd")]
+    with config.override(arch="sm86"):
+        assert config.arch_of(cuda) == "sm86"
+    assert config._force_arch[0] is None
+    with pytest.raises(ValueError, match="arch must be one of"):
+        with config.override(arch="sm70"):
+            pass

@@ -1,5 +1,7 @@
 """Compile every kernel configuration the config table can select for sm_90 / sm_80, no GPU needed,
-and check shared memory against the target's limit. Prints one JSON line per configuration.
+and check shared memory against the target's limit. Prints one JSON line per configuration,
+with the compile time ("seconds": a cold compile when TRITON_CACHE_DIR points at an empty
+directory; Triton's cache serves later processes).
 
 Run in a process without TRITON_INTERPRET (the interpreter's kernels cannot be compiled):
     python tools/compile_check.py --arch sm90
@@ -8,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("compile_check: unset TRITON_INTERPRET first")
@@ -141,9 +144,11 @@ def main():
         if args.match not in name or _key(case) in skip:
             continue
         row = dict(id=name, tile=f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
+        start = time.perf_counter()
         try:
             shared = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *types).metadata.shared
-            row.update(shared=shared, limit=SHARED_LIMIT[args.arch], ok=shared <= SHARED_LIMIT[args.arch])
+            row.update(shared=shared, limit=SHARED_LIMIT[args.arch], ok=shared <= SHARED_LIMIT[args.arch],
+                       seconds=round(time.perf_counter() - start, 2))
         except Exception as exc:  # a ptxas or lowering error is a failed entry, reported with the rest
             row.update(ok=False, error=" | ".join(str(exc).strip().splitlines()[-4:])[:500])
         failures += not row["ok"]

@@ -90,6 +90,7 @@ _INTERP = TileConfig(64, 64, 4, 1)
 
 _overrides: dict[str, TileConfig] = {}
 _force_tma: list[bool | None] = [None]
+_force_arch: list[str | None] = [None]
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -100,6 +101,8 @@ def head_dim_bucket(head_dim: int) -> int:
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
         return "interp"
+    if _force_arch[0] is not None:  # a test runs another architecture's tiles and load path
+        return _force_arch[0]
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = _ARCH.get(index)
     if arch is None:  # get_device_capability costs ~5 us of host time per call
@@ -138,17 +141,24 @@ def tma_forced() -> bool | None:
 
 
 @contextlib.contextmanager
-def override(tma: bool | None = None, **tiles: TileConfig):
-    """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...) and/or the TMA path inside a with-block."""
+def override(tma: bool | None = None, arch: str | None = None, **tiles: TileConfig):
+    """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
+    whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
+    non-Hopper path: sm80 tiles, pointer loads, no PDL) inside a with-block. The CPU
+    interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
-    saved = dict(_overrides), _force_tma[0]
+    if arch is not None and arch not in ARCHS[:-1]:
+        raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
+    saved = dict(_overrides), _force_tma[0], _force_arch[0]
     _overrides.update(tiles)
     _force_tma[0] = tma
+    _force_arch[0] = arch
     try:
         yield
     finally:
         _overrides.clear()
         _overrides.update(saved[0])
         _force_tma[0] = saved[1]
+        _force_arch[0] = saved[2]
