@@ -36,6 +36,9 @@ def _parser():
     ap.add_argument("--csv", default=None, help="results CSV (appended); default bench/results/kernels-<gpu>.csv")
     ap.add_argument("--plots", default=None, help="folder for PNGs; default beside the CSV")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--nheads", type=int, default=None, help="kernels: query heads (default 2048 / headdim)")
+    ap.add_argument("--nheads-k", type=int, default=None,
+                    help="kernels: K/V heads (default nheads; fewer: GQA, e.g. --nheads 32 --nheads-k 8)")
     ap.add_argument("--baseline", default=None,
                     help="features: a package built by tools/baseline_pkg.py to compare 'features off' with")
     ap.add_argument("--cases", default="varlen,window,off,on", help="features: which cases")
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     path = args.csv or _default_csv(torch.cuda.get_device_name())
     kernels.run_grid(path, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
                      [bool(c) for c in _ints(args.causal)], args.modes.split(","), names,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, nheads=args.nheads, nheads_k=args.nheads_k)
     return _report(path, args.plots)
 
 

@@ -11,7 +11,6 @@ host time of a call and the kernel's own time are told apart."""
 from __future__ import annotations
 
 import csv
-import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ import flashattn2
 from ..reference import tolerance
 from ..reference.kvcache import kvcache_ref
 from .kernels import run_metadata
+from .results import appending
 
 FIELDS = ["provider", "layout", "batch", "nheads", "nheads_k", "cache", "timing", "ms", "gbs", "frac_copy", "note",
           "gpu", "torch", "triton", "date", "git_sha"]
@@ -118,13 +118,8 @@ def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_head
     meta = run_metadata()
     copy = copy_gbs()
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)")
-    new = not os.path.exists(out_csv)
-    os.makedirs(os.path.dirname(os.path.abspath(out_csv)), exist_ok=True)
     rows = []
-    with open(out_csv, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        if new:
-            writer.writeheader()
+    with appending(out_csv, FIELDS) as (writer, fh):
         for nheads_k in kv_heads:
             for batch in batches:
                 for cache in caches:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import csv
 import importlib
-import os
 
 import torch
 
 import flashattn2
 from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from .kernels import DTYPES, problems, run_metadata, time_modes
+from .results import appending
 
 FIELDS = ["case", "variant", "dtype", "headdim", "nheads", "shape", "mode", "ms", "tflops", "note",
           "gpu", "torch", "triton", "date", "git_sha"]
@@ -95,14 +95,8 @@ def _varlen_case(lengths, nheads, headdim, dtype, causal):
 
 
 class _Writer:
-    def __init__(self, path, meta):
-        self.path, self.meta, self.rows = path, meta, []
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        new = not os.path.exists(path)
-        self.fh = open(path, "a", newline="")
-        self.writer = csv.DictWriter(self.fh, fieldnames=FIELDS)
-        if new:
-            self.writer.writeheader()
+    def __init__(self, writer, fh, meta):
+        self.writer, self.fh, self.meta, self.rows = writer, fh, meta, []
 
     def add(self, case, variant, dtype, headdim, nheads, shape, times, flops_of, note=""):
         if not times:  # not timed (a failed check): one row that says why
@@ -119,7 +113,11 @@ class _Writer:
 def run(out_csv, dtypes=("fp16", "bf16"), headdim=128, modes=("fwd", "bwd", "fwd_bwd"), baseline=None,
         cases=("varlen", "window", "off", "on")):
     meta = run_metadata()
-    out = _Writer(out_csv, meta)
+    with appending(out_csv, FIELDS) as (writer, fh):
+        return _run(_Writer(writer, fh, meta), dtypes, headdim, modes, baseline, cases)
+
+
+def _run(out, dtypes, headdim, modes, baseline, cases):
     nheads = 2048 // headdim
     base = importlib.import_module(baseline) if baseline else None
     for dtype_name in dtypes:

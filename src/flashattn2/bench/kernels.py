@@ -3,7 +3,6 @@ mode and dtype; every provider in one run; results appended to a CSV so the grid
 slices (one device call each)."""
 from __future__ import annotations
 
-import csv
 import datetime
 import itertools
 import os
@@ -13,11 +12,13 @@ import torch
 
 from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref, tolerance
 from .providers import attention_flops, providers
+from .results import appending
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fwd", "bwd", "fwd_bwd")
-FIELDS = ["provider", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "mode", "ms", "tflops",
-          "note", "gpu", "torch", "triton", "date", "git_sha"]
+# nheads_k and peak_mib were added later: older rows get nheads_k = nheads (results.appending)
+FIELDS = ["provider", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "nheads_k", "mode", "ms", "tflops",
+          "peak_mib", "note", "gpu", "torch", "triton", "date", "git_sha"]
 
 
 def git_sha() -> str:
@@ -53,10 +54,11 @@ def problems(results) -> str:
     return "; ".join(found)
 
 
-def check_provider(fn, layout, dtype, headdim, causal) -> str:
-    """'' when fwd and bwd obey flash-attn's rule on a small odd-sized problem, else why not."""
-    shape = (1, 511, 2, headdim)
-    q, k, v, do = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+def check_provider(fn, layout, dtype, headdim, causal, group=1) -> str:
+    """'' when fwd and bwd obey flash-attn's rule on a small odd-sized problem (with `group`
+    query heads per K/V head), else why not."""
+    q, do = (torch.randn(1, 511, 2 * group, headdim, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(1, 511, 2, headdim, device="cuda", dtype=dtype) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref_out, _ = attention_ref(q, k, v, causal=causal)
     low_out, _ = attention_ref(q, k, v, causal=causal, upcast=False)
@@ -71,9 +73,11 @@ def check_provider(fn, layout, dtype, headdim, causal) -> str:
     return problems(results)
 
 
-def time_modes(call, inputs, modes):
+def time_modes(call, inputs, modes, peak=None):
     """{mode: ms} (do_bench medians) of call(*inputs) -> out: the forward without autograd, the
-    backward alone (w.r.t. every input), and forward + backward."""
+    backward alone (w.r.t. every input), and forward + backward. peak (a dict), if given, gets
+    "fwd_bwd": the most memory one forward + backward allocates above what was allocated before
+    it (outputs, saved tensors, gradients, workspaces), in MiB."""
     from triton.testing import do_bench
 
     result = {}
@@ -92,45 +96,52 @@ def time_modes(call, inputs, modes):
         else:
             step = lambda: torch.autograd.grad(call(*leaves), leaves, do)  # noqa: E731
         step()
+        if mode == "fwd_bwd" and peak is not None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak["fwd_bwd"] = (torch.cuda.max_memory_allocated() - before) / 2**20
         result[mode] = do_bench(step, warmup=10, rep=60, return_mode="median")
     return result
 
 
-def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes):
-    """{mode: ms} for one provider at one point."""
-    shape = (batch, seqlen, nheads, headdim)
-    inputs = [_to_layout(torch.randn(shape, device="cuda", dtype=dtype), layout) for _ in range(3)]
-    return time_modes(lambda q, k, v: fn(q, k, v, causal), inputs, modes)
+def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes, nheads_k=None, peak=None):
+    """{mode: ms} for one provider at one point (nheads_k K/V heads: GQA when < nheads)."""
+    nheads_k = nheads if nheads_k is None else nheads_k
+    inputs = [_to_layout(torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype), layout)
+              for h in (nheads, nheads_k, nheads_k)]
+    return time_modes(lambda q, k, v: fn(q, k, v, causal), inputs, modes, peak)
 
 
 def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=16384, hidden=2048,
-             progress=True):
+             progress=True, nheads=None, nheads_k=None):
+    """nheads: query heads (default hidden // headdim); nheads_k: K/V heads (default nheads)."""
     meta = run_metadata()
     table = providers()
     points = list(itertools.product(dtypes, headdims, causals, seqlens))
     total = len(points) * len(names)
     bar = _progress(total, progress)
-    new = not os.path.exists(out_csv)
-    os.makedirs(os.path.dirname(os.path.abspath(out_csv)), exist_ok=True)
     checked: dict[tuple, str] = {}
     rows = []
-    with open(out_csv, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=FIELDS)
-        if new:
-            writer.writeheader()
+    with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
         for dtype_name, headdim, causal, seqlen in points:
             dtype = DTYPES[dtype_name]
-            batch, nheads = max(1, tokens // seqlen), hidden // headdim
+            batch, heads = max(1, tokens // seqlen), nheads or hidden // headdim
+            heads_k = nheads_k or heads
+            if heads % heads_k:
+                raise ValueError(f"nheads={heads} is not a multiple of nheads_k={heads_k}")
             for name in names:
                 layout, fn = table[name]
-                key = (name, dtype_name, headdim, causal)
-                note = ""
+                key = (name, dtype_name, headdim, causal, heads // heads_k)
+                note, peak = "", {}
                 try:
                     if key not in checked:
-                        checked[key] = check_provider(fn, layout, dtype, headdim, causal)
+                        checked[key] = check_provider(fn, layout, dtype, headdim, causal, heads // heads_k)
                     note = checked[key] and "check failed: " + checked[key]
-                    timings = {} if note else time_point(fn, layout, batch, nheads, seqlen, headdim, dtype,
-                                                         causal, modes)
+                    timings = {} if note else time_point(fn, layout, batch, heads, seqlen, headdim, dtype,
+                                                         causal, modes, heads_k, peak)
                 except torch.cuda.OutOfMemoryError:
                     timings, note = {}, "out of memory"
                 except RuntimeError as exc:  # a backend that refuses the shape or dtype
@@ -138,10 +149,11 @@ def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=1
                 torch.cuda.empty_cache()
                 for mode in modes:
                     ms = timings.get(mode, float("nan"))
-                    flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
+                    flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
                     row = dict(provider=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
-                               batch=batch, nheads=nheads, mode=mode, ms=f"{ms:.4f}",
-                               tflops=f"{flops / ms * 1e-9:.1f}", note=note, **meta)
+                               batch=batch, nheads=heads, nheads_k=heads_k, mode=mode, ms=f"{ms:.4f}",
+                               tflops=f"{flops / ms * 1e-9:.1f}",
+                               peak_mib=f"{peak[mode]:.0f}" if mode in peak else "", note=note, **meta)
                     writer.writerow(row)
                     rows.append(row)
                 fh.flush()

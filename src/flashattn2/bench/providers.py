@@ -13,7 +13,10 @@ import flashattn2
 
 
 def _naive(q, k, v, causal):
-    """The FlashAttention paper's "standard attention": matmul, softmax in fp32, matmul."""
+    """The FlashAttention paper's "standard attention": matmul, softmax in fp32, matmul (K/V
+    heads repeated for GQA)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     if causal:
         n_q, n_k = q.shape[-2], k.shape[-2]
@@ -27,7 +30,7 @@ def _sdpa(backend):
 
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
     return run
 
 

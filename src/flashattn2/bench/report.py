@@ -1,5 +1,7 @@
-"""Tables (TFLOP/s, and flashattn2's ratio to each peer) and the paper-style bar plots from the
-bench CSV. The last row for a (provider, dtype, headdim, causal, seqlen, mode) wins."""
+"""Tables (TFLOP/s, and flashattn2's ratio to each peer), peak memory of forward + backward, and
+the paper-style bar plots from the bench CSV. The last row for a (provider, dtype, heads,
+headdim, causal, seqlen, mode) wins; heads is "" for MHA (nheads_k = nheads) and "GQA 32/8" for
+32 query heads over 8 K/V heads."""
 from __future__ import annotations
 
 import csv
@@ -11,12 +13,17 @@ PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "naive")
 ORDER = ("flashattn2",) + PEERS
 
 
+def heads(row) -> str:
+    nheads, nheads_k = row["nheads"], row.get("nheads_k") or row["nheads"]
+    return "" if nheads_k == nheads else f"GQA {nheads}/{nheads_k}"
+
+
 def load(path: str) -> dict:
     latest = OrderedDict()
     with open(path, newline="") as fh:
         for row in csv.DictReader(fh):
-            key = (row["dtype"], int(row["headdim"]), int(row["causal"]), row["mode"], int(row["seqlen"]),
-                   row["provider"])
+            key = (row["dtype"], heads(row), int(row["headdim"]), int(row["causal"]), row["mode"],
+                   int(row["seqlen"]), row["provider"])
             latest[key] = row
     return latest
 
@@ -25,12 +32,20 @@ def _tflops(row) -> float:
     return float(row["tflops"]) if row else math.nan
 
 
-def groups(latest):
-    """{(dtype, headdim, causal, mode): {seqlen: {provider: tflops}}}"""
+def groups(latest, value=_tflops):
+    """{(dtype, heads, headdim, causal, mode): {seqlen: {provider: value(row)}}}"""
     out = {}
-    for (dtype, d, causal, mode, seqlen, provider), row in latest.items():
-        out.setdefault((dtype, d, causal, mode), {}).setdefault(seqlen, {})[provider] = _tflops(row)
+    for (dtype, kind, d, causal, mode, seqlen, provider), row in latest.items():
+        out.setdefault((dtype, kind, d, causal, mode), {}).setdefault(seqlen, {})[provider] = value(row)
     return out
+
+
+def _peak(row) -> float:
+    return float(row["peak_mib"]) if row and row.get("peak_mib") else math.nan
+
+
+def _title(dtype, kind, d, causal, mode) -> str:
+    return f"{dtype}, {kind + ', ' if kind else ''}headdim {d}, {'causal' if causal else 'non-causal'}, {mode}"
 
 
 def markdown(latest) -> str:
@@ -41,13 +56,12 @@ def markdown(latest) -> str:
                      f"git {meta['git_sha']}. TFLOP/s (FLOPs as the FlashAttention-2 paper counts them); "
                      "x = flashattn2's speed over the peer's. A table whose rows come from several runs lists them: "
                      "a ratio against a peer that was not re-measured in flashattn2's run is across runs.\n")
-    for (dtype, d, causal, mode), by_len in sorted(groups(latest).items()):
+    for group, by_len in sorted(groups(latest).items()):
         present = [p for p in ORDER if any(p in v for v in by_len.values())]
         peers = [p for p in present if p != "flashattn2"]
-        shas = sorted({row["git_sha"] for (dt, hd, c, md, _, _), row in latest.items()
-                       if (dt, hd, c, md) == (dtype, d, causal, mode)})
+        shas = sorted({row["git_sha"] for key, row in latest.items() if key[:5] == group})
         runs = f" (runs: git {', '.join(shas)})" if len(shas) > 1 else ""
-        lines.append(f"### {dtype}, headdim {d}, {'causal' if causal else 'non-causal'}, {mode}{runs}\n")
+        lines.append(f"### {_title(*group)}{runs}\n")
         head = ["seqlen"] + present + [f"x {p}" for p in peers if "flashattn2" in present]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
@@ -57,6 +71,26 @@ def markdown(latest) -> str:
             if "flashattn2" in present:
                 cells += [_ratio(vals.get("flashattn2", math.nan), vals.get(p, math.nan)) for p in peers]
             lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    peaks = {g: v for g, v in groups(latest, _peak).items()
+             if any(not math.isnan(x) for by_p in v.values() for x in by_p.values())}
+    if peaks:
+        lines.append("### Peak memory of forward + backward (MiB allocated above the inputs)\n")
+        head = ["case", "seqlen", "flashattn2"] + [p for p in PEERS] + [f"x {p}" for p in PEERS]
+        rows = []
+        for group, by_len in sorted(peaks.items()):
+            present = [p for p in PEERS if any(not math.isnan(v.get(p, math.nan)) for v in by_len.values())]
+            for seqlen in sorted(by_len):
+                vals = by_len[seqlen]
+                ours = vals.get("flashattn2", math.nan)
+                rows.append([_title(*group[:4], "").removesuffix(", "), str(seqlen), _fmt(ours)]
+                            + [_fmt(vals.get(p, math.nan)) if p in present else "–" for p in PEERS]
+                            + [_ratio(ours, vals.get(p, math.nan)) for p in PEERS])
+        # peers never measured drop out of the table
+        keep = [i for i, h in enumerate(head) if i < 3 or any(r[i] != "–" for r in rows)]
+        lines.append("| " + " | ".join(head[i] for i in keep) + " |")
+        lines.append("|" + "---|" * len(keep))
+        lines += ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
         lines.append("")
     return "\n".join(lines)
 
@@ -81,7 +115,7 @@ def plot(latest, out_dir: str) -> list[str]:
 
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for (dtype, d, causal, mode), by_len in sorted(groups(latest).items()):
+    for (dtype, kind, d, causal, mode), by_len in sorted(groups(latest).items()):
         seqlens = sorted(by_len)
         present = [p for p in ORDER if any(p in v for v in by_len.values())]
         fig, ax = plt.subplots(figsize=(8, 4))
@@ -98,10 +132,12 @@ def plot(latest, out_dir: str) -> list[str]:
         ax.set_xticklabels([f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
         ax.set_xlabel("sequence length (batch x seqlen = 16k tokens)")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{mode}, headdim {d}, {'causal' if causal else 'non-causal'}, {dtype}")
+        ax.set_title(f"{mode}, {kind + ', ' if kind else ''}headdim {d}, {'causal' if causal else 'non-causal'}, "
+                     f"{dtype}")
         ax.legend(fontsize=7, ncol=len(present))
         fig.tight_layout()
-        path = os.path.join(out_dir, f"{dtype}-d{d}-{'causal' if causal else 'full'}-{mode}.png")
+        gqa = "-gqa" + kind.removeprefix("GQA ").replace("/", "x") if kind else ""
+        path = os.path.join(out_dir, f"{dtype}{gqa}-d{d}-{'causal' if causal else 'full'}-{mode}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

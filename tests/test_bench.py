@@ -1,0 +1,69 @@
+"""The benches' result files (no GPU): CSVs written by an older bench gain the new columns,
+and the report separates GQA from MHA and tabulates peak memory."""
+import csv
+
+import pytest
+
+from flashattn2.bench import kernels, report, results
+
+OLD_FIELDS = [f for f in kernels.FIELDS if f not in ("nheads_k", "peak_mib")]
+
+
+def _row(**kw):
+    row = dict(provider="flashattn2", dtype="fp16", headdim=128, causal=1, seqlen=2048, batch=8, nheads=16,
+               nheads_k=16, mode="fwd_bwd", ms="1.0", tflops="300", peak_mib="", note="", gpu="GPU", torch="2",
+               triton="3", date="2026-11-29", git_sha="abc")
+    row.update(kw)
+    return row
+
+
+def test_old_csv_gains_new_columns(tmp_path):
+    path = tmp_path / "k.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=OLD_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerow(_row(tflops="111"))
+    with results.appending(str(path), kernels.FIELDS, lambda r: {"nheads_k": r["nheads"]}) as (writer, _):
+        writer.writerow(_row(nheads=32, nheads_k=8, peak_mib="1234"))
+    rows = list(csv.DictReader(open(path, newline="")))
+    assert list(rows[0]) == kernels.FIELDS
+    assert (rows[0]["tflops"], rows[0]["nheads_k"], rows[0]["peak_mib"]) == ("111", "16", "")
+    assert (rows[1]["nheads_k"], rows[1]["peak_mib"]) == ("8", "1234")
+    # a file with the current header is appended to as it is
+    with results.appending(str(path), kernels.FIELDS) as (writer, _):
+        writer.writerow(_row(seqlen=4096))
+    assert len(list(csv.DictReader(open(path, newline="")))) == 3
+
+
+def test_unknown_columns_are_not_dropped(tmp_path):
+    path = tmp_path / "k.csv"
+    path.write_text("provider,mystery\nflashattn2,1\n")
+    with pytest.raises(ValueError, match="mystery"):
+        with results.appending(str(path), kernels.FIELDS):
+            pass
+    assert path.read_text() == "provider,mystery\nflashattn2,1\n"
+
+
+def test_new_file_gets_the_header(tmp_path):
+    path = tmp_path / "sub" / "k.csv"
+    with results.appending(str(path), kernels.FIELDS) as (writer, _):
+        writer.writerow(_row())
+    assert open(path).readline().strip() == ",".join(kernels.FIELDS)
+
+
+def test_report_separates_gqa_and_tabulates_peak_memory(tmp_path):
+    path = tmp_path / "k.csv"
+    with results.appending(str(path), kernels.FIELDS) as (writer, _):
+        writer.writerow(_row(tflops="300", peak_mib="1000"))
+        writer.writerow(_row(provider="sdpa_flash", tflops="200", peak_mib="800"))
+        writer.writerow(_row(nheads=32, nheads_k=8, tflops="280", peak_mib="2100"))
+        writer.writerow(_row(provider="sdpa_flash", nheads=32, nheads_k=8, tflops="140", peak_mib="2000"))
+    md = report.markdown(report.load(str(path)))
+    mha = md.index("### fp16, headdim 128, causal, fwd_bwd")
+    gqa = md.index("### fp16, GQA 32/8, headdim 128, causal, fwd_bwd")
+    assert "| 2048 | 300 | 200 | 1.50 |" in md[mha:gqa]
+    assert "| 2048 | 280 | 140 | 2.00 |" in md[gqa:]
+    peak = md[md.index("### Peak memory"):]
+    assert "| fp16, headdim 128, causal | 2048 | 1000 | 800 | 1.25 |" in peak
+    assert "| fp16, GQA 32/8, headdim 128, causal | 2048 | 2100 | 2000 | 1.05 |" in peak
+    assert "sdpa_cudnn" not in peak  # a peer never measured has no column
