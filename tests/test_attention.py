@@ -153,17 +153,26 @@ def test_tma_alignment_rule():
         assert not attention._use_tma("sm80", t)
 
 
-def test_arch_override():
+def test_arch_override(monkeypatch):
     """config.override(arch=...) makes a CUDA device select another architecture's entries and
-    load path (the GPU tests run sm80 and sm86 that way); the interpreter ignores it."""
-    cuda = torch.device("cuda", 0)  # never touched: the override answers first
+    load path (the GPU tests run sm80 and sm86 that way); the interpreter ignores it, and a GPU
+    without TMA cannot be made to take the sm90 path."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(config._ARCH, 0, "sm90")  # device 0 is an H200 (its capability is cached)
+    fwd = config.select("fwd", config.arch_of(cuda), 128, torch.float16, False)
+    assert fwd == config._TABLE[("sm90", 128, 2, "fwd")]
     with config.override(arch="sm80"):
         assert config.arch_of(cuda) == "sm80"
         assert config.arch_of(torch.device("cpu")) == "interp"
-        assert config.select("fwd", "sm80", 128, torch.float16, False) == config._TABLE[("sm80", 128, 2, "fwd")]
+        fwd_sm80 = config.select("fwd", config.arch_of(cuda), 128, torch.float16, False)
+        assert fwd_sm80 == config._TABLE[("sm80", 128, 2, "fwd")] and fwd_sm80 != fwd
     with config.override(arch="sm86"):
         assert config.arch_of(cuda) == "sm86"
-    assert config._force_arch[0] is None
+    assert config._force_arch[0] is None and config.arch_of(cuda) == "sm90"
     with pytest.raises(ValueError, match="arch must be one of"):
         with config.override(arch="sm70"):
             pass
+    monkeypatch.setitem(config._ARCH, 0, "sm80")
+    with config.override(arch="sm90"):
+        with pytest.raises(ValueError, match="no TMA"):
+            config.arch_of(cuda)

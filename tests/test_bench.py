@@ -67,3 +67,13 @@ def test_report_separates_gqa_and_tabulates_peak_memory(tmp_path):
     assert "| fp16, headdim 128, causal | 2048 | 1000 | 800 | 1.25 |" in peak
     assert "| fp16, GQA 32/8, headdim 128, causal | 2048 | 2100 | 2000 | 1.05 |" in peak
     assert "sdpa_cudnn" not in peak  # a peer never measured has no column
+
+
+def test_rows_longer_than_the_header_are_refused(tmp_path):
+    path = tmp_path / "k.csv"
+    text = ",".join(OLD_FIELDS) + "\n" + ",".join(["x"] * (len(OLD_FIELDS) + 1)) + "\n"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="more fields"):
+        with results.appending(str(path), kernels.FIELDS):
+            pass
+    assert path.read_text() == text and not (tmp_path / "k.csv.tmp").exists()

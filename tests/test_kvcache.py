@@ -402,6 +402,7 @@ def test_unchecked_calls_clamp_and_do_not_raise():
     checked = flashattn2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=good)
     with pytest.raises(TypeError, match="enabled"):
         flashattn2.set_kvcache_checks(0)
+    before = flashattn2.set_kvcache_checks(True)  # whatever FLASHATTN2_KVCACHE_CHECKS said
     assert flashattn2.set_kvcache_checks(False) is True
     try:
         kc, vc = k_cache.clone(), v_cache.clone()
@@ -415,10 +416,20 @@ def test_unchecked_calls_clamp_and_do_not_raise():
         out = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
             [3, 99], dtype=torch.int32, device=DEVICE))
         assert torch.isfinite(out).all()
+        # a block-table entry out of range is clamped to a real page, not followed
+        pages = randn(6, 4, 2, 32, dtype=torch.float16)
+        table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEVICE)
+        out = flashattn2.flash_attn_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=torch.tensor(
+            [1, 5], dtype=torch.int32, device=DEVICE), block_table=table)
+        assert torch.isfinite(out).all()
     finally:
-        assert flashattn2.set_kvcache_checks(True) is False
-    with pytest.raises(ValueError, match="cache_seqlens"):
-        flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
+        assert flashattn2.set_kvcache_checks(before) is False
+    flashattn2.set_kvcache_checks(True)
+    try:
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
+    finally:
+        flashattn2.set_kvcache_checks(before)
 
 
 def test_new_keys_with_any_strides():

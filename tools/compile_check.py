@@ -150,7 +150,8 @@ def main():
             row.update(shared=shared, limit=SHARED_LIMIT[args.arch], ok=shared <= SHARED_LIMIT[args.arch],
                        seconds=round(time.perf_counter() - start, 2))
         except Exception as exc:  # a ptxas or lowering error is a failed entry, reported with the rest
-            row.update(ok=False, error=" | ".join(str(exc).strip().splitlines()[-4:])[:500])
+            row.update(ok=False, error=" | ".join(str(exc).strip().splitlines()[-4:])[:500],
+                       seconds=round(time.perf_counter() - start, 2))
         failures += not row["ok"]
         print(json.dumps(row), flush=True)
     sys.exit(1 if failures else 0)

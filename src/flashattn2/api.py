@@ -307,7 +307,8 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     """The device-side check of the cache tensors' values (ops.kvcache.Check), or None while
     torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
     kernels then only clamp the values into range."""
-    if not _KVCACHE_CHECKS or torch.compiler.is_compiling() or (
+    # is_compiling first: Dynamo would otherwise guard on the switch and recompile when it flips
+    if torch.compiler.is_compiling() or not _KVCACHE_CHECKS or (
             q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None
     seqlen_new = 0 if k is None else k.shape[1]
@@ -321,7 +322,7 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
 
 # Whether eager calls check the cache tensors' values (and so wait for their kernels); see
 # set_kvcache_checks.
-_KVCACHE_CHECKS = os.environ.get("FLASHATTN2_KVCACHE_CHECKS", "1") != "0"
+_KVCACHE_CHECKS = os.environ.get("FLASHATTN2_KVCACHE_CHECKS", "1").lower() not in ("0", "false", "off", "no")
 
 
 def set_kvcache_checks(enabled: bool) -> bool:
@@ -332,7 +333,10 @@ def set_kvcache_checks(enabled: bool) -> bool:
     the GPU runs this one. Off, a call reads nothing back and out-of-range values are clamped
     into range, as under CUDA graphs and torch.compile: nothing is read or written out of bounds,
     but the result of a bad value is silently wrong -- flash_attn's behaviour (it checks nothing).
-    Shapes, dtypes and an int cache_seqlens are checked either way. Returns the previous setting."""
+    Shapes, dtypes and an int cache_seqlens are checked either way. Returns the previous setting.
+
+    The setting is process-wide (every thread, every device): set it once at start-up. Turning
+    it off around one call while other threads decode can leave their calls unchecked."""
     global _KVCACHE_CHECKS
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")

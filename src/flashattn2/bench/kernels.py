@@ -118,6 +118,10 @@ def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes,
 def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=16384, hidden=2048,
              progress=True, nheads=None, nheads_k=None):
     """nheads: query heads (default hidden // headdim); nheads_k: K/V heads (default nheads)."""
+    for headdim in headdims:  # before anything is measured or written
+        heads = nheads or hidden // headdim
+        if heads % (nheads_k or heads):
+            raise ValueError(f"nheads={heads} (headdim {headdim}) is not a multiple of nheads_k={nheads_k}")
     meta = run_metadata()
     table = providers()
     points = list(itertools.product(dtypes, headdims, causals, seqlens))
@@ -130,8 +134,6 @@ def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=1
             dtype = DTYPES[dtype_name]
             batch, heads = max(1, tokens // seqlen), nheads or hidden // headdim
             heads_k = nheads_k or heads
-            if heads % heads_k:
-                raise ValueError(f"nheads={heads} is not a multiple of nheads_k={heads_k}")
             for name in names:
                 layout, fn = table[name]
                 key = (name, dtype_name, headdim, causal, heads // heads_k)

@@ -75,7 +75,10 @@ def markdown(latest) -> str:
     peaks = {g: v for g, v in groups(latest, _peak).items()
              if any(not math.isnan(x) for by_p in v.values() for x in by_p.values())}
     if peaks:
-        lines.append("### Peak memory of forward + backward (MiB allocated above the inputs)\n")
+        lines.append("### Peak memory of forward + backward\n")
+        lines.append("MiB allocated at the peak of one forward + backward above what was allocated before "
+                     "it (the inputs, and the previous step's graph where the timing keeps it); x = flashattn2's "
+                     "memory over the peer's (below 1: less).\n")
         head = ["case", "seqlen", "flashattn2"] + [p for p in PEERS] + [f"x {p}" for p in PEERS]
         rows = []
         for group, by_len in sorted(peaks.items()):

@@ -26,13 +26,20 @@ def appending(path: str, fields: list[str], fill=lambda row: {}):
             if unknown:
                 raise ValueError(f"{path}: columns {unknown} are not written by this version of the bench "
                                  f"(expected a subset of {fields})")
+            long_rows = [i + 2 for i, row in enumerate(old_rows) if None in row]
+            if long_rows:
+                raise ValueError(f"{path}: lines {long_rows[:5]} hold more fields than its header")
             tmp = path + ".tmp"
-            with open(tmp, "w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=fields, restval="")
-                writer.writeheader()
-                for row in old_rows:
-                    writer.writerow({**row, **fill(row)})
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w", newline="") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+                    writer.writeheader()
+                    for row in old_rows:
+                        writer.writerow({**row, **fill(row)})
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
     with open(path, "a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, restval="")
         if not header:

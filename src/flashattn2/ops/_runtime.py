@@ -79,7 +79,7 @@ def ensure_tma_allocator() -> None:
 # H200, CUDA-graph GB/s, median of 5 interleaved rounds (2026-11-29, git 887355e): GQA-8 1 x 1k
 # 341 -> 359, MHA 1 x 1k 1020 -> 1044, GQA-8 1 x 8k 1394 -> 1404; ties at 1 x 32k and 8 x 8k.
 # FLASHATTN2_PDL=0 turns it off.
-PDL = os.environ.get("FLASHATTN2_PDL", "1") != "0"
+PDL = os.environ.get("FLASHATTN2_PDL", "1").lower() not in ("0", "false", "off", "no")
 # FLASHATTN2_DIRECT_LAUNCH=0 sends every launch through Triton's JITFunction.run.
 DIRECT_LAUNCH = os.environ.get("FLASHATTN2_DIRECT_LAUNCH", "1") != "0"
 VERIFY_LAUNCH = False

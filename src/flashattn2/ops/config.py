@@ -101,14 +101,17 @@ def head_dim_bucket(head_dim: int) -> int:
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
         return "interp"
-    if _force_arch[0] is not None:  # a test runs another architecture's tiles and load path
-        return _force_arch[0]
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = _ARCH.get(index)
     if arch is None:  # get_device_capability costs ~5 us of host time per call
         major, minor = torch.cuda.get_device_capability(index)
         arch = "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
         _ARCH[index] = arch
+    forced = _force_arch[0]
+    if forced is not None:  # a test runs another architecture's tiles and load path
+        if forced == "sm90" and arch != "sm90":
+            raise ValueError(f"config.override(arch='sm90') on a {arch} GPU: it has no TMA or PDL")
+        return forced
     return arch
 
 
