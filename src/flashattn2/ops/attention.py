@@ -126,16 +126,18 @@ class _Geometry:
 
     def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, seqlen, head) strides in elements; varlen has no batch stride."""
+        s = t.stride()  # one call, not three: host time
         if self.varlen is not None:
-            return 0, t.stride(0), t.stride(1)
-        return t.stride(0), t.stride(1), t.stride(2)
+            return 0, s[0], s[1]
+        return s[0], s[1], s[2]
 
     def lse_shape(self, q: torch.Tensor) -> tuple[int, ...]:
         # flash_attn's layouts: (batch, nheads, seqlen_q), or (nheads, total_q) in varlen
         return (self.nheads, q.shape[0]) if self.varlen is not None else (self.batch, self.nheads, q.shape[1])
 
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
-        return (0, lse.stride(0)) if self.varlen is not None else (lse.stride(0), lse.stride(1))
+        s = lse.stride()
+        return (0, s[0]) if self.varlen is not None else (s[0], s[1])
 
     def cu_seqlens(self, like: torch.Tensor):
         if self.varlen is None:

@@ -11,7 +11,8 @@ from . import _runtime, attention, kvcache
 def _for_kernels(t: torch.Tensor) -> torch.Tensor:
     """Last dimension contiguous and no broadcast (stride-0) dimension: what the kernels and TMA
     descriptors accept. A gradient of out.sum() arrives expanded, with stride 0."""
-    if t.stride(-1) != 1 or 0 in t.stride():
+    s = t.stride()
+    if s[-1] != 1 or 0 in s:
         return t.contiguous()
     return t
 
