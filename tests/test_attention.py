@@ -5,7 +5,7 @@ import torch
 import flashattn2
 from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn
 from conftest import ON_GPU
-from flashattn2.ops import config
+from flashattn2.ops import _runtime, config
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
@@ -109,17 +109,61 @@ def test_softmax_scale():
 
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_deterministic_bitwise(causal):
-    """dQ has its own pass (no atomics): repeated runs give identical bits, with or without the flag."""
+    """deterministic=True: dQ has its own pass (no atomics), repeated runs give identical bits,
+    even where atomics are enabled for deterministic=False; with the table as it is, so does
+    deterministic=False."""
     shape = (2, 300, 300, 4, 2, 64) if ON_GPU else (1, 97, 97, 2, 1, 32)
     q, k, v = make_qkv(shape, torch.bfloat16)
     do = randn(*q.shape, dtype=q.dtype)
     runs = []
-    for deterministic in (True, True, False):
-        out = flashattn2.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for deterministic, atomic in ((True, None), (True, True), (False, False)):
+        with config.override(dq_atomic=atomic):
+            out = flashattn2.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+ATOMIC_CASES = [
+    pytest.param(dict(shape=(2, 1000, 1500, 8, 2, 64) if ON_GPU else (2, 97, 97, 4, 2, 32), causal=True),
+                 id="gqa-causal"),
+    pytest.param(dict(shape=(1, 700, 1300, 4, 4, 128) if ON_GPU else (1, 70, 130, 2, 2, 64), causal=False),
+                 id="full-qk-lengths-differ"),
+    pytest.param(dict(shape=(2, 900, 900, 4, 1, 256) if ON_GPU else (2, 90, 90, 2, 1, 32), causal=False,
+                      window_size=(20, 5), softcap=5.0, alibi=True), id="local-softcap-alibi"),
+]
+
+
+@pytest.mark.parametrize("case", ATOMIC_CASES)
+def test_dq_atomics(case, monkeypatch):
+    """deterministic=False with the atomic dQ path: no dQ kernel runs, the gradients obey the
+    rule against the reference, and dQ agrees with the deterministic pass's to fp32 rounding."""
+    case = dict(case)
+    q, k, v = make_qkv(case.pop("shape"), torch.float16)
+    if case.pop("alibi", False):
+        case["alibi_slopes"] = torch.rand(q.shape[2], device=q.device, dtype=torch.float32) * 0.3
+    do = randn(*q.shape, dtype=q.dtype)
+    launched = []
+    real_launch = _runtime.launch
+    monkeypatch.setattr(_runtime, "launch", lambda kernel, *a, **kw: (launched.append(kernel.__name__),
+                                                                       real_launch(kernel, *a, **kw))[1])
+    with config.override(dq_atomic=True):
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, deterministic=False, return_attn_probs=True, **case)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_dq_kernel" not in launched
+    out2 = flashattn2.flash_attn_func(q, k, v, deterministic=True, **case)
+    grads2 = torch.autograd.grad(out2, (q, k, v), do)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)
+    ref_out, _ = attention_ref(q, k, v, causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
+                               softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"))
+    low_out, _ = attention_ref(q, k, v, causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
+                               softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"), upcast=False)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do.to(ref_out.dtype))
+    low_grads = torch.autograd.grad(low_out, (q, k, v), do)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="races need a GPU: the interpreter runs programs one at a time")
@@ -176,3 +220,24 @@ def test_arch_override(monkeypatch):
     with config.override(arch="sm90"):
         with pytest.raises(ValueError, match="no TMA"):
             config.arch_of(cuda)
+
+
+def test_dq_atomics_varlen():
+    """Varlen with rows past cu_seqlens[-1]: the atomic dQ equals the deterministic pass's to fp32
+    rounding, and the rows that belong to no sequence get a zero gradient on both paths."""
+    from cases import cu_seqlens
+
+    lengths = [37, 63, 20] if not ON_GPU else [370, 1630, 200]
+    total = sum(lengths) + 10
+    cu = cu_seqlens(lengths)
+    q, k, v = (randn(total, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = randn(total, 4, 64, dtype=torch.bfloat16)
+    grads = []
+    for deterministic in (False, True):
+        with config.override(dq_atomic=True):
+            out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                    deterministic=deterministic)
+            grads.append(torch.autograd.grad(out, (q, k, v), do))
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)
+        assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name

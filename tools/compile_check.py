@@ -24,9 +24,10 @@ from flashattn2.ops import config, kvcache  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc"}
 TYPE = {2: "fp16", 4: "fp32"}
-KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
+KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel,
+           "bwd_dkdv_atomic": bwd.attn_bwd_dkdv_kernel}
 
 
 INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err", "SeqOrder"}
@@ -74,6 +75,8 @@ def cases(arch):
                 # bf16 needs the same shared memory as fp16
                 constexprs = dict(**flags, USE_TMA=use_tma, UPCAST=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
                                   HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
+                if kernel.startswith("bwd_dkdv"):
+                    constexprs["DQ_ATOMIC"] = kernel == "bwd_dkdv_atomic"
                 name = f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}"
                 yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
     pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)

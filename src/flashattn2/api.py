@@ -59,14 +59,14 @@ def _scale(q, softmax_scale) -> float:
     return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
-def _attention(q, k, v, options, alibi_slopes):
+def _attention(q, k, v, options, alibi_slopes, deterministic):
     """The fwd op while torch.compile traces (with its autograd registration); in eager mode its
     body, through the Attention autograd.Function when a gradient is needed: the op's dispatch
     and autograd wrapper cost host time on every call and only tracing needs them."""
     if torch.compiler.is_compiling():
         return _fwd_op(q, k, v, *options, alibi_slopes)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return Attention.apply(q, k, v, alibi_slopes, *options)
+        return Attention.apply(q, k, v, alibi_slopes, bool(deterministic), *options)
     return run_fwd(q, k, v, *options, alibi_slopes)
 
 
@@ -100,8 +100,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0 turns the scaled scores into softcap * tanh(scores / softcap).
         alibi_slopes: float32 (nheads,) or (batch, nheads): the bias
             -slope * |i + seqlen_k - seqlen_q - j| is added to the scores (after softcap).
-        deterministic: accepted for compatibility; the backward is always deterministic (dQ is
-            computed in its own pass, without atomics).
+        deterministic: True always gives the deterministic backward (dQ in its own pass, no
+            atomics: bitwise-identical gradients run to run). False (flash_attn's default) may
+            add dQ with atomics inside the dK/dV kernel where config's dq_atomic table enables
+            it (FLASHATTN2_DQ_ATOMIC=1 forces it); no entry does yet, so today both are the same.
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
@@ -114,7 +116,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             visible region), a testing aid computed by a second pass.
     """
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = _attention(q, k, v, options, alibi_slopes)
+    out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -127,7 +129,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
+    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), *options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -138,7 +140,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
+    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), *options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -171,7 +173,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = _attention(q, k, v, options, alibi_slopes)
+    out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
@@ -202,7 +204,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(dim=1)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", *options)
+    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), *options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
@@ -216,7 +218,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(dim=1)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", *options)
+    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), *options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 

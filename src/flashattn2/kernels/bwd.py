@@ -1,5 +1,7 @@
 """FlashAttention-2 backward kernels: D = rowsum(dO * O), then dK/dV per key block, then dQ per
-query block in its own pass (no atomics: every run gives bitwise-identical gradients).
+query block in its own pass (no atomics: every run gives bitwise-identical gradients). Or, with
+DQ_ATOMIC (deterministic=False where the table enables it), dQ added by the dK/dV kernel into an
+fp32 accumulator with atomics: 5 matmuls per block pair instead of 7, in a varying order.
 
 P is recomputed from the saved logsumexp: P = exp(S - L). With dP = dO V^T and
 dS = P * (dP - D): dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K. With softcap,
@@ -73,12 +75,13 @@ def _scores_bwd(qk, qi, kj, lse2, seqlen_q, seqlen_k, qk_scale, softcap_in, soft
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, m_hi,
                 seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_ptr, stride_dqs, sm_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     for start_m in range(m_lo, m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
@@ -108,19 +111,27 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * factorT
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dsT = dsT.to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if DQ_ATOMIC:
+            # this key block's share of dQ = scale * dS K, added into the fp32 accumulator (key
+            # rows past seqlen_k load as zeros and add nothing); the order of the adds varies
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
+            dq_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+            tl.atomic_add(dq_ptr + offs_m[:, None] * stride_dqs + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAcc, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqab, stride_dqas, stride_dqah,
     stride_lse_b, stride_lse_h,
     stride_alibi_b,
     nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
@@ -128,8 +139,10 @@ def attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
-    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
+    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here.
+    # DQ_ATOMIC: dQ is added here too, into DQAcc (fp32, zeroed), instead of by its own pass
     num_n_blocks = tl.cdiv(max_seqlen_k, BLOCK_N)
     pid_n = tl.program_id(0) % num_n_blocks
     off_bhk = tl.program_id(0) // num_n_blocks
@@ -167,21 +180,23 @@ def attn_bwd_dkdv_kernel(
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
+        dq_ptr = DQAcc + off_b * stride_dqab + q_start * stride_dqas + off_h * stride_dqah
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                             True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
-                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_ptr, stride_dqas,
+                             sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_lo, full_hi,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                             False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
-                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_ptr, stride_dqas,
+                             sm_scale, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC)
         if LOCAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_hi, m_end,
                                  seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
                                  slope2, window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                                 True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+                                 dq_ptr, stride_dqas, sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
+                                 USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC)
 
     dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh, seqlen_k,
                               stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)

@@ -233,9 +233,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
              dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-             softmax_scale: float, mods: ScoreMods, varlen: Varlen | None = None) -> None:
+             softmax_scale: float, mods: ScoreMods, varlen: Varlen | None = None,
+             deterministic: bool = True) -> None:
     """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are
-    fine). `dlse` is the gradient flowing into the returned logsumexp, or None."""
+    fine). `dlse` is the gradient flowing into the returned logsumexp, or None. deterministic=False
+    lets config.dq_atomic choose atomics for dQ (run-to-run differences in its rounding)."""
     geo = _Geometry.of(q, k, varlen)
     if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
@@ -261,6 +263,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         BLOCK_D=block_d,
     )
 
+    dq_atomic = not deterministic and config.dq_atomic(arch, geo.head_dim)
+    # atomics: dQ accumulates in fp32 (zeros: rows no key block reaches, varlen tails included)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
     grads = (dq, dk, dv)
     if arch == "interp":
         grads = tuple(_runtime.empty(g.shape, torch.float32, g.device) for g in grads)
@@ -268,7 +273,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if is_varlen:
         # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
         known_q, known_k = varlen.known_q, varlen.known_k
-        _fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
+        tails = ((gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
+        _fill_tails(*tails if dq_atomic else ((gq, cu_q, 0.0, 0, known_q), *tails))
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
@@ -278,11 +284,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     order_q, sorted_q = geo.order("q", cu_q)
     order_k, sorted_k = geo.order("k", cu_k)
 
-    cfg = config.select("bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
+    cfg = config.select("bwd_dkdv_atomic" if dq_atomic else "bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
     _runtime.launch(K.attn_bwd_dkdv_kernel, (_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
-        q, k, v, dout, lse, delta, gk, gv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_q,
+        q, k, v, dout, lse, delta, gk, gv, dq_acc if dq_atomic else delta, runtime["Alibi"], cu_q, cu_k,
+        runtime["Seed"], order_q,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
-        *geo.strides(gv),
+        *geo.strides(gv), *(geo.strides(dq_acc) if dq_atomic else (0, 0, 0)),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
@@ -292,9 +299,15 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         SORTED=sorted_q,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        DQ_ATOMIC=dq_atomic,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if dq_atomic:
+        if arch == "interp":
+            dk.copy_(gk), dv.copy_(gv)
+        dq.copy_(dq_acc)
+        return
     cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
     _runtime.launch(K.attn_bwd_dq_kernel, (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
         q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")  # the last: dK/dV adding dQ with atomics
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
 # sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
 ARCHS = ("sm90", "sm80", "sm86", "interp")
@@ -72,6 +72,13 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm86", 128, 2, "bwd_dq"):    TileConfig(64, 64, 4, 1),
     ("sm86", 256, 2, "bwd_dq"):    TileConfig(32, 32, 4, 1),
 }
+# The dK/dV kernel that also adds dQ with atomics (deterministic=False where _DQ_ATOMIC allows):
+# the dK/dV tile where it fits, not measured yet. sm90 headdim 256: 64x64 w8 s2 needs 263 KB of
+# shared memory with the extra dS K product (compile_check), so one stage.
+for (_arch, _bucket, _bytes, _kernel), _cfg in list(_TABLE.items()):
+    if _kernel == "bwd_dkdv":
+        _TABLE[(_arch, _bucket, _bytes, "bwd_dkdv_atomic")] = _cfg
+_TABLE[("sm90", 256, 2, "bwd_dkdv_atomic")] = TileConfig(64, 64, 8, 1)
 # fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared
 # memory in bounds (correctness path, not tuned).
 _FP32 = {
@@ -88,8 +95,16 @@ _TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {}
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles.
 _INTERP = TileConfig(64, 64, 4, 1)
 
+# (arch, head-dim bucket) -> True where deterministic=False adds dQ with atomics inside the dK/dV
+# kernel (5 matmuls per block pair instead of 7, flash_attn's own non-deterministic default).
+# Not measured yet: off everywhere, so every backward is the deterministic two-pass one.
+# FLASHATTN2_DQ_ATOMIC=1 or override(dq_atomic=True) turns it on for deterministic=False calls;
+# deterministic=True never takes it.
+_DQ_ATOMIC: dict[tuple[str, int], bool] = {}
+
 _overrides: dict[str, TileConfig] = {}
 _force_tma: list[bool | None] = [None]
+_force_dq_atomic: list[bool | None] = [None]
 _force_arch: list[str | None] = [None]
 
 
@@ -134,6 +149,16 @@ def table_entries():
     yield from _TABLE_CAUSAL.items()
 
 
+def dq_atomic(arch: str, head_dim: int) -> bool:
+    """Whether a deterministic=False backward adds dQ with atomics (see _DQ_ATOMIC)."""
+    if _force_dq_atomic[0] is not None:
+        return _force_dq_atomic[0]
+    env = os.environ.get("FLASHATTN2_DQ_ATOMIC")
+    if env is not None:
+        return env.lower() not in ("0", "false", "off", "no")
+    return _DQ_ATOMIC.get((arch, head_dim_bucket(head_dim)), False)
+
+
 def tma_forced() -> bool | None:
     """True/False when a test or FLASHATTN2_TMA=0/1 forces the TMA path on (where the tensors'
     alignment allows it) or off, else None (the default: on for aligned tensors on sm90)."""
@@ -144,20 +169,21 @@ def tma_forced() -> bool | None:
 
 
 @contextlib.contextmanager
-def override(tma: bool | None = None, arch: str | None = None, **tiles: TileConfig):
+def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
-    non-Hopper path: sm80 tiles, pointer loads, no PDL) inside a with-block. The CPU
-    interpreter ignores arch."""
+    non-Hopper path: sm80 tiles, pointer loads, no PDL), and/or whether deterministic=False
+    backwards add dQ with atomics, inside a with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
     if arch is not None and arch not in ARCHS[:-1]:
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
-    saved = dict(_overrides), _force_tma[0], _force_arch[0]
+    saved = dict(_overrides), _force_tma[0], _force_arch[0], _force_dq_atomic[0]
     _overrides.update(tiles)
     _force_tma[0] = tma
     _force_arch[0] = arch
+    _force_dq_atomic[0] = dq_atomic
     try:
         yield
     finally:
@@ -165,3 +191,4 @@ def override(tma: bool | None = None, arch: str | None = None, **tiles: TileConf
         _overrides.update(saved[0])
         _force_tma[0] = saved[1]
         _force_arch[0] = saved[2]
+        _force_dq_atomic[0] = saved[3]

@@ -67,8 +67,9 @@ def bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
              max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
              softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-             alibi_slopes: torch.Tensor | None) -> None:
-    """flashattn2::bwd: writes dq, dk, dv (see fwd_impl for eager callers)."""
+             alibi_slopes: torch.Tensor | None, deterministic: bool = True) -> None:
+    """flashattn2::bwd: writes dq, dk, dv (see fwd_impl for eager callers). deterministic=False
+    may add dQ with atomics (config.dq_atomic)."""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
@@ -76,7 +77,7 @@ def bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
-        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen)
+        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen, deterministic)
 
 
 bwd = torch.library.custom_op("flashattn2::bwd", bwd_impl, mutates_args=("dq", "dk", "dv"))
@@ -134,10 +135,10 @@ def _saved(ctx):
     return q, k, v, out, lse, alibi_slopes, options
 
 
-def _backward(ctx, dout, dlse, backward_op=None):
+def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
     q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
+    (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes, deterministic)
     return dq, dk, dv, *(None,) * (1 + len(options))
 
 
@@ -147,17 +148,19 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 class Attention(torch.autograd.Function):
     """fwd's body and bwd's through an autograd.Function: the API's eager path (no dispatcher, no
     per-call autograd wrapper). The op's own register_autograd serves torch.compile and direct
-    callers of torch.ops.flashattn2.fwd."""
+    callers of torch.ops.flashattn2.fwd (those backwards are deterministic)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, *options):
+    def forward(ctx, q, k, v, alibi_slopes, deterministic, *options):
         out, lse = run_fwd(q, k, v, *options, alibi_slopes)
         _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
+        ctx.deterministic = deterministic
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, run_bwd)
+        dq, dk, dv, *nones = _backward(ctx, dout, dlse, run_bwd, ctx.deterministic)
+        return dq, dk, dv, None, *nones
 
 
 class PackedAttention(torch.autograd.Function):
@@ -170,7 +173,7 @@ class PackedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, packed, alibi_slopes, packing, *options):
+    def forward(ctx, q, packed, alibi_slopes, packing, deterministic, *options):
         dim = 2 if options[0] is None else 1
         if packing == "qkv":
             q, k, v = packed.unbind(dim=dim)
@@ -178,7 +181,7 @@ class PackedAttention(torch.autograd.Function):
             k, v = packed.unbind(dim=dim)
         out, lse = run_fwd(q, k, v, *options, alibi_slopes)
         _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
-        ctx.packing, ctx.dim = packing, dim
+        ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic
         return out, lse
 
     @staticmethod
@@ -192,8 +195,8 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        run_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes)
-        nones = (None,) * (2 + len(options))
+        run_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes, ctx.deterministic)
+        nones = (None,) * (3 + len(options))
         return (None if ctx.packing == "qkv" else dq), dpacked, *nones
 
 
