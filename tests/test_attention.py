@@ -4,7 +4,7 @@ import torch
 
 import flashattn2
 from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn
-from conftest import ON_GPU
+from conftest import DEVICE, ON_GPU
 from flashattn2.ops import _runtime, config
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
@@ -154,8 +154,8 @@ def test_dq_atomics(case, monkeypatch):
     assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_dq_kernel" not in launched
     out2 = flashattn2.flash_attn_func(q, k, v, deterministic=True, **case)
     grads2 = torch.autograd.grad(out2, (q, k, v), do)
-    for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):  # fp16: one rounding of the output apart
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3, msg=name)
     ref_out, _ = attention_ref(q, k, v, causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
                                softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"))
     low_out, _ = attention_ref(q, k, v, causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
@@ -241,3 +241,24 @@ def test_dq_atomics_varlen():
     for name, a, b in zip(("dq", "dk", "dv"), *grads):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)
         assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name
+
+
+def test_dq_atomics_keys_past_the_end_add_nothing():
+    """Non-causal, seqlen_k not a multiple of the key block, every score strongly negative: the
+    zero-filled key rows past seqlen_k get P = exp(-L), huge, and must not reach dQ (inf * 0)."""
+    b, s, h, d = 1, 70, 2, 32
+    u = torch.randn(d, device=DEVICE, dtype=torch.float32)
+    u = u / u.norm() * 26.0
+    k = (randn(b, 41, h, d, dtype=torch.float32) * 0.1 + u).to(torch.bfloat16).requires_grad_()
+    v = randn(b, 41, h, d, dtype=torch.bfloat16, requires_grad=True)
+    q = (randn(b, s, h, d, dtype=torch.float32) * 0.1 - u).to(torch.bfloat16).requires_grad_()
+    do = randn(b, s, h, d, dtype=torch.bfloat16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert lse.max() < -100  # the case: exp(-L) overflows fp32
+    grads2 = torch.autograd.grad(out, (q, k, v), do)
+    with config.override(dq_atomic=True):
+        out = flashattn2.flash_attn_func(q, k, v, deterministic=False)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)

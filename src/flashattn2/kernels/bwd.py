@@ -111,6 +111,10 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * factorT
+        if DQ_ATOMIC:
+            # key rows past seqlen_k (zeros, unmasked in the middle range) have P = exp(-L): their
+            # dS may round to inf, and inf * 0 (their K row) would put NaN into dQ
+            dsT = tl.where(offs_n[:, None] < seqlen_k, dsT, 0.0)
         dsT = dsT.to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if DQ_ATOMIC:
@@ -118,7 +122,8 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
             # rows past seqlen_k load as zeros and add nothing); the order of the adds varies
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
             dq_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-            tl.atomic_add(dq_ptr + offs_m[:, None] * stride_dqs + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
+            rows = offs_m.to(tl.int64)[:, None] * stride_dqs  # int64: long sequences x heads x headdim
+            tl.atomic_add(dq_ptr + rows + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
