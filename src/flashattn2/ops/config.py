@@ -149,13 +149,23 @@ def table_entries():
     yield from _TABLE_CAUSAL.items()
 
 
+def _env_flag(name: str) -> bool | None:
+    """True/False when the environment sets name (0/false/off/no: False), else None. Read once,
+    at import: an environment lookup per launch costs host time."""
+    env = os.environ.get(name)
+    return None if env is None else env.lower() not in ("0", "false", "off", "no")
+
+
+_ENV_DQ_ATOMIC = _env_flag("FLASHATTN2_DQ_ATOMIC")
+_ENV_TMA = _env_flag("FLASHATTN2_TMA")
+
+
 def dq_atomic(arch: str, head_dim: int) -> bool:
     """Whether a deterministic=False backward adds dQ with atomics (see _DQ_ATOMIC)."""
     if _force_dq_atomic[0] is not None:
         return _force_dq_atomic[0]
-    env = os.environ.get("FLASHATTN2_DQ_ATOMIC")
-    if env is not None:
-        return env.lower() not in ("0", "false", "off", "no")
+    if _ENV_DQ_ATOMIC is not None:
+        return _ENV_DQ_ATOMIC
     return _DQ_ATOMIC.get((arch, head_dim_bucket(head_dim)), False)
 
 
@@ -164,8 +174,7 @@ def tma_forced() -> bool | None:
     alignment allows it) or off, else None (the default: on for aligned tensors on sm90)."""
     if _force_tma[0] is not None:
         return _force_tma[0]
-    env = os.environ.get("FLASHATTN2_TMA")
-    return None if env is None else env == "1"
+    return _ENV_TMA
 
 
 @contextlib.contextmanager
