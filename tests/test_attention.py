@@ -212,7 +212,7 @@ def test_arch_override(monkeypatch):
         assert fwd_sm80 == config._TABLE[("sm80", 128, 2, "fwd")] and fwd_sm80 != fwd
     with config.override(arch="sm86"):
         assert config.arch_of(cuda) == "sm86"
-    assert config._force_arch[0] is None and config.arch_of(cuda) == "sm90"
+    assert config._forced["arch"] is None and config.arch_of(cuda) == "sm90"
     with pytest.raises(ValueError, match="arch must be one of"):
         with config.override(arch="sm70"):
             pass

@@ -8,12 +8,11 @@ seqlen_q > seqlen_k) outputs zeros and has logsumexp +inf.
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
-from .ops import checks
+from .ops import _runtime, checks
 from .ops.kvcache import Check
 from .ops.registry import Attention, PackedAttention, run_fwd
 from .ops.registry import dropout_probs as _dropout_probs_op
@@ -324,7 +323,7 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
 
 # Whether eager calls check the cache tensors' values (and so wait for their kernels); see
 # set_kvcache_checks.
-_KVCACHE_CHECKS = os.environ.get("FLASHATTN2_KVCACHE_CHECKS", "1").lower() not in ("0", "false", "off", "no")
+_KVCACHE_CHECKS = _runtime.env_flag("FLASHATTN2_KVCACHE_CHECKS") is not False
 
 
 def set_kvcache_checks(enabled: bool) -> bool:

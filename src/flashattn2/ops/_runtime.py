@@ -44,6 +44,13 @@ def interpreted() -> bool:
 _NO_SWITCH = contextlib.nullcontext()
 
 
+def env_flag(name: str) -> bool | None:
+    """A FLASHATTN2_* switch from the environment: False for 0/false/off/no, True for any other
+    value, None when unset. Read at import by the modules that use it (not per launch)."""
+    env = os.environ.get(name)
+    return None if env is None else env.lower() not in ("0", "false", "off", "no")
+
+
 def device_of(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensor's (flash_attn's CUDAGuard)."""
     if not t.is_cuda or t.device.index == torch.cuda.current_device():
@@ -79,9 +86,9 @@ def ensure_tma_allocator() -> None:
 # H200, CUDA-graph GB/s, median of 5 interleaved rounds (2026-11-29, git 887355e): GQA-8 1 x 1k
 # 341 -> 359, MHA 1 x 1k 1020 -> 1044, GQA-8 1 x 8k 1394 -> 1404; ties at 1 x 32k and 8 x 8k.
 # FLASHATTN2_PDL=0 turns it off.
-PDL = os.environ.get("FLASHATTN2_PDL", "1").lower() not in ("0", "false", "off", "no")
+PDL = env_flag("FLASHATTN2_PDL") is not False
 # FLASHATTN2_DIRECT_LAUNCH=0 sends every launch through Triton's JITFunction.run.
-DIRECT_LAUNCH = os.environ.get("FLASHATTN2_DIRECT_LAUNCH", "1") != "0"
+DIRECT_LAUNCH = env_flag("FLASHATTN2_DIRECT_LAUNCH") is not False
 VERIFY_LAUNCH = False
 direct_launches = 0  # how many launches took the direct path (tests check that it is taken)
 _LAUNCHED: dict = {}

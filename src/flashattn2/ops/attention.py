@@ -264,17 +264,17 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     )
 
     dq_atomic = not deterministic and config.dq_atomic(arch, geo.head_dim)
-    # atomics: dQ accumulates in fp32 (zeros: rows no key block reaches, varlen tails included)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
-    grads = (dq, dk, dv)
+    # where the kernels write: the interpreter writes fp32 and torch casts; atomic dQ adds into
+    # an fp32 accumulator (zeros: rows no key block reaches). Copied into dq, dk, dv at the end.
+    gq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else dq
+    gk, gv = dk, dv
     if arch == "interp":
-        grads = tuple(_runtime.empty(g.shape, torch.float32, g.device) for g in grads)
-    gq, gk, gv = grads
+        gk, gv = (_runtime.empty(g.shape, torch.float32, g.device) for g in (dk, dv))
+        gq = gq if dq_atomic else _runtime.empty(dq.shape, torch.float32, dq.device)
     if is_varlen:
         # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
         known_q, known_k = varlen.known_q, varlen.known_k
-        tails = ((gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
-        _fill_tails(*tails if dq_atomic else ((gq, cu_q, 0.0, 0, known_q), *tails))
+        _fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
@@ -286,10 +286,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     cfg = config.select("bwd_dkdv_atomic" if dq_atomic else "bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
     _runtime.launch(K.attn_bwd_dkdv_kernel, (_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
-        q, k, v, dout, lse, delta, gk, gv, dq_acc if dq_atomic else delta, runtime["Alibi"], cu_q, cu_k,
+        q, k, v, dout, lse, delta, gk, gv, gq if dq_atomic else delta, runtime["Alibi"], cu_q, cu_k,
         runtime["Seed"], order_q,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
-        *geo.strides(gv), *(geo.strides(dq_acc) if dq_atomic else (0, 0, 0)),
+        *geo.strides(gv), *(geo.strides(gq) if dq_atomic else (0, 0, 0)),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
@@ -303,29 +303,25 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if dq_atomic:
-        if arch == "interp":
-            dk.copy_(gk), dv.copy_(gv)
-        dq.copy_(dq_acc)
-        return
-    cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
-    _runtime.launch(K.attn_bwd_dq_kernel, (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
-        q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
-        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
-        *geo.lse_strides(lse),
-        runtime["stride_alibi_b"],
-        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
-        runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["softcap"], runtime["dropout_p"],
-        **common,
-        SORTED=sorted_k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if arch == "interp":
-        for dst, src in zip((dq, dk, dv), grads):
+    if not dq_atomic:  # the deterministic dQ: one program per query block over its key blocks
+        cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
+        _runtime.launch(K.attn_bwd_dq_kernel, (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
+            q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
+            *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
+            *geo.lse_strides(lse),
+            runtime["stride_alibi_b"],
+            geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
+            runtime["window_left"], runtime["window_right"],
+            softmax_scale, runtime["softcap"], runtime["dropout_p"],
+            **common,
+            SORTED=sorted_k,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
+        if src is not dst:
             dst.copy_(src)
 
 

@@ -6,10 +6,11 @@ per program step, not per FLOP (../docs/notes.md): big tiles, few steps.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
+
+from . import _runtime
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")  # the last: dK/dV adding dQ with atomics
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
@@ -103,9 +104,8 @@ _INTERP = TileConfig(64, 64, 4, 1)
 _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 
 _overrides: dict[str, TileConfig] = {}
-_force_tma: list[bool | None] = [None]
-_force_dq_atomic: list[bool | None] = [None]
-_force_arch: list[str | None] = [None]
+# what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
+_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -122,7 +122,7 @@ def arch_of(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(index)
         arch = "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
         _ARCH[index] = arch
-    forced = _force_arch[0]
+    forced = _forced["arch"]
     if forced is not None:  # a test runs another architecture's tiles and load path
         if forced == "sm90" and arch != "sm90":
             raise ValueError(f"config.override(arch='sm90') on a {arch} GPU: it has no TMA or PDL")
@@ -149,21 +149,14 @@ def table_entries():
     yield from _TABLE_CAUSAL.items()
 
 
-def _env_flag(name: str) -> bool | None:
-    """True/False when the environment sets name (0/false/off/no: False), else None. Read once,
-    at import: an environment lookup per launch costs host time."""
-    env = os.environ.get(name)
-    return None if env is None else env.lower() not in ("0", "false", "off", "no")
-
-
-_ENV_DQ_ATOMIC = _env_flag("FLASHATTN2_DQ_ATOMIC")
-_ENV_TMA = _env_flag("FLASHATTN2_TMA")
+_ENV_DQ_ATOMIC = _runtime.env_flag("FLASHATTN2_DQ_ATOMIC")
+_ENV_TMA = _runtime.env_flag("FLASHATTN2_TMA")
 
 
 def dq_atomic(arch: str, head_dim: int) -> bool:
     """Whether a deterministic=False backward adds dQ with atomics (see _DQ_ATOMIC)."""
-    if _force_dq_atomic[0] is not None:
-        return _force_dq_atomic[0]
+    if _forced["dq_atomic"] is not None:
+        return _forced["dq_atomic"]
     if _ENV_DQ_ATOMIC is not None:
         return _ENV_DQ_ATOMIC
     return _DQ_ATOMIC.get((arch, head_dim_bucket(head_dim)), False)
@@ -172,8 +165,8 @@ def dq_atomic(arch: str, head_dim: int) -> bool:
 def tma_forced() -> bool | None:
     """True/False when a test or FLASHATTN2_TMA=0/1 forces the TMA path on (where the tensors'
     alignment allows it) or off, else None (the default: on for aligned tensors on sm90)."""
-    if _force_tma[0] is not None:
-        return _force_tma[0]
+    if _forced["tma"] is not None:
+        return _forced["tma"]
     return _ENV_TMA
 
 
@@ -188,16 +181,12 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
     if arch is not None and arch not in ARCHS[:-1]:
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
-    saved = dict(_overrides), _force_tma[0], _force_arch[0], _force_dq_atomic[0]
+    saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
-    _force_tma[0] = tma
-    _force_arch[0] = arch
-    _force_dq_atomic[0] = dq_atomic
+    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic)
     try:
         yield
     finally:
         _overrides.clear()
         _overrides.update(saved[0])
-        _force_tma[0] = saved[1]
-        _force_arch[0] = saved[2]
-        _force_dq_atomic[0] = saved[3]
+        _forced.update(saved[1])
