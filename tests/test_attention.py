@@ -135,10 +135,12 @@ ATOMIC_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("case", ATOMIC_CASES)
-def test_dq_atomics(case, monkeypatch):
-    """deterministic=False with the atomic dQ path: no dQ kernel runs, the gradients obey the
-    rule against the reference, and dQ agrees with the deterministic pass's to fp32 rounding."""
+def test_dq_atomics(case, tma, monkeypatch):
+    """deterministic=False with the atomic dQ path (scalar atomics, or the TMA bulk reduce): no dQ
+    kernel runs, the gradients obey the rule against the reference, and dQ agrees with the
+    deterministic pass's to fp32 rounding."""
     case = dict(case)
     q, k, v = make_qkv(case.pop("shape"), torch.float16)
     if case.pop("alibi", False):
@@ -148,7 +150,7 @@ def test_dq_atomics(case, monkeypatch):
     real_launch = _runtime.launch
     monkeypatch.setattr(_runtime, "launch", lambda kernel, *a, **kw: (launched.append(kernel.__name__),
                                                                        real_launch(kernel, *a, **kw))[1])
-    with config.override(dq_atomic=True):
+    with config.override(dq_atomic=True, tma=tma):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, deterministic=False, return_attn_probs=True, **case)
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_dq_kernel" not in launched
@@ -222,9 +224,11 @@ def test_arch_override(monkeypatch):
             config.arch_of(cuda)
 
 
-def test_dq_atomics_varlen():
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_dq_atomics_varlen(tma):
     """Varlen with rows past cu_seqlens[-1]: the atomic dQ equals the deterministic pass's to fp32
-    rounding, and the rows that belong to no sequence get a zero gradient on both paths."""
+    rounding (a tile that crosses into the next sequence adds nothing there), and the rows that
+    belong to no sequence get a zero gradient on both paths."""
     from cases import cu_seqlens
 
     lengths = [37, 63, 20] if not ON_GPU else [370, 1630, 200]
@@ -234,7 +238,7 @@ def test_dq_atomics_varlen():
     do = randn(total, 4, 64, dtype=torch.bfloat16)
     grads = []
     for deterministic in (False, True):
-        with config.override(dq_atomic=True):
+        with config.override(dq_atomic=True, tma=tma):
             out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
                                                     deterministic=deterministic)
             grads.append(torch.autograd.grad(out, (q, k, v), do))

@@ -77,6 +77,7 @@ def cases(arch):
                                   HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
                 if kernel.startswith("bwd_dkdv"):
                     constexprs["DQ_ATOMIC"] = kernel == "bwd_dkdv_atomic"
+                    constexprs["DQ_BULK"] = kernel == "bwd_dkdv_atomic" and use_tma
                 name = f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}"
                 yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
     pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)

@@ -75,11 +75,12 @@ def _scores_bwd(qk, qi, kj, lse2, seqlen_q, seqlen_k, qk_scale, softcap_in, soft
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, m_hi,
                 seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_ptr, stride_dqs, sm_scale,
+                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqs, sm_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                DQ_BULK: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_m in range(m_lo, m_hi, BLOCK_M):
@@ -121,9 +122,14 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
             # this key block's share of dQ = scale * dS K, added into the fp32 accumulator (key
             # rows past seqlen_k load as zeros and add nothing); the order of the adds varies
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
-            dq_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-            rows = offs_m.to(tl.int64)[:, None] * stride_dqs  # int64: long sequences x heads x headdim
-            tl.atomic_add(dq_ptr + rows + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
+            if DQ_BULK:
+                # one bulk reduce of the tile (cp.reduce.async.bulk), clipped at seqlen_q by the
+                # descriptor; scalar atomics cost ~1.6x the whole two-pass backward (notes)
+                dq_dst.atomic_add([start_m, 0], dq)
+            else:
+                dq_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+                rows = offs_m.to(tl.int64)[:, None] * stride_dqs  # int64: long sequences x heads x headdim
+                tl.atomic_add(dq_dst + rows + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
@@ -144,10 +150,11 @@ def attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DQ_BULK: tl.constexpr,
 ):
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here.
-    # DQ_ATOMIC: dQ is added here too, into DQAcc (fp32, zeroed), instead of by its own pass
+    # DQ_ATOMIC: dQ is added here too, into DQAcc (fp32, zeroed), instead of by its own pass; by TMA
+    # bulk reduces with DQ_BULK (sm90; the interpreter has no descriptor reduce), else scalar atomics
     num_n_blocks = tl.cdiv(max_seqlen_k, BLOCK_N)
     pid_n = tl.program_id(0) % num_n_blocks
     off_bhk = tl.program_id(0) // num_n_blocks
@@ -185,23 +192,25 @@ def attn_bwd_dkdv_kernel(
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
-        dq_ptr = DQAcc + off_b * stride_dqab + q_start * stride_dqas + off_h * stride_dqah
+        dq_dst = DQAcc + off_b * stride_dqab + q_start * stride_dqas + off_h * stride_dqah
+        if DQ_BULK:
+            dq_dst = make_desc_or_ptr(dq_dst, seqlen_q, stride_dqas, HEAD_DIM, BLOCK_M, BLOCK_D, True)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_ptr, stride_dqas,
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqas,
                              sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
-                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC)
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_lo, full_hi,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_ptr, stride_dqas,
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqas,
                              sm_scale, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
-                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC)
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
         if LOCAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_hi, m_end,
                                  seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
                                  slope2, window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                                 dq_ptr, stride_dqas, sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
-                                 USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC)
+                                 dq_dst, stride_dqas, sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
+                                 USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
 
     dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh, seqlen_k,
                               stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)

@@ -300,6 +300,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         DQ_ATOMIC=dq_atomic,
+        DQ_BULK=dq_atomic and flags["USE_TMA"] and arch != "interp",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
