@@ -59,6 +59,21 @@ def test_forward_backward(shape, dtype, causal, path):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
+@pytest.mark.parametrize("blocks", [3, 13], ids=["head-by-head", "all-heads-first"])
+def test_causal_block_orders(blocks):
+    """Causal grids take query blocks head by head (up to 8 per head) or the heaviest of all heads
+    first (more): every block is computed once in both orders (forward and the dQ pass)."""
+    block = 64 if ON_GPU else 16
+    seqlen = blocks * block - 5  # a ragged last block
+    q, k, v = make_qkv((3, seqlen, seqlen + 7, 4, 2, 64 if ON_GPU else 32), torch.float16)
+    tile = T(block, block, 4, 1)
+    with config.override(fwd=tile, bwd_dq=tile):
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    check_against_reference(q, k, v, out, lse, grads, do, True)
+
+
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_lse_gradient(causal):
     """The returned logsumexp is differentiable (ring attention needs it)."""

@@ -177,17 +177,24 @@ def dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOC
 
 
 @triton.jit
-def query_block_program(max_seqlen_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(start_m, off_bh) of this program in a 1-D grid over query blocks x batch*heads: the query
-    blocks of one head run together, sharing its K/V in L2; causal, the heaviest (last) block of
-    each head first. Heaviest blocks of all heads first (a shorter tail, K/V of 128 heads in
-    flight) ran 12% slower at 2k tokens and 2% at 16k (H200, docs/notes.md)."""
+def query_block_program(batch, nheads, max_seqlen_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(start_m, off_bh) of this program in a 1-D grid over query blocks x batch*heads.
+
+    Non-causal: the query blocks of one head run together, sharing its K/V in L2. Causal, heaviest
+    (last) blocks first: with more than 8 query blocks per head, those of all heads first (the
+    grid's tail is short); with up to 8, head by head (the blocks of a head read its K/V together).
+    Interleaved A/B on the H200 (docs/notes.md): head by head ran 4-11% faster at 512 and 1k
+    tokens, all heads first 3-10% faster from 4k (and 5% at 2k, headdim 256)."""
     num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
-    if CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
     off_bh = pid // num_m_blocks
+    if CAUSAL:
+        if num_m_blocks > 8:
+            num_bh = batch * nheads
+            pid_m = pid // num_bh
+            off_bh = pid % num_bh
+        pid_m = num_m_blocks - 1 - pid_m
     return pid_m * BLOCK_M, off_bh
 
 
@@ -199,7 +206,7 @@ def query_program(batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqle
     q_start, seqlen_q, k_start, seqlen_k); off_hk is the K/V head of query head off_h (GQA).
     SORTED (varlen): grid slot s works on sequence SeqOrder[s], longest first, so that the
     heaviest programs start first and the grid's tail is short."""
-    start_m, off_bh = query_block_program(max_seqlen_q, CAUSAL, BLOCK_M)
+    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     if SORTED:
