@@ -1,5 +1,5 @@
-"""The dependency direction of STYLE.md: api -> ops -> kernels; the reference stands alone;
-kernels import no torch."""
+"""The dependency direction of STYLE.md: modules -> api -> ops -> kernels; the reference stands
+alone; kernels import no torch."""
 import ast
 import pathlib
 
@@ -22,7 +22,9 @@ def imports(path: pathlib.Path) -> set[str]:
 @pytest.mark.parametrize("folder, forbidden", [
     ("kernels", ("torch", "..ops", "..api", "..reference", "flashattn2")),
     ("reference", ("..kernels", "..ops", "triton", "flashattn2.kernels", "flashattn2.ops")),
-    ("ops", ("..api", "flashattn2.api")),
+    ("ops", ("..api", "flashattn2.api", "..modules", "flashattn2.modules")),
+    # the layers use the public API, never the launchers or kernels behind it
+    ("modules", ("..ops", "..kernels", "flashattn2.ops", "flashattn2.kernels")),
 ])
 def test_dependency_direction(folder, forbidden):
     for path in (PKG / folder).glob("*.py"):

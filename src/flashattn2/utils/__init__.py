@@ -1,0 +1,1 @@
+"""flash_attn.utils' pieces that the modules' callers use (`utils.generation.InferenceParams`)."""
