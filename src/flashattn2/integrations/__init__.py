@@ -1,0 +1,1 @@
+"""Other libraries on flashattn2's kernels: `integrations.transformers` (Hugging Face)."""

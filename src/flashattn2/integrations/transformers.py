@@ -1,0 +1,122 @@
+"""Hugging Face transformers on flashattn2's kernels: importing this module registers the attention
+implementation "flashattn2", so that
+
+    import flashattn2.integrations.transformers
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="flashattn2")
+
+(or `model.set_attn_implementation("flashattn2")`) runs every attention layer on flashattn2,
+for training (padding masks and packed sequences become varlen calls) and for `generate()`.
+transformers (>= 5) is an optional dependency: `pip install flashattn2[transformers]`.
+
+The model gets flash-attention-style masks (`None`, or the 2-D padding mask), as for
+"flash_attention_2": causal is bottom-right aligned when the queries are the last tokens of the
+keys (decoding, chunked prefill).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from ..bert_padding import pad_input, unpad_input
+
+NAME = "flashattn2"
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _packed_cu_seqlens(position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """cu_seqlens of sequences packed into one row, told by position ids that restart; else None
+    (the check reads the ids: a host sync, as transformers' own flash-attention path does)."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return None
+    ids = position_ids.reshape(-1)
+    starts = torch.nonzero(ids == ids.min()).reshape(-1)
+    if starts.numel() <= 1:
+        return None
+    return torch.cat([starts, starts.new_tensor([ids.numel()])]).to(torch.int32)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query (batch, nheads, seqlen_q, headdim), key/value
+    (batch, nheads_kv, seqlen_k, headdim); attention_mask None or (batch, seqlen_k), True/1 for the
+    tokens to keep. Returns ((batch, seqlen_q, nheads, headdim), None)."""
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("attn_implementation='flashattn2' does not return attention weights "
+                                  "(output_attentions=True); use 'eager'")
+    for name in ("s_aux", "position_bias", "head_mask"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attn_implementation='flashattn2': the model passes {name}, not supported")
+    if query.shape[-1] != value.shape[-1]:
+        raise NotImplementedError("attn_implementation='flashattn2': value head dim differs from query's "
+                                  f"({value.shape[-1]} vs {query.shape[-1]})")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    batch, seqlen_q = q.shape[:2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=bool(causal), softcap=softcap or 0.0,
+                   window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1))
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and attention_mask is None:
+        cu_q = _packed_cu_seqlens(kwargs.get("position_ids"), batch)
+    if cu_q is not None:  # sequences packed into one row (a padding-free collator)
+        cu_k = cu_q if cu_k is None else cu_k
+        max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = kwargs.get("max_length_k") or int((cu_k[1:] - cu_k[:-1]).max())
+        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                     v.reshape(-1, *v.shape[2:]), cu_q.to(torch.int32), cu_k.to(torch.int32), max_q,
+                                     max_k, **options)
+        return out.view(batch, seqlen_q, *out.shape[1:]), None
+    if attention_mask is None:
+        return flash_attn_func(q, k, v, **options), None
+    if attention_mask.dim() != 2:
+        raise ValueError("attn_implementation='flashattn2' takes a 2-D padding mask (batch, seqlen_k) or None, got "
+                         f"shape {tuple(attention_mask.shape)}; the model builds it when its config names "
+                         "'flashattn2' (flashattn2.integrations.transformers registers the mask too)")
+    keep = attention_mask.bool()
+    k_unpad, _, cu_k, max_k, _ = unpad_input(k, keep)
+    v_unpad = unpad_input(v, keep)[0]
+    # the queries are the last seqlen_q positions of the keys (prefill, chunked prefill, decoding)
+    q_unpad, q_indices, cu_q, max_q, _ = unpad_input(q, keep[:, -seqlen_q:])
+    out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **options)
+    return pad_input(out, q_indices, batch, seqlen_q), None
+
+
+def _serve_flash_imports(flash_utils, name: str) -> None:
+    """transformers treats every implementation whose name holds "flash" as a flash-attention
+    kernel and imports its functions by name when a model is configured (from the Hub, for a name
+    it does not know). Answer that import with ours, so configuring "flashattn2" loads nothing and
+    transformers' own flash-attention helpers (continuous batching) run on these kernels too."""
+    original = flash_utils._lazy_imports
+    if getattr(original, "flashattn2_names", None) is not None:
+        original.flashattn2_names.add(name)
+        return
+
+    def _lazy_imports(implementation, *args, **kwargs):
+        if implementation in _lazy_imports.flashattn2_names:
+            return (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, flash_utils._pad_input,
+                    flash_utils._unpad_input)
+        return original(implementation, *args, **kwargs)
+
+    _lazy_imports.flashattn2_names = {name}
+    flash_utils._lazy_imports = _lazy_imports
+
+
+def register(name: str = NAME) -> None:
+    """Register the attention function and its mask (flash-attention style) with transformers
+    under name (any name; "flashattn2" on import)."""
+    from transformers import AttentionInterface, modeling_flash_attention_utils
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    _serve_flash_imports(modeling_flash_attention_utils, name)
+
+
+register()
+
+__all__ = ["NAME", "attention_forward", "register"]

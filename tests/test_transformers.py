@@ -1,0 +1,104 @@
+"""Hugging Face transformers with attn_implementation="flashattn2": a tiny random Llama (MHA and
+GQA) built from a config, no download. Logits and gradients against the same model on "sdpa"
+(fp32 the oracle, fp16 the yardstick), greedy generate() token for token, from_pretrained, packed
+sequences."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU
+from flashattn2.ops import _runtime
+from flashattn2.reference.tolerance import BWD_FACTOR, FWD_FACTOR
+from tolerance import assert_close
+
+transformers = pytest.importorskip("transformers")
+integration = pytest.importorskip("flashattn2.integrations.transformers")
+
+HIDDEN, HEADS, SEQLEN = (256, 4, 200) if ON_GPU else (64, 4, 13)
+VOCAB = 97
+KV_HEADS = [pytest.param(HEADS, id="mha"), pytest.param(2, id="gqa")]
+
+
+def tiny_llama(kv_heads, dtype, attn):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                      num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=4 * SEQLEN)
+    torch.manual_seed(1234)  # the same weights for every copy
+    model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=dtype)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def padded_batch():
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), device=DEVICE)
+    mask = torch.ones(2, SEQLEN, dtype=torch.long, device=DEVICE)
+    mask[1, :SEQLEN // 3] = 0  # left padding, as generate() wants
+    return ids, mask
+
+
+def logits_and_grads(model, ids, mask, weights):
+    model.zero_grad()
+    logits = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    (logits.float()[keep] * weights).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if "layers.0.self_attn" in name
+             or "embed_tokens" in name}
+    return logits[keep], grads
+
+
+@pytest.mark.parametrize("kv_heads", KV_HEADS)
+def test_logits_and_gradients_match_sdpa(kv_heads):
+    ids, mask = padded_batch()
+    weights = torch.randn(int(mask.sum()), VOCAB, device=DEVICE) / VOCAB
+    launched = []
+    real_launch = _runtime.launch
+    _runtime.launch = lambda kernel, *a, **kw: (launched.append(kernel.__name__), real_launch(kernel, *a, **kw))[1]
+    try:
+        ours = logits_and_grads(tiny_llama(kv_heads, torch.float16, "flashattn2"), ids, mask, weights)
+    finally:
+        _runtime.launch = real_launch
+    assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched  # the kernels ran
+    ref = logits_and_grads(tiny_llama(kv_heads, torch.float32, "sdpa"), ids, mask, weights)
+    low = logits_and_grads(tiny_llama(kv_heads, torch.float16, "sdpa"), ids, mask, weights)
+    assert_close("logits", ours[0], ref[0], low[0], FWD_FACTOR)
+    for name in ref[1]:
+        assert_close(name, ours[1][name], ref[1][name], low[1][name], BWD_FACTOR)
+
+
+@pytest.mark.parametrize("kv_heads", KV_HEADS)
+def test_greedy_generate_matches_sdpa(kv_heads):
+    """fp32 (the kernels' full-precision path): the same tokens as SDPA, left-padded batch."""
+    ids, mask = padded_batch()
+    tokens = []
+    for attn in ("flashattn2", "sdpa"):
+        model = tiny_llama(kv_heads, torch.float32, attn).eval()
+        tokens.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                     pad_token_id=0)[:, SEQLEN:])
+    assert torch.equal(tokens[0], tokens[1]), tokens
+
+
+def test_from_pretrained_and_packed_sequences(tmp_path):
+    """from_pretrained(attn_implementation="flashattn2") loads a saved model onto the kernels;
+    two sequences packed in one row (position ids restart, no mask) attend within their own."""
+    tiny_llama(2, torch.float32, "sdpa").save_pretrained(tmp_path)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="flashattn2",
+                                                          dtype=torch.float32).to(DEVICE).eval()
+    assert model.config._attn_implementation == "flashattn2"
+    ref = tiny_llama(2, torch.float32, "sdpa").eval()
+    a, b = SEQLEN, SEQLEN // 2 + 1
+    ids = torch.randint(0, VOCAB, (1, a + b), device=DEVICE)
+    position_ids = torch.cat([torch.arange(a), torch.arange(b)]).to(DEVICE)[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids).logits[0]
+        apart = torch.cat([ref(ids[:, :a]).logits[0], ref(ids[:, a:]).logits[0]])
+    torch.testing.assert_close(packed, apart, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_function_errors():
+    q = torch.randn(1, 2, 5, 16, device=DEVICE, dtype=torch.float16)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        integration.attention_forward(module, q, q, q, torch.ones(1, 1, 5, 5, device=DEVICE, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        integration.attention_forward(module, q, q, q, None, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        integration.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2, device=DEVICE))
