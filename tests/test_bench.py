@@ -77,3 +77,22 @@ def test_rows_longer_than_the_header_are_refused(tmp_path):
         with results.appending(str(path), kernels.FIELDS):
             pass
     assert path.read_text() == text and not (tmp_path / "k.csv.tmp").exists()
+
+
+def test_gpt_bench_rows_and_table(tmp_path):
+    """bench gpt's plumbing on a tiny model (the CPU interpreter, or the GPU): one row per
+    attention with a first loss that matches flashattn2's, FLOPs by the paper's formula, a table."""
+    from conftest import DEVICE
+    from flashattn2.bench import gpt
+
+    path = str(tmp_path / "gpt.csv")
+    gpt.run(path, models=["gpt3-1.3b"], contexts=[32], attentions=["naive", "sdpa_flash", "flashattn2"], tokens=64,
+            steps=1, warmup=0, device=DEVICE, dims=(2, 64, 2), progress=lambda _: None)
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["attention"] for r in rows] == ["flashattn2", "naive", "sdpa_flash"]
+    assert all(r["note"] == "" and float(r["tflops"]) > 0 for r in rows), rows
+    assert int(rows[0]["batch"]) == 2
+    assert gpt.step_flops(10, 2, 64, 32, 2) == 2 * (6 * 32 * 10 + 12 * 2 * 64 * 32**2)
+    table = gpt.markdown(path)
+    assert "| gpt3-1.3b | 32 |" in table and "x sdpa_flash" in table

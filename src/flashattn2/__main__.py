@@ -1,4 +1,4 @@
-"""python -m flashattn2 [bench] [filters] | python -m flashattn2 bench report | python -m flashattn2 bench features
+"""python -m flashattn2 [bench] [filters] | bench report | bench features | bench decode | bench gpt
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -23,10 +23,11 @@ def _parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", default="bench", choices=["bench", "check"],
                     help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check")
-    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report", "features", "decode"],
+    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report", "features", "decode", "gpt"],
                     help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
                          "features: what varlen, window and the other options cost (headdim 128 by default); "
-                         "decode: GB/s of K/V read when decoding over a KV cache")
+                         "decode: GB/s of K/V read when decoding over a KV cache; "
+                         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table)")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
@@ -48,6 +49,11 @@ def _parser():
     ap.add_argument("--layouts", default="contiguous,paged-16,paged-256,contiguous-unchecked",
                     help="decode: flashattn2's cache layouts (-unchecked: set_kvcache_checks(False), eager only)")
     ap.add_argument("--timings", default="eager,graph", help="decode: eager and/or graph (CUDA graph replay)")
+    ap.add_argument("--models", default="gpt3-1.3b,gpt3-2.7b", help="gpt: model shapes")
+    ap.add_argument("--contexts", default="2048,8192", help="gpt: context lengths")
+    ap.add_argument("--attentions", default="flashattn2,sdpa_flash,sdpa_cudnn,naive", help="gpt: what runs attention")
+    ap.add_argument("--tokens", type=int, default=16384, help="gpt: tokens per training step")
+    ap.add_argument("--steps", type=int, default=10, help="gpt: timed steps (after 3 warm-up steps)")
     return ap
 
 
@@ -86,6 +92,8 @@ def main(argv=None) -> int:
 
     if args.what == "report":
         return _report(args.csv or _default_csv(None), args.plots)
+    if args.what == "gpt":
+        return _gpt(args)
     if args.command == "check" or not torch.cuda.is_available():
         return _cpu_check(argv)
     if args.what == "features":
@@ -127,6 +135,23 @@ def _decode(args):
     decode.run(path, _ints(args.batches), _ints(args.caches), _ints(args.kv_heads), args.layouts.split(","),
                args.timings.split(","), peers="sdpa" in args.providers)
     return _write_markdown(path, decode.markdown(path))
+
+
+def _gpt(args):
+    import torch
+
+    from .bench import gpt
+
+    if not torch.cuda.is_available():
+        print("bench gpt measures training steps of 1.3B/2.7B-parameter models: it needs a CUDA GPU")
+        return 2
+    unknown = set(args.models.split(",")) - set(gpt.MODELS)
+    if unknown:
+        print(f"unknown model(s) {sorted(unknown)}; expected some of {sorted(gpt.MODELS)}")
+        return 2
+    path = args.csv or os.path.join(RESULTS, f"gpt-{_slug(torch.cuda.get_device_name())}.csv")
+    gpt.run(path, args.models.split(","), _ints(args.contexts), args.attentions.split(","), args.tokens, args.steps)
+    return _write_markdown(path, gpt.markdown(path))
 
 
 def _slug(gpu: str) -> str:

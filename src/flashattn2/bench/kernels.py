@@ -32,10 +32,11 @@ def git_sha() -> str:
         return "unknown"
 
 
-def run_metadata() -> dict:
+def run_metadata(gpu: str | None = None) -> dict:
+    """GPU (default: CUDA's current device), versions, date and git sha of a benchmark run."""
     import triton
 
-    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    return dict(gpu=gpu or torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), git_sha=git_sha())
 
 
