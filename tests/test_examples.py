@@ -1,5 +1,6 @@
 """examples/gpt/train.py runs end to end (--smoke: a tiny model, a few steps): corpus, training,
 the loss curve, sampling through the KV cache."""
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -18,8 +19,5 @@ def test_gpt_example_smoke(tmp_path):
     assert "unigram entropy" in proc.stdout and "sample:\ndef " in proc.stdout, proc.stdout[-2000:]
     result = dict(line.split() for line in (tmp_path / "result.txt").read_text().splitlines())
     assert float(result["val_loss"]) > 0 and float(result["steps"]) == 3
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert (tmp_path / "loss.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:  # the loss curve needs it
+        assert (tmp_path / "loss.png").stat().st_size > 1000
