@@ -64,15 +64,17 @@ def test_logits_and_gradients_match_sdpa(kv_heads):
         assert_close(name, ours[1][name], ref[1][name], low[1][name], BWD_FACTOR)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("kv_heads", KV_HEADS)
-def test_greedy_generate_matches_sdpa(kv_heads):
-    """fp32 (the kernels' full-precision path): the same tokens as SDPA, left-padded batch."""
+def test_greedy_generate_matches_sdpa(kv_heads, cache):
+    """fp32 (the kernels' full-precision path): the same tokens as SDPA, left-padded batch; a
+    static cache's keys run past the padding mask (empty slots)."""
     ids, mask = padded_batch()
     tokens = []
     for attn in ("flashattn2", "sdpa"):
         model = tiny_llama(kv_heads, torch.float32, attn).eval()
-        tokens.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                                     pad_token_id=0)[:, SEQLEN:])
+        tokens.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                     cache_implementation=cache, disable_compile=True)[:, SEQLEN:])
     assert torch.equal(tokens[0], tokens[1]), tokens
 
 

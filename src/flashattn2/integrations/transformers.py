@@ -78,9 +78,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"shape {tuple(attention_mask.shape)}; the model builds it when its config names "
                          "'flashattn2' (flashattn2.integrations.transformers registers the mask too)")
     keep = attention_mask.bool()
+    if keep.shape[1] > k.shape[1]:
+        raise ValueError(f"attn_implementation='flashattn2': the padding mask covers {keep.shape[1]} positions, the "
+                         f"keys only {k.shape[1]}")
+    # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
+    k, v = k[:, :keep.shape[1]], v[:, :keep.shape[1]]
     k_unpad, _, cu_k, max_k, _ = unpad_input(k, keep)
     v_unpad = unpad_input(v, keep)[0]
-    # the queries are the last seqlen_q positions of the keys (prefill, chunked prefill, decoding)
+    if seqlen_q == 1:  # decoding: every sequence's one query (a static cache's mask ends in free slots)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen_func(q[:, 0], k_unpad, v_unpad, cu_q, cu_k, 1, max_k, **options)
+        return out.unsqueeze(1), None
+    # the queries are the last seqlen_q positions of the keys (prefill, chunked prefill)
     q_unpad, q_indices, cu_q, max_q, _ = unpad_input(q, keep[:, -seqlen_q:])
     out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **options)
     return pad_input(out, q_indices, batch, seqlen_q), None
