@@ -104,3 +104,25 @@ def test_attention_function_errors():
         integration.attention_forward(module, q, q, q, None, output_attentions=True)
     with pytest.raises(NotImplementedError, match="s_aux"):
         integration.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2, device=DEVICE))
+
+
+@pytest.mark.parametrize("family, options", [
+    pytest.param("Mistral", dict(sliding_window=6), id="mistral-sliding-window"),
+    pytest.param("Gemma2", dict(sliding_window=6, attn_logit_softcapping=5.0), id="gemma2-window-softcap"),
+])
+def test_window_and_softcap_models_match_eager(family, options):
+    """A sliding window and a logit softcap reach the kernels as window_size and softcap: fp32
+    logits equal the eager implementation's on a left-padded batch."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS,
+        max_position_embeddings=4 * SEQLEN, **options)
+    ids, mask = padded_batch()
+    logits = []
+    for attn in ("flashattn2", "eager"):
+        torch.manual_seed(1234)
+        model = getattr(transformers, f"{family}ForCausalLM")(config).to(DEVICE).eval()
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            logits.append(model(ids, attention_mask=mask).logits[mask.bool()])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
