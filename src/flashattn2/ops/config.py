@@ -74,8 +74,9 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm86", 256, 2, "bwd_dq"):    TileConfig(32, 32, 4, 1),
 }
 # The dK/dV kernel that also adds dQ with atomics (deterministic=False where _DQ_ATOMIC allows):
-# the dK/dV tile where it fits, not measured yet. sm90 headdim 256: 64x64 w8 s2 needs 263 KB of
-# shared memory with the extra dS K product (compile_check), so one stage.
+# the dK/dV tile where it fits (H200, 2026-11-30: 64x128 w8 s2, 128x128 (too much shared memory)
+# and 64x64 w4 s3 were no better). sm90 headdim 256: 64x64 w8 s2 needs 263 KB of shared memory
+# with the extra dS K product (compile_check), so one stage.
 for (_arch, _bucket, _bytes, _kernel), _cfg in list(_TABLE.items()):
     if _kernel == "bwd_dkdv":
         _TABLE[(_arch, _bucket, _bytes, "bwd_dkdv_atomic")] = _cfg
@@ -98,7 +99,9 @@ _INTERP = TileConfig(64, 64, 4, 1)
 
 # (arch, head-dim bucket) -> True where deterministic=False adds dQ with atomics inside the dK/dV
 # kernel (5 matmuls per block pair instead of 7, flash_attn's own non-deterministic default).
-# Not measured yet: off everywhere, so every backward is the deterministic two-pass one.
+# Off everywhere: on the H200 (2026-11-30, fp16, 16k and 2k tokens) it made the backward slower at
+# every head dim (TMA bulk reduce: d128 386 -> 344 TFLOP/s, d64 causal 329 -> 320, d256 about
+# half; scalar atomics 0.45-0.66x), so every backward is the deterministic two-pass one.
 # FLASHATTN2_DQ_ATOMIC=1 or override(dq_atomic=True) turns it on for deterministic=False calls;
 # deterministic=True never takes it.
 _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
