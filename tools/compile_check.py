@@ -70,6 +70,10 @@ def cases(arch):
         if entry_arch != arch:
             continue
         fp32 = elem_bytes == 4
+        if kernel == "bwd_dkdv_atomic" and fp32:
+            # the atomic dQ path is off by default (measured slower); its fp32 build shares the
+            # small fp32 tile with bwd_dkdv, checked above (CI time: ~1 minute saved)
+            continue
         for use_tma in ((True, False) if arch == "sm90" else (False,)):
             for variant, flags in VARIANTS.items():
                 # bf16 needs the same shared memory as fp16
