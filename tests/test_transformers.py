@@ -89,10 +89,15 @@ def test_from_pretrained_and_packed_sequences(tmp_path):
     a, b = SEQLEN, SEQLEN // 2 + 1
     ids = torch.randint(0, VOCAB, (1, a + b), device=DEVICE)
     position_ids = torch.cat([torch.arange(a), torch.arange(b)]).to(DEVICE)[None]
+    cu = torch.tensor([0, a, a + b], device=DEVICE, dtype=torch.int32)
     with torch.no_grad():
         packed = model(ids, position_ids=position_ids).logits[0]
+        # a padding-free collator's explicit boundaries (transformers' DataCollatorWithFlattening)
+        collated = model(ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=a,
+                         max_length_k=a).logits[0]
         apart = torch.cat([ref(ids[:, :a]).logits[0], ref(ids[:, a:]).logits[0]])
     torch.testing.assert_close(packed, apart, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(collated, apart, rtol=1e-4, atol=1e-4)
 
 
 def test_attention_function_errors():
