@@ -17,13 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from ..bert_padding import pad_input, unpad_input
+from ..bert_padding import index_first_axis, pad_input, unpad_input
 
 NAME = "flashattn2"
-
-
-def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def _packed_cu_seqlens(position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -83,14 +79,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"keys only {k.shape[1]}")
     # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
     k, v = k[:, :keep.shape[1]], v[:, :keep.shape[1]]
-    k_unpad, _, cu_k, max_k, _ = unpad_input(k, keep)
-    v_unpad = unpad_input(v, keep)[0]
+    k_unpad, k_indices, cu_k, max_k, _ = unpad_input(k, keep)
+    v_unpad = index_first_axis(v.reshape(-1, *v.shape[2:]), k_indices)  # the same rows: no second mask pass
     if seqlen_q == 1:  # decoding: every sequence's one query (a static cache's mask ends in free slots)
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         out = flash_attn_varlen_func(q[:, 0], k_unpad, v_unpad, cu_q, cu_k, 1, max_k, **options)
         return out.unsqueeze(1), None
     # the queries are the last seqlen_q positions of the keys (prefill, chunked prefill)
-    q_unpad, q_indices, cu_q, max_q, _ = unpad_input(q, keep[:, -seqlen_q:])
+    if seqlen_q == keep.shape[1]:  # prefill: the keys' rows (one host sync per layer, not two)
+        q_indices, cu_q, max_q = k_indices, cu_k, max_k
+        q_unpad = index_first_axis(q.reshape(-1, *q.shape[2:]), q_indices)
+    else:
+        q_unpad, q_indices, cu_q, max_q, _ = unpad_input(q, keep[:, -seqlen_q:])
     out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **options)
     return pad_input(out, q_indices, batch, seqlen_q), None
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..api import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                    flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
-from ..bert_padding import pad_input, unpad_input
+from ..bert_padding import index_first_axis, pad_input, unpad_input
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -356,7 +356,7 @@ class MHA(nn.Module):
         if key_padding_mask is not None and self.use_flash_attn:
             # drop the padded tokens, attend varlen, pad again (padded queries' rows come back 0)
             q_unpad, indices, cu_seqlens, max_seqlen, _ = unpad_input(q, key_padding_mask)
-            kv_unpad = unpad_input(kv, key_padding_mask)[0]
+            kv_unpad = index_first_axis(kv.reshape(-1, *kv.shape[2:]), indices)
             context = self.inner_cross_attn(q_unpad, kv_unpad, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs)
             context = pad_input(context, indices, *x.shape[:2])
         else:

@@ -184,6 +184,12 @@ def _block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
+    """The score arguments the forward, dK/dV and dQ kernels take in this order: window_left,
+    window_right, sm_scale, softcap, dropout_p."""
+    return runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"], runtime["dropout_p"]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -211,8 +217,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
-        runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["softcap"], runtime["dropout_p"],
+        *_score_scalars(runtime, softmax_scale),
         **flags,
         IS_VARLEN=varlen is not None,
         SORTED=is_sorted,
@@ -293,8 +298,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
         geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
-        runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["softcap"], runtime["dropout_p"],
+        *_score_scalars(runtime, softmax_scale),
         **common,
         SORTED=sorted_q,
         BLOCK_M=cfg.block_m,
@@ -312,8 +316,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             *geo.lse_strides(lse),
             runtime["stride_alibi_b"],
             geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
-            runtime["window_left"], runtime["window_right"],
-            softmax_scale, runtime["softcap"], runtime["dropout_p"],
+            *_score_scalars(runtime, softmax_scale),
             **common,
             SORTED=sorted_k,
             BLOCK_M=cfg.block_m,
