@@ -37,7 +37,8 @@ def _model(name, context, attention, device, dims=None):
     config = GPTConfig(vocab_size=VOCAB if dims is None else 97, block_size=context, n_layer=layers, n_head=heads,
                        n_embd=hidden, attention=attention)
     torch.manual_seed(0)  # the same weights for every attention
-    return GPT(config).to(device=device, dtype=torch.bfloat16)
+    with torch.device(device):  # initialised where it runs: a 2.7B model's CPU init takes longer than its steps
+        return GPT(config).to(dtype=torch.bfloat16)
 
 
 def measure(name, context, attention, tokens, steps, warmup, device="cuda", dims=None):
