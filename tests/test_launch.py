@@ -67,6 +67,27 @@ def test_key_separates_triton_specializations():
     assert _runtime._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
 
 
+def test_key_separates_descriptor_specializations():
+    """Host-built tensor descriptors: Triton specializes on their dtype and box; the key does too
+    (and on nothing else), and the launcher receives the descriptor itself."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    base = torch.randn(2, 64, 4, 32)
+    calls = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        t = base.to(dtype)
+        for rows in (16, 32):
+            for n in (64, 48):
+                desc = TensorDescriptor(t, [2, n, 128], [t.stride(0), t.stride(1), 1], [1, rows, 32])
+                args = (desc, base, 3, 4, 0.5)
+                key, launched = _runtime._bound(kernel, args, {"C": 1})
+                assert launched[0] is desc
+                calls.append((key, _triton_spec(kernel, (*args, 1), ())))
+    assert len({s for _, s in calls}) == 6
+    for (k1, s1), (k2, s2) in itertools.combinations(calls, 2):
+        assert (k1 == k2) == (s1 == s2), (s1, s2)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")
 def test_relaunch_is_tritons_choice():
     """Launch the rotary kernel through shapes whose strides and sizes cross Triton's

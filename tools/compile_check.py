@@ -65,6 +65,22 @@ VARIANTS = {
 }
 
 
+# the rows of each tensor's tile: query-side tensors BLOCK_M, key-side BLOCK_N
+_QUERY_SIDE = {"Q", "Out", "DOut", "DQ"}
+_KEY_SIDE = {"K", "V", "DK", "DV"}
+
+
+def _descriptor_types(kernel, elem_bytes, head_dim, cfg):
+    """Signature types of the host-built descriptors (3-D, box [1, rows, head_dim])."""
+    fn = KERNELS[kernel]
+    types = {}
+    for name in fn.arg_names:
+        if name in _QUERY_SIDE or name in _KEY_SIDE:
+            rows = cfg.block_m if name in _QUERY_SIDE else cfg.block_n
+            types[name] = f"tensordesc<{TYPE[elem_bytes]}[1,{rows},{head_dim}]>"
+    return types
+
+
 def cases(arch):
     for (entry_arch, bucket, elem_bytes, kernel), cfg in config.table_entries():
         if entry_arch != arch:
@@ -77,13 +93,19 @@ def cases(arch):
         for use_tma in ((True, False) if arch == "sm90" else (False,)):
             for variant, flags in VARIANTS.items():
                 # bf16 needs the same shared memory as fp16
-                constexprs = dict(**flags, USE_TMA=use_tma, UPCAST=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
+                # the dense TMA path takes host-built descriptors (ops.attention._sources), varlen
+                # makes its own in the kernel: each variant is built as it runs
+                host_desc = use_tma and not flags["IS_VARLEN"]
+                constexprs = dict(**flags, USE_TMA=use_tma, HOST_DESC=host_desc, UPCAST=fp32,
+                                  DOT_PRECISION="ieee" if fp32 else "tf32",
                                   HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
                 if kernel.startswith("bwd_dkdv"):
                     constexprs["DQ_ATOMIC"] = kernel == "bwd_dkdv_atomic"
                     constexprs["DQ_BULK"] = kernel == "bwd_dkdv_atomic" and use_tma
-                name = f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}"
-                yield name, KERNELS[kernel], elem_bytes, constexprs, cfg
+                types = _descriptor_types(kernel, elem_bytes, bucket, cfg) if host_desc else None
+                name = (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
+                        f"{'host-tma' if host_desc else 'tma' if use_tma else 'ptr'}-{variant}")
+                yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types
     pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
     yield (f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),

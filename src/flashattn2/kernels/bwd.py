@@ -12,8 +12,8 @@ dS = P * (Z dP - D), the mask regenerated from the same Philox offsets as the fo
 import triton
 import triton.language as tl
 
-from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, load_vec, \
-    make_desc_or_ptr, query_program, query_block_range, seq_bounds, store_rows, tanh, visible
+from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, load_tile, \
+    load_vec, make_desc_or_ptr, query_program, query_block_range, seq_bounds, store_tile, tanh, tile_src, visible
 
 
 @triton.jit
@@ -77,15 +77,15 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
                 seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
                 window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqs, sm_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
+                UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                 DQ_BULK: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_m in range(m_lo, m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+        q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
         # rows past seqlen_q load lse = +inf, so their P is exactly 0
         lse2 = load_vec(lse_ptr, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
         # P^T, [BLOCK_N, BLOCK_M]: computed transposed so dV and dK need no transpose of P or dS
@@ -96,7 +96,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
                                       MASKED, CAUSAL, LOCAL, SOFTCAP, ALIBI)
         else:
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+        do = load_tile(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
         # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             keepT = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, True)
@@ -148,7 +148,8 @@ def attn_bwd_dkdv_kernel(
     nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, DQ_BULK: tl.constexpr,
 ):
@@ -172,12 +173,12 @@ def attn_bwd_dkdv_kernel(
     softcap_out = softcap * LOG2E
     no_slope, seed = head_constants(Alibi, stride_alibi_b, off_b, 0, Seed, False, DROPOUT)
 
-    k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
-                             stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = make_desc_or_ptr(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh, seqlen_k,
-                             stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
-    v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+    k_src = tile_src(K, off_b, k_start, off_hk, stride_kb, stride_ks, stride_kh, seqlen_k, HEAD_DIM, BLOCK_N,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    v_src = tile_src(V, off_b, k_start, off_hk, stride_vb, stride_vs, stride_vh, seqlen_k, HEAD_DIM, BLOCK_N,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+    v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -185,10 +186,10 @@ def attn_bwd_dkdv_kernel(
                                                       CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
     for g in range(0, group_size):
         off_h = off_hk * group_size + g
-        q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
-                                 stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        do_src = make_desc_or_ptr(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh,
-                                  seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        q_src = tile_src(Q, off_b, q_start, off_h, stride_qb, stride_qs, stride_qh, seqlen_q, HEAD_DIM, BLOCK_M,
+                         BLOCK_D, USE_TMA, HOST_DESC)
+        do_src = tile_src(DOut, off_b, q_start, off_h, stride_dob, stride_dos, stride_doh, seqlen_q, HEAD_DIM, BLOCK_M,
+                          BLOCK_D, USE_TMA, HOST_DESC)
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
@@ -198,28 +199,26 @@ def attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
                              window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqas,
-                             sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
+                             sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST,
                              DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_lo, full_hi,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
                              window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqas,
-                             sm_scale, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST,
+                             sm_scale, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST,
                              DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
         if LOCAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_hi, m_end,
                                  seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
                                  slope2, window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
                                  dq_dst, stride_dqas, sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
-                                 USE_TMA, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
+                                 USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
 
-    dk_dst = make_desc_or_ptr(DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh, seqlen_k,
-                              stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    dv_dst = make_desc_or_ptr(DV + off_b * stride_dvb + k_start * stride_dvs + off_hk * stride_dvh, seqlen_k,
-                              stride_dvs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    store_rows(dk_dst, (dk * sm_scale).to(DK.dtype.element_ty), start_n, seqlen_k, stride_dks,
-               HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    store_rows(dv_dst, dv.to(DV.dtype.element_ty), start_n, seqlen_k, stride_dvs,
-               HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    dk_dst = tile_src(DK, off_b, k_start, off_hk, stride_dkb, stride_dks, stride_dkh, seqlen_k, HEAD_DIM, BLOCK_N,
+                      BLOCK_D, USE_TMA, HOST_DESC)
+    dv_dst = tile_src(DV, off_b, k_start, off_hk, stride_dvb, stride_dvs, stride_dvh, seqlen_k, HEAD_DIM, BLOCK_N,
+                      BLOCK_D, USE_TMA, HOST_DESC)
+    store_tile(dk_dst, dk * sm_scale, start_n, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_DESC)
+    store_tile(dv_dst, dv, start_n, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_DESC)
 
 
 @triton.jit
@@ -227,13 +226,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
               seed, rng_row0, max_seqlen_k, dropout_p,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
+              UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or SOFTCAP or ALIBI:
@@ -242,7 +241,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, n_hi, seqlen_
                                     MASKED, CAUSAL, LOCAL, SOFTCAP, ALIBI)
         else:
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
             keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
@@ -268,8 +267,8 @@ def attn_bwd_dq_kernel(
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
@@ -283,16 +282,16 @@ def attn_bwd_dq_kernel(
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
-    q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
-                             stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    do_src = make_desc_or_ptr(DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh, seqlen_q,
-                              stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
-                             stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = make_desc_or_ptr(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh, seqlen_k,
-                             stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
-    do = load_rows(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+    q_src = tile_src(Q, off_b, q_start, off_h, stride_qb, stride_qs, stride_qh, seqlen_q, HEAD_DIM, BLOCK_M,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    do_src = tile_src(DOut, off_b, q_start, off_h, stride_dob, stride_dos, stride_doh, seqlen_q, HEAD_DIM, BLOCK_M,
+                      BLOCK_D, USE_TMA, HOST_DESC)
+    k_src = tile_src(K, off_b, k_start, off_hk, stride_kb, stride_ks, stride_kh, seqlen_k, HEAD_DIM, BLOCK_N,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    v_src = tile_src(V, off_b, k_start, off_hk, stride_vb, stride_vs, stride_vh, seqlen_k, HEAD_DIM, BLOCK_N,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+    do = load_tile(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
     row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     lse2 = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
     delta = load_vec(Delta + row0, start_m, seqlen_q, BLOCK_M, 0.0)
@@ -306,20 +305,19 @@ def attn_bwd_dq_kernel(
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
                        stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
                        seed, rng_row0, max_seqlen_k, dropout_p,
-                       True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION,
+                       True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION,
                        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
                    stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
                    seed, rng_row0, max_seqlen_k, dropout_p,
-                   False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION,
+                   False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
                    stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
                    seed, rng_row0, max_seqlen_k, dropout_p,
-                   True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, UPCAST, DOT_PRECISION,
+                   True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION,
                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
-    dq_dst = make_desc_or_ptr(DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh, seqlen_q,
-                              stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    store_rows(dq_dst, (dq * sm_scale).to(DQ.dtype.element_ty), start_m, seqlen_q, stride_dqs,
-               HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    dq_dst = tile_src(DQ, off_b, q_start, off_h, stride_dqb, stride_dqs, stride_dqh, seqlen_q, HEAD_DIM, BLOCK_M,
+                      BLOCK_D, USE_TMA, HOST_DESC)
+    store_tile(dq_dst, dq * sm_scale, start_m, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_DESC)

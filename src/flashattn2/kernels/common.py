@@ -49,6 +49,48 @@ def store_rows(dst, x, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_RO
 
 
 @triton.jit
+def tile_src(X, off_b, row0, off_h, stride_b, stride_s, stride_h, seqlen, HEAD_DIM: tl.constexpr,
+             BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr):
+    """Where the (seqlen, HEAD_DIM) rows of batch entry off_b, head off_h are read or written, as
+    (source, batch entry, first column) for load_tile / store_tile. HOST_DESC: X is a descriptor
+    built on the host over (batch, seqlen, heads * HEAD_DIM) with a [1, BLOCK_ROWS, HEAD_DIM] box
+    (dense inputs only: row0 is 0), read at column off_h * HEAD_DIM; no descriptor is written per
+    program. Otherwise a descriptor made here (USE_TMA) or the base pointer of those rows."""
+    if HOST_DESC:
+        return X, off_b.to(tl.int32), (off_h * HEAD_DIM).to(tl.int32)
+    else:
+        base = X + off_b * stride_b + row0 * stride_s + off_h * stride_h
+        return make_desc_or_ptr(base, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA), 0, 0
+
+
+@triton.jit
+def load_tile(src, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, HOST_DESC: tl.constexpr):
+    """load_rows of a tile_src source."""
+    if HOST_DESC:
+        x = src[0].load([src[1], start, src[2]]).reshape(BLOCK_ROWS, BLOCK_D)
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+    else:
+        return load_rows(src[0], start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA, UPCAST)
+
+
+@triton.jit
+def store_tile(dst, x, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr):
+    """store_rows of x, cast to the destination's dtype, into a tile_src destination."""
+    if USE_TMA:  # a descriptor's dtype is its element type
+        x = x.to(dst[0].dtype)
+    else:
+        x = x.to(dst[0].dtype.element_ty)
+    if HOST_DESC:
+        dst[0].store([dst[1], start, dst[2]], x.reshape(1, BLOCK_ROWS, BLOCK_D))
+    else:
+        store_rows(dst[0], x, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA)
+
+
+@triton.jit
 def load_vec(ptr, start, seqlen, BLOCK: tl.constexpr, other):
     """Elements [start, start + BLOCK) of a per-row fp32 vector, `other` past its end."""
     offs = start + tl.arange(0, BLOCK)

@@ -8,8 +8,8 @@ Softcap, ALiBi and a local window are constexpr flags: when off they cost nothin
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, \
-    make_desc_or_ptr, query_program, store_rows, tanh, visible
+from .common import LN2, LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_tile, \
+    query_program, store_tile, tanh, tile_src, visible
 
 
 @triton.jit
@@ -17,12 +17,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
                stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
                seed, rng_row0, max_seqlen_k, dropout_p,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
+               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
-        k = load_rows(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or SOFTCAP or ALIBI:
@@ -53,7 +53,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
             # the normaliser keeps every score; only the values mixed into O are dropped
             keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
-        v = load_rows(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST)
+        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
         # [BLOCK_M, BLOCK_D]
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -73,8 +73,8 @@ def attn_fwd_kernel(
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
     sm_scale, softcap, dropout_p,
     CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
@@ -89,16 +89,16 @@ def attn_fwd_kernel(
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
-    q_src = make_desc_or_ptr(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, seqlen_q,
-                             stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = make_desc_or_ptr(K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, seqlen_k,
-                             stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = make_desc_or_ptr(V + off_b * stride_vb + k_start * stride_vs + off_hk * stride_vh, seqlen_k,
-                             stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    o_src = make_desc_or_ptr(Out + off_b * stride_ob + q_start * stride_os + off_h * stride_oh, seqlen_q,
-                             stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    q_src = tile_src(Q, off_b, q_start, off_h, stride_qb, stride_qs, stride_qh, seqlen_q, HEAD_DIM, BLOCK_M,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    k_src = tile_src(K, off_b, k_start, off_hk, stride_kb, stride_ks, stride_kh, seqlen_k, HEAD_DIM, BLOCK_N,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    v_src = tile_src(V, off_b, k_start, off_hk, stride_vb, stride_vs, stride_vh, seqlen_k, HEAD_DIM, BLOCK_N,
+                     BLOCK_D, USE_TMA, HOST_DESC)
+    o_src = tile_src(Out, off_b, q_start, off_h, stride_ob, stride_os, stride_oh, seqlen_q, HEAD_DIM, BLOCK_M,
+                     BLOCK_D, USE_TMA, HOST_DESC)
 
-    q = load_rows(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST)
+    q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -109,17 +109,17 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
                                    stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
                                    window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA,
+                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC,
                                    UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
                                stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
                                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                               False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA,
+                               False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC,
                                UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
                                stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
                                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA,
+                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC,
                                UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
@@ -129,8 +129,7 @@ def attn_fwd_kernel(
         acc = acc * (1.0 / (1.0 - dropout_p))
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    store_rows(o_src, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M,
-               BLOCK_D, USE_TMA)
+    store_tile(o_src, acc, start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_DESC)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     lse_row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     tl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)

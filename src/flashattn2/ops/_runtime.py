@@ -118,6 +118,8 @@ def _binder(kernel, args: tuple, kwargs: dict):
             lines.append(f"p{i} = a{i}.data_ptr()")
             launch[-1] = f"p{i}"
             key.append(f"a{i}.dtype, p{i} & 15 == 0")
+        elif type(a).__name__ == "TensorDescriptor":  # host-built: Triton specializes on dtype and box
+            key.append(f"a{i}.base.dtype, tuple(a{i}.block_shape)")
         elif type(a) is int:
             # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
             key.append(f"1 if a{i} == 1 else (a{i} & 15 == 0, -0x80000000 <= a{i} < 0x80000000, a{i} >= 1 << 63)")

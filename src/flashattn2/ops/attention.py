@@ -5,6 +5,7 @@ dimension contiguous, one dtype, one device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -184,6 +185,30 @@ def _block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple[list, bool]:
+    """(the kernel's tensor arguments, HOST_DESC) for (tensor, rows of its tile) pairs: with the
+    TMA path on dense inputs whose head dim is a power of two and whose heads are adjacent in
+    memory, descriptors built here over (batch, seqlen, heads * headdim) with a [1, rows, headdim]
+    box (config.host_desc); otherwise the tensors (the kernels make their own descriptors)."""
+    tensors = [t for t, _ in pairs]
+    if not (use_tma and geo.varlen is None and geo.head_dim == _block_d(geo.head_dim) and config.host_desc()
+            and all(t.stride(2) == geo.head_dim for t in tensors)):
+        return tensors, False
+    descs = []
+    for t, rows in pairs:
+        b, n, h, d = t.shape
+        s = t.stride()
+        descs.append(_TensorDescriptor()(t, [b, n, h * d], [s[0], s[1], 1], [1, rows, d]))
+    return descs, True
+
+
+@functools.cache
+def _TensorDescriptor():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor
+
+
 def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
     """The score arguments the forward, dK/dV and dQ kernels take in this order: window_left,
     window_right, sm_scale, softcap, dropout_p."""
@@ -211,8 +236,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
     order, is_sorted = geo.order("k", lse)
+    tma = _flags(q, arch, q, k, v, out)
+    sources, host_desc = _sources(geo, tma["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
+                                  (out, cfg.block_m))
     _runtime.launch(_runtime.kernels().fwd.attn_fwd_kernel, grid,
-        q, k, v, out, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
+        *sources, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
@@ -221,7 +249,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         **flags,
         IS_VARLEN=varlen is not None,
         SORTED=is_sorted,
-        **_flags(q, arch, q, k, v, out),
+        **tma,
+        HOST_DESC=host_desc,
         HEAD_DIM=geo.head_dim,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -290,8 +319,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     order_k, sorted_k = geo.order("k", cu_k)
 
     cfg = config.select("bwd_dkdv_atomic" if dq_atomic else "bwd_dkdv", arch, geo.head_dim, q.dtype, causal)
+    (sq, sk, sv, sdo, sdk, sdv), host_desc = _sources(
+        geo, flags["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+        (gk, cfg.block_n), (gv, cfg.block_n))
     _runtime.launch(K.attn_bwd_dkdv_kernel, (_cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
-        q, k, v, dout, lse, delta, gk, gv, gq if dq_atomic else delta, runtime["Alibi"], cu_q, cu_k,
+        sq, sk, sv, sdo, lse, delta, sdk, sdv, gq if dq_atomic else delta, runtime["Alibi"], cu_q, cu_k,
         runtime["Seed"], order_q,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
         *geo.strides(gv), *(geo.strides(gq) if dq_atomic else (0, 0, 0)),
@@ -301,6 +333,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         *_score_scalars(runtime, softmax_scale),
         **common,
         SORTED=sorted_q,
+        HOST_DESC=host_desc,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         DQ_ATOMIC=dq_atomic,
@@ -310,8 +343,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     )
     if not dq_atomic:  # the deterministic dQ: one program per query block over its key blocks
         cfg = config.select("bwd_dq", arch, geo.head_dim, q.dtype, causal)
+        (sq, sk, sv, sdo, sdq), host_desc = _sources(
+            geo, flags["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+            (gq, cfg.block_m))
         _runtime.launch(K.attn_bwd_dq_kernel, (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
-            q, k, v, dout, lse, delta, gq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
+            sq, sk, sv, sdo, lse, delta, sdq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
             *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
             *geo.lse_strides(lse),
             runtime["stride_alibi_b"],
@@ -319,6 +355,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             *_score_scalars(runtime, softmax_scale),
             **common,
             SORTED=sorted_k,
+            HOST_DESC=host_desc,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,

@@ -108,7 +108,7 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
-_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None}
+_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -154,6 +154,7 @@ def table_entries():
 
 _ENV_DQ_ATOMIC = _runtime.env_flag("FLASHATTN2_DQ_ATOMIC")
 _ENV_TMA = _runtime.env_flag("FLASHATTN2_TMA")
+_ENV_HOST_DESC = _runtime.env_flag("FLASHATTN2_HOST_DESC")
 
 
 def dq_atomic(arch: str, head_dim: int) -> bool:
@@ -173,12 +174,26 @@ def tma_forced() -> bool | None:
     return _ENV_TMA
 
 
+# Where the TMA path is taken for dense inputs whose head dim is a power of two, the descriptors of
+# Q, K, V, O (and dO, dQ, dK, dV) are built once on the host over (batch, seqlen, heads * headdim)
+# and passed to the kernels, instead of being written by every program (kernels.common.tile_src).
+# H200, 2026-11-30, fp16, interleaved A/B in one process (a scratch forward, docs/notes.md):
+# 1.10-1.36x at 512 tokens, 1.06-1.22x at 1k, 0.98-1.04x at 16k. FLASHATTN2_HOST_DESC=0 turns it off.
+def host_desc() -> bool:
+    """Whether the TMA path may use host-built descriptors (see above)."""
+    if _forced["host_desc"] is not None:
+        return _forced["host_desc"]
+    return _ENV_HOST_DESC is not False
+
+
 @contextlib.contextmanager
-def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None, **tiles: TileConfig):
+def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
+             host_desc: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
-    non-Hopper path: sm80 tiles, pointer loads, no PDL), and/or whether deterministic=False
-    backwards add dQ with atomics, inside a with-block. The CPU interpreter ignores arch."""
+    non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
+    add dQ with atomics, and/or whether the TMA path may use host-built descriptors, inside a
+    with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
@@ -186,7 +201,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
-    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic)
+    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc)
     try:
         yield
     finally:
