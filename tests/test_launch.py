@@ -113,3 +113,31 @@ def test_relaunch_is_tritons_choice():
                 torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
     # each (shape, offsets) pair's second call at least was launched directly (and verified)
     assert _runtime.direct_launches - before >= 12
+
+
+@pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")
+def test_host_descriptor_relaunch(monkeypatch):
+    """Relaunches with host-built descriptors encode them here (ops._runtime._tma_map), not in
+    Triton's launcher: forward and gradients equal Triton's own launches bit for bit, for new
+    tensors at new addresses and shapes, and the encoding path was the one taken."""
+    import flashattn2
+    from flashattn2.ops import config
+
+    def run(n, seed):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        q, k, v = (torch.randn(2, n, 4, 64, device=DEVICE, dtype=torch.float16, generator=gen).requires_grad_()
+                   for _ in range(3))
+        with config.override(tma=True, host_desc=True):
+            out = flashattn2.flash_attn_func(q, k, v, causal=True)
+            return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    for n, seed in ((256, 0), (256, 1), (300, 2), (256, 3), (1000, 4)):
+        before = _runtime.direct_launches
+        direct = run(n, seed)
+        assert _runtime.direct_launches > before or (n, seed) == (256, 0)
+        with monkeypatch.context() as m:
+            m.setattr(_runtime, "DIRECT_LAUNCH", False)
+            reference = run(n, seed)
+        for a, b in zip(direct, reference):
+            assert torch.equal(a, b)
+    assert sum(d is not None for d in _runtime._DESCRIBED.values()) >= 3  # forward, dK/dV, dQ

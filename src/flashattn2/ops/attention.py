@@ -194,11 +194,17 @@ def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) ->
     if not (use_tma and geo.varlen is None and geo.head_dim == _block_d(geo.head_dim) and config.host_desc()
             and all(t.stride(2) == geo.head_dim for t in tensors)):
         return tensors, False
+    cls = _TensorDescriptor()
     descs = []
     for t, rows in pairs:
         b, n, h, d = t.shape
         s = t.stride()
-        descs.append(_TensorDescriptor()(t, [b, n, h * d], [s[0], s[1], 1], [1, rows, d]))
+        # built without TensorDescriptor's own checks (~2 us each, 11 per forward + backward):
+        # _use_tma checked the alignment, and the box is [1, a power of two, head_dim]
+        desc = object.__new__(cls)
+        desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (
+            t, [b, n, h * d], [s[0], s[1], 1], [1, rows, d], "zero")
+        descs.append(desc)
     return descs, True
 
 
