@@ -10,19 +10,19 @@ from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
 T = config.TileConfig
-# Kernel paths: on CUDA the table's choice (on an H200, TMA with host-built descriptors where the
-# inputs allow them), the forced pointer (non-TMA) path, TMA with descriptors made in the kernel,
-# and the other architectures' table entries and load path (on an H200: what an A100 or an RTX
-# card runs); on the CPU, both load paths (TMA: host-built descriptors for power-of-two head dims)
-# with tiles where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
+# Kernel paths: on CUDA the table's choice (on an H200, TMA with descriptors made in the kernel),
+# the forced pointer (non-TMA) path, TMA with host-built descriptors where the inputs allow them
+# (opt-in), and the other architectures' table entries and load path (on an H200: what an A100 or
+# an RTX card runs); on the CPU, both load paths (TMA: host-built descriptors for power-of-two
+# head dims) with tiles where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
 if ON_GPU:
     PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma"),
-             pytest.param({"host_desc": False}, id="kernel-desc"),
+             pytest.param({"host_desc": True}, id="host-desc"),
              pytest.param({"arch": "sm80"}, id="sm80"), pytest.param({"arch": "sm86"}, id="sm86")]
 else:
     PATHS = [
         pytest.param({}, id="ptr-64x64"),
-        pytest.param({"tma": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
+        pytest.param({"tma": True, "host_desc": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
                       "bwd_dq": T(64, 16, 4, 1)}, id="tma-mixed-tiles"),
     ]
 
@@ -218,9 +218,9 @@ def test_tma_alignment_rule():
 
 
 def test_host_descriptor_rule(monkeypatch):
-    """Host-built descriptors for the TMA path on dense inputs with a power-of-two head dim and
-    adjacent heads; descriptors made in the kernel otherwise (varlen, other head dims, heads apart,
-    switched off), and none without TMA. Checked where the launchers ask, with the real calls."""
+    """Host-built descriptors (when switched on) for the TMA path on dense inputs with a
+    power-of-two head dim and adjacent heads; descriptors made in the kernel otherwise (varlen,
+    other head dims, heads apart, switched off), and none without TMA. Checked where the launchers ask, with the real calls."""
     from flashattn2.ops import attention
 
     taken = []
@@ -240,17 +240,19 @@ def test_host_descriptor_rule(monkeypatch):
 
     n = 70 if not ON_GPU else 700
     dense = [randn(2, n, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
-    assert run(*dense, tma=True) == [True] * 3  # forward, dK/dV, dQ
+    assert run(*dense, tma=True, host_desc=True) == [True] * 3  # forward, dK/dV, dQ
+    if config._ENV_HOST_DESC is None:
+        assert run(*dense, tma=True) == [False] * 3  # opt-in
     assert run(*dense, tma=True, host_desc=False) == [False] * 3
-    assert run(*dense, tma=False) == [False] * 3
+    assert run(*dense, tma=False, host_desc=True) == [False] * 3
     odd = [randn(2, n, 4, 40, dtype=torch.float16, requires_grad=True) for _ in range(3)]
-    assert run(*odd, tma=True) == [False] * 3
+    assert run(*odd, tma=True, host_desc=True) == [False] * 3
     # heads apart: every other 64-column slice of a 128-wide last dimension
     wide = randn(2, n, 4, 128, dtype=torch.float16)
     apart = [wide[..., :64].detach().requires_grad_() for _ in range(3)]
-    assert apart[0].stride(2) == 128 and run(*apart, tma=True) == [False] * 3
+    assert apart[0].stride(2) == 128 and run(*apart, tma=True, host_desc=True) == [False] * 3
     packed = [randn(n, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
-    assert run(*packed, varlen=True, tma=True) == [False] * 3
+    assert run(*packed, varlen=True, tma=True, host_desc=True) == [False] * 3
 
 
 def test_arch_override(monkeypatch):

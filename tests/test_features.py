@@ -12,12 +12,13 @@ from tolerance import assert_close
 T = config.TileConfig
 if ON_GPU:
     SHAPES = [(2, 1000, 1500, 8, 2, 59), (1, 2049, 1023, 4, 1, 128), (2, 777, 777, 4, 4, 256)]
-    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma")]
+    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma"),
+             pytest.param({"host_desc": True}, id="host-desc")]
 else:
     SHAPES = [(2, 97, 131, 4, 2, 64), (1, 131, 97, 2, 1, 40)]
     PATHS = [
         pytest.param({}, id="ptr-64x64"),
-        pytest.param({"tma": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
+        pytest.param({"tma": True, "host_desc": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
                       "bwd_dq": T(64, 16, 4, 1)}, id="tma-mixed-tiles"),
     ]
 
