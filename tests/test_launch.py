@@ -131,10 +131,12 @@ def test_host_descriptor_relaunch(monkeypatch):
             out = flashattn2.flash_attn_func(q, k, v, causal=True)
             return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
 
+    # seqlen 300 and 1000 are one class of int for Triton (not a multiple of 16), 256 another: the
+    # first call of each class may go through Triton's path, the later ones launch directly
     for n, seed in ((256, 0), (256, 1), (300, 2), (256, 3), (1000, 4)):
         before = _runtime.direct_launches
         direct = run(n, seed)
-        assert _runtime.direct_launches > before or (n, seed) == (256, 0)
+        assert _runtime.direct_launches > before or (n, seed) in ((256, 0), (300, 2))
         with monkeypatch.context() as m:
             m.setattr(_runtime, "DIRECT_LAUNCH", False)
             reference = run(n, seed)
