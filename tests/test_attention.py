@@ -220,7 +220,8 @@ def test_tma_alignment_rule():
 def test_host_descriptor_rule(monkeypatch):
     """Host-built descriptors (when switched on) for the TMA path on dense inputs with a
     power-of-two head dim and adjacent heads; descriptors made in the kernel otherwise (varlen,
-    other head dims, heads apart, switched off), and none without TMA. Checked where the launchers ask, with the real calls."""
+    other head dims, heads apart, switched off), and none without TMA. Checked where the launchers
+    ask, with the real calls."""
     from flashattn2.ops import attention
 
     taken = []

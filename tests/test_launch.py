@@ -68,8 +68,9 @@ def test_key_separates_triton_specializations():
 
 
 def test_key_separates_descriptor_specializations():
-    """Host-built tensor descriptors: Triton specializes on their dtype and box; the key does too
-    (and on nothing else), and the launcher receives the descriptor itself."""
+    """Host-built descriptors (HostDesc, and triton's TensorDescriptor): Triton specializes on their
+    dtype and box; the key does too (and on nothing else), the launcher receives the descriptor
+    itself, and Triton's path receives the TensorDescriptor a HostDesc stands for."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     base = torch.randn(2, 64, 4, 32)
@@ -78,14 +79,19 @@ def test_key_separates_descriptor_specializations():
         t = base.to(dtype)
         for rows in (16, 32):
             for n in (64, 48):
-                desc = TensorDescriptor(t, [2, n, 128], [t.stride(0), t.stride(1), 1], [1, rows, 32])
-                args = (desc, base, 3, 4, 0.5)
-                key, launched = _runtime._bound(kernel, args, {"C": 1})
-                assert launched[0] is desc
-                calls.append((key, _triton_spec(kernel, (*args, 1), ())))
+                shape, strides, box = (2, n, 128), (t.stride(0), t.stride(1), 1), (1, rows, 32)
+                host = _runtime.HostDesc((t, shape, strides, box))
+                (desc,) = _runtime._for_triton((host,))
+                assert type(desc) is TensorDescriptor and desc.base is t
+                assert (desc.shape, desc.strides, desc.block_shape) == (list(shape), list(strides), list(box))
+                for d in (host, TensorDescriptor(t, list(shape), list(strides), list(box))):
+                    args = (d, base, 3, 4, 0.5)
+                    key, launched = _runtime._bound(kernel, args, {"C": 1})
+                    assert launched[0] is d
+                    calls.append((key[-1], _triton_spec(kernel, (desc, *args[1:], 1), ())))
     assert len({s for _, s in calls}) == 6
     for (k1, s1), (k2, s2) in itertools.combinations(calls, 2):
-        assert (k1 == k2) == (s1 == s2), (s1, s2)
+        assert (k1 == k2) == (s1 == s2), (s1, s2)  # either type: the same key for the same specialization
 
 
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")

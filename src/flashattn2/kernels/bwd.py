@@ -211,7 +211,8 @@ def attn_bwd_dkdv_kernel(
                                  seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
                                  slope2, window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
                                  dq_dst, stride_dqas, sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
-                                 USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
+                                 USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 DQ_ATOMIC, DQ_BULK)
 
     dk_dst = tile_src(DK, off_b, k_start, off_hk, stride_dkb, stride_dks, stride_dkh, seqlen_k, HEAD_DIM, BLOCK_N,
                       BLOCK_D, USE_TMA, HOST_DESC)

@@ -118,7 +118,9 @@ def _binder(kernel, args: tuple, kwargs: dict):
             lines.append(f"p{i} = a{i}.data_ptr()")
             launch[-1] = f"p{i}"
             key.append(f"a{i}.dtype, p{i} & 15 == 0")
-        elif type(a).__name__ == "TensorDescriptor":  # host-built: Triton specializes on dtype and box
+        elif type(a) is HostDesc:  # Triton specializes a descriptor on its dtype and box
+            key.append(f"a{i}[0].dtype, a{i}[3]")
+        elif type(a).__name__ == "TensorDescriptor":
             key.append(f"a{i}.base.dtype, tuple(a{i}.block_shape)")
         elif type(a) is int:
             # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
@@ -155,23 +157,47 @@ def _bound(kernel, args: tuple, kwargs: dict):
     return (site, index, debug, bound[0]), bound[1]
 
 
+class HostDesc(tuple):
+    """(tensor, shape, strides, block_shape), all tuples but the tensor: a TMA descriptor built on
+    the host (ops.attention._sources), made in ~0.5 us. Direct launches encode it themselves
+    (_tma_map); Triton's own path gets the TensorDescriptor it stands for (_for_triton)."""
+    __slots__ = ()
+
+
+def _for_triton(args: tuple) -> tuple:
+    """args with each HostDesc replaced by a triton TensorDescriptor."""
+    if not any(type(a) is HostDesc for a in args):
+        return args
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = []
+    for a in args:
+        if type(a) is HostDesc:
+            desc = object.__new__(TensorDescriptor)  # its checks: done where the HostDesc was made
+            desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (
+                a[0], list(a[1]), list(a[2]), list(a[3]), "zero")
+            a = desc
+        out.append(a)
+    return tuple(out)
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs); every parameter after the positional ones by keyword."""
     if not DIRECT_LAUNCH or interpreted() or kernel.pre_run_hooks or _launch_hooks():
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*_for_triton(args), **kwargs)
         return
     bound = _bound(kernel, args, kwargs)
     if bound is None:
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*_for_triton(args), **kwargs)
         return
     device = torch.cuda.current_device()
     key = (bound[0], device)
     compiled = _LAUNCHED.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*_for_triton(args), **kwargs)
         _LAUNCHED[key] = compiled.result() if hasattr(compiled, "result") else compiled
         return
-    if VERIFY_LAUNCH and _triton_choice(kernel, device, args, kwargs) is not compiled:
+    if VERIFY_LAUNCH and _triton_choice(kernel, device, _for_triton(args), kwargs) is not compiled:
         raise AssertionError(f"launch of {kernel.__name__}: the remembered kernel is not the one Triton chooses")
     global direct_launches
     direct_launches += 1
@@ -180,7 +206,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     described = _DESCRIBED.get(key, _UNKNOWN)
     if described is _UNKNOWN:
         described = _DESCRIBED[key] = _described(compiled)
-    if described is not None:  # host-built descriptors: encoded here, each one once
+    if described is _TRITON_ENCODES:
+        args = _for_triton(args)
+    elif described is not None:  # host-built descriptors: encoded here, each one once
         run, args = described.launch, described.expand(args)
     run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
         torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
@@ -194,6 +222,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 # launcher under Triton's wrapper with the encoded arguments. Written against triton 3.6's
 # launcher (backends/nvidia/driver.py); where its structure differs, Triton's path runs.
 _UNKNOWN = object()
+_TRITON_ENCODES = object()  # a kernel with descriptor parameters that Triton's launcher must encode
 _DESCRIBED: dict = {}
 _TMA_MAPS: dict = {}
 
@@ -216,21 +245,26 @@ class _Described:
 
 
 def _described(compiled):
-    """A _Described for a compiled kernel that takes host-built descriptors, else None."""
+    """A _Described for a compiled kernel that takes host-built descriptors; _TRITON_ENCODES when
+    it takes some but Triton's launcher is not the one this was written for; None when it takes
+    none."""
     try:
         signature = list(compiled.src.signature.values())
-        positions = [i for i, ty in enumerate(signature) if isinstance(ty, str) and ty.startswith("tensordesc")]
-        if not positions:
-            return None
+    except AttributeError:
+        return _TRITON_ENCODES
+    positions = [i for i, ty in enumerate(signature) if isinstance(ty, str) and ty.startswith("tensordesc")]
+    if not positions:
+        return None
+    try:
         metas = compiled.metadata.tensordesc_meta
         run = compiled.run
         inner = run.launch
         raw = inner.__closure__[inner.__code__.co_freevars.index("launcher")].cell_contents
     except (AttributeError, ValueError, TypeError, IndexError):
-        return None
+        return _TRITON_ENCODES
     if (not metas or len(metas) != len(positions) or any(m["fp4_padded"] for m in metas)
             or run.global_scratch_size or run.profile_scratch_size):
-        return None
+        return _TRITON_ENCODES
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
     encoded = [(m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], tuple(m["block_size"]))
@@ -244,9 +278,14 @@ def _described(compiled):
 
 
 def _tma_map(desc, meta) -> list:
-    """[CUtensorMap, *shape, *strides]: what Triton's launcher passes for a descriptor."""
-    shape, strides = tuple(desc.shape), tuple(desc.strides)
-    key = (desc.base.data_ptr(), shape, strides, meta, desc.padding)
+    """[CUtensorMap, *shape, *strides]: what Triton's launcher passes for a descriptor (a HostDesc,
+    or a triton TensorDescriptor)."""
+    if type(desc) is HostDesc:
+        tensor, shape, strides, _ = desc
+        padding = "zero"
+    else:
+        tensor, shape, strides, padding = desc.base, tuple(desc.shape), tuple(desc.strides), desc.padding
+    key = (tensor.data_ptr(), shape, strides, meta, padding)
     found = _TMA_MAPS.get(key)
     if found is None:
         if len(_TMA_MAPS) >= 4096:  # addresses of freed tensors: start over
@@ -256,7 +295,7 @@ def _tma_map(desc, meta) -> list:
 
         cu_map = triton.runtime.driver.active.utils.fill_tma_descriptor(
             key[0], swizzle, elem_size, elem_type, list(block), list(shape), list(strides),
-            1 if desc.padding == "nan" else 0)
+            1 if padding == "nan" else 0)
         found = _TMA_MAPS[key] = [cu_map, *shape, *strides]
     return found
 

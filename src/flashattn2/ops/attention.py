@@ -5,7 +5,6 @@ dimension contiguous, one dtype, one device.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -188,31 +187,19 @@ def _block_d(head_dim: int) -> int:
 def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple[list, bool]:
     """(the kernel's tensor arguments, HOST_DESC) for (tensor, rows of its tile) pairs: with the
     TMA path on dense inputs whose head dim is a power of two and whose heads are adjacent in
-    memory, descriptors built here over (batch, seqlen, heads * headdim) with a [1, rows, headdim]
-    box (config.host_desc); otherwise the tensors (the kernels make their own descriptors)."""
+    memory, descriptors (_runtime.HostDesc) over (batch, seqlen, heads * headdim) with a
+    [1, rows, headdim] box (config.host_desc; _use_tma checked the 16-byte alignment TMA needs);
+    otherwise the tensors (the kernels make their own descriptors)."""
     tensors = [t for t, _ in pairs]
     if not (use_tma and geo.varlen is None and geo.head_dim == _block_d(geo.head_dim) and config.host_desc()
             and all(t.stride(2) == geo.head_dim for t in tensors)):
         return tensors, False
-    cls = _TensorDescriptor()
     descs = []
     for t, rows in pairs:
         b, n, h, d = t.shape
         s = t.stride()
-        # built without TensorDescriptor's own checks (~2 us each, 11 per forward + backward):
-        # _use_tma checked the alignment, and the box is [1, a power of two, head_dim]
-        desc = object.__new__(cls)
-        desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (
-            t, [b, n, h * d], [s[0], s[1], 1], [1, rows, d], "zero")
-        descs.append(desc)
+        descs.append(_runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), (1, rows, d))))
     return descs, True
-
-
-@functools.cache
-def _TensorDescriptor():
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor
 
 
 def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
