@@ -178,11 +178,12 @@ def tma_forced() -> bool | None:
 # power of two, the launchers build the descriptors of Q, K, V, O (and dO, dQ, dK, dV) once on the
 # host over (batch, seqlen, heads * headdim) and pass them to the kernels, instead of every program
 # writing its own (kernels.common.tile_src). H200, 2026-11-30, fp16, 16k tokens, interleaved A/B in
-# one process (docs/notes.md): the GPU work is 1.06-1.24x faster forward and backward from 1k to 2k
-# tokens and 1.0-1.03x at 16k; but a call costs 13-34 us more host time, and at 512 tokens the
-# forward measured 0.73-1.19x (d128 non-causal 0.73x in two runs, unexplained). Off by default
-# until that is understood and the GPU tests of the path have run to the end (the one run had a
-# failure whose name its time limit cut off; a test bug is the likely cause, notes).
+# one process (docs/notes.md): forward and backward run 1.04-1.24x faster from 1k to 2k
+# tokens and 1.0-1.03x at 16k; a call cost 13-34 us more host time (less since, not re-measured),
+# and at 512 tokens the forward measured 0.73-1.19x (d128 non-causal 0.73x in two runs,
+# unexplained). Off by default until that is understood and the GPU tests of the path have run to
+# the end (the one run had a failure whose name its time limit cut off; a test bug is the likely
+# cause, notes).
 # FLASHATTN2_HOST_DESC=1 or override(host_desc=True) turns it on.
 def host_desc() -> bool:
     """Whether the TMA path may use host-built descriptors (see above)."""
