@@ -148,4 +148,4 @@ def test_host_descriptor_relaunch(monkeypatch):
             reference = run(n, seed)
         for a, b in zip(direct, reference):
             assert torch.equal(a, b)
-    assert sum(isinstance(d, _runtime._Described) for d in _runtime._DESCRIBED.values()) >= 3  # fwd, dK/dV, dQ
+    assert sum(isinstance(d, _runtime._Described) for _, d in _runtime._LAUNCHED.values()) >= 3  # fwd, dK/dV, dQ

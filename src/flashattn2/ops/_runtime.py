@@ -192,20 +192,19 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         return
     device = torch.cuda.current_device()
     key = (bound[0], device)
-    compiled = _LAUNCHED.get(key)
-    if compiled is None:
+    entry = _LAUNCHED.get(key)
+    if entry is None:
         compiled = kernel[grid](*_for_triton(args), **kwargs)
-        _LAUNCHED[key] = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        _LAUNCHED[key] = (compiled, _described(compiled))  # how its descriptor arguments are encoded
         return
+    compiled, described = entry
     if VERIFY_LAUNCH and _triton_choice(kernel, device, _for_triton(args), kwargs) is not compiled:
         raise AssertionError(f"launch of {kernel.__name__}: the remembered kernel is not the one Triton chooses")
     global direct_launches
     direct_launches += 1
     args = bound[1]
     run = compiled.run
-    described = _DESCRIBED.get(key, _UNKNOWN)
-    if described is _UNKNOWN:
-        described = _DESCRIBED[key] = _described(compiled)
     if described is _TRITON_ENCODES:
         args = _for_triton(args)
     elif described is not None:  # host-built descriptors: encoded here, each one once
@@ -221,9 +220,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 # shape, strides, box) -- the CUtensorMap is a function of those alone -- and calls the C
 # launcher under Triton's wrapper with the encoded arguments. Written against triton 3.6's
 # launcher (backends/nvidia/driver.py); where its structure differs, Triton's path runs.
-_UNKNOWN = object()
 _TRITON_ENCODES = object()  # a kernel with descriptor parameters that Triton's launcher must encode
-_DESCRIBED: dict = {}
 _TMA_MAPS: dict = {}
 
 

@@ -191,7 +191,7 @@ def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) ->
     [1, rows, headdim] box (config.host_desc; _use_tma checked the 16-byte alignment TMA needs);
     otherwise the tensors (the kernels make their own descriptors)."""
     tensors = [t for t, _ in pairs]
-    if not (use_tma and geo.varlen is None and geo.head_dim == _block_d(geo.head_dim) and config.host_desc()
+    if not (config.host_desc() and use_tma and geo.varlen is None and geo.head_dim == _block_d(geo.head_dim)
             and all(t.stride(2) == geo.head_dim for t in tensors)):
         return tensors, False
     descs = []
