@@ -10,14 +10,16 @@ from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
 T = config.TileConfig
-# Kernel paths: on CUDA the table's choice (on an H200, TMA with descriptors made in the kernel),
-# the forced pointer (non-TMA) path, TMA with host-built descriptors where the inputs allow them
-# (opt-in), and the other architectures' table entries and load path (on an H200: what an A100 or
-# an RTX card runs); on the CPU, both load paths (TMA: host-built descriptors for power-of-two
-# head dims) with tiles where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
+# Kernel paths: on CUDA the table's choice (on an H200: the Gluon forward where it applies, TMA
+# with host-built descriptors where the inputs allow them), the Triton forward instead of the
+# Gluon one, descriptors made in each program, the forced pointer (non-TMA) path, and the other
+# architectures' table entries and load path (on an H200: what an A100 or an RTX card runs); on
+# the CPU, both load paths (TMA: host-built descriptors for power-of-two head dims) with tiles
+# where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma"),
-             pytest.param({"host_desc": True}, id="host-desc"),
+    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon": False}, id="triton-fwd"),
+             pytest.param({"gluon": False, "host_desc": False}, id="kernel-desc"),
+             pytest.param({"tma": False}, id="no-tma"),
              pytest.param({"arch": "sm80"}, id="sm80"), pytest.param({"arch": "sm86"}, id="sm86")]
 else:
     PATHS = [
@@ -60,6 +62,39 @@ def test_forward_backward(shape, dtype, causal, path):
     assert out.dtype == dtype and lse.dtype == torch.float32 and s_dmask.numel() == 0
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",
+                                  "fp32", "gluon-off", "sm80", "varlen"])
+def test_forward_kernel_choice(case, monkeypatch):
+    """The Gluon forward runs on sm_90 exactly for dense fp16/bf16 inputs, head dim 64/128/256,
+    causal or not and nothing else; everything else (and the CPU) takes the Triton kernel."""
+    launched = []
+    real = _runtime.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "launch", spy)
+    d = {"d256": 256, "d96": 96}.get(case, 64)
+    dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
+    q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
+    kwargs = dict(causal=case == "causal", softcap=5.0 if case == "softcap" else 0.0,
+                  window_size=(16, 3) if case == "window" else (-1, -1),
+                  alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None)
+    with config.override(gluon=False if case == "gluon-off" else None, arch="sm80" if case == "sm80" else None):
+        if case == "varlen":
+            cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
+            flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1),
+                                              cu, cu, 100, 100)
+        else:
+            flashattn2.flash_attn_func(q, k, v, **kwargs)
+    gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256")
+    assert launched[0] == ("attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel"), launched
 
 
 @pytest.mark.parametrize("blocks", [3, 13], ids=["head-by-head", "all-heads-first"])
@@ -218,10 +253,10 @@ def test_tma_alignment_rule():
 
 
 def test_host_descriptor_rule(monkeypatch):
-    """Host-built descriptors (when switched on) for the TMA path on dense inputs with a
+    """Host-built descriptors (on by default) for the TMA path on dense inputs with a
     power-of-two head dim and adjacent heads; descriptors made in the kernel otherwise (varlen,
-    other head dims, heads apart, switched off), and none without TMA. Checked where the launchers
-    ask, with the real calls."""
+    other head dims, heads apart, switched off), and none without TMA. Checked where the Triton
+    kernels' launchers ask (the Gluon forward off), with the real calls."""
     from flashattn2.ops import attention
 
     taken = []
@@ -230,7 +265,7 @@ def test_host_descriptor_rule(monkeypatch):
 
     def run(q, k, v, varlen=False, **force):
         taken.clear()
-        with config.override(**force):
+        with config.override(gluon=False, **force):
             if varlen:
                 cu = torch.tensor([0, q.shape[0] - 5, q.shape[0]], dtype=torch.int32, device=DEVICE)
                 out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, q.shape[0] - 5, q.shape[0] - 5)
@@ -243,7 +278,7 @@ def test_host_descriptor_rule(monkeypatch):
     dense = [randn(2, n, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
     assert run(*dense, tma=True, host_desc=True) == [True] * 3  # forward, dK/dV, dQ
     if config._ENV_HOST_DESC is None:
-        assert run(*dense, tma=True) == [False] * 3  # opt-in
+        assert run(*dense, tma=True) == [True] * 3  # the default
     assert run(*dense, tma=True, host_desc=False) == [False] * 3
     assert run(*dense, tma=False, host_desc=True) == [False] * 3
     odd = [randn(2, n, 4, 40, dtype=torch.float16, requires_grad=True) for _ in range(3)]

@@ -13,7 +13,7 @@ T = config.TileConfig
 if ON_GPU:
     SHAPES = [(2, 1000, 1500, 8, 2, 59), (1, 2049, 1023, 4, 1, 128), (2, 777, 777, 4, 4, 256)]
     PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma"),
-             pytest.param({"host_desc": True}, id="host-desc")]
+             pytest.param({"host_desc": False}, id="kernel-desc")]
 else:
     SHAPES = [(2, 97, 131, 4, 2, 64), (1, 131, 97, 2, 1, 40)]
     PATHS = [

@@ -80,7 +80,7 @@ def test_key_separates_descriptor_specializations():
         for rows in (16, 32):
             for n in (64, 48):
                 shape, strides, box = (2, n, 128), (t.stride(0), t.stride(1), 1), (1, rows, 32)
-                host = _runtime.HostDesc((t, shape, strides, box))
+                host = _runtime.HostDesc((t, shape, strides, box, None))
                 (desc,) = _runtime._for_triton((host,))
                 assert type(desc) is TensorDescriptor and desc.base is t
                 assert (desc.shape, desc.strides, desc.block_shape) == (list(shape), list(strides), list(box))
@@ -92,6 +92,24 @@ def test_key_separates_descriptor_specializations():
     assert len({s for _, s in calls}) == 6
     for (k1, s1), (k2, s2) in itertools.combinations(calls, 2):
         assert (k1 == k2) == (s1 == s2), (s1, s2)  # either type: the same key for the same specialization
+
+
+def test_gluon_host_descriptor():
+    """A HostDesc with a shared-memory layout stands for Gluon's TensorDescriptor (the Gluon
+    forward's arguments), carrying that layout; without one, for triton's."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.randn(2, 64, 4, 32).half()
+    layout = gl.NVMMASharedLayout.get_default_for([1, 16, 32], gl.float16)
+    shape, strides, box = (2, 64, 128), (t.stride(0), t.stride(1), 1), (1, 16, 32)
+    gluon, plain = _runtime._for_triton((_runtime.HostDesc((t, shape, strides, box, layout)),
+                                         _runtime.HostDesc((t, shape, strides, box, None))))
+    assert type(gluon) is GluonDescriptor and gluon.layout == layout and gluon.base is t
+    assert (gluon.shape, gluon.strides, gluon.block_shape, gluon.padding) == (list(shape), list(strides), list(box),
+                                                                              "zero")
+    assert type(plain) is TensorDescriptor
 
 
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
-from flashattn2.ops import config, kvcache  # noqa: E402
+from flashattn2.ops import _runtime, config, kvcache  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
@@ -53,7 +53,29 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
             sig[name] = "i32"
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return triton.compile(GluonASTSource(fn, sig, constexprs), target=target, options=options)
     return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
+
+
+def _gluon_descriptor_types(elem_bytes, head_dim, cfg):
+    """Signature types of the Gluon forward's descriptors (3-D, box [1, rows, head_dim], with the
+    shared-memory layout ops.attention gives them)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(2, 64, 2, head_dim, dtype=torch.float16)
+    types = {}
+    for name, rows in (("Q", cfg.block_m), ("K", cfg.block_n), ("V", cfg.block_n), ("Out", cfg.block_m)):
+        box = [1, rows, head_dim]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float16)
+        types[name] = mangle_type(TensorDescriptor(t, [2, 64, 2 * head_dim], [t.stride(0), t.stride(1), 1], box,
+                                                   layout))
+    return types
 
 
 # the plain causal path, and every option at once (LOCAL excludes CAUSAL)
@@ -86,6 +108,14 @@ def cases(arch):
         if entry_arch != arch:
             continue
         fp32 = elem_bytes == 4
+        if kernel == "fwd_hopper":  # the Gluon forward: sm_90, 2-byte types, dense, no score modification
+            for causal in (False, True):
+                constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  STAGES=cfg.num_stages)
+                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-fwd_hopper-{'causal' if causal else 'full'}",
+                       _runtime.hopper_kernels().attn_fwd_hopper_kernel, elem_bytes, constexprs, cfg,
+                       _gluon_descriptor_types(elem_bytes, bucket, cfg))
+            continue
         if kernel == "bwd_dkdv_atomic" and fp32:
             # the atomic dQ path is off by default (measured slower); its fp32 build shares the
             # small fp32 tile with bwd_dkdv, checked above (CI time: ~1 minute saved)

@@ -33,6 +33,16 @@ def kernels() -> types.SimpleNamespace:
     return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary, decode=decode)
 
 
+@functools.cache
+def hopper_kernels() -> types.ModuleType | None:
+    """kernels/fwd_hopper.py (Gluon), or None where this Triton has no Gluon for Hopper."""
+    try:
+        from ..kernels import fwd_hopper
+    except ImportError:
+        return None
+    return fwd_hopper
+
+
 @torch.compiler.assume_constant_result
 def interpreted() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1)."""
@@ -158,9 +168,11 @@ def _bound(kernel, args: tuple, kwargs: dict):
 
 
 class HostDesc(tuple):
-    """(tensor, shape, strides, block_shape), all tuples but the tensor: a TMA descriptor built on
-    the host (ops.attention._sources), made in ~0.5 us. Direct launches encode it themselves
-    (_tma_map); Triton's own path gets the TensorDescriptor it stands for (_for_triton)."""
+    """(tensor, shape, strides, block_shape, layout), all tuples but the tensor and the layout: a
+    TMA descriptor built on the host (ops.attention._sources), made in ~0.5 us. layout: None for
+    a Triton kernel, the shared-memory layout (NVMMASharedLayout) for a Gluon one. Direct
+    launches encode it themselves (_tma_map); Triton's own path gets the TensorDescriptor it
+    stands for (_for_triton)."""
     __slots__ = ()
 
 
@@ -173,7 +185,13 @@ def _for_triton(args: tuple) -> tuple:
     out = []
     for a in args:
         if type(a) is HostDesc:
-            desc = object.__new__(TensorDescriptor)  # its checks: done where the HostDesc was made
+            if a[4] is None:
+                desc = object.__new__(TensorDescriptor)  # its checks: done where the HostDesc was made
+            else:
+                from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+                desc = object.__new__(GluonDescriptor)
+                desc.layout = a[4]
             desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (
                 a[0], list(a[1]), list(a[2]), list(a[3]), "zero")
             a = desc
@@ -278,7 +296,7 @@ def _tma_map(desc, meta) -> list:
     """[CUtensorMap, *shape, *strides]: what Triton's launcher passes for a descriptor (a HostDesc,
     or a triton TensorDescriptor)."""
     if type(desc) is HostDesc:
-        tensor, shape, strides, _ = desc
+        tensor, shape, strides = desc[:3]
         padding = "zero"
     else:
         tensor, shape, strides, padding = desc.base, tuple(desc.shape), tuple(desc.strides), desc.padding

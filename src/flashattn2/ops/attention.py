@@ -198,8 +198,53 @@ def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) ->
     for t, rows in pairs:
         b, n, h, d = t.shape
         s = t.stride()
-        descs.append(_runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), (1, rows, d))))
+        descs.append(_runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), (1, rows, d), None)))
     return descs, True
+
+
+_HOPPER_FLAGS = ({"CAUSAL": False, "LOCAL": False, "SOFTCAP": False, "ALIBI": False, "DROPOUT": False},
+                 {"CAUSAL": True, "LOCAL": False, "SOFTCAP": False, "ALIBI": False, "DROPOUT": False})
+_GLUON_LAYOUTS: dict = {}
+
+
+def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
+                    softmax_scale: float) -> bool:
+    """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: sm_90
+    exactly (config.wgmma), config.gluon on, dense fp16/bf16 inputs with head dim 64, 128 or 256,
+    heads adjacent in memory and TMA's alignment, keys present, causal or not but no other score
+    modification. Everything else takes kernels/fwd.py."""
+    if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
+            and q.dtype in (torch.float16, torch.bfloat16) and geo.max_seqlen_k > 0 and config.gluon()
+            and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
+            and q.stride(2) == k.stride(2) == v.stride(2) == geo.head_dim and _use_tma(arch, q, k, v, out)):
+        return False
+    causal = flags["CAUSAL"]
+    cfg = config.select("fwd_hopper", arch, geo.head_dim, q.dtype, causal)
+    descs = []
+    for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m)):
+        b, n, h, d = t.shape
+        s = t.stride()
+        box = (1, rows, d)
+        layout = _GLUON_LAYOUTS.get((t.dtype, box))
+        if layout is None:
+            from triton.experimental.gluon import language as gl
+
+            gl_dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+            layout = _GLUON_LAYOUTS[(t.dtype, box)] = gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
+        descs.append(_runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), box, layout)))
+    lse_strides = lse.stride()
+    grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
+    _runtime.launch(_runtime.hopper_kernels().attn_fwd_hopper_kernel, grid,
+        *descs, lse, lse_strides[0], lse_strides[1],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k, softmax_scale,
+        CAUSAL=causal,
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    return True
 
 
 def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
@@ -225,6 +270,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
+    if _hopper_forward(q, k, v, out, lse, geo, arch, flags, softmax_scale):
+        return out, lse
     cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k

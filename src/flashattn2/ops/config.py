@@ -12,7 +12,8 @@ import torch
 
 from . import _runtime
 
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic")  # the last: dK/dV adding dQ with atomics
+# bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py)
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper")
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
 # sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
 ARCHS = ("sm90", "sm80", "sm86", "interp")
@@ -38,6 +39,16 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 128, 2, "fwd"):       TileConfig(128, 64, 4, 2),
     # d256 fwd: 516/506 at 16k, 465/361 at 2k (SDPA flash 320/292, 305/262); 64x64 w4 s1: 446/445
     ("sm90", 256, 2, "fwd"):       TileConfig(128, 64, 8, 2),
+    # The Gluon forward (sm_90 exactly: wgmma; dense inputs without softcap/ALiBi/window/dropout).
+    # H200, 2026-11-30, fp16, 16k tokens, one run beside SDPA cuDNN (docs/notes.md, session 8):
+    # d64 non-causal 128x64 w8 s2: 366/405/419 at 512/2k/16k (cuDNN 386/438/440; w4 356/393/409);
+    # causal w4 (_TABLE_CAUSAL): 245/361/417 (cuDNN 257/374/423; w8 239/352/398).
+    ("sm90", 64, 2, "fwd_hopper"):  TileConfig(128, 64, 8, 2),
+    # d128 128x64 w4 s2: 468/520/527 non-causal, 314/441/515 causal (cuDNN 493/579/568, 328/465/557;
+    # 128x128 w8: 382/467/502, 248/389/482)
+    ("sm90", 128, 2, "fwd_hopper"): TileConfig(128, 64, 4, 2),
+    # d256: the accumulator needs two warpgroups; 128x64 w8 s2 fits (197 KB of shared memory)
+    ("sm90", 256, 2, "fwd_hopper"): TileConfig(128, 64, 8, 2),
     # d64 bwd (with dQ 128x64 w8 s2): 347/322 at 16k, 301/230 at 2k; 32x64 w4 s3: 347/316
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(32, 128, 4, 3),
     # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
@@ -91,9 +102,11 @@ _FP32 = {
 # fmt: on
 for _arch in ("sm90", "sm80", "sm86"):
     for _bucket, _cfg in _FP32.items():
-        for _kernel in KERNELS:
+        for _kernel in KERNELS[:4]:
             _TABLE[(_arch, _bucket, 4, _kernel)] = _cfg
-_TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {}
+_TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {
+    ("sm90", 64, 2, "fwd_hopper"): TileConfig(128, 64, 4, 2),  # see the non-causal entry
+}
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles.
 _INTERP = TileConfig(64, 64, 4, 1)
 
@@ -108,7 +121,7 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
-_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None}
+_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -155,6 +168,7 @@ def table_entries():
 _ENV_DQ_ATOMIC = _runtime.env_flag("FLASHATTN2_DQ_ATOMIC")
 _ENV_TMA = _runtime.env_flag("FLASHATTN2_TMA")
 _ENV_HOST_DESC = _runtime.env_flag("FLASHATTN2_HOST_DESC")
+_ENV_GLUON = _runtime.env_flag("FLASHATTN2_GLUON")
 
 
 def dq_atomic(arch: str, head_dim: int) -> bool:
@@ -174,32 +188,53 @@ def tma_forced() -> bool | None:
     return _ENV_TMA
 
 
-# Host-built descriptors (opt-in): where the TMA path is taken for dense inputs whose head dim is a
-# power of two, the launchers build the descriptors of Q, K, V, O (and dO, dQ, dK, dV) once on the
-# host over (batch, seqlen, heads * headdim) and pass them to the kernels, instead of every program
-# writing its own (kernels.common.tile_src). H200, 2026-11-30, fp16, 16k tokens, interleaved A/B in
-# one process (docs/notes.md): forward and backward run 1.04-1.24x faster from 1k to 2k
-# tokens and 1.0-1.03x at 16k; a call cost 13-34 us more host time (less since, not re-measured),
-# and at 512 tokens the forward measured 0.73-1.19x (d128 non-causal 0.73x in two runs,
-# unexplained). Off by default until that is understood and the GPU tests of the path have run to
-# the end (the one run had a failure whose name its time limit cut off; a test bug is the likely
-# cause, notes).
-# FLASHATTN2_HOST_DESC=1 or override(host_desc=True) turns it on.
+# Host-built descriptors: where the TMA path is taken for dense inputs whose head dim is a power of
+# two, the launchers build the descriptors of Q, K, V, O (and dO, dQ, dK, dV) once on the host
+# over (batch, seqlen, heads * headdim) and pass them to the kernels, instead of every program
+# writing its own (kernels.common.tile_src). H200, fp16, 16k tokens, interleaved A/B in one
+# process, outputs bitwise equal (docs/notes.md): 2026-11-30 (session 8), backward 1.04-1.41x at
+# 512 and 2k tokens for every head dim, the Triton forward 1.0-1.33x except headdim 256 at 512
+# tokens (0.92-0.94x); session 7: 1.0-1.03x at 16k. On by default; the GPU suite ran with it
+# (session 8: no failure in ~1130 tests before its time limit).
+# FLASHATTN2_HOST_DESC=0 or override(host_desc=False) turns it off.
 def host_desc() -> bool:
     """Whether the TMA path may use host-built descriptors (see above)."""
     if _forced["host_desc"] is not None:
         return _forced["host_desc"]
-    return _ENV_HOST_DESC is True
+    return _ENV_HOST_DESC is not False
+
+
+# The Gluon forward (kernels/fwd_hopper.py) where it applies (ops.attention._hopper_forward): on by
+# default on sm_90 (it uses wgmma, which sm_100 lacks). H200, 2026-11-30: 1.0-1.4x the Triton
+# forward at 512-2k tokens, within a few % at 16k (docs/notes.md, session 8).
+# FLASHATTN2_GLUON=0 or override(gluon=False) turns it off.
+def gluon() -> bool:
+    """Whether the forward may take the Gluon kernel (see above)."""
+    if _forced["gluon"] is not None:
+        return _forced["gluon"]
+    return _ENV_GLUON is not False
+
+
+def wgmma(device: torch.device) -> bool:
+    """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernel is written with."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _WGMMA.get(index)
+    if found is None:
+        found = _WGMMA[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return found
+
+
+_WGMMA: dict = {}
 
 
 @contextlib.contextmanager
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
-             host_desc: bool | None = None, **tiles: TileConfig):
+             host_desc: bool | None = None, gluon: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
-    add dQ with atomics, and/or whether the TMA path may use host-built descriptors, inside a
-    with-block. The CPU interpreter ignores arch."""
+    add dQ with atomics, whether the TMA path may use host-built descriptors, and/or whether the
+    forward may take the Gluon kernel, inside a with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
@@ -207,7 +242,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
-    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc)
+    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon)
     try:
         yield
     finally:

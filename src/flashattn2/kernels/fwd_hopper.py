@@ -1,0 +1,206 @@
+"""FlashAttention-2 forward for Hopper (sm_90a), written in Gluon (Triton's lower-level dialect).
+
+Same arithmetic as kernels/fwd.py (online softmax in base 2, an unscaled fp32 accumulator divided
+by the row sum once at the end, logsumexp stored), but scheduled by hand, which plain Triton 3.6
+does not do: Triton waits for each wgmma right after issuing it, so the tensor cores idle while a
+warpgroup computes its softmax. Here the QK^T of key block j and the PV of block j-1 are issued
+together as asynchronous wgmmas; the softmax of block j runs while PV(j-1) is still on the tensor
+cores (FlashAttention-3's intra-warpgroup pipelining). K and V arrive by TMA into STAGES-deep
+shared-memory rings, one mbarrier per stage; a stage is refilled as soon as the wgmma that read it
+has been waited for.
+
+Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
+[1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.
+No softcap, ALiBi, window or dropout (ops.attention sends those to kernels/fwd.py). Causal is
+bottom-right aligned (row i sees keys j <= i + seqlen_k - seqlen_q); a query block that sees no key
+gets output 0 and logsumexp +inf, as in kernels/fwd.py.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _load(desc, off_b, row, col, bars, bufs, stage, pred):
+    """TMA of rows [row, row + BLOCK) of batch entry off_b, columns [col, col + HEAD_DIM), into ring
+    stage `stage`; its mbarrier expects the tile's bytes."""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [off_b, row, col], bar, bufs.index(stage), pred=pred)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, start_m, start_n, seqlen_k, diag, masked, CAUSAL: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One online-softmax step on raw scores s: (p, alpha, m, l). `masked` (constexpr, or a runtime flag for block 0): the
+    block crosses the causal diagonal or the end of the keys; its invisible scores become -inf and
+    a row that has seen no key yet keeps m = -inf, shifted by 0 so that exp2 gives 0, not NaN."""
+    if masked:
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_shift[:, None])
+        alpha = gl.exp2(m_i - m_shift)
+    else:
+        # the scale folded into one FMA, the max taken before scaling (softmax_scale >= 0)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _step(acc, p_op, m_i, l_i, q_op, K, V, k_smem, v_smem, k_bars, v_bars, s_zero, j, n_blocks, off_b, kv_col,
+          qk_scale, start_m, seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+          p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
+    """Key block j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; wait for S_j only and run its
+    softmax while PV is on the tensor cores; then wait for PV, refill the two freed ring stages and
+    rescale O to the new row max. Returns (acc, P_j as the next PV's operand, m, l)."""
+    dtype: gl.constexpr = q_op.dtype
+    ks = j % STAGES
+    mbarrier.wait(k_bars.index(ks), (j // STAGES) & 1)
+    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    vs = (j - 1) % STAGES
+    mbarrier.wait(v_bars.index(vs), ((j - 1) // STAGES) & 1)
+    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
+    _load(K, off_b, (j + STAGES) * BLOCK_N, kv_col, k_bars, k_smem, ks, j + STAGES < n_blocks)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
+                                  BLOCK_M, BLOCK_N, s_layout)
+    p_next = gl.convert_layout(p.to(dtype), p_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    _load(V, off_b, (j - 1 + STAGES) * BLOCK_N, kv_col, v_bars, v_smem, vs, j - 1 + STAGES < n_blocks)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k,
+                           group_size, sm_scale,
+                           CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = Q.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    # wgmma accumulators: S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM]; each warp owns 16 rows
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+
+    # the grid's order (kernels.common.query_block_program): query blocks of one head together;
+    # causal heaviest first, those of all heads first when a head has more than 8
+    num_m = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    pid = gl.program_id(0)
+    pid_m = pid % num_m
+    off_bh = pid // num_m
+    if CAUSAL:
+        if num_m > 8:
+            pid_m = pid // (batch * nheads)
+            off_bh = pid % (batch * nheads)
+        pid_m = num_m - 1 - pid_m
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    q_col = off_h * HEAD_DIM
+    kv_col = (off_h // group_size) * HEAD_DIM
+    start_m = pid_m * BLOCK_M
+    qk_scale = sm_scale * LOG2E
+
+    # key blocks [0, n_blocks); those from mask_from on cross the causal diagonal or the keys' end.
+    # At least one block: a query block that sees no key (seqlen_q > seqlen_k) masks it all.
+    diag = seqlen_k - seqlen_q
+    n_end = seqlen_k
+    mask_from = seqlen_k // BLOCK_N
+    if CAUSAL:
+        n_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag), 1)
+        mask_from = gl.minimum(mask_from, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
+    n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
+
+    # shared memory: the Q tile (reused for O), K and V rings, one mbarrier per buffer
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()  # the barriers' initialisation, visible to TMA
+
+    mbarrier.expect(q_bar, Q.block_type.nbytes)
+    tma.async_copy_global_to_shared(Q, [off_b, start_m, q_col], q_bar, q_smem)
+    for i in gl.static_range(STAGES):
+        _load(K, off_b, i * BLOCK_N, kv_col, k_bars, k_smem, i, i < n_blocks)
+        _load(V, off_b, i * BLOCK_N, kv_col, v_bars, v_smem, i, i < n_blocks)
+    q_op = q_smem._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+
+    # block 0: S = Q K_0^T, waited; its softmax
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    _load(K, off_b, STAGES * BLOCK_N, kv_col, k_bars, k_smem, 0, STAGES < n_blocks)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
+                                  BLOCK_M, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j overlaps
+    # PV; the blocks that need no mask first, then those that do (no branch in the hot loop)
+    for j in range(1, gl.maximum(mask_from, 1)):
+        acc, p_op, m_i, l_i = _step(acc, p_op, m_i, l_i, q_op, K, V, k_smem, v_smem, k_bars, v_bars, s_zero, j,
+                                    n_blocks, off_b, kv_col, qk_scale, start_m, seqlen_k, diag, False, CAUSAL,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+    for j in range(gl.maximum(mask_from, 1), n_blocks):
+        acc, p_op, m_i, l_i = _step(acc, p_op, m_i, l_i, q_op, K, V, k_smem, v_smem, k_bars, v_bars, s_zero, j,
+                                    n_blocks, off_b, kv_col, qk_scale, start_m, seqlen_k, diag, True, CAUSAL,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+
+    # the last block's PV
+    vs = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_bars.index(vs), ((n_blocks - 1) // STAGES) & 1)
+    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
+    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
+    o = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+    q_op.store(o.to(dtype))  # every wgmma that read Q has been waited for: its buffer takes O
+    fence_async_shared()
+    tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_smem)  # rows past seqlen_q are clipped
+    tma.store_wait(pendings=0)
