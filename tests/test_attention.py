@@ -68,7 +68,7 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",
-                                  "fp32", "gluon-off", "sm80", "varlen"])
+                                  "fp32", "gluon-off", "sm80", "varlen", "d64-long"])
 def test_forward_kernel_choice(case, monkeypatch):
     """The Gluon forward runs on sm_90 exactly for dense fp16/bf16 inputs, head dim 64/128/256,
     causal or not and nothing else; everything else (and the CPU) takes the Triton kernel."""
@@ -82,7 +82,8 @@ def test_forward_kernel_choice(case, monkeypatch):
     monkeypatch.setattr(_runtime, "launch", spy)
     d = {"d256": 256, "d96": 96}.get(case, 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
-    q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
+    seqlen_k = config.GLUON_MAX_SEQLEN_K[64] + 1 if case == "d64-long" else 130  # past the d64 limit
+    q, k, v = make_qkv((2, 100, seqlen_k, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
     kwargs = dict(causal=case == "causal", softcap=5.0 if case == "softcap" else 0.0,
                   window_size=(16, 3) if case == "window" else (-1, -1),
                   alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None)

@@ -211,10 +211,12 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
                     softmax_scale: float) -> bool:
     """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: sm_90
     exactly (config.wgmma), config.gluon on, dense fp16/bf16 inputs with head dim 64, 128 or 256,
-    heads adjacent in memory and TMA's alignment, keys present, causal or not but no other score
-    modification. Everything else takes kernels/fwd.py."""
+    heads adjacent in memory and TMA's alignment, keys present (at most
+    config.GLUON_MAX_SEQLEN_K of them), causal or not but no other score modification. Everything
+    else takes kernels/fwd.py."""
     if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
-            and q.dtype in (torch.float16, torch.bfloat16) and geo.max_seqlen_k > 0 and config.gluon()
+            and q.dtype in (torch.float16, torch.bfloat16) and config.gluon()
+            and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)
             and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
             and q.stride(2) == k.stride(2) == v.stride(2) == geo.head_dim and _use_tma(arch, q, k, v, out)):
         return False

@@ -215,6 +215,12 @@ def gluon() -> bool:
     return _ENV_GLUON is not False
 
 
+# head-dim bucket -> the longest key sequence for which the Gluon forward is chosen (absent: any).
+# Headdim 64: H200, 2026-11-30, fp16, interleaved A/B against the Triton forward (docs/notes.md,
+# session 8): 1.40x/1.15x at 512 (non-causal/causal), 0.99x/1.06x at 2k, 0.94x/0.98x at 16k.
+GLUON_MAX_SEQLEN_K: dict[int, int] = {64: 2048}
+
+
 def wgmma(device: torch.device) -> bool:
     """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernel is written with."""
     index = device.index if device.index is not None else torch.cuda.current_device()
