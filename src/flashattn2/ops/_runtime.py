@@ -35,7 +35,13 @@ def kernels() -> types.SimpleNamespace:
 
 @functools.cache
 def hopper_kernels() -> types.ModuleType | None:
-    """kernels/fwd_hopper.py (Gluon), or None where this Triton has no Gluon for Hopper."""
+    """kernels/fwd_hopper.py (Gluon), or None: Gluon's API is experimental and changes between
+    Triton releases, so the kernel is used with the release it was written and tested against
+    (3.6) only; other versions take the Triton kernels."""
+    import triton
+
+    if not triton.__version__.startswith("3.6."):
+        return None
     try:
         from ..kernels import fwd_hopper
     except ImportError:
