@@ -64,7 +64,7 @@ def test_forward_backward(shape, dtype, causal, path):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
-HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and _runtime.hopper_kernels() is not None
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",

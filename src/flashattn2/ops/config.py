@@ -40,7 +40,8 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # d256 fwd: 516/506 at 16k, 465/361 at 2k (SDPA flash 320/292, 305/262); 64x64 w4 s1: 446/445
     ("sm90", 256, 2, "fwd"):       TileConfig(128, 64, 8, 2),
     # The Gluon forward (sm_90 exactly: wgmma; dense inputs without softcap/ALiBi/window/dropout).
-    # H200, 2026-11-30, fp16, 16k tokens, one run beside SDPA cuDNN (docs/notes.md, session 8):
+    # H200, 2026-11-30, fp16, 16k tokens, one run beside SDPA cuDNN (docs/notes.md, session 8; the
+    # prototype of the kernel, same schedule, 2-D descriptors):
     # d64 non-causal 128x64 w8 s2: 366/405/419 at 512/2k/16k (cuDNN 386/438/440; w4 356/393/409);
     # causal w4 (_TABLE_CAUSAL): 245/361/417 (cuDNN 257/374/423; w8 239/352/398).
     ("sm90", 64, 2, "fwd_hopper"):  TileConfig(128, 64, 8, 2),
@@ -205,8 +206,9 @@ def host_desc() -> bool:
 
 
 # The Gluon forward (kernels/fwd_hopper.py) where it applies (ops.attention._hopper_forward): on by
-# default on sm_90 (it uses wgmma, which sm_100 lacks). H200, 2026-11-30: 1.0-1.4x the Triton
-# forward at 512-2k tokens, within a few % at 16k (docs/notes.md, session 8).
+# default on sm_90 (it uses wgmma, which sm_100 lacks). H200, 2026-11-30, interleaved A/B against
+# the Triton forward (docs/notes.md, session 8) at 512 / 2k / 16k tokens: headdim 128 1.42-1.51x /
+# 1.11-1.19x / 1.09-1.12x, 256 1.00-1.31x / 1.30-1.34x / 1.34-1.39x, 64 see GLUON_MAX_SEQLEN_K.
 # FLASHATTN2_GLUON=0 or override(gluon=False) turns it off.
 def gluon() -> bool:
     """Whether the forward may take the Gluon kernel (see above)."""
