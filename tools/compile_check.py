@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
-from flashattn2.ops import _runtime, config, kvcache  # noqa: E402
+from flashattn2.ops import _runtime, attention, config, kvcache  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
@@ -64,17 +64,13 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg):
     """Signature types of the Gluon forward's descriptors (3-D, box [1, rows, head_dim], with the
     shared-memory layout ops.attention gives them)."""
     import torch
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     t = torch.empty(2, 64, 2, head_dim, dtype=torch.float16)
     types = {}
     for name, rows in (("Q", cfg.block_m), ("K", cfg.block_n), ("V", cfg.block_n), ("Out", cfg.block_m)):
-        box = [1, rows, head_dim]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float16)
-        types[name] = mangle_type(TensorDescriptor(t, [2, 64, 2 * head_dim], [t.stride(0), t.stride(1), 1], box,
-                                                   layout))
+        (desc,) = _runtime._for_triton((attention._host_desc(t, rows, gluon=True),))
+        types[name] = mangle_type(desc)
     return types
 
 

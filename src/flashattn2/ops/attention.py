@@ -5,6 +5,7 @@ dimension contiguous, one dtype, one device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -194,17 +195,31 @@ def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) ->
     if not (config.host_desc() and use_tma and geo.varlen is None and geo.head_dim == _block_d(geo.head_dim)
             and all(t.stride(2) == geo.head_dim for t in tensors)):
         return tensors, False
-    descs = []
-    for t, rows in pairs:
-        b, n, h, d = t.shape
-        s = t.stride()
-        descs.append(_runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), (1, rows, d), None)))
-    return descs, True
+    return [_host_desc(t, rows) for t, rows in pairs], True
+
+
+def _host_desc(t: torch.Tensor, rows: int, gluon: bool = False) -> _runtime.HostDesc:
+    """A descriptor over a dense (batch, seqlen, heads, headdim) tensor whose heads are adjacent,
+    seen as (batch, seqlen, heads * headdim), with a [1, rows, headdim] box; gluon: carrying the
+    shared-memory layout a Gluon kernel is compiled for."""
+    b, n, h, d = t.shape
+    s = t.stride()
+    box = (1, rows, d)
+    return _runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), box, gluon_layout(t.dtype, box) if gluon else None))
+
+
+@functools.cache
+def gluon_layout(dtype: torch.dtype, box: tuple[int, ...]):
+    """The shared-memory layout (NVMMASharedLayout) of a Gluon descriptor's box: Gluon's default
+    swizzle for it (tools/compile_check.py compiles the Gluon forward with the same)."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
 
 
 _HOPPER_FLAGS = ({"CAUSAL": False, "LOCAL": False, "SOFTCAP": False, "ALIBI": False, "DROPOUT": False},
                  {"CAUSAL": True, "LOCAL": False, "SOFTCAP": False, "ALIBI": False, "DROPOUT": False})
-_GLUON_LAYOUTS: dict = {}
 
 
 def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
@@ -222,18 +237,8 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
         return False
     causal = flags["CAUSAL"]
     cfg = config.select("fwd_hopper", arch, geo.head_dim, q.dtype, causal)
-    descs = []
-    for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m)):
-        b, n, h, d = t.shape
-        s = t.stride()
-        box = (1, rows, d)
-        layout = _GLUON_LAYOUTS.get((t.dtype, box))
-        if layout is None:
-            from triton.experimental.gluon import language as gl
-
-            gl_dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
-            layout = _GLUON_LAYOUTS[(t.dtype, box)] = gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
-        descs.append(_runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), box, layout)))
+    descs = [_host_desc(t, rows, gluon=True)
+             for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))]
     lse_strides = lse.stride()
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     _runtime.launch(_runtime.hopper_kernels().attn_fwd_hopper_kernel, grid,
