@@ -17,7 +17,8 @@ T = config.TileConfig
 # the CPU, both load paths (TMA: host-built descriptors for power-of-two head dims) with tiles
 # where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon": False}, id="triton-fwd"),
+    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon_ws": True}, id="gluon-ws"),
+             pytest.param({"gluon_ws": False}, id="gluon-one-wg"), pytest.param({"gluon": False}, id="triton-fwd"),
              pytest.param({"gluon": False, "host_desc": False}, id="kernel-desc"),
              pytest.param({"tma": False}, id="no-tma"),
              pytest.param({"arch": "sm80"}, id="sm80"), pytest.param({"arch": "sm86"}, id="sm86")]
@@ -68,10 +69,13 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and _runtime.ho
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",
-                                  "fp32", "gluon-off", "sm80", "varlen", "d64-long"])
+                                  "fp32", "gluon-off", "sm80", "varlen", "d64-long", "d128-short", "d128-long",
+                                  "d128-ws-forced", "d256-ws-off", "d64-ws-forced"])
 def test_forward_kernel_choice(case, monkeypatch):
     """The Gluon forward runs on sm_90 exactly for dense fp16/bf16 inputs, head dim 64/128/256,
-    causal or not and nothing else; everything else (and the CPU) takes the Triton kernel."""
+    causal or not and nothing else; everything else (and the CPU) takes the Triton kernel. Its
+    warp-specialized kernel runs past config.GLUON_WS_ABOVE_SEQLEN_K keys at head dim 128 and
+    256, or where override(gluon_ws=True) forces it (never at head dim 64: no table entry)."""
     launched = []
     real = _runtime.launch
 
@@ -80,22 +84,28 @@ def test_forward_kernel_choice(case, monkeypatch):
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_runtime, "launch", spy)
-    d = {"d256": 256, "d96": 96}.get(case, 64)
+    d = {"d256": 256, "d96": 96, "d256-ws-off": 256}.get(case, 128 if case.startswith("d128") else 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
-    seqlen_k = config.GLUON_MAX_SEQLEN_K[64] + 1 if case == "d64-long" else 130  # past the d64 limit
+    seqlen_k = {"d64-long": config.GLUON_MAX_SEQLEN_K[64] + 1,  # past the d64 limit
+                "d128-long": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1}.get(case, 130)
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
     kwargs = dict(causal=case == "causal", softcap=5.0 if case == "softcap" else 0.0,
                   window_size=(16, 3) if case == "window" else (-1, -1),
                   alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None)
-    with config.override(gluon=False if case == "gluon-off" else None, arch="sm80" if case == "sm80" else None):
+    ws_forced = {"d128-ws-forced": True, "d64-ws-forced": True, "d256-ws-off": False}.get(case)
+    with config.override(gluon=False if case == "gluon-off" else None, arch="sm80" if case == "sm80" else None,
+                         gluon_ws=ws_forced):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
             flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1),
                                               cu, cu, 100, 100)
         else:
             flashattn2.flash_attn_func(q, k, v, **kwargs)
-    gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256")
-    assert launched[0] == ("attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel"), launched
+    gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256", "d128-short", "d128-long", "d128-ws-forced",
+                                "d256-ws-off", "d64-ws-forced")
+    ws = gluon and case in ("d256", "d128-long", "d128-ws-forced")
+    expected = "attn_fwd_ws_kernel" if ws else "attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel"
+    assert launched[0] == expected, launched
 
 
 @pytest.mark.parametrize("blocks", [3, 13], ids=["head-by-head", "all-heads-first"])

@@ -104,13 +104,17 @@ def cases(arch):
         if entry_arch != arch:
             continue
         fp32 = elem_bytes == 4
-        if kernel == "fwd_hopper":  # the Gluon forward: sm_90, 2-byte types, dense, no score modification
+        if kernel.startswith("fwd_hopper"):  # the Gluon forwards: sm_90, 2-byte types, dense, no score modification
+            hopper = _runtime.hopper_kernels()
+            ws = kernel == "fwd_hopper_ws"
             for causal in (False, True):
                 constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                   STAGES=cfg.num_stages)
-                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-fwd_hopper-{'causal' if causal else 'full'}",
-                       _runtime.hopper_kernels().attn_fwd_hopper_kernel, elem_bytes, constexprs, cfg,
-                       _gluon_descriptor_types(elem_bytes, bucket, cfg))
+                if ws:
+                    constexprs["PINGPONG"] = config.GLUON_WS_PINGPONG[bucket]
+                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
+                       hopper.attn_fwd_ws_kernel if ws else hopper.attn_fwd_hopper_kernel, elem_bytes, constexprs,
+                       cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
             continue
         if kernel == "bwd_dkdv_atomic" and fp32:
             # the atomic dQ path is off by default (measured slower); its fp32 build shares the

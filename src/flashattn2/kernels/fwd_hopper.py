@@ -9,6 +9,11 @@ cores (FlashAttention-3's intra-warpgroup pipelining). K and V arrive by TMA int
 shared-memory rings, one mbarrier per stage; a stage is refilled as soon as the wgmma that read it
 has been waited for.
 
+Two kernels: attn_fwd_hopper_kernel, one program = one query block run by its warps (one or two
+warpgroups); attn_fwd_ws_kernel (below), warp-specialized: a producer warp loads, two consumer
+warpgroups compute one query block each (FlashAttention-3's arrangement; ops.attention chooses it
+for long key sequences, config.GLUON_WS_ABOVE_SEQLEN_K).
+
 Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
 [1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.
 No softcap, ALiBi, window or dropout (ops.attention sends those to kernels/fwd.py). Causal is
@@ -31,6 +36,59 @@ def _load(desc, off_b, row, col, bars, bufs, stage, pred):
     bar = bars.index(stage)
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(desc, [off_b, row, col], bar, bufs.index(stage), pred=pred)
+
+
+@gluon.jit
+def _program_tile(batch, nheads, seqlen_q, CAUSAL: gl.constexpr, CTA_M: gl.constexpr):
+    """The grid's order (kernels.common.query_block_program) on programs of CTA_M query rows:
+    (batch entry, head, first row). Query blocks of one head together; causal heaviest first,
+    those of all heads first when a head has more than 8."""
+    num_m = (seqlen_q + CTA_M - 1) // CTA_M
+    pid = gl.program_id(0)
+    pid_m = pid % num_m
+    off_bh = pid // num_m
+    if CAUSAL:
+        if num_m > 8:
+            pid_m = pid // (batch * nheads)
+            off_bh = pid % (batch * nheads)
+        pid_m = num_m - 1 - pid_m
+    return off_bh // nheads, off_bh % nheads, pid_m * CTA_M
+
+
+@gluon.jit
+def _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key blocks of the query tile starting at row start_m: (n_blocks, mask_from); blocks
+    [0, n_blocks), those from mask_from on cross the causal diagonal or the keys' end. A tile that
+    sees no key (causal, seqlen_q > seqlen_k) still gets one block, all masked; a tile past
+    seqlen_q (the second tile of the warp-specialized kernel's last program) gets none."""
+    diag = seqlen_k - seqlen_q
+    n_end = seqlen_k
+    mask_from = seqlen_k // BLOCK_N
+    if CAUSAL:
+        n_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag), 1)
+        mask_from = gl.minimum(mask_from, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
+    n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
+    if start_m >= seqlen_q:
+        n_blocks = 0
+    return n_blocks, mask_from
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf,
+              BLOCK_M: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr):
+    """The logsumexp (natural log) and O = acc / l, through the Q tile's buffer (every wgmma that
+    read Q has been waited for) and a TMA store that clips rows past seqlen_q. A row that sees no
+    key: output 0 and logsumexp +inf (flash-attn 2's convention)."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
+    o = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+    q_op.store(o.to(q_op.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_buf)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -105,33 +163,12 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
 
-    # the grid's order (kernels.common.query_block_program): query blocks of one head together;
-    # causal heaviest first, those of all heads first when a head has more than 8
-    num_m = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    pid = gl.program_id(0)
-    pid_m = pid % num_m
-    off_bh = pid // num_m
-    if CAUSAL:
-        if num_m > 8:
-            pid_m = pid // (batch * nheads)
-            off_bh = pid % (batch * nheads)
-        pid_m = num_m - 1 - pid_m
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
+    off_b, off_h, start_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, BLOCK_M)
     q_col = off_h * HEAD_DIM
     kv_col = (off_h // group_size) * HEAD_DIM
-    start_m = pid_m * BLOCK_M
     qk_scale = sm_scale * LOG2E
-
-    # key blocks [0, n_blocks); those from mask_from on cross the causal diagonal or the keys' end.
-    # At least one block: a query block that sees no key (seqlen_q > seqlen_k) masks it all.
     diag = seqlen_k - seqlen_q
-    n_end = seqlen_k
-    mask_from = seqlen_k // BLOCK_N
-    if CAUSAL:
-        n_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag), 1)
-        mask_from = gl.minimum(mask_from, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
-    n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
+    n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
 
     # shared memory: the Q tile (reused for O), K and V rings, one mbarrier per buffer
     q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q.layout)
@@ -192,15 +229,242 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
-    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
-    o = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-    q_op.store(o.to(dtype))  # every wgmma that read Q has been waited for: its buffer takes O
-    fence_async_shared()
-    tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_smem)  # rows past seqlen_q are clipped
-    tma.store_wait(pendings=0)
+    _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_smem, BLOCK_M, row_s,
+              row_o)
+
+
+# ---------------------------------------------------------------------------------------------
+# The warp-specialized forward (FlashAttention-3's producer/consumer split). One program covers
+# 2 * BLOCK_M query rows with three partitions:
+#   * two consumer warpgroups (the default partition and worker 0), each owning one BLOCK_M-row
+#     query tile and running the loop above (QK^T of block j and PV of block j-1 as async wgmmas,
+#     the softmax of j overlapping PV(j-1)), with the same unmasked-then-masked split;
+#   * one producer warp (worker 1, few registers): TMA of both Q tiles, then K_0, K_1, V_0, K_2,
+#     V_1, ... into STAGES-deep K and V rings. Each stage has a "ready" mbarrier (the producer's
+#     expect-tx) and an "empty" one counting one arrival per consumer, made after the wgmma that
+#     read the stage was waited for; block j uses stage j % STAGES, phase j // STAGES.
+# A consumer whose tile needs fewer key blocks than its partner's (causal: tile 0 sees fewer keys;
+# a tile past seqlen_q needs none) arrives twice on the stages of the blocks only its partner
+# uses, so every phase of an empty barrier gets its two arrivals.
+# PINGPONG: the consumers' GEMM issues alternate through two "turn" mbarriers (Gluon 3.6 has no
+# named barriers): consumer 0 issues its slot i (slot 0 = QK_0, slot j = QK_j + PV_{j-1}, slot n =
+# PV_{n-1}) after consumer 1 issued slot i-1, consumer 1 its slot i after consumer 0 issued slot i,
+# while the partner still has that slot (unequal slot counts stop the alternation, never hang).
+# Registers: the producer is given 24 per thread, each consumer 240 (setmaxnreg).
+# ---------------------------------------------------------------------------------------------
+NUM_CONSUMERS = gl.constexpr(2)
+_CONSUMER0 = gl.constexpr(0)  # partition ids as constexpr globals (a literal in a tuple is not one)
+_CONSUMER1 = gl.constexpr(1)
+_CONSUMER_REGS = gl.constexpr(240)
+_PRODUCER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _release(empty_bars, stage, blk, n_other):
+    """This consumer is done with ring stage `stage` (key block blk); it also arrives for its
+    partner when the partner does not use block blk (blk >= n_other)."""
+    bar = empty_bars.index(stage)
+    mbarrier.arrive(bar)
+    mbarrier.arrive(bar, pred=blk >= n_other)
+
+
+@gluon.jit
+def _pp_wait(turn_bars, slot, slots_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: before GEMM slot `slot`, wait until the partner issued its slot slot-1
+    (consumer 0) or slot (consumer 1), if it has that slot; partner slot k completes phase k of
+    turn_bars[ME]."""
+    if PINGPONG:
+        need = slot - 1 + ME
+        mbarrier.wait(turn_bars.index(ME), need & 1, pred=(need >= 0) & (need < slots_other))
+
+
+@gluon.jit
+def _pp_arrive(turn_bars, slot, slots_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: slot `slot` issued; signal the partner if it will wait for it."""
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - ME), pred=slot + ME < slots_other)
+
+
+@gluon.jit
+def _ws_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, s_zero, j,
+             n_other, slots_other, qk_scale, start_m, seqlen_k, diag, ME: gl.constexpr, PINGPONG: gl.constexpr,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+             row_o: gl.constexpr, kv_tile: gl.constexpr):
+    """_step with ready/empty rings (the producer refills): key block j >= 1, GEMM slot j."""
+    dtype: gl.constexpr = q_op.dtype
+    ks = j % STAGES
+    mbarrier.wait(k_ready.index(ks), (j // STAGES) & 1)
+    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    _pp_wait(turn_bars, j, slots_other, ME, PINGPONG)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    vs = (j - 1) % STAGES
+    mbarrier.wait(v_ready.index(vs), ((j - 1) // STAGES) & 1)
+    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
+    _pp_arrive(turn_bars, j, slots_other, ME, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
+    _release(k_empty, ks, j, n_other)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
+                                  BLOCK_M, BLOCK_N, s_layout)
+    p_next = gl.convert_layout(p.to(dtype), p_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    _release(v_empty, vs, j - 1, n_other)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, lse_row0,
+             off_b, q_col, start_m, n_blocks, mask_from, n_other, slots_other, qk_scale, seqlen_q, seqlen_k,
+             ME: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup's query tile (n_blocks >= 1)."""
+    dtype: gl.constexpr = q_smem.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    diag = seqlen_k - seqlen_q
+
+    q_buf = q_smem.index(ME)
+    q_op = q_buf._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+
+    # slot 0: S = Q K_0^T, waited; its softmax
+    mbarrier.wait(q_bars.index(ME), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    _pp_wait(turn_bars, 0, slots_other, ME, PINGPONG)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _pp_arrive(turn_bars, 0, slots_other, ME, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    _release(k_empty, 0, 0, n_other)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
+                                  BLOCK_M, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, gl.maximum(mask_from, 1)):
+        acc, p_op, m_i, l_i = _ws_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                       v_empty, turn_bars, s_zero, j, n_other, slots_other, qk_scale, start_m,
+                                       seqlen_k, diag, ME, PINGPONG, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       STAGES, s_layout, p_layout, row_o, kv_tile)
+    for j in range(gl.maximum(mask_from, 1), n_blocks):
+        acc, p_op, m_i, l_i = _ws_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                       v_empty, turn_bars, s_zero, j, n_other, slots_other, qk_scale, start_m,
+                                       seqlen_k, diag, ME, PINGPONG, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       STAGES, s_layout, p_layout, row_o, kv_tile)
+
+    # slot n_blocks: the last block's PV
+    vs = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(vs), ((n_blocks - 1) // STAGES) & 1)
+    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    _pp_wait(turn_bars, n_blocks, slots_other, ME, PINGPONG)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
+    _pp_arrive(turn_bars, n_blocks, slots_other, ME, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    _release(v_empty, vs, n_blocks - 1, n_other)
+    _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf, BLOCK_M, row_s,
+              row_o)
+
+
+@gluon.jit
+def _consumer(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+              stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+              ME: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup ME (0: the default partition, 1: worker 0): query tile ME of the program."""
+    off_b, off_h, cta_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, NUM_CONSUMERS * BLOCK_M)
+    start_m = cta_m + ME * BLOCK_M
+    n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    n_other, mask_other = _tile_blocks(cta_m + (1 - ME) * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    slots_other = gl.where(n_other > 0, n_other + 1, 0)
+    lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
+    if n_blocks > 0:
+        _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, lse_row0,
+                 off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, n_other, slots_other, sm_scale * LOG2E,
+                 seqlen_q, seqlen_k, ME, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _produce(desc, ready, empty, smem, blk, off_b, kv_col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Block blk of a ring: wait until both consumers released the stage's previous block (block
+    blk - STAGES, phase blk // STAGES - 1 of the empty barrier; a fresh barrier passes a wait on
+    parity 1), then TMA it."""
+    stage = blk % STAGES
+    mbarrier.wait(empty.index(stage), ((blk // STAGES) & 1) ^ 1)
+    bar = ready.index(stage)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [off_b, blk * BLOCK_N, kv_col], bar, smem.index(stage))
+
+
+@gluon.jit
+def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch, nheads, seqlen_q,
+              seqlen_k, group_size, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both Q tiles, then K_0, K_1, V_0, K_2, V_1, ..., V_{n-1} (the consumers' order of
+    use, n = the longer tile's block count)."""
+    off_b, off_h, cta_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, NUM_CONSUMERS * BLOCK_M)
+    n0, mf0 = _tile_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    n1, mf1 = _tile_blocks(cta_m + BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    n_max = gl.maximum(n0, n1)
+    q_col = off_h * HEAD_DIM
+    kv_col = (off_h // group_size) * HEAD_DIM
+    for t in gl.static_range(NUM_CONSUMERS):
+        bar = q_bars.index(t)
+        valid = cta_m + t * BLOCK_M < seqlen_q
+        mbarrier.expect(bar, Q.block_type.nbytes, pred=valid)
+        tma.async_copy_global_to_shared(Q, [off_b, cta_m + t * BLOCK_M, q_col], bar, q_smem.index(t), pred=valid)
+    _produce(K, k_ready, k_empty, k_smem, 0, off_b, kv_col, BLOCK_N, STAGES)  # tile 0 is valid: n_max >= 1
+    for j in range(1, n_max):
+        _produce(K, k_ready, k_empty, k_smem, j, off_b, kv_col, BLOCK_N, STAGES)
+        _produce(V, v_ready, v_empty, v_smem, j - 1, off_b, kv_col, BLOCK_N, STAGES)
+    _produce(V, v_ready, v_empty, v_smem, n_max - 1, off_b, kv_col, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, group_size,
+                       sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Grid: cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads programs; launched with num_warps=4 (the
+    default partition; the compiler adds the workers' warps)."""
+    dtype: gl.constexpr = Q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM], Q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bars.index(t), count=1)
+        mbarrier.init(turn_bars.index(t), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
+
+    gl.warp_specialize([
+        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                     stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                     _CONSUMER0, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                     stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                     _CONSUMER1, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_producer, (Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch, nheads,
+                     seqlen_q, seqlen_k, group_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])

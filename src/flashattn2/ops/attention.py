@@ -228,7 +228,8 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     exactly (config.wgmma), config.gluon on, dense fp16/bf16 inputs with head dim 64, 128 or 256,
     heads adjacent in memory and TMA's alignment, keys present (at most
     config.GLUON_MAX_SEQLEN_K of them), causal or not but no other score modification. Everything
-    else takes kernels/fwd.py."""
+    else takes kernels/fwd.py. Long key sequences take its warp-specialized kernel
+    (config.gluon_ws)."""
     if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
             and q.dtype in (torch.float16, torch.bfloat16) and config.gluon()
             and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)
@@ -236,12 +237,18 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
             and q.stride(2) == k.stride(2) == v.stride(2) == geo.head_dim and _use_tma(arch, q, k, v, out)):
         return False
     causal = flags["CAUSAL"]
-    cfg = config.select("fwd_hopper", arch, geo.head_dim, q.dtype, causal)
+    kernels = _runtime.hopper_kernels()
+    # the warp-specialized kernel (two consumer warpgroups of block_m rows each per program) on
+    # long key sequences, the one-warpgroup kernel on short ones (config.gluon_ws)
+    ws = config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
+    cfg = config.select("fwd_hopper_ws" if ws else "fwd_hopper", arch, geo.head_dim, q.dtype, causal)
     descs = [_host_desc(t, rows, gluon=True)
              for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))]
     lse_strides = lse.stride()
-    grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
-    _runtime.launch(_runtime.hopper_kernels().attn_fwd_hopper_kernel, grid,
+    rows_per_program = cfg.block_m * (kernels.NUM_CONSUMERS.value if ws else 1)
+    grid = (_cdiv(geo.max_seqlen_q, rows_per_program) * geo.batch * geo.nheads,)
+    extra = {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {}
+    _runtime.launch(kernels.attn_fwd_ws_kernel if ws else kernels.attn_fwd_hopper_kernel, grid,
         *descs, lse, lse_strides[0], lse_strides[1],
         geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k, softmax_scale,
         CAUSAL=causal,
@@ -249,6 +256,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages,
+        **extra,
         num_warps=cfg.num_warps,
     )
     return True

@@ -12,8 +12,10 @@ import torch
 
 from . import _runtime
 
-# bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py)
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper")
+# bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py);
+# fwd_hopper_ws: its warp-specialized kernel (block_m: rows per consumer warpgroup, two per program;
+# num_warps: the default partition's, always 4)
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws")
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
 # sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
 ARCHS = ("sm90", "sm80", "sm86", "interp")
@@ -50,6 +52,19 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 128, 2, "fwd_hopper"): TileConfig(128, 64, 4, 2),
     # d256: the accumulator needs two warpgroups; 128x64 w8 s2 fits (197 KB of shared memory)
     ("sm90", 256, 2, "fwd_hopper"): TileConfig(128, 64, 8, 2),
+    # The warp-specialized Gluon forward (ops.attention._hopper_forward: GLUON_WS_ABOVE_SEQLEN_K).
+    # H200, 2026-11-30, fp16, 16k tokens, interleaved A/B in one process through the library
+    # (.devout/ws_ab.py, docs/notes.md session 9), one-warpgroup kernel / this, ping-pong off, at
+    # 512/1k/2k/4k/8k/16k (cuDNN in the same run):
+    # d128 64(x2)x128 s2: 445/498/562/531/529/528 -> 401/489/572/597/610/607 (cuDNN 503/560/596/
+    # 597/603/604); causal 265/347/414/442/480/502 -> 221/347/398/499/570/620 (cuDNN 330/416/445/
+    # 463/479/511). Ping-pong on: 0.93-0.97x of off from 2k on. Prototype run: 64x2x64 s4 and
+    # 128x2x32 s4 0.75-0.9x of this tile.
+    ("sm90", 128, 2, "fwd_hopper_ws"): TileConfig(64, 128, 4, 2),
+    # d256 64(x2)x64 s2: 459/535/600/567/582/578 -> 498/591/653/678/693/671 (cuDNN 508/564/606/
+    # 614/629/620); causal 290/389/476/525/548/583 -> 326/441/524/586/675/716 (cuDNN 336/434/448/
+    # 477/503/528). Ping-pong on: 0.88-0.99x of off.
+    ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
     # d64 bwd (with dQ 128x64 w8 s2): 347/322 at 16k, 301/230 at 2k; 32x64 w4 s3: 347/316
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(32, 128, 4, 3),
     # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
@@ -122,7 +137,8 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
-_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None}
+_forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
+                              "gluon_ws": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -170,6 +186,7 @@ _ENV_DQ_ATOMIC = _runtime.env_flag("FLASHATTN2_DQ_ATOMIC")
 _ENV_TMA = _runtime.env_flag("FLASHATTN2_TMA")
 _ENV_HOST_DESC = _runtime.env_flag("FLASHATTN2_HOST_DESC")
 _ENV_GLUON = _runtime.env_flag("FLASHATTN2_GLUON")
+_ENV_GLUON_WS = _runtime.env_flag("FLASHATTN2_GLUON_WS")
 
 
 def dq_atomic(arch: str, head_dim: int) -> bool:
@@ -222,6 +239,31 @@ def gluon() -> bool:
 # session 8): 1.40x/1.15x at 512 (non-causal/causal), 0.99x/1.06x at 2k, 0.94x/0.98x at 16k.
 GLUON_MAX_SEQLEN_K: dict[int, int] = {64: 2048}
 
+# head-dim bucket -> the warp-specialized Gluon forward (kernels/fwd_hopper.attn_fwd_ws_kernel) is
+# chosen when the longest key sequence is longer than this (absent: never). Its two consumer
+# warpgroups need 240 registers per thread: one program per SM, so its prologue and epilogue are
+# not hidden by a second program's work, and short sequences run faster on the one-warpgroup
+# kernel (H200, 2026-11-30, the fwd_hopper_ws entries): headdim 128 0.90x/0.83x at 512 keys
+# (non-causal/causal), 0.98x/1.00x at 1k, 1.02x/0.96x at 2k, 1.12-1.23x from 4k on; headdim 256
+# 1.09-1.23x from 512 on; headdim 64 (prototype, 128x2x64) 0.71-0.97x everywhere.
+GLUON_WS_ABOVE_SEQLEN_K: dict[int, int] = {128: 2048, 256: 0}
+# head-dim bucket -> whether its two consumers alternate their GEMMs through mbarriers (ping-pong):
+# measured slower at both head dims (see the entries), kept as an option of the kernel
+GLUON_WS_PINGPONG: dict[int, bool] = {128: False, 256: False}
+
+
+def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
+    """Whether the Gluon forward takes its warp-specialized kernel (GLUON_WS_ABOVE_SEQLEN_K), unless
+    override(gluon_ws=...) or FLASHATTN2_GLUON_WS=0/1 forces it off or on (where the head dim has
+    a table entry for it)."""
+    bucket = head_dim_bucket(head_dim)
+    if ("sm90", bucket, 2, "fwd_hopper_ws") not in _TABLE:
+        return False
+    forced = _forced["gluon_ws"] if _forced["gluon_ws"] is not None else _ENV_GLUON_WS
+    if forced is not None:
+        return forced
+    return bucket in GLUON_WS_ABOVE_SEQLEN_K and max_seqlen_k > GLUON_WS_ABOVE_SEQLEN_K[bucket]
+
 
 def wgmma(device: torch.device) -> bool:
     """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernel is written with."""
@@ -237,12 +279,15 @@ _WGMMA: dict = {}
 
 @contextlib.contextmanager
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
-             host_desc: bool | None = None, gluon: bool | None = None, **tiles: TileConfig):
+             host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
+             **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
-    add dQ with atomics, whether the TMA path may use host-built descriptors, and/or whether the
-    forward may take the Gluon kernel, inside a with-block. The CPU interpreter ignores arch."""
+    add dQ with atomics, whether the TMA path may use host-built descriptors, whether the
+    forward may take the Gluon kernel, and/or whether that takes its warp-specialized kernel
+    (gluon_ws; True forces it whatever the sequence length, where the head dim has one), inside a
+    with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
@@ -250,7 +295,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
-    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon)
+    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws)
     try:
         yield
     finally:
