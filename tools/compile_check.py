@@ -60,15 +60,17 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
     return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
 
 
-def _gluon_descriptor_types(elem_bytes, head_dim, cfg):
-    """Signature types of the Gluon forward's descriptors (3-D, box [1, rows, head_dim], with the
-    shared-memory layout ops.attention gives them)."""
+def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out")):
+    """Signature types of a Gluon kernel's descriptors (3-D, box [1, rows, head_dim], with the
+    shared-memory layout ops.attention gives them): query-side tensors BLOCK_M rows, key-side
+    BLOCK_N; "DQ" is the backward's fp32 accumulator."""
     import torch
     from triton.runtime.jit import mangle_type
 
-    t = torch.empty(2, 64, 2, head_dim, dtype=torch.float16)
     types = {}
-    for name, rows in (("Q", cfg.block_m), ("K", cfg.block_n), ("V", cfg.block_n), ("Out", cfg.block_m)):
+    for name in names:
+        t = torch.empty(2, 64, 2, head_dim, dtype=torch.float32 if name == "DQ" else torch.float16)
+        rows = cfg.block_n if name in _KEY_SIDE else cfg.block_m
         (desc,) = _runtime._for_triton((attention._host_desc(t, rows, gluon=True),))
         types[name] = mangle_type(desc)
     return types
@@ -105,7 +107,7 @@ def cases(arch):
             continue
         fp32 = elem_bytes == 4
         if kernel.startswith("fwd_hopper"):  # the Gluon forwards: sm_90, 2-byte types, dense, no score modification
-            hopper = _runtime.hopper_kernels()
+            hopper = _runtime.hopper_kernels().fwd
             ws = kernel == "fwd_hopper_ws"
             for causal in (False, True):
                 constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -115,6 +117,18 @@ def cases(arch):
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
                        hopper.attn_fwd_ws_kernel if ws else hopper.attn_fwd_hopper_kernel, elem_bytes, constexprs,
                        cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
+            continue
+        if kernel == "bwd_hopper":  # the Gluon backward: as the Gluon forward
+            dq_mode = _runtime.hopper_kernels().bwd.DQ_MODES[config.GLUON_BWD_DQ[bucket]]
+            names = ("Q", "K", "V", "DO", "DK", "DV") + (("DQ",) if dq_mode == 0 else ())
+            types = _gluon_descriptor_types(elem_bytes, bucket, cfg, names)
+            if dq_mode != 0:
+                types["DQ"] = "*fp32"
+            for causal, gqa in ((False, False), (True, True)):
+                constexprs = dict(CAUSAL=causal, DQ_MODE=dq_mode, OPAQUE_KV=True, HEAD_DIM=bucket, BLOCK_M=cfg.block_m,
+                                  BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, GQA=gqa, num_warps=cfg.num_warps)
+                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-bwd_hopper-{'causal-gqa' if causal else 'full'}",
+                       _runtime.hopper_kernels().bwd.attn_bwd_hopper_kernel, elem_bytes, constexprs, cfg, types)
             continue
         if kernel == "bwd_dkdv_atomic" and fp32:
             # the atomic dQ path is off by default (measured slower); its fp32 build shares the

@@ -34,19 +34,20 @@ def kernels() -> types.SimpleNamespace:
 
 
 @functools.cache
-def hopper_kernels() -> types.ModuleType | None:
-    """kernels/fwd_hopper.py (Gluon), or None: Gluon's API is experimental and changes between
-    Triton releases, so the kernel is used with the release it was written and tested against
-    (3.6) only; other versions take the Triton kernels."""
+def hopper_kernels() -> types.SimpleNamespace | None:
+    """The Gluon kernels (kernels/fwd_hopper.py as .fwd, kernels/bwd_hopper.py as .bwd), or None:
+    Gluon's API is experimental and changes between Triton releases, so they are used with the
+    release they were written and tested against (3.6) only; other versions take the Triton
+    kernels."""
     import triton
 
     if not triton.__version__.startswith("3.6."):
         return None
     try:
-        from ..kernels import fwd_hopper
+        from ..kernels import bwd_hopper, fwd_hopper
     except ImportError:
         return None
-    return fwd_hopper
+    return types.SimpleNamespace(fwd=fwd_hopper, bwd=bwd_hopper)
 
 
 @torch.compiler.assume_constant_result

@@ -214,7 +214,7 @@ def gluon_layout(dtype: torch.dtype, box: tuple[int, ...]):
     swizzle for it (tools/compile_check.py compiles the Gluon forward with the same)."""
     from triton.experimental.gluon import language as gl
 
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
 
 
@@ -237,7 +237,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
             and q.stride(2) == k.stride(2) == v.stride(2) == geo.head_dim and _use_tma(arch, q, k, v, out)):
         return False
     causal = flags["CAUSAL"]
-    kernels = _runtime.hopper_kernels()
+    kernels = _runtime.hopper_kernels().fwd
     # the warp-specialized kernel (two consumer warpgroups of block_m rows each per program) on
     # long key sequences, the one-warpgroup kernel on short ones (config.gluon_ws)
     ws = config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
@@ -259,6 +259,58 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
         **extra,
         num_warps=cfg.num_warps,
     )
+    return True
+
+
+def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch: str, flags: dict,
+                     softmax_scale: float) -> bool:
+    """Run the Gluon backward (kernels/bwd_hopper.py) if it applies, and say whether it ran: the
+    Gluon forward's conditions (sm_90 exactly, dense fp16/bf16, head dim 64/128/256, causal or not
+    and nothing else, Q/K/V/dO heads adjacent and TMA-aligned) and config.gluon_bwd; the caller
+    asks only for deterministic=False. dQ is added into a zeroed fp32 accumulator whose rows are
+    padded to a multiple of BLOCK_M, then cast into dq; lse and delta are padded the same way
+    (+inf and 0: the padded rows contribute nothing) where seqlen_q is not such a multiple."""
+    if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
+            and q.dtype in (torch.float16, torch.bfloat16) and config.gluon_bwd()
+            and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
+            and all(t.stride(2) == geo.head_dim for t in (q, k, v, dout)) and _use_tma(arch, q, k, v, dout)):
+        return False
+    kernels = _runtime.hopper_kernels().bwd
+    cfg = config.select("bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
+    dq_mode = kernels.DQ_MODES[config.GLUON_BWD_DQ[geo.head_dim]]
+    seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
+    seqlen_q_pad = _cdiv(seqlen_q, cfg.block_m) * cfg.block_m
+    if seqlen_q_pad != seqlen_q or lse.stride(2) != 1 or delta.stride() != lse.stride():
+        pad_lse = torch.full((geo.batch, geo.nheads, seqlen_q_pad), float("inf"), device=q.device,
+                             dtype=torch.float32)
+        pad_delta = torch.zeros_like(pad_lse)
+        pad_lse[:, :, :seqlen_q] = lse
+        pad_delta[:, :, :seqlen_q] = delta
+        lse, delta = pad_lse, pad_delta
+    # dK/dV by TMA store where their heads are adjacent and aligned, else into buffers copied back
+    gk, gv = (g if g.stride(2) == geo.head_dim and _use_tma(arch, g) else _runtime.empty_like(g) for g in (dk, dv))
+    acc = torch.zeros((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), device=q.device, dtype=torch.float32)
+    descs = [_host_desc(t, rows, gluon=True) for t, rows in (
+        (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (gk, cfg.block_n),
+        (gv, cfg.block_n))]
+    descs.append(_host_desc(acc, cfg.block_m, gluon=True) if dq_mode == kernels.DQ_MODES["tma"] else acc)
+    _runtime.launch(kernels.attn_bwd_hopper_kernel, (_cdiv(seqlen_k, cfg.block_n), geo.batch * geo.nheads_k),
+        *descs, lse, delta, softmax_scale,
+        seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse.stride(0), lse.stride(1),
+        CAUSAL=flags["CAUSAL"],
+        DQ_MODE=dq_mode,
+        OPAQUE_KV=True,
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages,
+        GQA=geo.nheads != geo.nheads_k,
+        num_warps=cfg.num_warps,
+    )
+    dq.copy_(acc[:, :seqlen_q])
+    for dst, src in ((dk, gk), (dv, gv)):
+        if src is not dst:
+            dst.copy_(src)
     return True
 
 
@@ -352,6 +404,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         BLOCK_D=block_d,
     )
 
+    if not deterministic and _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo, arch,
+                                              mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)[1],
+                                              softmax_scale):
+        return
     dq_atomic = not deterministic and config.dq_atomic(arch, geo.head_dim)
     # where the kernels write: the interpreter writes fp32 and torch casts; atomic dQ adds into
     # an fp32 accumulator (zeros: rows no key block reaches). Copied into dq, dk, dv at the end.

@@ -14,8 +14,8 @@ from . import _runtime
 
 # bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py);
 # fwd_hopper_ws: its warp-specialized kernel (block_m: rows per consumer warpgroup, two per program;
-# num_warps: the default partition's, always 4)
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws")
+# num_warps: the default partition's, always 4); bwd_hopper: the Gluon backward (kernels/bwd_hopper.py)
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws", "bwd_hopper")
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
 # sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
 ARCHS = ("sm90", "sm80", "sm86", "interp")
@@ -65,6 +65,22 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 614/629/620); causal 290/389/476/525/548/583 -> 326/441/524/586/675/716 (cuDNN 336/434/448/
     # 477/503/528). Ping-pong on: 0.88-0.99x of off.
     ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
+    # The Gluon backward (deterministic=False; ops.attention._hopper_backward), dQ mode in
+    # GLUON_BWD_DQ. H200, 2026-11-30, fp16, 16k tokens, kernel only (dQ accumulator zeroing +
+    # kernel; .devout/gluon/gluon_bwd.py, the same kernel, docs/notes.md session 9), at
+    # 512/1k/2k/4k/8k/16k; "ours" = the Triton backward's whole call in the same run:
+    # d64 128x128 w8 s2 tma: 285/335/361/375/386/391, causal 205/269/317/345/364/383 (ours
+    # 263/312/346/363/348/355, 171/211/264/287/306/314; cuDNN 278/365/421/442/451/424, 166/247/
+    # 323/378/418/431); 64x128 tma 246..337, atomic 246..332.
+    ("sm90", 64, 2, "bwd_hopper"): TileConfig(128, 128, 8, 2),
+    # d128 64x128 w8 s2 tma: 315/359/391/407/405/401, causal 231/302/353/385/411/436 (ours
+    # 153/336/376/385/388/394, 143/233/291/330/356/375; cuDNN 339/439/513/537/544/528, 212/316/
+    # 408/475/524/521); atomic 314..401 / 228..411; 64x64 w4 260..312.
+    ("sm90", 128, 2, "bwd_hopper"): TileConfig(64, 128, 8, 2),
+    # d256 64x64 w8 s2 atomic: 240/262/271/280/281/283 (ours 196/230/251/257/257/257; cuDNN
+    # 235/293/354/378/353/345); s1 tma 232..273. Causal (earlier run): 193/232/255/270/283/292
+    # (ours 132/168/204/225/242/247).
+    ("sm90", 256, 2, "bwd_hopper"): TileConfig(64, 64, 8, 2),
     # d64 bwd (with dQ 128x64 w8 s2): 347/322 at 16k, 301/230 at 2k; 32x64 w4 s3: 347/316
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(32, 128, 4, 3),
     # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
@@ -138,7 +154,7 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
-                              "gluon_ws": None}
+                              "gluon_ws": None, "gluon_bwd": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -187,6 +203,7 @@ _ENV_TMA = _runtime.env_flag("FLASHATTN2_TMA")
 _ENV_HOST_DESC = _runtime.env_flag("FLASHATTN2_HOST_DESC")
 _ENV_GLUON = _runtime.env_flag("FLASHATTN2_GLUON")
 _ENV_GLUON_WS = _runtime.env_flag("FLASHATTN2_GLUON_WS")
+_ENV_GLUON_BWD = _runtime.env_flag("FLASHATTN2_GLUON_BWD")
 
 
 def dq_atomic(arch: str, head_dim: int) -> bool:
@@ -251,6 +268,11 @@ GLUON_WS_ABOVE_SEQLEN_K: dict[int, int] = {128: 2048, 256: 0}
 # measured slower at both head dims (see the entries), kept as an option of the kernel
 GLUON_WS_PINGPONG: dict[int, bool] = {128: False, 256: False}
 
+# head-dim bucket -> how the Gluon backward adds dQ: "tma" (bulk reduce-add of a shared-memory
+# tile) or "atomic" (fp32 atomics from registers; headdim 256 has no shared memory left for the
+# staging tile with two stages). Measurements: the bwd_hopper entries.
+GLUON_BWD_DQ: dict[int, str] = {64: "tma", 128: "tma", 256: "atomic"}
+
 
 def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
     """Whether the Gluon forward takes its warp-specialized kernel (GLUON_WS_ABOVE_SEQLEN_K), unless
@@ -263,6 +285,18 @@ def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
     if forced is not None:
         return forced
     return bucket in GLUON_WS_ABOVE_SEQLEN_K and max_seqlen_k > GLUON_WS_ABOVE_SEQLEN_K[bucket]
+
+
+# The Gluon backward (kernels/bwd_hopper.py) for deterministic=False calls where it applies
+# (ops.attention._hopper_backward): 5 matmuls per block pair, dQ added in any order. H200,
+# 2026-11-30 (the bwd_hopper entries): 1.0-1.6x the Triton backward, most on causal.
+# FLASHATTN2_GLUON_BWD=0 or override(gluon_bwd=False) turns it off; deterministic=True never
+# takes it.
+def gluon_bwd() -> bool:
+    """Whether a deterministic=False backward may take the Gluon kernel (see above)."""
+    if _forced["gluon_bwd"] is not None:
+        return _forced["gluon_bwd"]
+    return _ENV_GLUON_BWD is not False
 
 
 def wgmma(device: torch.device) -> bool:
@@ -280,13 +314,14 @@ _WGMMA: dict = {}
 @contextlib.contextmanager
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
-             **tiles: TileConfig):
+             gluon_bwd: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
     add dQ with atomics, whether the TMA path may use host-built descriptors, whether the
     forward may take the Gluon kernel, and/or whether that takes its warp-specialized kernel
-    (gluon_ws; True forces it whatever the sequence length, where the head dim has one), inside a
+    (gluon_ws; True forces it whatever the sequence length, where the head dim has one), and/or
+    whether deterministic=False backwards may take the Gluon backward (gluon_bwd), inside a
     with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
@@ -295,7 +330,8 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
-    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws)
+    _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
+                   gluon_bwd=gluon_bwd)
     try:
         yield
     finally:
