@@ -17,7 +17,7 @@ T = config.TileConfig
 # the CPU, both load paths (TMA: host-built descriptors for power-of-two head dims) with tiles
 # where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon_ws": True}, id="gluon-ws"),
+    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon_ws": True, "gluon_bwd": True}, id="gluon-ws"),
              pytest.param({"gluon_ws": False}, id="gluon-one-wg"),
              pytest.param({"gluon": False, "gluon_bwd": False}, id="triton"),
              pytest.param({"gluon": False, "gluon_bwd": False, "host_desc": False}, id="kernel-desc"),
@@ -109,12 +109,26 @@ def test_forward_kernel_choice(case, monkeypatch):
     assert launched[0] == expected, launched
 
 
-@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "deterministic", "gluon-bwd-off", "softcap",
-                                  "dropout", "d96", "varlen", "sm80"])
+def test_gluon_backward_rule():
+    """config.gluon_bwd: the length rule per (head dim, causal), and what forcing does."""
+    for (bucket, causal), limit in config.GLUON_BWD_ABOVE_SEQLEN_K.items():
+        assert not config.gluon_bwd(bucket, causal, limit) and config.gluon_bwd(bucket, causal, limit + 1)
+    assert not config.gluon_bwd(128, False, 1 << 20)  # no entry: never
+    assert config.gluon_bwd(59, True, 513) == config.gluon_bwd(64, True, 513)  # by head-dim bucket
+    with config.override(gluon_bwd=True):
+        assert config.gluon_bwd(128, False, 1)
+    with config.override(gluon_bwd=False):
+        assert not config.gluon_bwd(256, True, 1 << 20)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "table-d128-causal", "table-d128-full",
+                                  "table-d64-causal-short", "deterministic", "gluon-bwd-off", "softcap", "dropout",
+                                  "d96", "varlen", "sm80"])
 def test_backward_kernel_choice(case, monkeypatch):
     """The Gluon backward runs on sm_90 exactly for deterministic=False (flash_attn's default),
-    dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing else; everything else
-    (and the CPU) takes the Triton dK/dV and dQ kernels."""
+    dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing else, where
+    config.GLUON_BWD_ABOVE_SEQLEN_K says (the "table-" cases; the others force it on); everything
+    else (and the CPU) takes the Triton dK/dV and dQ kernels."""
     launched = []
     real = _runtime.launch
 
@@ -122,12 +136,14 @@ def test_backward_kernel_choice(case, monkeypatch):
         launched.append(kernel.__name__)
         return real(kernel, grid, *args, **kwargs)
 
-    d = {"d256-bf16": 256, "d96": 96}.get(case, 64)
+    d = {"d256-bf16": 256, "d96": 96, "table-d128-causal": 128, "table-d128-full": 128}.get(case, 64)
     dtype = torch.bfloat16 if case == "d256-bf16" else torch.float16
     q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "causal-gqa" else 4, d), dtype)
-    kwargs = dict(causal=case == "causal-gqa", softcap=5.0 if case == "softcap" else 0.0,
-                  dropout_p=0.1 if case == "dropout" else 0.0, deterministic=case == "deterministic")
-    with config.override(gluon_bwd=False if case == "gluon-bwd-off" else None, arch="sm80" if case == "sm80" else None):
+    kwargs = dict(causal=case in ("causal-gqa", "table-d128-causal", "table-d64-causal-short"),
+                  softcap=5.0 if case == "softcap" else 0.0, dropout_p=0.1 if case == "dropout" else 0.0,
+                  deterministic=case == "deterministic")
+    force = None if case.startswith("table-") else case != "gluon-bwd-off"
+    with config.override(gluon_bwd=force, arch="sm80" if case == "sm80" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
             out = flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1),
@@ -137,7 +153,7 @@ def test_backward_kernel_choice(case, monkeypatch):
         monkeypatch.setattr(_runtime, "launch", spy)
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in grads)
-    gluon = HOPPER and case in ("plain", "causal-gqa", "d256-bf16")
+    gluon = HOPPER and case in ("plain", "causal-gqa", "d256-bf16", "table-d128-causal")
     if gluon:
         assert "attn_bwd_hopper_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, launched
     else:
@@ -319,7 +335,7 @@ def test_host_descriptor_rule(monkeypatch):
 
     def run(q, k, v, varlen=False, **force):
         taken.clear()
-        with config.override(gluon=False, **force):
+        with config.override(gluon=False, gluon_bwd=False, **force):
             if varlen:
                 cu = torch.tensor([0, q.shape[0] - 5, q.shape[0]], dtype=torch.int32, device=DEVICE)
                 out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, q.shape[0] - 5, q.shape[0] - 5)

@@ -100,9 +100,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         alibi_slopes: float32 (nheads,) or (batch, nheads): the bias
             -slope * |i + seqlen_k - seqlen_q - j| is added to the scores (after softcap).
         deterministic: True always gives the deterministic backward (dQ in its own pass, no
-            atomics: bitwise-identical gradients run to run). False (flash_attn's default) may
-            add dQ with atomics inside the dK/dV kernel where config's dq_atomic table enables
-            it (FLASHATTN2_DQ_ATOMIC=1 forces it); no entry does yet, so today both are the same.
+            atomics: bitwise-identical gradients run to run). False (flash_attn's default) lets an
+            H100/H200 take the Gluon backward where config.gluon_bwd chooses it: dQ added in any
+            order, so its last bits may move run to run (README, "deterministic").
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.

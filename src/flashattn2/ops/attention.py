@@ -266,12 +266,13 @@ def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch
                      softmax_scale: float) -> bool:
     """Run the Gluon backward (kernels/bwd_hopper.py) if it applies, and say whether it ran: the
     Gluon forward's conditions (sm_90 exactly, dense fp16/bf16, head dim 64/128/256, causal or not
-    and nothing else, Q/K/V/dO heads adjacent and TMA-aligned) and config.gluon_bwd; the caller
-    asks only for deterministic=False. dQ is added into a zeroed fp32 accumulator whose rows are
+    and nothing else, Q/K/V/dO heads adjacent and TMA-aligned) and config.gluon_bwd (where it
+    measured faster than the Triton backward); the caller asks only for deterministic=False. dQ is added into a zeroed fp32 accumulator whose rows are
     padded to a multiple of BLOCK_M, then cast into dq; lse and delta are padded the same way
     (+inf and 0: the padded rows contribute nothing) where seqlen_q is not such a multiple."""
     if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
-            and q.dtype in (torch.float16, torch.bfloat16) and config.gluon_bwd()
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and config.gluon_bwd(geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k)
             and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
             and all(t.stride(2) == geo.head_dim for t in (q, k, v, dout)) and _use_tma(arch, q, k, v, dout)):
         return False

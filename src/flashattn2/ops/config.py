@@ -65,8 +65,8 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 614/629/620); causal 290/389/476/525/548/583 -> 326/441/524/586/675/716 (cuDNN 336/434/448/
     # 477/503/528). Ping-pong on: 0.88-0.99x of off.
     ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
-    # The Gluon backward (deterministic=False; ops.attention._hopper_backward), dQ mode in
-    # GLUON_BWD_DQ. H200, 2026-11-30, fp16, 16k tokens, kernel only (dQ accumulator zeroing +
+    # The Gluon backward (deterministic=False; ops.attention._hopper_backward, where
+    # GLUON_BWD_ABOVE_SEQLEN_K says), dQ mode in GLUON_BWD_DQ. H200, 2026-11-30, fp16, 16k tokens, kernel only (dQ accumulator zeroing +
     # kernel; .devout/gluon/gluon_bwd.py, the same kernel, docs/notes.md session 9), at
     # 512/1k/2k/4k/8k/16k; "ours" = the Triton backward's whole call in the same run:
     # d64 128x128 w8 s2 tma: 285/335/361/375/386/391, causal 205/269/317/345/364/383 (ours
@@ -288,15 +288,27 @@ def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
 
 
 # The Gluon backward (kernels/bwd_hopper.py) for deterministic=False calls where it applies
-# (ops.attention._hopper_backward): 5 matmuls per block pair, dQ added in any order. H200,
-# 2026-11-30 (the bwd_hopper entries): 1.0-1.6x the Triton backward, most on causal.
-# FLASHATTN2_GLUON_BWD=0 or override(gluon_bwd=False) turns it off; deterministic=True never
-# takes it.
-def gluon_bwd() -> bool:
-    """Whether a deterministic=False backward may take the Gluon kernel (see above)."""
-    if _forced["gluon_bwd"] is not None:
-        return _forced["gluon_bwd"]
-    return _ENV_GLUON_BWD is not False
+# (ops.attention._hopper_backward): 5 matmuls per block pair, dQ added in any order into an fp32
+# accumulator that is zeroed before and cast into dq after (~95 us at 16k tokens, d128, which the
+# Triton backward does not pay). Chosen per (head-dim bucket, causal) when the longest key
+# sequence is longer than GLUON_BWD_ABOVE_SEQLEN_K (absent: never). H200, 2026-11-30, fp16, 16k
+# tokens, interleaved A/B through the library (.devout/bwd_ab.py, docs/notes.md session 9), Gluon
+# over Triton at 512/1k/2k/4k/8k/16k: d64 0.93/0.95/0.96/0.97/1.05/1.11x, causal 0.99/1.12/1.11/
+# 1.08/1.12/1.17x; d128 1.10/0.97/0.98/0.97/0.96/1.02x, causal 1.10/1.11/1.10/1.09/1.10/1.14x;
+# d256 1.09/1.06/1.05/1.07/1.09/1.10x, causal 1.21/1.22/1.18/1.16/1.15/1.18x.
+GLUON_BWD_ABOVE_SEQLEN_K: dict[tuple[int, bool], int] = {
+    (64, False): 4096, (64, True): 512, (128, True): 0, (256, False): 0, (256, True): 0}
+
+
+def gluon_bwd(head_dim: int, causal: bool, max_seqlen_k: int) -> bool:
+    """Whether a deterministic=False backward takes the Gluon kernel (see above), unless
+    override(gluon_bwd=...) or FLASHATTN2_GLUON_BWD=0/1 forces it off or on (on: wherever it
+    applies, whatever the length). deterministic=True never takes it."""
+    forced = _forced["gluon_bwd"] if _forced["gluon_bwd"] is not None else _ENV_GLUON_BWD
+    if forced is not None:
+        return forced
+    limit = GLUON_BWD_ABOVE_SEQLEN_K.get((head_dim_bucket(head_dim), bool(causal)))
+    return limit is not None and max_seqlen_k > limit
 
 
 def wgmma(device: torch.device) -> bool:
