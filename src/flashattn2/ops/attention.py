@@ -267,9 +267,10 @@ def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch
     """Run the Gluon backward (kernels/bwd_hopper.py) if it applies, and say whether it ran: the
     Gluon forward's conditions (sm_90 exactly, dense fp16/bf16, head dim 64/128/256, causal or not
     and nothing else, Q/K/V/dO heads adjacent and TMA-aligned) and config.gluon_bwd (where it
-    measured faster than the Triton backward); the caller asks only for deterministic=False. dQ is added into a zeroed fp32 accumulator whose rows are
-    padded to a multiple of BLOCK_M, then cast into dq; lse and delta are padded the same way
-    (+inf and 0: the padded rows contribute nothing) where seqlen_q is not such a multiple."""
+    measured faster than the Triton backward); the caller asks only for deterministic=False.
+    dQ is added into a zeroed fp32 accumulator whose rows are padded to a multiple of BLOCK_M,
+    then cast into dq; lse and delta are padded the same way (+inf and 0: the padded rows
+    contribute nothing) where seqlen_q is not such a multiple."""
     if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
             and q.dtype in (torch.float16, torch.bfloat16)
             and config.gluon_bwd(geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k)
@@ -405,8 +406,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         BLOCK_D=block_d,
     )
 
-    if not deterministic and _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo, arch,
-                                              mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)[1],
+    runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
+    if not deterministic and _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo, arch, mod_flags,
                                               softmax_scale):
         return
     dq_atomic = not deterministic and config.dq_atomic(arch, geo.head_dim)
@@ -423,7 +424,6 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         _fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
     flags = _flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
-    runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     causal = mod_flags["CAUSAL"]
     common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=block_d)
     # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
