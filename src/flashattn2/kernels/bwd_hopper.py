@@ -53,7 +53,8 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _qdo_load(t, stage, i, hq, total, off_b, i_end, n_iter, Q, DO, qdo_bars, q_smem, do_smem, BLOCK_M: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr):
-    """Loads Q and dO of position t into ring stage `stage` (= t % STAGES). Without GQA: query block i of head hq, if i < i_end.
+    """Loads Q and dO of position t into ring stage `stage` (= t % STAGES). Without GQA: query
+    block i of head hq, if i < i_end.
     GQA: t is a flat position over (head, query block), head-major, loaded if t < total; (i, hq) is the position
     t - STAGES plus STAGES blocks, not yet wrapped: wrapping past i_end moves on to the next head's first block (at
     most STAGES wraps, as n_iter >= 1 whenever t < total; no division)."""
@@ -169,8 +170,8 @@ def _bwd_step(it, i, hq, i_end, n_iter, total, dk, dv, k_smem, v_smem, q_smem, d
     # dK ready: every wgmma reading this Q/dO stage is done; refill it with flat position it + STAGES (the next
     # query head's blocks once this head's are exhausted)
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-    _qdo_load(it + STAGES, stage, i + STAGES, hq, total, off_b, i_end, n_iter, Q, DO, qdo_bars, q_smem, do_smem, BLOCK_M,
-              HEAD_DIM, STAGES, GQA)
+    _qdo_load(it + STAGES, stage, i + STAGES, hq, total, off_b, i_end, n_iter, Q, DO, qdo_bars, q_smem, do_smem,
+              BLOCK_M, HEAD_DIM, STAGES, GQA)
     return dk, dv
 
 
@@ -188,10 +189,10 @@ _INT_ARGS = ["seqlen_q", "seqlen_k", "seqlen_q_pad", "nheads", "nheads_k", "stri
 
 
 @gluon.jit(do_not_specialize=_INT_ARGS)
-def attn_bwd_hopper_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, seqlen_k, seqlen_q_pad, nheads, nheads_k, stride_lb,
-                     stride_lh, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                     OPAQUE_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, GQA: gl.constexpr, num_warps: gl.constexpr):
+def attn_bwd_hopper_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, seqlen_k, seqlen_q_pad, nheads,
+                           nheads_k, stride_lb, stride_lh, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                           OPAQUE_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype
     # wgmma accumulators. S / dP [BLOCK_M, BLOCK_N]: with BLOCK_M = 64 and 8 warps, warps_per_cta = [4, 2]: each
     # warpgroup holds all query rows and half of the keys. dK / dV [BLOCK_N, D]: warps stacked along the keys

@@ -94,9 +94,10 @@ def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, start_m, start_n, seqlen_k, diag, masked, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """One online-softmax step on raw scores s: (p, alpha, m, l). `masked` (constexpr, or a runtime flag for block 0): the
-    block crosses the causal diagonal or the end of the keys; its invisible scores become -inf and
-    a row that has seen no key yet keeps m = -inf, shifted by 0 so that exp2 gives 0, not NaN."""
+    """One online-softmax step on raw scores s: (p, alpha, m, l). `masked` (constexpr, or a
+    runtime flag for block 0): the block crosses the causal diagonal or the end of the keys; its
+    invisible scores become -inf and a row that has seen no key yet keeps m = -inf, shifted by 0
+    so that exp2 gives 0, not NaN."""
     if masked:
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))

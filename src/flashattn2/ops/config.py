@@ -58,16 +58,17 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 512/1k/2k/4k/8k/16k (cuDNN in the same run):
     # d128 64(x2)x128 s2: 445/498/562/531/529/528 -> 401/489/572/597/610/607 (cuDNN 503/560/596/
     # 597/603/604); causal 265/347/414/442/480/502 -> 221/347/398/499/570/620 (cuDNN 330/416/445/
-    # 463/479/511). Ping-pong on: 0.93-0.97x of off from 2k on. Prototype run: 64x2x64 s4 and
-    # 128x2x32 s4 0.75-0.9x of this tile.
+    # 463/479/511). Ping-pong on: 0.93-0.97x of off from 2k on. Prototype run: 64x2x64 s4
+    # 0.87-0.92x and 128x2x32 s4 0.75-0.86x of this tile.
     ("sm90", 128, 2, "fwd_hopper_ws"): TileConfig(64, 128, 4, 2),
     # d256 64(x2)x64 s2: 459/535/600/567/582/578 -> 498/591/653/678/693/671 (cuDNN 508/564/606/
     # 614/629/620); causal 290/389/476/525/548/583 -> 326/441/524/586/675/716 (cuDNN 336/434/448/
     # 477/503/528). Ping-pong on: 0.88-0.99x of off.
     ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
     # The Gluon backward (deterministic=False; ops.attention._hopper_backward, where
-    # GLUON_BWD_ABOVE_SEQLEN_K says), dQ mode in GLUON_BWD_DQ. H200, 2026-11-30, fp16, 16k tokens, kernel only (dQ accumulator zeroing +
-    # kernel; .devout/gluon/gluon_bwd.py, the same kernel, docs/notes.md session 9), at
+    # GLUON_BWD_ABOVE_SEQLEN_K says), dQ mode in GLUON_BWD_DQ. H200, 2026-11-30, fp16, 16k
+    # tokens, kernel only (dQ accumulator zeroing + kernel; .devout/gluon/gluon_bwd.py, the same
+    # kernel, docs/notes.md session 9), at
     # 512/1k/2k/4k/8k/16k; "ours" = the Triton backward's whole call in the same run:
     # d64 128x128 w8 s2 tma: 285/335/361/375/386/391, causal 205/269/317/345/364/383 (ours
     # 263/312/346/363/348/355, 171/211/264/287/306/314; cuDNN 278/365/421/442/451/424, 166/247/
