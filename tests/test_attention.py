@@ -109,6 +109,23 @@ def test_forward_kernel_choice(case, monkeypatch):
     assert launched[0] == expected, launched
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
+def test_gluon_backward_grid_limit(monkeypatch):
+    """batch * nheads_k past 65535 (the Gluon backward's second grid axis, which CUDA caps) takes
+    the Triton backward, and its gradients are right."""
+    launched = []
+    real = _runtime.launch
+    monkeypatch.setattr(_runtime, "launch", lambda kernel, *a, **kw: (launched.append(kernel.__name__),
+                                                                       real(kernel, *a, **kw))[1])
+    q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)
+    with config.override(gluon_bwd=True):
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_hopper_kernel" not in launched, launched
+    check_against_reference(q, k, v, out, lse, grads, do, True)
+
+
 def test_gluon_backward_rule():
     """config.gluon_bwd: the length rule per (head dim, causal), and what forcing does."""
     for (bucket, causal), limit in config.GLUON_BWD_ABOVE_SEQLEN_K.items():
@@ -409,12 +426,12 @@ def test_dq_atomics_varlen(tma):
         assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name
 
 
-@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), dict()], ids=["atomic", "default"])
+@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), dict(gluon_bwd=True)], ids=["atomic", "gluon"])
 def test_dq_atomics_keys_past_the_end_add_nothing(path):
     """Non-causal, seqlen_k not a multiple of the key block, every score strongly negative: the
     zero-filled key rows past seqlen_k get P = exp(-L), huge, and must not reach dQ (inf * 0);
-    on the atomic dQ path and on the default deterministic=False one (the Gluon backward on an
-    H100/H200, headdim 64)."""
+    on the atomic dQ path and on the Gluon backward (forced: an H100/H200 would not choose it at
+    this length; elsewhere the Triton backward runs)."""
     b, s, h, d = 1, 70, 2, 64
     u = torch.randn(d, device=DEVICE, dtype=torch.float32)
     u = u / u.norm() * 32.0  # scores about -|u|^2 / sqrt(d) = -128

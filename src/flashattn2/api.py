@@ -102,7 +102,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         deterministic: True always gives the deterministic backward (dQ in its own pass, no
             atomics: bitwise-identical gradients run to run). False (flash_attn's default) lets an
             H100/H200 take the Gluon backward where config.gluon_bwd chooses it: dQ added in any
-            order, so its last bits may move run to run (README, "deterministic").
+            order, so its last bits may move run to run (README, "deterministic"). Under
+            torch.compile the backward is the deterministic one either way.
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.

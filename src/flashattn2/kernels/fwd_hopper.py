@@ -245,9 +245,9 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
 #     V_1, ... into STAGES-deep K and V rings. Each stage has a "ready" mbarrier (the producer's
 #     expect-tx) and an "empty" one counting one arrival per consumer, made after the wgmma that
 #     read the stage was waited for; block j uses stage j % STAGES, phase j // STAGES.
-# A consumer whose tile needs fewer key blocks than its partner's (causal: tile 0 sees fewer keys;
-# a tile past seqlen_q needs none) arrives twice on the stages of the blocks only its partner
-# uses, so every phase of an empty barrier gets its two arrivals.
+# The tiles may need different numbers of key blocks (causal: tile 0 sees fewer keys; a tile past
+# seqlen_q needs none): the consumer with more arrives twice (for itself and its partner) on the
+# blocks its partner does not use, so every phase of an empty barrier gets its two arrivals.
 # PINGPONG: the consumers' GEMM issues alternate through two "turn" mbarriers (Gluon 3.6 has no
 # named barriers): consumer 0 issues its slot i (slot 0 = QK_0, slot j = QK_j + PV_{j-1}, slot n =
 # PV_{n-1}) after consumer 1 issued slot i-1, consumer 1 its slot i after consumer 0 issued slot i,

@@ -35,19 +35,24 @@ def kernels() -> types.SimpleNamespace:
 
 @functools.cache
 def hopper_kernels() -> types.SimpleNamespace | None:
-    """The Gluon kernels (kernels/fwd_hopper.py as .fwd, kernels/bwd_hopper.py as .bwd), or None:
-    Gluon's API is experimental and changes between Triton releases, so they are used with the
-    release they were written and tested against (3.6) only; other versions take the Triton
-    kernels."""
+    """The Gluon kernels (kernels/fwd_hopper.py as .fwd, kernels/bwd_hopper.py as .bwd, each None
+    where it does not import), or None: Gluon's API is experimental and changes between Triton
+    releases, so they are used with the release they were written and tested against (3.6) only;
+    other versions take the Triton kernels. The backward also uses two private names of Triton
+    (the builder's TMA reduce), hence its own import."""
+    import importlib
+
     import triton
 
     if not triton.__version__.startswith("3.6."):
         return None
-    try:
-        from ..kernels import bwd_hopper, fwd_hopper
-    except ImportError:
-        return None
-    return types.SimpleNamespace(fwd=fwd_hopper, bwd=bwd_hopper)
+    found = {}
+    for name in ("fwd", "bwd"):
+        try:
+            found[name] = importlib.import_module(f"..kernels.{name}_hopper", __package__)
+        except (ImportError, AttributeError):
+            found[name] = None
+    return types.SimpleNamespace(**found)
 
 
 @torch.compiler.assume_constant_result

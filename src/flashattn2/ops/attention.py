@@ -234,6 +234,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
             and q.dtype in (torch.float16, torch.bfloat16) and config.gluon()
             and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)
             and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
+            and _runtime.hopper_kernels().fwd is not None
             and q.stride(2) == k.stride(2) == v.stride(2) == geo.head_dim and _use_tma(arch, q, k, v, out)):
         return False
     causal = flags["CAUSAL"]
@@ -271,13 +272,15 @@ def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch
     dQ is added into a zeroed fp32 accumulator whose rows are padded to a multiple of BLOCK_M,
     then cast into dq; lse and delta are padded the same way (+inf and 0: the padded rows
     contribute nothing) where seqlen_q is not such a multiple."""
+    hopper = _runtime.hopper_kernels()
+    # the grid's second axis (batch * nheads_k) is capped at 65535 by CUDA
     if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
-            and q.dtype in (torch.float16, torch.bfloat16)
+            and q.dtype in (torch.float16, torch.bfloat16) and geo.batch * geo.nheads_k <= 65535
             and config.gluon_bwd(geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k)
-            and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
+            and config.wgmma(q.device) and hopper is not None and hopper.bwd is not None
             and all(t.stride(2) == geo.head_dim for t in (q, k, v, dout)) and _use_tma(arch, q, k, v, dout)):
         return False
-    kernels = _runtime.hopper_kernels().bwd
+    kernels = hopper.bwd
     cfg = config.select("bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     dq_mode = kernels.DQ_MODES[config.GLUON_BWD_DQ[geo.head_dim]]
     seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
@@ -289,8 +292,10 @@ def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch
         pad_lse[:, :, :seqlen_q] = lse
         pad_delta[:, :, :seqlen_q] = delta
         lse, delta = pad_lse, pad_delta
-    # dK/dV by TMA store where their heads are adjacent and aligned, else into buffers copied back
-    gk, gv = (g if g.stride(2) == geo.head_dim and _use_tma(arch, g) else _runtime.empty_like(g) for g in (dk, dv))
+    # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
+    # else into buffers copied back
+    gk, gv = (g if g.dtype == q.dtype and g.stride(2) == geo.head_dim and _use_tma(arch, g)
+              else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
     acc = torch.zeros((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), device=q.device, dtype=torch.float32)
     descs = [_host_desc(t, rows, gluon=True) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (gk, cfg.block_n),
