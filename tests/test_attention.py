@@ -66,6 +66,19 @@ def test_forward_backward(shape, dtype, causal, path):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
+def spy_launches(monkeypatch) -> list[str]:
+    """The names of the kernels _runtime.launch runs from now on (in this test), in order."""
+    launched = []
+    real = _runtime.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "launch", spy)
+    return launched
+
+
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and _runtime.hopper_kernels() is not None
 
 
@@ -77,14 +90,7 @@ def test_forward_kernel_choice(case, monkeypatch):
     causal or not and nothing else; everything else (and the CPU) takes the Triton kernel. Its
     warp-specialized kernel runs past config.GLUON_WS_ABOVE_SEQLEN_K keys at head dim 128 and
     256, or where override(gluon_ws=True) forces it (never at head dim 64: no table entry)."""
-    launched = []
-    real = _runtime.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        launched.append(kernel.__name__)
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_runtime, "launch", spy)
+    launched = spy_launches(monkeypatch)
     d = {"d256": 256, "d96": 96, "d256-ws-off": 256}.get(case, 128 if case.startswith("d128") else 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
     seqlen_k = {"d64-long": config.GLUON_MAX_SEQLEN_K[64] + 1,  # past the d64 limit
@@ -113,10 +119,7 @@ def test_forward_kernel_choice(case, monkeypatch):
 def test_gluon_backward_grid_limit(monkeypatch):
     """batch * nheads_k past 65535 (the Gluon backward's second grid axis, which CUDA caps) takes
     the Triton backward, and its gradients are right."""
-    launched = []
-    real = _runtime.launch
-    monkeypatch.setattr(_runtime, "launch", lambda kernel, *a, **kw: (launched.append(kernel.__name__),
-                                                                       real(kernel, *a, **kw))[1])
+    launched = spy_launches(monkeypatch)
     q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)
     with config.override(gluon_bwd=True):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
@@ -146,13 +149,6 @@ def test_backward_kernel_choice(case, monkeypatch):
     dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing else, where
     config.GLUON_BWD_ABOVE_SEQLEN_K says (the "table-" cases; the others force it on); everything
     else (and the CPU) takes the Triton dK/dV and dQ kernels."""
-    launched = []
-    real = _runtime.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        launched.append(kernel.__name__)
-        return real(kernel, grid, *args, **kwargs)
-
     d = {"d256-bf16": 256, "d96": 96, "table-d128-causal": 128, "table-d128-full": 128}.get(case, 64)
     dtype = torch.bfloat16 if case == "d256-bf16" else torch.float16
     q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "causal-gqa" else 4, d), dtype)
@@ -167,7 +163,7 @@ def test_backward_kernel_choice(case, monkeypatch):
                                                     v[:, :100].flatten(0, 1), cu, cu, 100, 100)
         else:
             out = flashattn2.flash_attn_func(q, k, v, **kwargs)
-        monkeypatch.setattr(_runtime, "launch", spy)
+        launched = spy_launches(monkeypatch)  # the backward's launches only
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in grads)
     gluon = HOPPER and case in ("plain", "causal-gqa", "d256-bf16", "table-d128-causal")
@@ -279,10 +275,7 @@ def test_dq_atomics(case, tma, monkeypatch):
     if case.pop("alibi", False):
         case["alibi_slopes"] = torch.rand(q.shape[2], device=q.device, dtype=torch.float32) * 0.3
     do = randn(*q.shape, dtype=q.dtype)
-    launched = []
-    real_launch = _runtime.launch
-    monkeypatch.setattr(_runtime, "launch", lambda kernel, *a, **kw: (launched.append(kernel.__name__),
-                                                                       real_launch(kernel, *a, **kw))[1])
+    launched = spy_launches(monkeypatch)
     with config.override(dq_atomic=True, tma=tma, gluon_bwd=False):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, deterministic=False, return_attn_probs=True, **case)
         grads = torch.autograd.grad(out, (q, k, v), do)

@@ -222,23 +222,34 @@ _HOPPER_FLAGS = ({"CAUSAL": False, "LOCAL": False, "SOFTCAP": False, "ALIBI": Fa
                  {"CAUSAL": True, "LOCAL": False, "SOFTCAP": False, "ALIBI": False, "DROPOUT": False})
 
 
+def _gluon_kernels(arch: str, flags: dict, geo: _Geometry, direction: str, q: torch.Tensor,
+                   *tensors: torch.Tensor):
+    """The Gluon kernels' module for `direction` ("fwd": kernels/fwd_hopper.py, "bwd":
+    kernels/bwd_hopper.py) where what both need holds, else None: sm_90 exactly (wgmma, which
+    sm_100 lacks), triton 3.6, dense fp16/bf16 inputs with head dim 64, 128 or 256, causal or not
+    and no other score modification, and every tensor with its heads adjacent in memory (3-D
+    descriptors over (batch, seqlen, heads * headdim)) and TMA's alignment."""
+    if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
+            and q.dtype in (torch.float16, torch.bfloat16) and config.wgmma(q.device)):
+        return None
+    hopper = _runtime.hopper_kernels()
+    kernels = getattr(hopper, direction) if hopper is not None else None
+    if kernels is None or not (all(t.stride(2) == geo.head_dim for t in tensors) and _use_tma(arch, *tensors)):
+        return None
+    return kernels
+
+
 def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
                     softmax_scale: float) -> bool:
-    """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: sm_90
-    exactly (config.wgmma), config.gluon on, dense fp16/bf16 inputs with head dim 64, 128 or 256,
-    heads adjacent in memory and TMA's alignment, keys present (at most
-    config.GLUON_MAX_SEQLEN_K of them), causal or not but no other score modification. Everything
-    else takes kernels/fwd.py. Long key sequences take its warp-specialized kernel
-    (config.gluon_ws)."""
-    if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
-            and q.dtype in (torch.float16, torch.bfloat16) and config.gluon()
-            and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)
-            and config.wgmma(q.device) and _runtime.hopper_kernels() is not None
-            and _runtime.hopper_kernels().fwd is not None
-            and q.stride(2) == k.stride(2) == v.stride(2) == geo.head_dim and _use_tma(arch, q, k, v, out)):
+    """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: what
+    _gluon_kernels checks, config.gluon on, keys present (at most config.GLUON_MAX_SEQLEN_K of
+    them). Everything else takes kernels/fwd.py. Long key sequences take its warp-specialized
+    kernel (config.gluon_ws)."""
+    kernels = _gluon_kernels(arch, flags, geo, "fwd", q, k, v, out)
+    if not (kernels is not None and config.gluon()
+            and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)):
         return False
     causal = flags["CAUSAL"]
-    kernels = _runtime.hopper_kernels().fwd
     # the warp-specialized kernel (two consumer warpgroups of block_m rows each per program) on
     # long key sequences, the one-warpgroup kernel on short ones (config.gluon_ws)
     ws = config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
@@ -265,22 +276,17 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
 
 def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch: str, flags: dict,
                      softmax_scale: float) -> bool:
-    """Run the Gluon backward (kernels/bwd_hopper.py) if it applies, and say whether it ran: the
-    Gluon forward's conditions (sm_90 exactly, dense fp16/bf16, head dim 64/128/256, causal or not
-    and nothing else, Q/K/V/dO heads adjacent and TMA-aligned) and config.gluon_bwd (where it
-    measured faster than the Triton backward); the caller asks only for deterministic=False.
+    """Run the Gluon backward (kernels/bwd_hopper.py) if it applies, and say whether it ran: what
+    _gluon_kernels checks (of Q, K, V and dO) and config.gluon_bwd (where it measured faster than
+    the Triton backward); the caller asks only for deterministic=False.
     dQ is added into a zeroed fp32 accumulator whose rows are padded to a multiple of BLOCK_M,
     then cast into dq; lse and delta are padded the same way (+inf and 0: the padded rows
     contribute nothing) where seqlen_q is not such a multiple."""
-    hopper = _runtime.hopper_kernels()
+    kernels = _gluon_kernels(arch, flags, geo, "bwd", q, k, v, dout)
     # the grid's second axis (batch * nheads_k) is capped at 65535 by CUDA
-    if not (arch == "sm90" and flags in _HOPPER_FLAGS and geo.varlen is None and geo.head_dim in (64, 128, 256)
-            and q.dtype in (torch.float16, torch.bfloat16) and geo.batch * geo.nheads_k <= 65535
-            and config.gluon_bwd(geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k)
-            and config.wgmma(q.device) and hopper is not None and hopper.bwd is not None
-            and all(t.stride(2) == geo.head_dim for t in (q, k, v, dout)) and _use_tma(arch, q, k, v, dout)):
+    if not (kernels is not None and geo.batch * geo.nheads_k <= 65535
+            and config.gluon_bwd(geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k)):
         return False
-    kernels = hopper.bwd
     cfg = config.select("bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     dq_mode = kernels.DQ_MODES[config.GLUON_BWD_DQ[geo.head_dim]]
     seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
