@@ -10,14 +10,16 @@ from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
 T = config.TileConfig
-# Kernel paths: on CUDA the table's choice (on an H200: the Gluon forward where it applies, TMA
-# with host-built descriptors where the inputs allow them), the Triton forward instead of the
-# Gluon one, descriptors made in each program, the forced pointer (non-TMA) path, and the other
-# architectures' table entries and load path (on an H200: what an A100 or an RTX card runs); on
-# the CPU, both load paths (TMA: host-built descriptors for power-of-two head dims) with tiles
-# where BLOCK_M != BLOCK_N so masked-block ranges are exercised.
+# Kernel paths: on CUDA the table's choice (on an H200: the Gluon forward where it applies, its
+# persistent kernel at head dim 64/128, the Gluon backward, TMA with host-built descriptors where
+# the inputs allow them), the warp-specialized Gluon forward forced, its one-warpgroup kernel
+# forced, the Triton kernels instead of the Gluon ones, descriptors made in each program, the
+# forced pointer (non-TMA) path, and the other architectures' table entries and load path (on an
+# H200: what an A100 or an RTX card runs); on the CPU, both load paths (TMA: host-built
+# descriptors for power-of-two head dims) with tiles where BLOCK_M != BLOCK_N so masked-block
+# ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon_ws": True, "gluon_bwd": True}, id="gluon-ws"),
+    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon_ws": True}, id="gluon-ws"),
              pytest.param({"gluon_ws": False}, id="gluon-one-wg"),
              pytest.param({"gluon": False, "gluon_bwd": False}, id="triton"),
              pytest.param({"gluon": False, "gluon_bwd": False, "host_desc": False}, id="kernel-desc"),
@@ -84,24 +86,29 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and _runtime.ho
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",
                                   "fp32", "gluon-off", "sm80", "varlen", "d64-long", "d128-short", "d128-long",
-                                  "d128-ws-forced", "d256-ws-off", "d64-ws-forced"])
+                                  "d128-ws-forced", "d128-one-wg-forced", "d128-persist-off", "d256-ws-off",
+                                  "d64-ws-forced"])
 def test_forward_kernel_choice(case, monkeypatch):
     """The Gluon forward runs on sm_90 exactly for dense fp16/bf16 inputs, head dim 64/128/256,
-    causal or not and nothing else; everything else (and the CPU) takes the Triton kernel. Its
-    warp-specialized kernel runs past config.GLUON_WS_ABOVE_SEQLEN_K keys at head dim 128 and
-    256, or where override(gluon_ws=True) forces it (never at head dim 64: no table entry)."""
+    causal or not and nothing else; everything else (and the CPU) takes the Triton kernel. At head
+    dim 64 and 128 it is the persistent kernel, unless override(gluon_persist=False) or forcing
+    gluon_ws asks otherwise; then (and at head dim 256) the warp-specialized kernel runs past
+    config.GLUON_WS_ABOVE_SEQLEN_K keys, or where override(gluon_ws=True) forces it (never at head
+    dim 64: no table entry), else the one-warpgroup kernel."""
     launched = spy_launches(monkeypatch)
     d = {"d256": 256, "d96": 96, "d256-ws-off": 256}.get(case, 128 if case.startswith("d128") else 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
     seqlen_k = {"d64-long": config.GLUON_MAX_SEQLEN_K[64] + 1,  # past the d64 limit
-                "d128-long": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1}.get(case, 130)
+                "d128-long": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1,
+                "d128-persist-off": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1}.get(case, 130)
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
     kwargs = dict(causal=case == "causal", softcap=5.0 if case == "softcap" else 0.0,
                   window_size=(16, 3) if case == "window" else (-1, -1),
                   alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None)
-    ws_forced = {"d128-ws-forced": True, "d64-ws-forced": True, "d256-ws-off": False}.get(case)
+    ws_forced = {"d128-ws-forced": True, "d64-ws-forced": True, "d256-ws-off": False,
+                 "d128-one-wg-forced": False}.get(case)
     with config.override(gluon=False if case == "gluon-off" else None, arch="sm80" if case == "sm80" else None,
-                         gluon_ws=ws_forced):
+                         gluon_ws=ws_forced, gluon_persist=False if case == "d128-persist-off" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
             flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1),
@@ -109,9 +116,11 @@ def test_forward_kernel_choice(case, monkeypatch):
         else:
             flashattn2.flash_attn_func(q, k, v, **kwargs)
     gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256", "d128-short", "d128-long", "d128-ws-forced",
-                                "d256-ws-off", "d64-ws-forced")
-    ws = gluon and case in ("d256", "d128-long", "d128-ws-forced")
-    expected = "attn_fwd_ws_kernel" if ws else "attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel"
+                                "d128-one-wg-forced", "d128-persist-off", "d256-ws-off", "d64-ws-forced")
+    persist = gluon and case in ("plain", "causal", "gqa-bf16", "d128-short", "d128-long")
+    ws = gluon and case in ("d256", "d128-ws-forced", "d128-persist-off")
+    expected = ("attn_fwd_persist_kernel" if persist else "attn_fwd_ws_kernel" if ws
+                else "attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel")
     assert launched[0] == expected, launched
 
 
@@ -125,38 +134,23 @@ def test_gluon_backward_grid_limit(monkeypatch):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
-    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_hopper_kernel" not in launched, launched
+    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_ws_kernel" not in launched, launched
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
-def test_gluon_backward_rule():
-    """config.gluon_bwd: the length rule per (head dim, causal), and what forcing does."""
-    for (bucket, causal), limit in config.GLUON_BWD_ABOVE_SEQLEN_K.items():
-        assert not config.gluon_bwd(bucket, causal, limit) and config.gluon_bwd(bucket, causal, limit + 1)
-    assert not config.gluon_bwd(128, False, 1 << 20)  # no entry: never
-    assert config.gluon_bwd(59, True, 513) == config.gluon_bwd(64, True, 513)  # by head-dim bucket
-    with config.override(gluon_bwd=True):
-        assert config.gluon_bwd(128, False, 1)
-    with config.override(gluon_bwd=False):
-        assert not config.gluon_bwd(256, True, 1 << 20)
-
-
-@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "table-d128-causal", "table-d128-full",
-                                  "table-d64-causal-short", "deterministic", "gluon-bwd-off", "softcap", "dropout",
-                                  "d96", "varlen", "sm80"])
+@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "gluon-bwd-off",
+                                  "softcap", "dropout", "d96", "varlen", "sm80"])
 def test_backward_kernel_choice(case, monkeypatch):
-    """The Gluon backward runs on sm_90 exactly for deterministic=False (flash_attn's default),
-    dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing else, where
-    config.GLUON_BWD_ABOVE_SEQLEN_K says (the "table-" cases; the others force it on); everything
-    else (and the CPU) takes the Triton dK/dV and dQ kernels."""
-    d = {"d256-bf16": 256, "d96": 96, "table-d128-causal": 128, "table-d128-full": 128}.get(case, 64)
+    """The Gluon backward (warp-specialized) runs on sm_90 exactly for deterministic=False
+    (flash_attn's default), dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing
+    else, unless override(gluon_bwd=False) turns it off; everything else (and the CPU) takes the
+    Triton dK/dV and dQ kernels."""
+    d = {"d256-bf16": 256, "d96": 96, "d128": 128}.get(case, 64)
     dtype = torch.bfloat16 if case == "d256-bf16" else torch.float16
     q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "causal-gqa" else 4, d), dtype)
-    kwargs = dict(causal=case in ("causal-gqa", "table-d128-causal", "table-d64-causal-short"),
-                  softcap=5.0 if case == "softcap" else 0.0, dropout_p=0.1 if case == "dropout" else 0.0,
-                  deterministic=case == "deterministic")
-    force = None if case.startswith("table-") else case != "gluon-bwd-off"
-    with config.override(gluon_bwd=force, arch="sm80" if case == "sm80" else None):
+    kwargs = dict(causal=case == "causal-gqa", softcap=5.0 if case == "softcap" else 0.0,
+                  dropout_p=0.1 if case == "dropout" else 0.0, deterministic=case == "deterministic")
+    with config.override(gluon_bwd=False if case == "gluon-bwd-off" else None, arch="sm80" if case == "sm80" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
             out = flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1),
@@ -166,11 +160,9 @@ def test_backward_kernel_choice(case, monkeypatch):
         launched = spy_launches(monkeypatch)  # the backward's launches only
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in grads)
-    gluon = HOPPER and case in ("plain", "causal-gqa", "d256-bf16", "table-d128-causal")
-    if gluon:
-        assert "attn_bwd_hopper_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, launched
-    else:
-        assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_hopper_kernel" not in launched, launched
+    gluon = HOPPER and case in ("plain", "causal-gqa", "d256-bf16", "d128")
+    expected, other = ("attn_bwd_ws_kernel", "attn_bwd_dkdv_kernel")[::1 if gluon else -1]
+    assert expected in launched and other not in launched, launched
 
 
 @pytest.mark.parametrize("blocks", [3, 13], ids=["head-by-head", "all-heads-first"])
@@ -419,12 +411,12 @@ def test_dq_atomics_varlen(tma):
         assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name
 
 
-@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), dict(gluon_bwd=True)], ids=["atomic", "gluon"])
+@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), {}], ids=["atomic", "gluon"])
 def test_dq_atomics_keys_past_the_end_add_nothing(path):
     """Non-causal, seqlen_k not a multiple of the key block, every score strongly negative: the
     zero-filled key rows past seqlen_k get P = exp(-L), huge, and must not reach dQ (inf * 0);
     on the atomic dQ path and on the Gluon backward (forced: an H100/H200 would not choose it at
-    this length; elsewhere the Triton backward runs)."""
+    elsewhere the Triton backward runs)."""
     b, s, h, d = 1, 70, 2, 64
     u = torch.randn(d, device=DEVICE, dtype=torch.float32)
     u = u / u.norm() * 32.0  # scores about -|u|^2 / sqrt(d) = -128

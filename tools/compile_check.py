@@ -108,27 +108,26 @@ def cases(arch):
         fp32 = elem_bytes == 4
         if kernel.startswith("fwd_hopper"):  # the Gluon forwards: sm_90, 2-byte types, dense, no score modification
             hopper = _runtime.hopper_kernels().fwd
-            ws = kernel == "fwd_hopper_ws"
+            ws, persist = kernel == "fwd_hopper_ws", kernel == "fwd_hopper_persist"
+            fn = hopper.attn_fwd_ws_kernel if ws else hopper.attn_fwd_persist_kernel if persist else \
+                hopper.attn_fwd_hopper_kernel
             for causal in (False, True):
                 constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                   STAGES=cfg.num_stages)
                 if ws:
                     constexprs["PINGPONG"] = config.GLUON_WS_PINGPONG[bucket]
+                if persist:
+                    constexprs.update(QBUF=config.GLUON_PERSIST_QBUF[bucket], SNAKE=causal)
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
-                       hopper.attn_fwd_ws_kernel if ws else hopper.attn_fwd_hopper_kernel, elem_bytes, constexprs,
-                       cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
+                       fn, elem_bytes, constexprs, cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
             continue
-        if kernel == "bwd_hopper":  # the Gluon backward: as the Gluon forward
-            dq_mode = _runtime.hopper_kernels().bwd.DQ_MODES[config.GLUON_BWD_DQ[bucket]]
-            names = ("Q", "K", "V", "DO", "DK", "DV") + (("DQ",) if dq_mode == 0 else ())
-            types = _gluon_descriptor_types(elem_bytes, bucket, cfg, names)
-            if dq_mode != 0:
-                types["DQ"] = "*fp32"
+        if kernel == "bwd_hopper":  # the warp-specialized Gluon backward: as the Gluon forward
+            types = _gluon_descriptor_types(elem_bytes, bucket, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
             for causal, gqa in ((False, False), (True, True)):
-                constexprs = dict(CAUSAL=causal, DQ_MODE=dq_mode, OPAQUE_KV=True, HEAD_DIM=bucket, BLOCK_M=cfg.block_m,
-                                  BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, GQA=gqa, num_warps=cfg.num_warps)
-                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-bwd_hopper-{'causal-gqa' if causal else 'full'}",
-                       _runtime.hopper_kernels().bwd.attn_bwd_hopper_kernel, elem_bytes, constexprs, cfg, types)
+                constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  STAGES=cfg.num_stages, DQ_STAGES=config.GLUON_BWD_DQ_STAGES[bucket], GQA=gqa)
+                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal-gqa' if causal else 'full'}",
+                       _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel, elem_bytes, constexprs, cfg, types)
             continue
         if kernel == "bwd_dkdv_atomic" and fp32:
             # the atomic dQ path is off by default (measured slower); its fp32 build shares the

@@ -1,9 +1,9 @@
-"""FlashAttention-2 backward for Hopper (sm_90a), written in Gluon: 5 matmuls per block pair.
+"""FlashAttention-2 backward for Hopper (sm_90a), written in Gluon: 5 matmuls per block pair,
+warp-specialized (FlashAttention-3's arrangement).
 
 One program = one key block (BLOCK_N rows) of one (batch, kv head); it loops over the query heads
-of its group and, for each, over the query blocks (BLOCK_M rows) that see the key block
-(FlashAttention-3's headdim-128 arrangement: S and dP not transposed, P and dS through shared
-memory):
+of its group and, for each, over the query blocks (BLOCK_M rows) that see the key block (S and dP
+not transposed, P and dS through shared memory):
     S    = Q K^T          [BLOCK_M, BLOCK_N]   A = Q (smem),  B = K^T (permuted smem view)
     dP   = dO V^T         [BLOCK_M, BLOCK_N]   A = dO (smem), B = V^T (permuted smem view)
     P    = exp2(S * scale * log2e - lse * log2e);  dS = P * (dP * scale - delta * scale)
@@ -11,25 +11,46 @@ memory):
     dQ_i = dS K           [BLOCK_M, D]         A = dS (smem), B = K (smem)
     dK  += dS^T Q         [BLOCK_N, D]         A = dS^T (permuted view of dS in smem), B = Q
 dQ_i is added into an fp32 accumulator (batch, seqlen_q_pad, nheads, headdim) that the host zeroes
-and casts into dq afterwards: by TMA bulk reduce-add (DQ_MODE 0; Gluon 3.6 has the builder call,
-wrapped below as `tma_reduce_add`) or by atomics (1: from the wgmma layout, 2: 4 floats per
-thread). The adds arrive in any order: ops.attention takes this kernel for deterministic=False
-only (flash_attn's default). The softmax scale is folded into dS, so dK and dQ need no scaling.
+and casts into dq afterwards, by TMA bulk reduce-add (Gluon 3.6 has the builder call only, wrapped
+below as `tma_reduce_add`). The adds arrive in any order: ops.attention takes this kernel for
+deterministic=False only (flash_attn's default). The softmax scale is folded into dS, so dK and dQ
+need no scaling.
 
-Schedule of one query block (async wgmmas complete in issue order):
-    issue S, issue dP; wait S -> P (causal mask on crossing blocks) -> smem while dP runs;
-    issue dV; wait dP -> dS -> smem while dV runs; issue dQ_i, issue dK;
-    wait dV, dQ_i -> dQ_i added while dK runs; wait dK -> refill this Q/dO ring stage (TMA).
-Q and dO come by TMA through STAGES-deep rings (one mbarrier per stage for both); K and V once,
-their buffers take dK and dV at the end (TMA stores).
+The program is split with gl.warp_specialize into three partitions:
+  * the default partition, 8 warps (two MMA warpgroups, setmaxnreg 240), the matmuls. S / dP are
+    split along the keys (each warpgroup: all BLOCK_M query rows, half of the keys), dK / dV along
+    the keys, dQ_i along headdim; each warpgroup needs the other's half of P and dS, so that
+    hand-off is a partition-wide barrier (`bar.sync 0, 256` inside a partition: the 256 MMA
+    threads only). Per flat position: wait Q, issue S; wait dO, issue dP; wait S -> P (causal mask
+    on crossing blocks) -> smem while dP runs; issue dV; wait dP -> dS -> smem while dV runs; issue
+    dQ_i, issue dK; wait dV, dQ_i -> dQ_i into a staging tile the writer has finished reading,
+    hand it over (dq_full) while dK runs; wait dK -> release the Q / dO stage (qdo_empty).
+  * worker 0, 1 warp (24 registers): the producer. K and V once (kv_bar), then Q and dO of every
+    flat position t into ring stage t % STAGES once the MMA warps released its previous use
+    (qdo_empty, phase t // STAGES - 1; a fresh barrier passes a wait on parity 1, so the first
+    STAGES positions go at once). Q and dO have a ready barrier each: S starts before dO lands.
+  * worker 1, 1 warp (24 registers): the dQ writer. For each t: wait dq_full, TMA reduce-add of the
+    staging tile into the accumulator, tma.store_wait(0) (the bulk group has *read* the tile),
+    arrive dq_empty. The MMA warps never wait on a reduce; the writer's last wait keeps the CTA
+    alive until the reads end.
+Barriers count one arrival: ready barriers the producer's expect-tx; qdo_empty and dq_full the MMA
+partition's mbarrier.arrive, which a multi-warp partition lowers to `bar.sync 0, 256` + one
+thread's arrive (one arrival stands for all 256 threads' wgmma waits and smem stores before it);
+dq_empty the writer's. Every partition walks the same flat positions (_ws_program, _ws_advance):
+position t uses Q / dO stage t % STAGES with phase (t // STAGES) & 1 and dQ tile t % DQ_STAGES.
+Registers: 8 + 1 + 1 warps are padded to 12 (384 threads, .maxnreg 168); setmaxnreg gives the
+workers 24 and the MMA warps (65536 - 128 * 24) / 256 -> 240 (headdim 128 causal + GQA spills 40
+bytes). The causal mask is a per-row limit with no branch (past the block when it does not cross
+the diagonal): a runtime `if masked` spills more at 240 registers.
+Shared memory (2-byte dtype): K, V + STAGES x (Q + dO) + P + dS + DQ_STAGES x the fp32 dQ tile.
+Headdim 128, BLOCK_M 64, BLOCK_N 128, STAGES 2, DQ_STAGES 2: 229,740 bytes of 232,448.
 Tails: Q, dO, K, V rows past a sequence's end are zero-filled by TMA; the host pads lse (+inf) and
 delta (0) up to seqlen_q_pad = cdiv(seqlen_q, BLOCK_M) * BLOCK_M, so padded query rows get
-P = dS = 0 with no mask in the loop (masks there cost spills at headdim 128/256); keys past
-seqlen_k add nothing to dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores.
-GQA / MQA: one flat loop over (query head, query block) whose ring runs on across heads; dK/dV
-accumulate over the group in registers. Causal is bottom-right aligned.
-OPAQUE_KV: K and V are indexed through a zero LLVM cannot fold; otherwise it hoists the ~24 loop-
-invariant wgmma descriptors of K and V out of the loop and headdim 128 spills ~240 bytes.
+P = dS = 0 with no mask in the loop (masks there cost spills); keys past seqlen_k add nothing to
+dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores, as long as P stays finite
+(the exponent is capped at 0, see _ws_step). K and V's buffers take dK and dV at the end (TMA
+stores). GQA / MQA: one flat loop over (query head, query block) whose ring runs on across heads;
+dK/dV accumulate over the group in registers. Causal is bottom-right aligned.
 """
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
@@ -39,7 +60,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
-DQ_MODES = {"tma": 0, "atomic": 1, "atomic4": 2}
 
 
 @builtin
@@ -50,135 +70,12 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
-@gluon.jit
-def _qdo_load(t, stage, i, hq, total, off_b, i_end, n_iter, Q, DO, qdo_bars, q_smem, do_smem, BLOCK_M: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr):
-    """Loads Q and dO of position t into ring stage `stage` (= t % STAGES). Without GQA: query
-    block i of head hq, if i < i_end.
-    GQA: t is a flat position over (head, query block), head-major, loaded if t < total; (i, hq) is the position
-    t - STAGES plus STAGES blocks, not yet wrapped: wrapping past i_end moves on to the next head's first block (at
-    most STAGES wraps, as n_iter >= 1 whenever t < total; no division)."""
-    if GQA:
-        for _ in gl.static_range(STAGES):
-            wrap = i >= i_end
-            i = gl.where(wrap, i - n_iter, i)
-            hq = gl.where(wrap, hq + 1, hq)
-        pred = t < total
-    else:
-        pred = i < i_end
-    # (one expect for both copies: the CTA barrier membar puts before the first copy, for the stage's readers, then
-    # also separates the expect from the next waits, which membar would otherwise fence with one more barrier)
-    mbarrier.expect(qdo_bars.index(stage), 2 * Q.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], qdo_bars.index(stage),
-                                    q_smem.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], qdo_bars.index(stage),
-                                    do_smem.index(stage), pred=pred)
-
-
-@gluon.jit
-def _bwd_step(it, i, hq, i_end, n_iter, total, dk, dv, k_smem, v_smem, q_smem, do_smem, qdo_bars, p_smem, ds_smem,
-              dq_smem, Q, DO, DQ, Lse, Delta, off_lse, off_b, nheads, start_n, diag,
-              qk_scale, sm_scale, masked, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, OPAQUE_KV: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              GQA: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr, q_tile: gl.constexpr,
-              kv_tile: gl.constexpr, dq_tile: gl.constexpr):
-    """Flat position it (ring slot it % STAGES) = query block i of query head hq against this program's key block;
-    returns (dk, dv)."""
-    dtype: gl.constexpr = k_smem.dtype
-    stage = it % STAGES
-    phase = (it // STAGES) & 1
-    start_m = i * BLOCK_M
-    col = hq * HEAD_DIM
-
-    # lse (natural log) and delta of the BLOCK_M query rows (2 rows per thread); in flight during the waits. Rows past
-    # seqlen_q (the zero-filled tail of the last block): no mask, the host pads lse with +inf and delta with 0 up to
-    # a multiple of BLOCK_M -> P = 0 -> dS = 0, no contribution anywhere (masks here cost spills at headdim 128/256)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_l)
-    lse2 = gl.load(Lse + off_lse + offs_m) * LOG2E
-    delta_s = gl.load(Delta + off_lse + offs_m) * sm_scale
-
-    # K and V viewed through an index the compiler cannot fold (0, from inline asm on the loop counter): otherwise
-    # LLVM hoists the ~24 loop-invariant 64-bit wgmma smem descriptors of K and V out of the loop into registers,
-    # which spills at headdim 128
-    if OPAQUE_KV:
-        z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    else:
-        z = 0
-    k_op = k_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    v_op = v_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-
-    # S = Q K^T and dP = dO V^T, both issued before any wait (each warpgroup: all BLOCK_M rows, its share of keys)
-    mbarrier.wait(qdo_bars.index(stage), phase)  # Q and dO of this stage (one barrier for both: fewer CTA barriers)
-    q_op = q_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    do_op = do_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
-    dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-    # S ready (dP may still run): P -> smem, then dV += P^T dO issued (A = P^T, a permuted view: MN-major A).
-    # Keys past seqlen_k (zero-filled K / V rows of the last key block) are not masked: S = 0 there, dP = 0 and
-    # K = 0, so they add nothing to dQ_i = dS K, and their own dK / dV rows are clipped by the stores -- as long as
-    # P stays finite: exp(0 - lse) overflows for a row with lse < -88 and inf * 0 would put NaN into dQ. Hence the
-    # exponent is capped at 0 (P <= 1, which the visible keys satisfy up to rounding) instead of a mask, which
-    # costs spills at headdim 128 (a runtime branch in the non-causal loop: 56 bytes).
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    p = gl.exp2(gl.minimum(s * qk_scale - lse2[:, None], 0.0))
-    if CAUSAL:
-        if masked:  # crossing the causal diagonal: key j visible to query i iff j <= i + diag
-            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(offs_n[None, :] <= offs_m[:, None] + diag, p, 0.0)
-    p_smem.store(p.to(dtype))
-    fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads; the CTA barrier comes from membar
-    if DQ_MODE == 0:
-        # the previous iteration's dQ reduce has read the staging tile (waited by the issuing thread); membar puts a
-        # CTA barrier right after this wait, which also serves P -> dV (hence after the fence: one barrier, not two)
-        tma.store_wait(pendings=0)
-    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_op, dv, is_async=True)
-
-    # dP ready (dV may still run): dS = P * (dP - delta), scaled by sm_scale -> smem
-    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))
-    ds = p * (dp * sm_scale - delta_s[:, None])
-    ds_smem.store(ds.to(dtype))
-    fence_async_shared()
-    # dQ_i = dS K (A = dS, B = K: MN-major B) first, so that it completes before dK += dS^T Q
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    dq_tok = warpgroup_mma(ds_smem, k_op, dq_zero, use_acc=False, is_async=True)
-    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_op, dk, is_async=True)
-
-    # dV and dQ_i ready (dK may still run): dQ_i into the fp32 global accumulator, whose rows the host pads up to a
-    # multiple of BLOCK_M (rows past seqlen_q get dS = 0, i.e. zeros: no mask)
-    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok))
-    if DQ_MODE == 0:
-        dq_2d = dq_smem._reinterpret(gl.float32, [BLOCK_M, HEAD_DIM], dq_tile)
-        dq_2d.store(dq)
-        fence_async_shared()
-        tma_reduce_add(DQ, [off_b, start_m, col], dq_smem)
-    else:
-        if DQ_MODE == 2:
-            NW: gl.constexpr = gl.num_warps()
-            add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HEAD_DIM, HEAD_DIM // 4], [NW, 1], [1, 0])
-            dq = gl.convert_layout(dq, add_layout)
-        else:
-            add_layout: gl.constexpr = dq_layout
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
-        # DQ: fp32 (batch, seqlen_q_pad, nheads, HEAD_DIM) contiguous, already offset to this (batch, query head)
-        ptrs = DQ + start_m.to(gl.int64) * (nheads * HEAD_DIM) + (rows * (nheads * HEAD_DIM))[:, None] + cols[None, :]
-        gl.atomic_add(ptrs, dq, sem="relaxed")
-
-    # dK ready: every wgmma reading this Q/dO stage is done; refill it with flat position it + STAGES (the next
-    # query head's blocks once this head's are exhausted)
-    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-    _qdo_load(it + STAGES, stage, i + STAGES, hq, total, off_b, i_end, n_iter, Q, DO, qdo_bars, q_smem, do_smem,
-              BLOCK_M, HEAD_DIM, STAGES, GQA)
-    return dk, dv
-
-
 @gluon.constexpr_function
 def _mma_layout(rows, cols, num_warps):
     """wgmma accumulator layout for a [rows, cols] tile: warps stacked along the rows (16 each) as far as they go,
-    the remaining warpgroups splitting the columns."""
+    the remaining warpgroups splitting the columns. (Called from a warp_specialize partition, its arguments arrive
+    as constexpr wrappers: unwrapped first.)"""
+    rows, cols, num_warps = (getattr(x, "value", x) for x in (rows, cols, num_warps))
     wm = min(num_warps, rows // 16)
     wn = num_warps // wm
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, cols // wn, 16])
@@ -188,118 +85,214 @@ def _mma_layout(rows, cols, num_warps):
 _INT_ARGS = ["seqlen_q", "seqlen_k", "seqlen_q_pad", "nheads", "nheads_k", "stride_lb", "stride_lh"]
 
 
-@gluon.jit(do_not_specialize=_INT_ARGS)
-def attn_bwd_hopper_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, seqlen_k, seqlen_q_pad, nheads,
-                           nheads_k, stride_lb, stride_lh, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                           OPAQUE_KV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, num_warps: gl.constexpr):
-    dtype: gl.constexpr = Q.dtype
-    # wgmma accumulators. S / dP [BLOCK_M, BLOCK_N]: with BLOCK_M = 64 and 8 warps, warps_per_cta = [4, 2]: each
-    # warpgroup holds all query rows and half of the keys. dK / dV [BLOCK_N, D]: warps stacked along the keys
-    # ([8, 1] for BLOCK_N = 128: each warpgroup owns the same half of the keys as in S). dQ_i [BLOCK_M, D]: [4, 2],
-    # the warpgroups split headdim.
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
-    kv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_DIM, num_warps)
-    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM, num_warps)
-    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    p_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    dq_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+WORKER_NREG = gl.constexpr(24)  # the two 1-warp workers' registers (setmaxnreg)
 
-    pid_n = gl.program_id(0)  # causal: key block 0 sees the most query blocks, and goes first
-    pid_bh = gl.program_id(1)  # (batch, kv head)
+
+@gluon.jit
+def _ws_program(seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """The program's work, computed alike in every partition: (off_b, off_hk, h0, start_n, i_first, i_full, i_end,
+    total). Grid axis 0 is the key block (causal: key block 0 sees the most query blocks and goes first), axis 1
+    (batch, kv head); query heads h0 .. h0 + group - 1 share the kv head. Query blocks [i_first, i_end) of each of the
+    group's heads see key block start_n; those before i_full cross the causal diagonal (key j visible to query i iff
+    j <= i + seqlen_k - seqlen_q); total = group * (i_end - i_first) flat positions, head-major."""
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
     off_b = pid_bh // nheads_k
     off_hk = pid_bh % nheads_k
-    group = nheads // nheads_k  # GQA / MQA: query heads h0 .. h0 + group - 1 share this kv head
+    group = nheads // nheads_k
     h0 = off_hk * group
-    col_k = off_hk * HEAD_DIM
     start_n = pid_n * BLOCK_N
-    qk_scale = sm_scale * LOG2E
-
-    # query blocks [i_first, i_end) of every query head of the group: those before i_full cross the diagonal
-    # (masked), the rest see the whole key block. The last query block may be partial (rows past seqlen_q: TMA
-    # zero-fill, lse = +inf); the last key block too (rows past seqlen_k: zero-fill, clipped stores).
     n_m = gl.cdiv(seqlen_q, BLOCK_M)
     diag = seqlen_k - seqlen_q
     i_first = 0
     i_full = 0
     if CAUSAL:
-        x = gl.maximum(start_n - diag, 0)  # first query row that sees key start_n
+        x = gl.maximum(start_n - diag, 0)
         i_first = gl.minimum(x // BLOCK_M, n_m)
         i_full = gl.maximum(gl.minimum((gl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M, n_m),
                             i_first)
     i_end = n_m
-    n_iter = i_end - i_first
-    total = group * n_iter  # flat positions (head, query block), head-major: the Q / dO ring runs across heads
+    total = group * (i_end - i_first)
+    return off_b, off_hk, h0, start_n, i_first, i_full, i_end, total
 
-    # shared memory: K, V (later dK, dV), Q / dO rings, P and dS, the fp32 dQ staging tile (TMA mode), barriers
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], K.layout)  # [1, ...]: see OPAQUE_KV
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], V.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], Q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
-    if DQ_MODE == 0:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, HEAD_DIM], DQ.layout)
-    else:
-        dq_smem = ds_smem  # unused
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    qdo_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(qdo_bars.index(s), count=1)
-    fence_async_shared()
 
-    # prologue: K and V (one barrier), the first STAGES flat positions of Q and dO
+@gluon.jit
+def _ws_advance(i, hq, i_first, i_end):
+    """The next flat position (head-major): query block i + 1 of head hq, or block i_first of head hq + 1."""
+    i += 1
+    wrap = i == i_end
+    return gl.where(wrap, i_first, i), gl.where(wrap, hq + 1, hq)
+
+
+@gluon.jit
+def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q,
+                 seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: K and V once, then Q and dO of every flat position into the ring, each with its own ready barrier."""
+    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
+                                                                            CAUSAL, BLOCK_M, BLOCK_N)
+    col_k = off_hk * HEAD_DIM
     mbarrier.expect(kv_bar, 2 * K.block_type.nbytes)
     tma.async_copy_global_to_shared(K, [off_b, start_n, col_k], kv_bar, k_smem.index(0))
     tma.async_copy_global_to_shared(V, [off_b, start_n, col_k], kv_bar, v_smem.index(0))
-    for s in gl.static_range(STAGES):
-        _qdo_load(s, s, i_first + s, h0, total, off_b, i_end, n_iter, Q, DO, qdo_bars, q_smem, do_smem, BLOCK_M,
-                  HEAD_DIM, STAGES, GQA)
+    i = i_first
+    hq = h0
+    for t in range(total):
+        stage = t % STAGES
+        mbarrier.wait(qdo_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), Q.block_type.nbytes)
+        tma.async_copy_global_to_shared(Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ready.index(stage),
+                                        q_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), DO.block_type.nbytes)
+        tma.async_copy_global_to_shared(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ready.index(stage),
+                                        do_smem.index(stage))
+        i, hq = _ws_advance(i, hq, i_first, i_end)
+
+
+@gluon.jit
+def _ws_dq_writer(DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_STAGES: gl.constexpr):
+    """1 warp: TMA reduce-add of each staged dQ_i into the fp32 accumulator (batch, seqlen_q_pad, nheads, HEAD_DIM)
+    at (off_b, i * BLOCK_M, hq * HEAD_DIM); the buffer goes back once the reduce has read it."""
+    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
+                                                                            CAUSAL, BLOCK_M, BLOCK_N)
+    i = i_first
+    hq = h0
+    for t in range(total):
+        db = t % DQ_STAGES
+        mbarrier.wait(dq_full.index(db), (t // DQ_STAGES) & 1)
+        tma_reduce_add(DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM], dq_smem.index(db))
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_empty.index(db))
+        i, hq = _ws_advance(i, hq, i_first, i_end)
+
+
+@gluon.jit
+def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, p_smem, ds_smem, dq_smem,
+             dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale, sm_scale, masked, CAUSAL: gl.constexpr,
+             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             DQ_STAGES: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr, q_tile: gl.constexpr,
+             kv_tile: gl.constexpr, dq_tile: gl.constexpr):
+    """Flat position it (ring stage it % STAGES) = query block i of the current query head against this program's
+    key block; returns (dk, dv)."""
+    dtype: gl.constexpr = k_smem.dtype
+    stage = it % STAGES
+    phase = (it // STAGES) & 1
+    start_m = i * BLOCK_M
+
+    # lse (natural log) and delta of the BLOCK_M query rows; in flight during the waits. Rows past seqlen_q (the
+    # zero-filled tail of the last block): no mask, the host pads lse with +inf and delta with 0 up to a multiple of
+    # BLOCK_M -> P = 0 -> dS = 0, no contribution anywhere
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_l)
+    lse2 = gl.load(Lse + off_lse + offs_m) * LOG2E
+    delta_s = gl.load(Delta + off_lse + offs_m) * sm_scale
+    # K and V viewed through an index the compiler cannot fold (0, from inline asm on the loop counter): otherwise
+    # LLVM hoists the ~24 loop-invariant 64-bit wgmma smem descriptors of K and V out of the loop into registers,
+    # which spills at headdim 128
+    z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+    k_op = k_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    v_op = v_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+
+    # S = Q K^T as soon as Q is there; dP = dO V^T once dO is
+    mbarrier.wait(q_ready.index(stage), phase)
+    q_op = q_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(stage), phase)
+    do_op = do_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+    # S ready (dP may still run): P -> smem, then dV += P^T dO issued (A = P^T, a permuted view: MN-major A).
+    # Keys past seqlen_k (zero-filled K / V rows of the last key block) are not masked: S = 0 there, dP = 0 and
+    # K = 0, so they add nothing to dQ_i = dS K, and their own dK / dV rows are clipped by the stores -- as long as
+    # P stays finite: exp(0 - lse) overflows for a row with lse < -88 and inf * 0 would put NaN into dQ. Hence the
+    # exponent is capped at 0 (P <= 1, which the visible keys satisfy up to rounding) instead of a mask (spills).
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    p = gl.exp2(gl.minimum(s * qk_scale - lse2[:, None], 0.0))
+    if CAUSAL:  # no branch: a per-row limit, past every key of the block when it does not cross the diagonal
+        lim = gl.where(masked, offs_m + diag, start_n + BLOCK_N)
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p = gl.where(offs_n[None, :] <= lim[:, None], p, 0.0)
+    p_smem.store(p.to(dtype))
+    fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads
+    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_op, dv, is_async=True)
+
+    # dS = P * (dP * scale - delta * scale) -> smem; dQ_i = dS K (A = dS, B = K: MN-major B) first, so that it
+    # completes before dK += dS^T Q
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))
+    ds = p * (dp * sm_scale - delta_s[:, None])
+    ds_smem.store(ds.to(dtype))
+    fence_async_shared()
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dq_tok = warpgroup_mma(ds_smem, k_op, dq_zero, use_acc=False, is_async=True)
+    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_op, dk, is_async=True)
+
+    # dV, dQ_i ready (dK may still run): dQ_i into a staging buffer the writer has finished reading, to the writer
+    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok))
+    db = it % DQ_STAGES
+    mbarrier.wait(dq_empty.index(db), ((it // DQ_STAGES) & 1) ^ 1)
+    dq_smem.index(db)._reinterpret(gl.float32, [BLOCK_M, HEAD_DIM], dq_tile).store(dq)
+    fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
+    mbarrier.arrive(dq_full.index(db))
+
+    # dK ready: no wgmma reads this Q / dO stage any more: back to the producer
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
+    mbarrier.arrive(qdo_empty.index(stage))
+    return dk, dv
+
+
+@gluon.jit
+def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
+            qdo_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k, stride_lb, stride_lh,
+            CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, GQA: gl.constexpr):
+    """The default partition (8 warps: two MMA warpgroups): the loop over flat positions and the epilogue. Layouts:
+    S / dP [BLOCK_M, BLOCK_N] with BLOCK_M = 64: warps_per_cta [4, 2], each warpgroup all query rows and half of the
+    keys; dK / dV [BLOCK_N, D]: warps stacked along the keys (each warpgroup the same half of the keys as in S);
+    dQ_i [BLOCK_M, D]: [4, 2], the warpgroups split headdim."""
+    dtype: gl.constexpr = k_smem.dtype
+    NW: gl.constexpr = 8  # (gl.num_warps() is not the partition's inside a partition)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, NW)
+    kv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_DIM, NW)
+    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM, NW)
+    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    dq_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+
+    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
+                                                                            CAUSAL, BLOCK_M, BLOCK_N)
+    col_k = off_hk * HEAD_DIM
+    qk_scale = sm_scale * LOG2E
+    diag = seqlen_k - seqlen_q
+    off_lse = off_b.to(gl.int64) * stride_lb + h0.to(gl.int64) * stride_lh
+
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
-
-    # the group's query heads, each: one loop over the query blocks; causal: those before i_full cross the diagonal
-    # and are masked (a runtime flag: two specialised loops, masked then unmasked, double the code and spill at
-    # headdim 128). dK / dV accumulate over the whole group in registers (deterministic).
-    # lse, delta: (batch, nheads, seqlen_q_pad) fp32 with the same strides, seqlen stride 1: one offset for both
-    off_lse = off_b.to(gl.int64) * stride_lb + h0.to(gl.int64) * stride_lh
-    if DQ_MODE == 0:
-        dq_h = DQ  # the descriptor; coordinates (off_b, start_m, hq * HEAD_DIM)
-    else:  # a pointer to row 0 of (off_b, h0) in the fp32 accumulator (batch, seqlen_q_pad, nheads, HEAD_DIM)
-        dq_h = DQ + (off_b.to(gl.int64) * seqlen_q_pad * nheads + h0) * HEAD_DIM
+    # lse, delta: (batch, nheads, seqlen_q_pad) fp32 with the same strides, seqlen stride 1: one offset for both.
+    # GQA / MQA: one flat loop over (query head, query block), head-major: the ring's stage / phase run on across
+    # heads (a nested loop over heads costs registers); dK / dV accumulate over the whole group (deterministic)
     if GQA:
-        # flat loop over (query head, query block), head-major: the ring's stage / phase run on across heads, and the
-        # refills prefetch the next head's first blocks (a nested loop over heads costs registers: spills at d128)
         i = i_first
-        hq = h0
         for it in range(0, total):
-            dk, dv = _bwd_step(it, i, hq, i_end, n_iter, total, dk, dv, k_smem, v_smem, q_smem, do_smem, qdo_bars,
-                               p_smem, ds_smem, dq_smem, Q, DO, dq_h, Lse, Delta, off_lse, off_b, nheads, start_n,
-                               diag, qk_scale, sm_scale, i < i_full, CAUSAL, DQ_MODE, OPAQUE_KV, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, STAGES, GQA, s_layout, dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv = _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, p_smem,
+                              ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale,
+                              sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, s_layout,
+                              dq_layout, q_tile, kv_tile, dq_tile)
             i += 1
             wrap = i == i_end
             i = gl.where(wrap, i_first, i)
-            hq = gl.where(wrap, hq + 1, hq)
             off_lse = gl.where(wrap, off_lse + stride_lh, off_lse)
-            if DQ_MODE != 0:
-                dq_h = gl.where(wrap, dq_h + HEAD_DIM, dq_h)
     else:
         for i in range(i_first, i_end):
-            dk, dv = _bwd_step(i - i_first, i, h0, i_end, n_iter, total, dk, dv, k_smem, v_smem, q_smem, do_smem,
-                               qdo_bars, p_smem, ds_smem, dq_smem, Q, DO, dq_h, Lse, Delta, off_lse, off_b, nheads,
-                               start_n, diag, qk_scale, sm_scale, i < i_full, CAUSAL, DQ_MODE, OPAQUE_KV, HEAD_DIM,
-                               BLOCK_M, BLOCK_N, STAGES, GQA, s_layout, dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv = _ws_step(i - i_first, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
+                              p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag,
+                              qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES,
+                              s_layout, dq_layout, q_tile, kv_tile, dq_tile)
 
-    mbarrier.invalidate(kv_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(qdo_bars.index(s))
-
-    # epilogue: dK (already scaled through dS) and dV via the K / V buffers (every wgmma reading them is done);
-    # rows past seqlen_k are clipped by the TMA stores
+    # dK, dV through the K / V buffers (every wgmma reading them was waited), clipped TMA stores
     k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     v_op = v_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     k_op.store(dk.to(dtype))
@@ -307,4 +300,51 @@ def attn_bwd_hopper_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen
     fence_async_shared()
     tma.async_copy_shared_to_global(DK, [off_b, start_n, col_k], k_smem.index(0))
     tma.async_copy_shared_to_global(DV, [off_b, start_n, col_k], v_smem.index(0))
-    tma.store_wait(pendings=0)  # also drains the last dQ reduce
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit(do_not_specialize=_INT_ARGS)
+def attn_bwd_ws_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, seqlen_k, seqlen_q_pad, nheads,
+                       nheads_k, stride_lb, stride_lh, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_STAGES: gl.constexpr,
+                       GQA: gl.constexpr):
+    """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); launched with num_warps=8 (the MMA partition; the compiler
+    adds the workers' warps). Q, K, V, DO, DK, DV: 3-D descriptors over (batch, seqlen, heads * headdim), blocks
+    [1, BLOCK_M or BLOCK_N, HEAD_DIM]; DQ: the fp32 accumulator's (batch, seqlen_q_pad, nheads * headdim), zeroed;
+    Lse (natural log), Delta: (batch, nheads, seqlen_q_pad) padded with +inf / 0, strides (stride_lb, stride_lh, 1).
+    """
+    dtype: gl.constexpr = Q.dtype
+    p_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], K.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], V.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], Q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, 1, BLOCK_M, HEAD_DIM], DQ.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=1)
+    for s in gl.static_range(DQ_STAGES):
+        mbarrier.init(dq_full.index(s), count=1)
+        mbarrier.init(dq_empty.index(s), count=1)
+    fence_async_shared()
+
+    # (the argument tuples written out: a tuple bound to a variable turns its constexprs into tensors)
+    gl.warp_specialize([
+        (_ws_mma, (DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready,
+                   do_ready, qdo_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k, stride_lb,
+                   stride_lh, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, GQA)),
+        (_ws_producer, (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q,
+                        seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_dq_writer, (DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, DQ_STAGES)),
+    ], [1, 1], [WORKER_NREG, WORKER_NREG])

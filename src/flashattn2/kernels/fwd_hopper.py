@@ -9,10 +9,35 @@ cores (FlashAttention-3's intra-warpgroup pipelining). K and V arrive by TMA int
 shared-memory rings, one mbarrier per stage; a stage is refilled as soon as the wgmma that read it
 has been waited for.
 
-Two kernels: attn_fwd_hopper_kernel, one program = one query block run by its warps (one or two
+Three kernels: attn_fwd_hopper_kernel, one program = one query block run by its warps (one or two
 warpgroups); attn_fwd_ws_kernel (below), warp-specialized: a producer warp loads, two consumer
 warpgroups compute one query block each (FlashAttention-3's arrangement; ops.attention chooses it
-for long key sequences, config.GLUON_WS_ABOVE_SEQLEN_K).
+for long key sequences, config.GLUON_WS_ABOVE_SEQLEN_K); attn_fwd_persist_kernel (last), the
+warp-specialized kernel made persistent.
+
+attn_fwd_persist_kernel: the same partitions and numerics as attn_fwd_ws_kernel (no ping-pong),
+but a grid of min(#SMs, #tiles) CTAs (a tile: batch entry, head, 2 * BLOCK_M query rows), each
+looping over tiles pid, pid + G, pid + 2G, ... (G CTAs), so a tile's prologue and epilogue overlap
+its neighbours' work. SNAKE (meant for causal) reverses every other round, so a CTA that got a
+round's heaviest tile gets the next round's lightest. Tile order: non-causal one head's query
+blocks together (K/V reuse in L2), causal heaviest first over all heads. The K/V rings run on
+across tiles: ring block g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
+both consumers advance g by max(n_0, n_1) per tile. Every consumer waits for and releases every
+ring block of the tile, the blocks its half does not use (causal: the lighter half; a half past
+seqlen_q: all) right after its epilogue (_skip_blocks). attn_fwd_ws_kernel's scheme, the partner
+arriving twice on them, is wrong here: the consumer that skipped them would go on to its next tile
+and wait on ring blocks more than STAGES ahead of the fill, where a parity wait passes two phases
+early. Q has QBUF buffers per consumer (buffer (k % QBUF) * 2 + consumer for a CTA's k-th tile),
+each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
+a tile's O leaves through its Q buffer by TMA store, and the buffer goes back once the store has
+read it. QBUF 2: the store is not waited for at the tile's end; the buffer goes back after the next
+tile's first QK^T is issued (the producer has loaded that tile's Q into the other buffer meanwhile),
+so the store and the next Q load are off the critical path. QBUF 1: back right after the store; the
+producer issues a tile's K_0 before it waits for the Q buffer (K_0's stage held an earlier tile's
+block: no deadlock), so only the Q load's latency is exposed. Shared memory (2-byte types): Q
+QBUF * 2 * BLOCK_M * D * 2 bytes, each ring STAGES * BLOCK_N * D * 2: d64 (M 128, N 64, S 2,
+QBUF 2) 64 + 32 = 96 KB; d128 (M 64, N 128, S 2, QBUF 2) 64 + 128 = 192 KB; d256 (M 64, N 64,
+S 2, QBUF 1) 64 + 128 = 192 KB of the 227 KB (QBUF 2 would need 256 KB).
 
 Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
 [1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.
@@ -468,4 +493,306 @@ def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nhe
                      _CONSUMER1, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch, nheads,
                      seqlen_q, seqlen_k, group_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------
+# The persistent warp-specialized forward (see the module docstring): attn_fwd_ws_kernel's three
+# partitions, but a grid of min(#SMs, #tiles) CTAs, each looping over tiles of 2 * BLOCK_M query
+# rows. The K/V rings run on across tiles on a block counter g that the consumers and the producer
+# advance alike (by max(n_0, n_1) per tile); Q has QBUF buffers per consumer, handed back through
+# q_empty barriers once the O stored through them has left.
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _num_my_tiles(num_tiles, pid, nprog, SNAKE: gl.constexpr):
+    """How many tiles CTA pid runs: the full rounds, plus one if its index in the last (partial)
+    round exists."""
+    full = num_tiles // nprog
+    idx = pid
+    if SNAKE:
+        idx = pid + (full % 2) * (nprog - 1 - 2 * pid)
+    return full + (idx < num_tiles - full * nprog).to(gl.int32)
+
+
+@gluon.jit
+def _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
+                 CTA_M: gl.constexpr):
+    """The it-th tile of CTA pid (tile it * nprog + pid; SNAKE: odd rounds reversed): (batch entry,
+    head, first row). Non-causal: one head's tiles together (K/V reuse in L2); causal: heaviest
+    first over all heads (_program_tile's order for more than 8 tiles per head)."""
+    idx = pid
+    if SNAKE:
+        idx = pid + (it % 2) * (nprog - 1 - 2 * pid)
+    t = it * nprog + idx
+    if CAUSAL:
+        pid_m = num_m - 1 - t // (batch * nheads)
+        off_bh = t % (batch * nheads)
+    else:
+        pid_m = t % num_m
+        off_bh = t // num_m
+    return off_bh // nheads, off_bh % nheads, pid_m * CTA_M
+
+
+@gluon.jit
+def _persist_release(empty_bars, stage):
+    """Done reading ring stage `stage`: one arrival (after this warpgroup's wgmma wait); the empty
+    barrier completes its phase when both consumers arrived -- never for the partner (_skip_blocks)."""
+    mbarrier.arrive(empty_bars.index(stage))
+
+
+@gluon.jit
+def _skip_blocks(k_ready, v_ready, k_empty, v_empty, g, j0, j1, STAGES: gl.constexpr):
+    """Ring blocks g + j0 .. g + j1 - 1: the partner's, not this consumer's (causal: the partner's
+    half sees more keys; or this half lies past seqlen_q). Wait until each is loaded, then give this
+    consumer's arrival. Not the partner arriving twice instead (attn_fwd_ws_kernel's _release): this
+    consumer would go on to its next tile and wait on ring blocks more than STAGES ahead of the fill,
+    where a parity wait passes two phases early."""
+    for j in range(j0, j1):
+        gb = g + j
+        st = gb % STAGES
+        mbarrier.wait(k_ready.index(st), (gb // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(st))
+        mbarrier.wait(v_ready.index(st), (gb // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(st))
+
+
+@gluon.jit
+def _q_release(q_empty, idx, pred):
+    """Hand Q buffer idx back to the producer once the TMA store of the O that went out through it
+    has read it: the store was issued by one elected thread, so every thread waits for its own bulk
+    groups, then a partition barrier, then thread 0 arrives."""
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    mbarrier.arrive(q_empty.index(idx), pred=pred)
+
+
+@gluon.jit
+def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, g, j,
+                  qk_scale, start_m, seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
+    """_ws_step (without ping-pong) on the running ring: the tile's key block j >= 1 is ring block
+    g + j."""
+    dtype: gl.constexpr = q_op.dtype
+    gk = g + j
+    ks = gk % STAGES
+    mbarrier.wait(k_ready.index(ks), (gk // STAGES) & 1)
+    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    gv = gk - 1
+    vs = gv % STAGES
+    mbarrier.wait(v_ready.index(vs), (gv // STAGES) & 1)
+    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
+    _persist_release(k_empty, ks)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
+                                  BLOCK_M, BLOCK_N, s_layout)
+    p_next = gl.convert_layout(p.to(dtype), p_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    _persist_release(v_empty, vs)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty, v_empty, lse_row0, off_b,
+                  q_col, start_m, n_blocks, mask_from, g, qi, prev_qi, has_prev, qk_scale, seqlen_q, seqlen_k,
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, QBUF: gl.constexpr):
+    """One consumer warpgroup's query tile (n_blocks >= 1, its Q in buffer qi already waited for):
+    ring blocks g .. g + n_blocks - 1, then the epilogue, whose O store is left in flight."""
+    dtype: gl.constexpr = q_smem.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    diag = seqlen_k - seqlen_q
+
+    q_buf = q_smem.index(qi)
+    q_op = q_buf._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+
+    # block 0 (ring block g): S = Q K_0^T; QBUF 2: the previous tile's Q buffer goes back while it
+    # runs, so waiting for that tile's O store costs nothing
+    ks = g % STAGES
+    mbarrier.wait(k_ready.index(ks), (g // STAGES) & 1)
+    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if QBUF == 2:
+        _q_release(q_empty, prev_qi, has_prev)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    _persist_release(k_empty, ks)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
+                                  BLOCK_M, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, gl.maximum(mask_from, 1)):
+        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                            v_empty, s_zero, g, j, qk_scale, start_m, seqlen_k, diag, False, CAUSAL,
+                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+    for j in range(gl.maximum(mask_from, 1), n_blocks):
+        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                            v_empty, s_zero, g, j, qk_scale, start_m, seqlen_k, diag, True, CAUSAL,
+                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+
+    # the last block's PV
+    gv = g + n_blocks - 1
+    vs = gv % STAGES
+    mbarrier.wait(v_ready.index(vs), (gv // STAGES) & 1)
+    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    _persist_release(v_empty, vs)
+
+    # _epilogue without its store wait: O through this tile's Q buffer (every wgmma that read it has
+    # been waited for), rows past seqlen_q clipped by the TMA store
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
+    o = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+    q_op.store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_buf)
+    if QBUF == 1:
+        _q_release(q_empty, qi, True)
+    # QBUF 2: not waited for here; released during the next tile (or waited for at the very end)
+
+
+@gluon.jit
+def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                      stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                      ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
+    """Consumer warpgroup ME (0: the default partition, 1: worker 0): half ME of each of this CTA's
+    tiles. The k-th tile's Q is in buffer (k % QBUF) * 2 + ME, phase (k // QBUF) & 1."""
+    CTA_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+    num_m = (seqlen_q + CTA_M - 1) // CTA_M
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_my = _num_my_tiles(num_m * batch * nheads, pid, nprog, SNAKE)
+    qk_scale = sm_scale * LOG2E
+    g = 0
+    for it in range(n_my):
+        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
+        start_m = cta_m + ME * BLOCK_M
+        n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        n_other, _ = _tile_blocks(cta_m + (1 - ME) * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        qi = (it % QBUF) * NUM_CONSUMERS + ME
+        prev_qi = ((it + 1) % QBUF) * NUM_CONSUMERS + ME  # QBUF 2: the previous tile's buffer
+        mbarrier.wait(q_ready.index(qi), (it // QBUF) & 1)
+        if n_blocks > 0:
+            lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
+            _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty, v_empty, lse_row0,
+                          off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, g, qi, prev_qi, it > 0,
+                          qk_scale, seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)
+        else:  # this half of the tile lies past seqlen_q: nothing to compute, nothing stored
+            if QBUF == 2:
+                _q_release(q_empty, prev_qi, it > 0)
+            else:
+                mbarrier.arrive(q_empty.index(qi))
+        n_max = gl.maximum(n_blocks, n_other)
+        _skip_blocks(k_ready, v_ready, k_empty, v_empty, g, n_blocks, n_max, STAGES)  # after the epilogue
+        g += n_max
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _persist_produce(desc, ready, empty, smem, gb, row, off_b, kv_col, STAGES: gl.constexpr):
+    """Ring block gb (key rows from `row`): wait until both consumers released the stage's previous
+    block (gb - STAGES; a fresh barrier passes a wait on parity 1), then TMA it."""
+    stage = gb % STAGES
+    mbarrier.wait(empty.index(stage), ((gb // STAGES) & 1) ^ 1)
+    bar = ready.index(stage)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [off_b, row, kv_col], bar, smem.index(stage))
+
+
+@gluon.jit
+def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
+                      nheads, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      QBUF: gl.constexpr):
+    """One warp, per tile: K_0, Q_0, Q_1 (each once its buffer is free), K_1, V_0, K_2, V_1, ...,
+    V_{n-1} (n = the longer half's block count)."""
+    CTA_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+    num_m = (seqlen_q + CTA_M - 1) // CTA_M
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_my = _num_my_tiles(num_m * batch * nheads, pid, nprog, SNAKE)
+    g = 0
+    for it in range(n_my):
+        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
+        n0, _ = _tile_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        n1, _ = _tile_blocks(cta_m + BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        n_max = gl.maximum(n0, n1)  # >= 1: the tile's first half is valid
+        q_col = off_h * HEAD_DIM
+        kv_col = (off_h // group_size) * HEAD_DIM
+        # K_0 first: its stage held a block of an earlier tile, so this wait never needs this tile's
+        # Q (no deadlock), and with QBUF 1 only the Q load's latency is exposed per tile
+        _persist_produce(K, k_ready, k_empty, k_smem, g, 0, off_b, kv_col, STAGES)
+        for t in gl.static_range(NUM_CONSUMERS):
+            qi = (it % QBUF) * NUM_CONSUMERS + t
+            mbarrier.wait(q_empty.index(qi), ((it // QBUF) & 1) ^ 1)
+            bar = q_ready.index(qi)
+            row = cta_m + t * BLOCK_M
+            mbarrier.expect(bar, Q.block_type.nbytes, pred=row < seqlen_q)
+            tma.async_copy_global_to_shared(Q, [off_b, row, q_col], bar, q_smem.index(qi), pred=row < seqlen_q)
+            mbarrier.arrive(bar, pred=row >= seqlen_q)  # an empty half: its consumer only waits and hands back
+        for j in range(1, n_max):
+            _persist_produce(K, k_ready, k_empty, k_smem, g + j, j * BLOCK_N, off_b, kv_col, STAGES)
+            _persist_produce(V, v_ready, v_empty, v_smem, g + j - 1, (j - 1) * BLOCK_N, off_b, kv_col, STAGES)
+        _persist_produce(V, v_ready, v_empty, v_smem, g + n_max - 1, (n_max - 1) * BLOCK_N, off_b, kv_col, STAGES)
+        g += n_max
+
+
+# do_not_specialize: one compiled variant per configuration whatever the shapes
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "nheads", "seqlen_q", "seqlen_k", "group_size"])
+def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k,
+                            group_size, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            QBUF: gl.constexpr, SNAKE: gl.constexpr):
+    """Grid: min(#SMs, cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads) CTAs; launched with
+    num_warps=4 (the default partition; the compiler adds the workers' warps)."""
+    dtype: gl.constexpr = Q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [QBUF * NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM], Q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [QBUF * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QBUF * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(QBUF * NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
+
+    gl.warp_specialize([
+        (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                             _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)),
+        (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                             _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)),
+        (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                             batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M,
+                             BLOCK_N, STAGES, QBUF)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])

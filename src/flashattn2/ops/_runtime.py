@@ -353,3 +353,13 @@ def _launch_hooks() -> bool:
     knobs = _triton_knobs()
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's number of streaming multiprocessors (cached per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -243,24 +243,32 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
                     softmax_scale: float) -> bool:
     """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: what
     _gluon_kernels checks, config.gluon on, keys present (at most config.GLUON_MAX_SEQLEN_K of
-    them). Everything else takes kernels/fwd.py. Long key sequences take its warp-specialized
-    kernel (config.gluon_ws)."""
+    them). Everything else takes kernels/fwd.py. Of its three kernels, config.gluon_persist
+    chooses the persistent one (headdim 64 and 128), else config.gluon_ws the
+    warp-specialized one (long key sequences) or the one-warpgroup one."""
     kernels = _gluon_kernels(arch, flags, geo, "fwd", q, k, v, out)
     if not (kernels is not None and config.gluon()
             and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)):
         return False
     causal = flags["CAUSAL"]
-    # the warp-specialized kernel (two consumer warpgroups of block_m rows each per program) on
-    # long key sequences, the one-warpgroup kernel on short ones (config.gluon_ws)
-    ws = config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
-    cfg = config.select("fwd_hopper_ws" if ws else "fwd_hopper", arch, geo.head_dim, q.dtype, causal)
+    # the persistent kernel (config.gluon_persist: a grid of one program per SM looping over tiles),
+    # else the warp-specialized kernel (two consumer warpgroups of block_m rows each per program)
+    # on long key sequences, the one-warpgroup kernel on short ones (config.gluon_ws)
+    persist = config.gluon_persist(geo.head_dim)
+    ws = not persist and config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
+    name = "fwd_hopper_persist" if persist else "fwd_hopper_ws" if ws else "fwd_hopper"
+    cfg = config.select(name, arch, geo.head_dim, q.dtype, causal)
     descs = [_host_desc(t, rows, gluon=True)
              for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))]
     lse_strides = lse.stride()
-    rows_per_program = cfg.block_m * (kernels.NUM_CONSUMERS.value if ws else 1)
-    grid = (_cdiv(geo.max_seqlen_q, rows_per_program) * geo.batch * geo.nheads,)
-    extra = {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {}
-    _runtime.launch(kernels.attn_fwd_ws_kernel if ws else kernels.attn_fwd_hopper_kernel, grid,
+    rows_per_tile = cfg.block_m * (kernels.NUM_CONSUMERS.value if persist or ws else 1)
+    tiles = _cdiv(geo.max_seqlen_q, rows_per_tile) * geo.batch * geo.nheads
+    grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
+    extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal} if persist
+             else {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {})
+    kernel = (kernels.attn_fwd_persist_kernel if persist else kernels.attn_fwd_ws_kernel if ws
+              else kernels.attn_fwd_hopper_kernel)
+    _runtime.launch(kernel, grid,
         *descs, lse, lse_strides[0], lse_strides[1],
         geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k, softmax_scale,
         CAUSAL=causal,
@@ -276,19 +284,17 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
 
 def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch: str, flags: dict,
                      softmax_scale: float) -> bool:
-    """Run the Gluon backward (kernels/bwd_hopper.py) if it applies, and say whether it ran: what
-    _gluon_kernels checks (of Q, K, V and dO) and config.gluon_bwd (where it measured faster than
-    the Triton backward); the caller asks only for deterministic=False.
+    """Run the Gluon backward (kernels/bwd_hopper.py, warp-specialized) if it applies, and say
+    whether it ran: what _gluon_kernels checks (of Q, K, V and dO) and config.gluon_bwd (on
+    unless turned off); the caller asks only for deterministic=False.
     dQ is added into a zeroed fp32 accumulator whose rows are padded to a multiple of BLOCK_M,
     then cast into dq; lse and delta are padded the same way (+inf and 0: the padded rows
     contribute nothing) where seqlen_q is not such a multiple."""
     kernels = _gluon_kernels(arch, flags, geo, "bwd", q, k, v, dout)
     # the grid's second axis (batch * nheads_k) is capped at 65535 by CUDA
-    if not (kernels is not None and geo.batch * geo.nheads_k <= 65535
-            and config.gluon_bwd(geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k)):
+    if not (kernels is not None and geo.batch * geo.nheads_k <= 65535 and config.gluon_bwd()):
         return False
     cfg = config.select("bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
-    dq_mode = kernels.DQ_MODES[config.GLUON_BWD_DQ[geo.head_dim]]
     seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
     seqlen_q_pad = _cdiv(seqlen_q, cfg.block_m) * cfg.block_m
     if seqlen_q_pad != seqlen_q or lse.stride(2) != 1 or delta.stride() != lse.stride():
@@ -306,17 +312,16 @@ def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch
     descs = [_host_desc(t, rows, gluon=True) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (gk, cfg.block_n),
         (gv, cfg.block_n))]
-    descs.append(_host_desc(acc, cfg.block_m, gluon=True) if dq_mode == kernels.DQ_MODES["tma"] else acc)
-    _runtime.launch(kernels.attn_bwd_hopper_kernel, (_cdiv(seqlen_k, cfg.block_n), geo.batch * geo.nheads_k),
+    descs.append(_host_desc(acc, cfg.block_m, gluon=True))
+    _runtime.launch(kernels.attn_bwd_ws_kernel, (_cdiv(seqlen_k, cfg.block_n), geo.batch * geo.nheads_k),
         *descs, lse, delta, softmax_scale,
         seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse.stride(0), lse.stride(1),
         CAUSAL=flags["CAUSAL"],
-        DQ_MODE=dq_mode,
-        OPAQUE_KV=True,
         HEAD_DIM=geo.head_dim,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages,
+        DQ_STAGES=config.GLUON_BWD_DQ_STAGES[geo.head_dim],
         GQA=geo.nheads != geo.nheads_k,
         num_warps=cfg.num_warps,
     )

@@ -14,8 +14,11 @@ from . import _runtime
 
 # bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py);
 # fwd_hopper_ws: its warp-specialized kernel (block_m: rows per consumer warpgroup, two per program;
-# num_warps: the default partition's, always 4); bwd_hopper: the Gluon backward (kernels/bwd_hopper.py)
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws", "bwd_hopper")
+# num_warps: the default partition's, always 4); fwd_hopper_persist: its persistent kernel (the
+# same); bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps: the MMA
+# partition's, always 8)
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws", "fwd_hopper_persist",
+           "bwd_hopper")
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
 # sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
 ARCHS = ("sm90", "sm80", "sm86", "interp")
@@ -65,23 +68,40 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 614/629/620); causal 290/389/476/525/548/583 -> 326/441/524/586/675/716 (cuDNN 336/434/448/
     # 477/503/528). Ping-pong on: 0.88-0.99x of off.
     ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
-    # The Gluon backward (deterministic=False; ops.attention._hopper_backward, where
-    # GLUON_BWD_ABOVE_SEQLEN_K says), dQ mode in GLUON_BWD_DQ. H200, 2026-11-30, fp16, 16k
-    # tokens, kernel only (dQ accumulator zeroing + kernel; .devout/gluon/gluon_bwd.py, the same
-    # kernel, docs/notes.md session 9), at
-    # 512/1k/2k/4k/8k/16k; "ours" = the Triton backward's whole call in the same run:
-    # d64 128x128 w8 s2 tma: 285/335/361/375/386/391, causal 205/269/317/345/364/383 (ours
-    # 263/312/346/363/348/355, 171/211/264/287/306/314; cuDNN 278/365/421/442/451/424, 166/247/
-    # 323/378/418/431); 64x128 tma 246..337, atomic 246..332.
+    # The persistent warp-specialized Gluon forward (grid = #SMs; GLUON_PERSIST_QBUF), taken at
+    # every length where it has an entry (gluon_persist). H200, 2026-12-01 (session 10), fp16, 16k tokens, its prototype
+    # (.devout/gluon/gluon_fwd_persist.py, the same kernel), one run beside the library as routed
+    # then (ship: one warpgroup up to 2k keys at d128, warp-specialized past it; one warpgroup at
+    # d64) and cuDNN, at 512/1k/2k/4k/8k/16k (d64: 512/1k/2k/4k/16k):
+    # d128 64(x2)x128 s2, 2 Q buffers: 513/574/630/623/636/625 (ship 456/484/528/583/596/614,
+    # cuDNN 512/591/638/657/667/670); causal 255/349/433/550/605/645 (ship 249/324/367/449/526/588,
+    # cuDNN 325/417/502/527/558/618). 1 Q buffer: 0.84-0.99x of 2.
+    ("sm90", 128, 2, "fwd_hopper_persist"): TileConfig(64, 128, 4, 2),
+    # d64 128(x2)x64 s2, 2 Q buffers: 358/399/407/401/401 (ship 336/374/400/433/453, cuDNN 388/
+    # 434/458/483/492); causal 219/296/348/368/398 (ship 208/286/332/385/446, cuDNN 257/333/387/
+    # 431/464): ahead up to 2k keys, where the Gluon forward stops at d64 (GLUON_MAX_SEQLEN_K),
+    # behind past it.
+    ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(128, 64, 4, 2),
+    # d256 (64(x2)x64 s2, 1 Q buffer) measured 0.87-1.02x of the warp-specialized kernel: no entry.
+    # The warp-specialized Gluon backward (deterministic=False; ops.attention._hopper_backward):
+    # producer warp, two MMA warpgroups, dQ-writer warp; dQ by TMA reduce-add through
+    # GLUON_BWD_DQ_STAGES staging tiles. H200, 2026-12-01 (session 10), fp16, 16k tokens, its
+    # prototype (.devout/gluon/gluon_bwd_ws.py), zero of the dQ accumulator + kernel, beside the
+    # library's backward of the time ("ours": the whole call, the Triton or the one-partition Gluon
+    # backward) and cuDNN, in one run; at 512/2k/8k/16k for d64, 512/2k/16k d256, 512/1k/2k/4k/8k/
+    # 16k d128 (the same-run A/B of whole calls: ab-gluon-nvidia-h200.md and GLUON_BWD below):
+    # d64 128x128 s2 (1 dQ tile): 322/429/440/453, causal 219/352/404/417 (64x128 s2 x2:
+    # 278/366/398/397; ours 265/349/376/382, 171/291/352/374; cuDNN 278/423/473/440, 168/327/425/436)
     ("sm90", 64, 2, "bwd_hopper"): TileConfig(128, 128, 8, 2),
-    # d128 64x128 w8 s2 tma: 315/359/391/407/405/401, causal 231/302/353/385/411/436 (ours
-    # 153/336/376/385/388/394, 143/233/291/330/356/375; cuDNN 339/439/513/537/544/528, 212/316/
-    # 408/475/524/521); atomic 314..401 / 228..411; 64x64 w4 260..312.
+    # d128 64x128 s2 (2 dQ tiles): 386/466/507/540/517/518, causal 273/370/445/482/490/511 (s3 x1:
+    # 393..525, 276..514; ours 278/338/385/392/384/393, 171/261/323/369/397/435; cuDNN 341/442/514/
+    # 560/583/525, 213/316/409/479/529/578)
     ("sm90", 128, 2, "bwd_hopper"): TileConfig(64, 128, 8, 2),
-    # d256 64x64 w8 s2 atomic: 240/262/271/280/281/283 (ours 196/230/251/257/257/257; cuDNN
-    # 235/293/354/378/353/345); s1 tma 232..273. Causal (earlier run): 193/232/255/270/283/292
-    # (ours 132/168/204/225/242/247).
-    ("sm90", 256, 2, "bwd_hopper"): TileConfig(64, 64, 8, 2),
+    # d256 64x64 s1 (1 dQ tile): 249/289/297, causal 200/275/309 (s2 with atomics instead of the
+    # writer: 240/273/283, 193/259/295; ours 213/263/283, 108/240/290; cuDNN 240/361/349, 179/319/387).
+    # The one-partition Gluon backward of session 9 had 128x128 w8 s2 at d64, 64x128 w8 s2 at d128,
+    # 64x64 w8 s2 (dQ by atomics) at d256.
+    ("sm90", 256, 2, "bwd_hopper"): TileConfig(64, 64, 8, 1),
     # d64 bwd (with dQ 128x64 w8 s2): 347/322 at 16k, 301/230 at 2k; 32x64 w4 s3: 347/316
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(32, 128, 4, 3),
     # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
@@ -155,7 +175,7 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
-                              "gluon_ws": None, "gluon_bwd": None}
+                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -204,6 +224,7 @@ _ENV_TMA = _runtime.env_flag("FLASHATTN2_TMA")
 _ENV_HOST_DESC = _runtime.env_flag("FLASHATTN2_HOST_DESC")
 _ENV_GLUON = _runtime.env_flag("FLASHATTN2_GLUON")
 _ENV_GLUON_WS = _runtime.env_flag("FLASHATTN2_GLUON_WS")
+_ENV_GLUON_PERSIST = _runtime.env_flag("FLASHATTN2_GLUON_PERSIST")
 _ENV_GLUON_BWD = _runtime.env_flag("FLASHATTN2_GLUON_BWD")
 
 
@@ -269,10 +290,27 @@ GLUON_WS_ABOVE_SEQLEN_K: dict[int, int] = {128: 2048, 256: 0}
 # measured slower at both head dims (see the entries), kept as an option of the kernel
 GLUON_WS_PINGPONG: dict[int, bool] = {128: False, 256: False}
 
-# head-dim bucket -> how the Gluon backward adds dQ: "tma" (bulk reduce-add of a shared-memory
-# tile) or "atomic" (fp32 atomics from registers; headdim 256 has no shared memory left for the
-# staging tile with two stages). Measurements: the bwd_hopper entries.
-GLUON_BWD_DQ: dict[int, str] = {64: "tma", 128: "tma", 256: "atomic"}
+# head-dim bucket -> the persistent forward's Q buffers per consumer: two let a tile's O store and
+# the next tile's Q load overlap the compute (headdim 256 would need 256 KB of shared memory).
+GLUON_PERSIST_QBUF: dict[int, int] = {64: 2, 128: 2}
+
+# head-dim bucket -> the Gluon backward's dQ staging tiles (fp32 BLOCK_M x headdim each): two
+# where they fit in shared memory beside the rings (headdim 128: 229,740 of 232,448 bytes), else
+# one. Measurements: the bwd_hopper entries.
+GLUON_BWD_DQ_STAGES: dict[int, int] = {64: 1, 128: 2, 256: 1}
+
+
+def gluon_persist(head_dim: int) -> bool:
+    """Whether the Gluon forward takes its persistent kernel: wherever the head dim has a table
+    entry for it, unless override(gluon_persist=False) or FLASHATTN2_GLUON_PERSIST=0 turns it off
+    or forcing gluon_ws either way asks for the non-persistent kernels."""
+    bucket = head_dim_bucket(head_dim)
+    if ("sm90", bucket, 2, "fwd_hopper_persist") not in _TABLE:
+        return False
+    forced = _forced["gluon_persist"] if _forced["gluon_persist"] is not None else _ENV_GLUON_PERSIST
+    if forced is not None:
+        return forced
+    return (_forced["gluon_ws"] if _forced["gluon_ws"] is not None else _ENV_GLUON_WS) is None
 
 
 def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
@@ -288,28 +326,18 @@ def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
     return bucket in GLUON_WS_ABOVE_SEQLEN_K and max_seqlen_k > GLUON_WS_ABOVE_SEQLEN_K[bucket]
 
 
-# The Gluon backward (kernels/bwd_hopper.py) for deterministic=False calls where it applies
+# The Gluon backward (kernels/bwd_hopper.py) for every deterministic=False call where it applies
 # (ops.attention._hopper_backward): 5 matmuls per block pair, dQ added in any order into an fp32
-# accumulator that is zeroed before and cast into dq after (~95 us at 16k tokens, d128, which the
-# Triton backward does not pay). Chosen per (head-dim bucket, causal) when the longest key
-# sequence is longer than GLUON_BWD_ABOVE_SEQLEN_K (absent: never). H200, 2026-11-30, fp16, 16k
-# tokens, interleaved A/B through the library (.devout/bwd_ab.py, docs/notes.md session 9), Gluon
-# over Triton at 512/1k/2k/4k/8k/16k: d64 0.93/0.95/0.96/0.97/1.05/1.11x, causal 0.99/1.12/1.11/
-# 1.08/1.12/1.17x; d128 1.10/0.97/0.98/0.97/0.96/1.02x, causal 1.10/1.11/1.10/1.09/1.10/1.14x;
-# d256 1.09/1.06/1.05/1.07/1.09/1.10x, causal 1.21/1.22/1.18/1.16/1.15/1.18x.
-GLUON_BWD_ABOVE_SEQLEN_K: dict[tuple[int, bool], int] = {
-    (64, False): 4096, (64, True): 512, (128, True): 0, (256, False): 0, (256, True): 0}
-
-
-def gluon_bwd(head_dim: int, causal: bool, max_seqlen_k: int) -> bool:
-    """Whether a deterministic=False backward takes the Gluon kernel (see above), unless
-    override(gluon_bwd=...) or FLASHATTN2_GLUON_BWD=0/1 forces it off or on (on: wherever it
-    applies, whatever the length). deterministic=True never takes it."""
+# accumulator that is zeroed before and cast into dq after. H200, 2026-12-01, fp16, 16k tokens,
+# interleaved A/B of whole backward calls through the library (.devout/bwd_ab3.py, median of 3;
+# bench/results/ab-gluon-nvidia-h200.md): it is faster than the Triton backward at every point of
+# the grid, 1.02x (d64 causal, 512 tokens) to 1.43x (d128 causal, 8k), so there is no length rule.
+def gluon_bwd() -> bool:
+    """Whether a deterministic=False backward takes the Gluon kernel where it applies, unless
+    override(gluon_bwd=False) or FLASHATTN2_GLUON_BWD=0 turns it off. deterministic=True never
+    takes it."""
     forced = _forced["gluon_bwd"] if _forced["gluon_bwd"] is not None else _ENV_GLUON_BWD
-    if forced is not None:
-        return forced
-    limit = GLUON_BWD_ABOVE_SEQLEN_K.get((head_dim_bucket(head_dim), bool(causal)))
-    return limit is not None and max_seqlen_k > limit
+    return True if forced is None else forced
 
 
 def wgmma(device: torch.device) -> bool:
@@ -327,13 +355,14 @@ _WGMMA: dict = {}
 @contextlib.contextmanager
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
-             gluon_bwd: bool | None = None, **tiles: TileConfig):
+             gluon_persist: bool | None = None, gluon_bwd: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
     add dQ with atomics, whether the TMA path may use host-built descriptors, whether the
     forward may take the Gluon kernel, and/or whether that takes its warp-specialized kernel
-    (gluon_ws; True forces it whatever the sequence length, where the head dim has one), and/or
+    (gluon_ws; True forces it whatever the sequence length, where the head dim has one) or its
+    persistent kernel (gluon_persist), and/or
     whether deterministic=False backwards may take the Gluon backward (gluon_bwd), inside a
     with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
@@ -344,7 +373,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
-                   gluon_bwd=gluon_bwd)
+                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd)
     try:
         yield
     finally:

@@ -4,7 +4,6 @@ GPU, and merge the splits. The caller (ops.registry) makes q's device the curren
 for the attention launchers."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +122,6 @@ def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Te
     # one position per sequence: its queries become heads of a single token
     _rotary.rotate_(q.view(batch, 1, seqlen_q * nheads, head_dim), cos, sin, interleaved, offsets)
     return q
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # (path, split) -> (BLOCK_N, num_warps, num_stages) at headdim 128 in 16-bit types. Paths:
@@ -249,7 +243,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     if out.numel() == 0 or batch == 0 or seqlen_q == 0 or cache.capacity == 0:
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
-    sm_count = 64 if interp else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sm_count = 64 if interp else _runtime.sm_count(q.device)
     rows = group * seqlen_q
     block_m, block_n, warps, stages, splits, chunk = plan(cache, rows, batch, head_dim, q.element_size(), num_splits,
                                                           sm_count, interp)
