@@ -138,6 +138,44 @@ def test_gluon_backward_grid_limit(monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
+def test_gluon_forward_rule(monkeypatch):
+    """config.gluon_persist / gluon_ws: the persistent kernel wherever it has a table entry (head
+    dim 64, 128), overrides before the environment, and forcing gluon_ws either way turns it off."""
+    assert config.gluon_persist(128) and config.gluon_persist(59) and not config.gluon_persist(256)
+    with config.override(gluon_persist=False):
+        assert not config.gluon_persist(128)
+        assert config.gluon_ws(128, 4096) and not config.gluon_ws(128, 2048)  # then by length
+    for ws in (True, False):
+        with config.override(gluon_ws=ws):
+            assert not config.gluon_persist(128) and config.gluon_ws(128, 1) == ws
+        with config.override(gluon_ws=ws, gluon_persist=True):
+            assert config.gluon_persist(128)
+    monkeypatch.setattr(config, "_ENV_GLUON_PERSIST", True)
+    with config.override(gluon_ws=False):  # an override beats the environment
+        assert not config.gluon_persist(128)
+    monkeypatch.setattr(config, "_ENV_GLUON_PERSIST", None)
+    monkeypatch.setattr(config, "_ENV_GLUON_WS", True)
+    assert not config.gluon_persist(128) and config.gluon_ws(128, 1)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_persistent_forward_many_tiles_per_program(d, causal, monkeypatch):
+    """The persistent forward with a grid of 3 programs (as if the GPU had 3 SMs), so each runs
+    many tiles: the K/V ring and the Q buffers carried across tiles, GQA, a ragged last query tile
+    (a half past seqlen_q) and seqlen_q != seqlen_k; against the reference, then the gradients."""
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 3)
+    launched = spy_launches(monkeypatch)
+    # 300 query rows: the last tile (128 rows at d128, 256 at d64) has its second half past the end
+    q, k, v = make_qkv((3, 300, 461, 8, 2, d), torch.float16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert launched[0] == "attn_fwd_persist_kernel", launched
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
 @pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "gluon-bwd-off",
                                   "softcap", "dropout", "d96", "varlen", "sm80"])
 def test_backward_kernel_choice(case, monkeypatch):
@@ -168,12 +206,13 @@ def test_backward_kernel_choice(case, monkeypatch):
 @pytest.mark.parametrize("blocks", [3, 13], ids=["head-by-head", "all-heads-first"])
 def test_causal_block_orders(blocks):
     """Causal grids take query blocks head by head (up to 8 per head) or the heaviest of all heads
-    first (more): every block is computed once in both orders (forward and the dQ pass)."""
+    first (more): every block is computed once in both orders (the Triton forward and its dQ pass:
+    the Gluon kernels, which an H100/H200 would take here, have their own orders)."""
     block = 64 if ON_GPU else 16
     seqlen = blocks * block - 5  # a ragged last block
     q, k, v = make_qkv((3, seqlen, seqlen + 7, 4, 2, 64 if ON_GPU else 32), torch.float16)
     tile = T(block, block, 4, 1)
-    with config.override(fwd=tile, bwd_dq=tile):
+    with config.override(fwd=tile, bwd_dq=tile, gluon=False, gluon_bwd=False):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
@@ -411,12 +450,13 @@ def test_dq_atomics_varlen(tma):
         assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name
 
 
-@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), {}], ids=["atomic", "gluon"])
-def test_dq_atomics_keys_past_the_end_add_nothing(path):
+@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), dict(gluon_bwd=True)],
+                         ids=["atomic", "gluon"])
+def test_dq_atomics_keys_past_the_end_add_nothing(path, monkeypatch):
     """Non-causal, seqlen_k not a multiple of the key block, every score strongly negative: the
     zero-filled key rows past seqlen_k get P = exp(-L), huge, and must not reach dQ (inf * 0);
-    on the atomic dQ path and on the Gluon backward (forced: an H100/H200 would not choose it at
-    elsewhere the Triton backward runs)."""
+    on the Triton kernels' atomic dQ path and on the Gluon backward (on an H100/H200; elsewhere
+    the Triton backward runs)."""
     b, s, h, d = 1, 70, 2, 64
     u = torch.randn(d, device=DEVICE, dtype=torch.float32)
     u = u / u.norm() * 32.0  # scores about -|u|^2 / sqrt(d) = -128
@@ -429,7 +469,9 @@ def test_dq_atomics_keys_past_the_end_add_nothing(path):
     grads2 = torch.autograd.grad(out, (q, k, v), do)
     with config.override(**path):
         out = flashattn2.flash_attn_func(q, k, v, deterministic=False)
+        launched = spy_launches(monkeypatch)
         grads = torch.autograd.grad(out, (q, k, v), do)
+    assert ("attn_bwd_ws_kernel" in launched) == (HOPPER and path.get("gluon_bwd", False)), launched
     for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)

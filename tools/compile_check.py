@@ -109,8 +109,8 @@ def cases(arch):
         if kernel.startswith("fwd_hopper"):  # the Gluon forwards: sm_90, 2-byte types, dense, no score modification
             hopper = _runtime.hopper_kernels().fwd
             ws, persist = kernel == "fwd_hopper_ws", kernel == "fwd_hopper_persist"
-            fn = hopper.attn_fwd_ws_kernel if ws else hopper.attn_fwd_persist_kernel if persist else \
-                hopper.attn_fwd_hopper_kernel
+            fn = {"fwd_hopper": hopper.attn_fwd_hopper_kernel, "fwd_hopper_ws": hopper.attn_fwd_ws_kernel,
+                  "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[kernel]  # a new name must be added here
             for causal in (False, True):
                 constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                   STAGES=cfg.num_stages)

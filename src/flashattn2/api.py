@@ -101,7 +101,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             -slope * |i + seqlen_k - seqlen_q - j| is added to the scores (after softcap).
         deterministic: True always gives the deterministic backward (dQ in its own pass, no
             atomics: bitwise-identical gradients run to run). False (flash_attn's default) lets an
-            H100/H200 take the Gluon backward where config.gluon_bwd chooses it: dQ added in any
+            H100/H200 take the Gluon backward (unless config.gluon_bwd is off): dQ added in any
             order, so its last bits may move run to run (README, "deterministic"). Under
             torch.compile the backward is the deterministic one either way.
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).

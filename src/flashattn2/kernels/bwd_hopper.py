@@ -17,14 +17,16 @@ deterministic=False only (flash_attn's default). The softmax scale is folded int
 need no scaling.
 
 The program is split with gl.warp_specialize into three partitions:
-  * the default partition, 8 warps (two MMA warpgroups, setmaxnreg 240), the matmuls. S / dP are
-    split along the keys (each warpgroup: all BLOCK_M query rows, half of the keys), dK / dV along
-    the keys, dQ_i along headdim; each warpgroup needs the other's half of P and dS, so that
-    hand-off is a partition-wide barrier (`bar.sync 0, 256` inside a partition: the 256 MMA
-    threads only). Per flat position: wait Q, issue S; wait dO, issue dP; wait S -> P (causal mask
-    on crossing blocks) -> smem while dP runs; issue dV; wait dP -> dS -> smem while dV runs; issue
-    dQ_i, issue dK; wait dV, dQ_i -> dQ_i into a staging tile the writer has finished reading,
-    hand it over (dq_full) while dK runs; wait dK -> release the Q / dO stage (qdo_empty).
+  * the default partition, 8 warps (two MMA warpgroups, setmaxnreg 240), the matmuls. With
+    BLOCK_M = 64 (headdim 128, 256) S / dP are split along the keys (each warpgroup: all query
+    rows, half of the keys) and dQ_i along headdim; with BLOCK_M = 128 (headdim 64) the
+    warpgroups split S, dP and dQ_i along the query rows (_mma_layout); dK / dV are split along the
+    keys. Each warpgroup needs the other's half of P and dS, so that hand-off is a partition-wide
+    barrier (`bar.sync 0, 256` inside a partition: the 256 MMA threads only). Per flat position:
+    wait Q, issue S; wait dO, issue dP; wait S -> P (causal mask on crossing blocks) -> smem while
+    dP runs; issue dV; wait dP -> dS -> smem while dV runs; issue dQ_i, issue dK; wait dV, dQ_i ->
+    dQ_i into a staging tile the writer has finished reading, hand it over (dq_full) while dK
+    runs; wait dK -> release the Q / dO stage (qdo_empty).
   * worker 0, 1 warp (24 registers): the producer. K and V once (kv_bar), then Q and dO of every
     flat position t into ring stage t % STAGES once the MMA warps released its previous use
     (qdo_empty, phase t // STAGES - 1; a fresh barrier passes a wait on parity 1, so the first

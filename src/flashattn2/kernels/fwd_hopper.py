@@ -11,9 +11,10 @@ has been waited for.
 
 Three kernels: attn_fwd_hopper_kernel, one program = one query block run by its warps (one or two
 warpgroups); attn_fwd_ws_kernel (below), warp-specialized: a producer warp loads, two consumer
-warpgroups compute one query block each (FlashAttention-3's arrangement; ops.attention chooses it
-for long key sequences, config.GLUON_WS_ABOVE_SEQLEN_K); attn_fwd_persist_kernel (last), the
-warp-specialized kernel made persistent.
+warpgroups compute one query block each (FlashAttention-3's arrangement); attn_fwd_persist_kernel
+(last), the warp-specialized kernel made persistent. ops.attention takes the persistent kernel at
+headdim 64 and 128 (config.gluon_persist) and the warp-specialized one at headdim 256
+(config.gluon_ws); the others where overrides ask for them.
 
 attn_fwd_persist_kernel: the same partitions and numerics as attn_fwd_ws_kernel (no ping-pong),
 but a grid of min(#SMs, #tiles) CTAs (a tile: batch entry, head, 2 * BLOCK_M query rows), each
@@ -36,8 +37,9 @@ so the store and the next Q load are off the critical path. QBUF 1: back right a
 producer issues a tile's K_0 before it waits for the Q buffer (K_0's stage held an earlier tile's
 block: no deadlock), so only the Q load's latency is exposed. Shared memory (2-byte types): Q
 QBUF * 2 * BLOCK_M * D * 2 bytes, each ring STAGES * BLOCK_N * D * 2: d64 (M 128, N 64, S 2,
-QBUF 2) 64 + 32 = 96 KB; d128 (M 64, N 128, S 2, QBUF 2) 64 + 128 = 192 KB; d256 (M 64, N 64,
-S 2, QBUF 1) 64 + 128 = 192 KB of the 227 KB (QBUF 2 would need 256 KB).
+QBUF 2) 64 + 32 = 96 KB; d128 (M 64, N 128, S 2, QBUF 2) 64 + 128 = 192 KB of the 227 KB.
+(Headdim 256 would fit only with QBUF 1, 192 KB; it measured 0.87-1.02x the warp-specialized
+kernel and has no table entry.)
 
 Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
 [1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.

@@ -55,7 +55,8 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 128, 2, "fwd_hopper"): TileConfig(128, 64, 4, 2),
     # d256: the accumulator needs two warpgroups; 128x64 w8 s2 fits (197 KB of shared memory)
     ("sm90", 256, 2, "fwd_hopper"): TileConfig(128, 64, 8, 2),
-    # The warp-specialized Gluon forward (ops.attention._hopper_forward: GLUON_WS_ABOVE_SEQLEN_K).
+    # The warp-specialized Gluon forward (ops.attention._hopper_forward: GLUON_WS_ABOVE_SEQLEN_K,
+    # where the persistent kernel below is not taken: headdim 256, or gluon_persist turned off).
     # H200, 2026-11-30, fp16, 16k tokens, interleaved A/B in one process through the library
     # (.devout/ws_ab.py, docs/notes.md session 9), one-warpgroup kernel / this, ping-pong off, at
     # 512/1k/2k/4k/8k/16k (cuDNN in the same run):
@@ -69,8 +70,9 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 477/503/528). Ping-pong on: 0.88-0.99x of off.
     ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
     # The persistent warp-specialized Gluon forward (grid = #SMs; GLUON_PERSIST_QBUF), taken at
-    # every length where it has an entry (gluon_persist). H200, 2026-12-01 (session 10), fp16, 16k tokens, its prototype
-    # (.devout/gluon/gluon_fwd_persist.py, the same kernel), one run beside the library as routed
+    # every length where it has an entry (gluon_persist). H200, 2026-11-30 (session 10), fp16, 16k
+    # tokens, its prototype (.devout/gluon/gluon_fwd_persist.py, the same kernel), one run beside
+    # the library as routed
     # then (ship: one warpgroup up to 2k keys at d128, warp-specialized past it; one warpgroup at
     # d64) and cuDNN, at 512/1k/2k/4k/8k/16k (d64: 512/1k/2k/4k/16k):
     # d128 64(x2)x128 s2, 2 Q buffers: 513/574/630/623/636/625 (ship 456/484/528/583/596/614,
@@ -85,7 +87,7 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # d256 (64(x2)x64 s2, 1 Q buffer) measured 0.87-1.02x of the warp-specialized kernel: no entry.
     # The warp-specialized Gluon backward (deterministic=False; ops.attention._hopper_backward):
     # producer warp, two MMA warpgroups, dQ-writer warp; dQ by TMA reduce-add through
-    # GLUON_BWD_DQ_STAGES staging tiles. H200, 2026-12-01 (session 10), fp16, 16k tokens, its
+    # GLUON_BWD_DQ_STAGES staging tiles. H200, 2026-11-30 (session 10), fp16, 16k tokens, its
     # prototype (.devout/gluon/gluon_bwd_ws.py), zero of the dQ accumulator + kernel, beside the
     # library's backward of the time ("ours": the whole call, the Triton or the one-partition Gluon
     # backward) and cuDNN, in one run; at 512/2k/8k/16k for d64, 512/2k/16k d256, 512/1k/2k/4k/8k/
@@ -285,6 +287,8 @@ GLUON_MAX_SEQLEN_K: dict[int, int] = {64: 2048}
 # kernel (H200, 2026-11-30, the fwd_hopper_ws entries): headdim 128 0.90x/0.83x at 512 keys
 # (non-causal/causal), 0.98x/1.00x at 1k, 1.02x/0.96x at 2k, 1.12-1.23x from 4k on; headdim 256
 # 1.09-1.23x from 512 on; headdim 64 (prototype, 128x2x64) 0.71-0.97x everywhere.
+# (Headdim 128 takes the persistent kernel by default, config.gluon_persist: this rule applies there
+# only when that is turned off.)
 GLUON_WS_ABOVE_SEQLEN_K: dict[int, int] = {128: 2048, 256: 0}
 # head-dim bucket -> whether its two consumers alternate their GEMMs through mbarriers (ping-pong):
 # measured slower at both head dims (see the entries), kept as an option of the kernel
@@ -302,19 +306,24 @@ GLUON_BWD_DQ_STAGES: dict[int, int] = {64: 1, 128: 2, 256: 1}
 
 def gluon_persist(head_dim: int) -> bool:
     """Whether the Gluon forward takes its persistent kernel: wherever the head dim has a table
-    entry for it, unless override(gluon_persist=False) or FLASHATTN2_GLUON_PERSIST=0 turns it off
-    or forcing gluon_ws either way asks for the non-persistent kernels."""
+    entry for it, unless turned off. What decides, first to last: override(gluon_persist=...);
+    override(gluon_ws=...) either way (off: it asks for one of the other two kernels);
+    FLASHATTN2_GLUON_PERSIST=0/1; FLASHATTN2_GLUON_WS=0/1 either way (off, as the override)."""
     bucket = head_dim_bucket(head_dim)
     if ("sm90", bucket, 2, "fwd_hopper_persist") not in _TABLE:
         return False
-    forced = _forced["gluon_persist"] if _forced["gluon_persist"] is not None else _ENV_GLUON_PERSIST
-    if forced is not None:
-        return forced
-    return (_forced["gluon_ws"] if _forced["gluon_ws"] is not None else _ENV_GLUON_WS) is None
+    if _forced["gluon_persist"] is not None:
+        return _forced["gluon_persist"]
+    if _forced["gluon_ws"] is not None:
+        return False
+    if _ENV_GLUON_PERSIST is not None:
+        return _ENV_GLUON_PERSIST
+    return _ENV_GLUON_WS is None
 
 
 def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
-    """Whether the Gluon forward takes its warp-specialized kernel (GLUON_WS_ABOVE_SEQLEN_K), unless
+    """Where the persistent kernel is not taken (gluon_persist): whether the Gluon forward takes its
+    warp-specialized kernel (GLUON_WS_ABOVE_SEQLEN_K) or the one-warpgroup one, unless
     override(gluon_ws=...) or FLASHATTN2_GLUON_WS=0/1 forces it off or on (where the head dim has
     a table entry for it)."""
     bucket = head_dim_bucket(head_dim)
@@ -328,10 +337,11 @@ def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
 
 # The Gluon backward (kernels/bwd_hopper.py) for every deterministic=False call where it applies
 # (ops.attention._hopper_backward): 5 matmuls per block pair, dQ added in any order into an fp32
-# accumulator that is zeroed before and cast into dq after. H200, 2026-12-01, fp16, 16k tokens,
+# accumulator that is zeroed before and cast into dq after. H200, 2026-11-30, fp16, 16k tokens,
 # interleaved A/B of whole backward calls through the library (.devout/bwd_ab3.py, median of 3;
 # bench/results/ab-gluon-nvidia-h200.md): it is faster than the Triton backward at every point of
-# the grid, 1.02x (d64 causal, 512 tokens) to 1.43x (d128 causal, 8k), so there is no length rule.
+# the fp16 grid, 1.02x (d64 causal, 512 tokens) to 1.43x (d128 causal, 8k), so there is no length
+# rule (the bf16 grid, bench/results/kernels-nvidia-h200.md, shows the same ratios to SDPA).
 def gluon_bwd() -> bool:
     """Whether a deterministic=False backward takes the Gluon kernel where it applies, unless
     override(gluon_bwd=False) or FLASHATTN2_GLUON_BWD=0 turns it off. deterministic=True never
