@@ -56,6 +56,15 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
+@gluon.constexpr_function
+def _acc_layout(cols, num_warps):
+    """wgmma accumulator layout of a [rows, cols] tile whose warps each own 16 rows (S: cols =
+    BLOCK_N, O: cols = HEAD_DIM). (Called from a warp_specialize partition, its arguments arrive as
+    constexpr wrappers: unwrapped first.)"""
+    cols, num_warps = (getattr(x, "value", x) for x in (cols, num_warps))
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _load(desc, off_b, row, col, bars, bufs, stage, pred):
     """TMA of rows [row, row + BLOCK) of batch entry off_b, columns [col, col + HEAD_DIM), into ring
@@ -102,10 +111,11 @@ def _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf,
-              BLOCK_M: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr):
+              BLOCK_M: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, WAIT: gl.constexpr):
     """The logsumexp (natural log) and O = acc / l, through the Q tile's buffer (every wgmma that
-    read Q has been waited for) and a TMA store that clips rows past seqlen_q. A row that sees no
-    key: output 0 and logsumexp +inf (flash-attn 2's convention)."""
+    read Q has been waited for) and a TMA store that clips rows past seqlen_q, waited for if WAIT
+    (the persistent kernel hands the buffer back later). A row that sees no key: output 0 and
+    logsumexp +inf (flash-attn 2's convention)."""
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
@@ -115,7 +125,8 @@ def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q
     q_op.store(o.to(q_op.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_buf)
-    tma.store_wait(pendings=0)
+    if WAIT:
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -181,10 +192,8 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
     dtype: gl.constexpr = Q.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
     # wgmma accumulators: S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM]; each warp owns 16 rows
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, NUM_WARPS)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -259,7 +268,7 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
 
     lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
     _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_smem, BLOCK_M, row_s,
-              row_o)
+              row_o, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,10 +360,8 @@ def _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty
     """One consumer warpgroup's query tile (n_blocks >= 1)."""
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, NUM_WARPS)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -403,7 +410,7 @@ def _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
     _release(v_empty, vs, n_blocks - 1, n_other)
     _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf, BLOCK_M, row_s,
-              row_o)
+              row_o, True)
 
 
 @gluon.jit
@@ -606,10 +613,8 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
     ring blocks g .. g + n_blocks - 1, then the epilogue, whose O store is left in flight."""
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, NUM_WARPS)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -656,17 +661,9 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
     _persist_release(v_empty, vs)
 
-    # _epilogue without its store wait: O through this tile's Q buffer (every wgmma that read it has
-    # been waited for), rows past seqlen_q clipped by the TMA store
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
-    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
-    o = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-    q_op.store(o.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_buf)
+    # O through this tile's Q buffer, the store not waited for here
+    _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf, BLOCK_M, row_s,
+              row_o, False)
     if QBUF == 1:
         _q_release(q_empty, qi, True)
     # QBUF 2: not waited for here; released during the next tile (or waited for at the very end)

@@ -72,9 +72,8 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # The persistent warp-specialized Gluon forward (grid = #SMs; GLUON_PERSIST_QBUF), taken at
     # every length where it has an entry (gluon_persist). H200, 2026-11-30 (session 10), fp16, 16k
     # tokens, its prototype (.devout/gluon/gluon_fwd_persist.py, the same kernel), one run beside
-    # the library as routed
-    # then (ship: one warpgroup up to 2k keys at d128, warp-specialized past it; one warpgroup at
-    # d64) and cuDNN, at 512/1k/2k/4k/8k/16k (d64: 512/1k/2k/4k/16k):
+    # the library as routed then (ship: one warpgroup up to 2k keys at d128, warp-specialized past
+    # it; one warpgroup at d64) and cuDNN, at 512/1k/2k/4k/8k/16k (d64: 512/1k/2k/4k/16k):
     # d128 64(x2)x128 s2, 2 Q buffers: 513/574/630/623/636/625 (ship 456/484/528/583/596/614,
     # cuDNN 512/591/638/657/667/670); causal 255/349/433/550/605/645 (ship 249/324/367/449/526/588,
     # cuDNN 325/417/502/527/558/618). 1 Q buffer: 0.84-0.99x of 2.
@@ -230,21 +229,23 @@ _ENV_GLUON_PERSIST = _runtime.env_flag("FLASHATTN2_GLUON_PERSIST")
 _ENV_GLUON_BWD = _runtime.env_flag("FLASHATTN2_GLUON_BWD")
 
 
+def _forced_or_env(name: str, env: bool | None) -> bool | None:
+    """What override(name=...) forces, else what its environment variable says (env, read at
+    import), else None."""
+    forced = _forced[name]
+    return forced if forced is not None else env
+
+
 def dq_atomic(arch: str, head_dim: int) -> bool:
     """Whether a deterministic=False backward adds dQ with atomics (see _DQ_ATOMIC)."""
-    if _forced["dq_atomic"] is not None:
-        return _forced["dq_atomic"]
-    if _ENV_DQ_ATOMIC is not None:
-        return _ENV_DQ_ATOMIC
-    return _DQ_ATOMIC.get((arch, head_dim_bucket(head_dim)), False)
+    forced = _forced_or_env("dq_atomic", _ENV_DQ_ATOMIC)
+    return forced if forced is not None else _DQ_ATOMIC.get((arch, head_dim_bucket(head_dim)), False)
 
 
 def tma_forced() -> bool | None:
     """True/False when a test or FLASHATTN2_TMA=0/1 forces the TMA path on (where the tensors'
     alignment allows it) or off, else None (the default: on for aligned tensors on sm90)."""
-    if _forced["tma"] is not None:
-        return _forced["tma"]
-    return _ENV_TMA
+    return _forced_or_env("tma", _ENV_TMA)
 
 
 # Host-built descriptors: where the TMA path is taken for dense inputs whose head dim is a power of
@@ -258,9 +259,7 @@ def tma_forced() -> bool | None:
 # FLASHATTN2_HOST_DESC=0 or override(host_desc=False) turns it off.
 def host_desc() -> bool:
     """Whether the TMA path may use host-built descriptors (see above)."""
-    if _forced["host_desc"] is not None:
-        return _forced["host_desc"]
-    return _ENV_HOST_DESC is not False
+    return _forced_or_env("host_desc", _ENV_HOST_DESC) is not False
 
 
 # The Gluon forward (kernels/fwd_hopper.py) where it applies (ops.attention._hopper_forward): on by
@@ -270,9 +269,7 @@ def host_desc() -> bool:
 # FLASHATTN2_GLUON=0 or override(gluon=False) turns it off.
 def gluon() -> bool:
     """Whether the forward may take the Gluon kernel (see above)."""
-    if _forced["gluon"] is not None:
-        return _forced["gluon"]
-    return _ENV_GLUON is not False
+    return _forced_or_env("gluon", _ENV_GLUON) is not False
 
 
 # head-dim bucket -> the longest key sequence for which the Gluon forward is chosen (absent: any).
@@ -329,7 +326,7 @@ def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
     bucket = head_dim_bucket(head_dim)
     if ("sm90", bucket, 2, "fwd_hopper_ws") not in _TABLE:
         return False
-    forced = _forced["gluon_ws"] if _forced["gluon_ws"] is not None else _ENV_GLUON_WS
+    forced = _forced_or_env("gluon_ws", _ENV_GLUON_WS)
     if forced is not None:
         return forced
     return bucket in GLUON_WS_ABOVE_SEQLEN_K and max_seqlen_k > GLUON_WS_ABOVE_SEQLEN_K[bucket]
@@ -346,8 +343,7 @@ def gluon_bwd() -> bool:
     """Whether a deterministic=False backward takes the Gluon kernel where it applies, unless
     override(gluon_bwd=False) or FLASHATTN2_GLUON_BWD=0 turns it off. deterministic=True never
     takes it."""
-    forced = _forced["gluon_bwd"] if _forced["gluon_bwd"] is not None else _ENV_GLUON_BWD
-    return True if forced is None else forced
+    return _forced_or_env("gluon_bwd", _ENV_GLUON_BWD) is not False
 
 
 def wgmma(device: torch.device) -> bool:
