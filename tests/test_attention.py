@@ -141,6 +141,8 @@ def test_gluon_backward_grid_limit(monkeypatch):
 def test_gluon_forward_rule(monkeypatch):
     """config.gluon_persist / gluon_ws: the persistent kernel wherever it has a table entry (head
     dim 64, 128), overrides before the environment, and forcing gluon_ws either way turns it off."""
+    monkeypatch.setattr(config, "_ENV_GLUON_PERSIST", None)  # whatever this process's environment says
+    monkeypatch.setattr(config, "_ENV_GLUON_WS", None)
     assert config.gluon_persist(128) and config.gluon_persist(59) and not config.gluon_persist(256)
     with config.override(gluon_persist=False):
         assert not config.gluon_persist(128)
