@@ -233,6 +233,60 @@ def test_lse_gradient(causal):
     check_against_reference(q, k, v, out, lse, grads, do, causal, dlse=dlse)
 
 
+@pytest.mark.parametrize("which", ["out-only", "lse-only"])
+def test_one_output_gradient(which, monkeypatch):
+    """Missing output gradients are not materialized (registry._grad_of_out): with only `out`
+    used, the backward gets no lse gradient and the preprocess reads none (HAS_DLSE off); with
+    only the logsumexp used, the output's gradient is zeros. Both against the reference."""
+    q, k, v = make_qkv((2, 70, 90, 4, 2, 64), torch.float16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    flags = []
+    real = _runtime.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel.__name__ == "attn_bwd_preprocess_kernel":
+            flags.append(kwargs["HAS_DLSE"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "launch", spy)
+    do, dlse = torch.randn_like(out), torch.randn_like(lse)
+    if which == "out-only":
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        dlse = None
+    else:
+        grads = torch.autograd.grad(lse, (q, k, v), dlse)
+        do = torch.zeros_like(out)
+    assert flags == [which == "lse-only"], flags
+    check_against_reference(q, k, v, out, lse, grads, do, True, dlse=dlse)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_pad", [(100, 128), (128, 128), (61, 64)])
+@pytest.mark.parametrize("d", [64, 256])  # 64 and 32 rows per preprocess program
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_padded_preprocess(seqlen_q, seqlen_pad, d, with_dlse):
+    """The Gluon backward's one preprocess launch (ops.attention._preprocess with seqlen_pad): delta =
+    rowsum(dO * O) - dlse up to seqlen_q and 0 to seqlen_pad, lse copied with +inf past seqlen_q,
+    the fp32 dQ accumulator's padded rows zeroed; every buffer starts NaN-filled. (On the CPU the
+    interpreter runs it; on an H100/H200 it is what the Gluon backward runs.)"""
+    from flashattn2.ops import attention
+
+    b, h = 2, 3
+    out, dout = (randn(b, seqlen_q, h, d, dtype=torch.float16) for _ in range(2))
+    lse = randn(b, h, seqlen_q, dtype=torch.float32)
+    dlse = randn(b, h, seqlen_q, dtype=torch.float32) if with_dlse else None
+    geo = attention._Geometry.of(out, out, None)
+    delta, lse_pad = (_runtime.empty((b, h, seqlen_pad), torch.float32, out.device) for _ in range(2))
+    acc = _runtime.empty((b, seqlen_pad, h, d), torch.float32, out.device)
+    attention._preprocess(out, dout, lse, dlse, geo, delta, seqlen_pad, lse_pad, acc)
+    expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
+    if with_dlse:
+        expected = expected - dlse
+    torch.testing.assert_close(delta[:, :, :seqlen_q], expected, rtol=1e-5, atol=1e-4)
+    assert (delta[:, :, seqlen_q:] == 0).all()
+    assert torch.equal(lse_pad[:, :, :seqlen_q], lse) and torch.isposinf(lse_pad[:, :, seqlen_q:]).all()
+    assert (acc == 0).all()
+
+
 @pytest.mark.parametrize("layout", ["bhsd-transposed", "sliced-headdim", "last-dim-strided"])
 def test_strided_inputs(layout):
     b, s, h, d = 2, 113, 4, 48

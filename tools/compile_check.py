@@ -24,7 +24,7 @@ from flashattn2.ops import _runtime, attention, config, kvcache  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel,
            "bwd_dkdv_atomic": bwd.attn_bwd_dkdv_kernel}
@@ -153,8 +153,12 @@ def cases(arch):
                 name = (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
                         f"{'host-tma' if host_desc else 'tma' if use_tma else 'ptr'}-{variant}")
                 yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types
-    pre = dict(HAS_DLSE=True, IS_VARLEN=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
+    # the Triton backward's preprocess (varlen, an lse gradient) and the Gluon backward's (padded rows, the dQ
+    # accumulator zeroed, lse copied)
+    pre = dict(HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
+    pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
+    yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
     yield (f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
            config.TileConfig(64, 64, 4, 1), {"X1": "*fp32"})
     dmask_flags = dict(CAUSAL=False, LOCAL=True, ALIBI=True, IS_VARLEN=True, UPCAST=False, DOT_PRECISION="tf32",

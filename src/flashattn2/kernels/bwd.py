@@ -13,29 +13,38 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, load_tile, \
-    load_vec, make_desc_or_ptr, query_program, query_block_range, seq_bounds, store_tile, tanh, tile_src, visible
+    load_vec, make_desc_or_ptr, query_program, query_block_range, seq_bounds, store_rows, store_tile, tanh, tile_src, \
+    visible
 
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    Out, DOut, Delta, DLse, CuSeqlensQ,
+    Out, DOut, Delta, DLse, CuSeqlensQ, Lse, LsePad, DQAcc,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lse_b, stride_lse_h,
-    nheads, max_seqlen_q,
-    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_delta_b, stride_delta_h,
+    stride_acc_b, stride_acc_s, stride_acc_h,
+    nheads, max_seqlen_q, seqlen_pad,
+    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, PADDED: tl.constexpr, COPY_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Delta = rowsum(dO * O) - dLse, laid out like the logsumexp. The logsumexp's gradient
-    # dS += P * dLse folds into the same term: dS = P * (dP - Delta).
-    num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
+    # Delta = rowsum(dO * O) - dLse, into Delta (strides stride_delta_*; DLse has the logsumexp's).
+    # The logsumexp's gradient dS += P * dLse folds into the same term: dS = P * (dP - Delta).
+    # The grid covers seqlen_pad rows (max_seqlen_q unless PADDED). PADDED (the Gluon backward,
+    # dense inputs only): what that kernel reads besides, written in the same pass -- Delta's rows
+    # up to seqlen_pad (0 past max_seqlen_q), the fp32 dQ accumulator's rows (batch, seqlen_pad,
+    # nheads, HEAD_DIM) zeroed, and with COPY_LSE the logsumexp copied into LsePad (Delta's
+    # layout, +inf past max_seqlen_q), so padded rows get P = 0.
+    num_m_blocks = tl.cdiv(seqlen_pad, BLOCK_M)
     pid_m = tl.program_id(0) % num_m_blocks
     off_bh = tl.program_id(0) // num_m_blocks
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     start_m = pid_m * BLOCK_M
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
-    if start_m >= seqlen_q:
+    rows_end = seqlen_pad if PADDED else seqlen_q
+    if start_m >= rows_end:
         return
     o = load_rows(Out + off_b * stride_ob + q_start * stride_os + off_h * stride_oh, start_m, seqlen_q,
                   stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
@@ -46,7 +55,15 @@ def attn_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= load_vec(DLse + row0, start_m, seqlen_q, BLOCK_M, 0.0)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Delta + row0 + offs_m, delta, mask=offs_m < seqlen_q)
+    out_row0 = off_b * stride_delta_b + off_h * stride_delta_h + q_start
+    tl.store(Delta + out_row0 + offs_m, delta, mask=offs_m < rows_end)
+    if COPY_LSE:
+        lse = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf"))
+        tl.store(LsePad + out_row0 + offs_m, lse, mask=offs_m < rows_end)
+    if PADDED:
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        store_rows(DQAcc + off_b * stride_acc_b + off_h * stride_acc_h, zeros, start_m, rows_end, stride_acc_s,
+                   HEAD_DIM, BLOCK_M, BLOCK_D, False)
 
 
 @triton.jit

@@ -10,11 +10,11 @@ not transposed, P and dS through shared memory):
     dV  += P^T dO         [BLOCK_N, D]         A = P^T (permuted view of P in smem), B = dO
     dQ_i = dS K           [BLOCK_M, D]         A = dS (smem), B = K (smem)
     dK  += dS^T Q         [BLOCK_N, D]         A = dS^T (permuted view of dS in smem), B = Q
-dQ_i is added into an fp32 accumulator (batch, seqlen_q_pad, nheads, headdim) that the host zeroes
-and casts into dq afterwards, by TMA bulk reduce-add (Gluon 3.6 has the builder call only, wrapped
-below as `tma_reduce_add`). The adds arrive in any order: ops.attention takes this kernel for
-deterministic=False only (flash_attn's default). The softmax scale is folded into dS, so dK and dQ
-need no scaling.
+dQ_i is added by TMA bulk reduce-add (Gluon 3.6 has the builder call only, wrapped below as
+`tma_reduce_add`) into an fp32 accumulator (batch, seqlen_q_pad, nheads, headdim), which the delta
+preprocess zeroes and the host casts into dq afterwards. The adds arrive in any order:
+ops.attention takes this kernel for deterministic=False only (flash_attn's default). The softmax
+scale is folded into dS, so dK and dQ need no scaling.
 
 The program is split with gl.warp_specialize into three partitions:
   * the default partition, 8 warps (two MMA warpgroups, setmaxnreg 240), the matmuls. With
@@ -46,7 +46,7 @@ bytes). The causal mask is a per-row limit with no branch (past the block when i
 the diagonal): a runtime `if masked` spills more at 240 registers.
 Shared memory (2-byte dtype): K, V + STAGES x (Q + dO) + P + dS + DQ_STAGES x the fp32 dQ tile.
 Headdim 128, BLOCK_M 64, BLOCK_N 128, STAGES 2, DQ_STAGES 2: 229,740 bytes of 232,448.
-Tails: Q, dO, K, V rows past a sequence's end are zero-filled by TMA; the host pads lse (+inf) and
+Tails: Q, dO, K, V rows past a sequence's end are zero-filled by TMA; the preprocess pads lse (+inf) and
 delta (0) up to seqlen_q_pad = cdiv(seqlen_q, BLOCK_M) * BLOCK_M, so padded query rows get
 P = dS = 0 with no mask in the loop (masks there cost spills); keys past seqlen_k add nothing to
 dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores, as long as P stays finite
@@ -184,7 +184,7 @@ def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, 
     start_m = i * BLOCK_M
 
     # lse (natural log) and delta of the BLOCK_M query rows; in flight during the waits. Rows past seqlen_q (the
-    # zero-filled tail of the last block): no mask, the host pads lse with +inf and delta with 0 up to a multiple of
+    # zero-filled tail of the last block): no mask, lse is padded with +inf and delta with 0 up to a multiple of
     # BLOCK_M -> P = 0 -> dS = 0, no contribution anywhere
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_l)

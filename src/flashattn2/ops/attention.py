@@ -282,40 +282,73 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     return True
 
 
-def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch: str, flags: dict,
-                     softmax_scale: float) -> bool:
-    """Run the Gluon backward (kernels/bwd_hopper.py, warp-specialized) if it applies, and say
-    whether it ran: what _gluon_kernels checks (of Q, K, V and dO) and config.gluon_bwd (on
-    unless turned off); the caller asks only for deterministic=False.
-    dQ is added into a zeroed fp32 accumulator whose rows are padded to a multiple of BLOCK_M,
-    then cast into dq; lse and delta are padded the same way (+inf and 0: the padded rows
-    contribute nothing) where seqlen_q is not such a multiple."""
+def _hopper_backward_kernels(q, k, v, dout, geo: _Geometry, arch: str, flags: dict):
+    """The Gluon backward's module (kernels/bwd_hopper.py, warp-specialized) where it applies, else
+    None: what _gluon_kernels checks (of Q, K, V and dO), the grid's second axis (batch * nheads_k)
+    within CUDA's 65535, and config.gluon_bwd (on unless turned off); the caller asks only for
+    deterministic=False."""
     kernels = _gluon_kernels(arch, flags, geo, "bwd", q, k, v, dout)
-    # the grid's second axis (batch * nheads_k) is capped at 65535 by CUDA
-    if not (kernels is not None and geo.batch * geo.nheads_k <= 65535 and config.gluon_bwd()):
-        return False
+    if kernels is not None and geo.batch * geo.nheads_k <= 65535 and config.gluon_bwd():
+        return kernels
+    return None
+
+
+def _preprocess(out, dout, lse, dlse, geo: _Geometry, delta: torch.Tensor, seqlen_pad: int | None = None,
+                lse_pad: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> None:
+    """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded).
+    With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
+    seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
+    `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch."""
+    padded = seqlen_pad is not None
+    rows = seqlen_pad if padded else geo.max_seqlen_q
+    block_d = _block_d(geo.head_dim)
+    pre_m = 64 if block_d <= 128 else 32
+    acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
+    _runtime.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel,
+        (_cdiv(rows, pre_m) * geo.batch * geo.nheads,),
+        out, dout, delta, dlse if dlse is not None else delta, geo.cu_seqlens(lse)[0], lse,
+        lse_pad if lse_pad is not None else delta, acc if padded else delta,
+        *geo.strides(out), *geo.strides(dout),
+        *geo.lse_strides(lse), *geo.lse_strides(delta), *acc_strides,
+        geo.nheads, geo.max_seqlen_q, rows,
+        HAS_DLSE=dlse is not None,
+        IS_VARLEN=geo.varlen is not None,
+        PADDED=padded,
+        COPY_LSE=lse_pad is not None,
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=pre_m,
+        BLOCK_D=block_d,
+    )
+
+
+def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _Geometry, arch: str, flags: dict,
+                     softmax_scale: float) -> None:
+    """The Gluon backward (kernels/bwd_hopper.py; _hopper_backward_kernels chose it). One
+    preprocess launch writes what it reads besides the inputs (_preprocess): delta, the zeroed fp32
+    dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not such
+    a multiple (or lse is not contiguous), lse padded the same way (+inf; delta 0: the padded rows
+    contribute nothing). Then the kernel, then dQ cast from the accumulator into dq."""
     cfg = config.select("bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
     seqlen_q_pad = _cdiv(seqlen_q, cfg.block_m) * cfg.block_m
-    if seqlen_q_pad != seqlen_q or lse.stride(2) != 1 or delta.stride() != lse.stride():
-        pad_lse = torch.full((geo.batch, geo.nheads, seqlen_q_pad), float("inf"), device=q.device,
-                             dtype=torch.float32)
-        pad_delta = torch.zeros_like(pad_lse)
-        pad_lse[:, :, :seqlen_q] = lse
-        pad_delta[:, :, :seqlen_q] = delta
-        lse, delta = pad_lse, pad_delta
+    delta = _runtime.empty((geo.batch, geo.nheads, seqlen_q_pad), torch.float32, q.device)
+    # the kernel reads lse and delta with one set of strides
+    lse_pad = (_runtime.empty(delta.shape, torch.float32, q.device)
+               if seqlen_q_pad != seqlen_q or lse.stride() != delta.stride() else None)
+    acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
+    _preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc)
+    lse = lse_pad if lse_pad is not None else lse
     # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
     # else into buffers copied back
     gk, gv = (g if g.dtype == q.dtype and g.stride(2) == geo.head_dim and _use_tma(arch, g)
               else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
-    acc = torch.zeros((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), device=q.device, dtype=torch.float32)
     descs = [_host_desc(t, rows, gluon=True) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (gk, cfg.block_n),
-        (gv, cfg.block_n))]
-    descs.append(_host_desc(acc, cfg.block_m, gluon=True))
+        (gv, cfg.block_n), (acc, cfg.block_m))]
+    lse_strides = delta.stride()
     _runtime.launch(kernels.attn_bwd_ws_kernel, (_cdiv(seqlen_k, cfg.block_n), geo.batch * geo.nheads_k),
         *descs, lse, delta, softmax_scale,
-        seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse.stride(0), lse.stride(1),
+        seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse_strides[0], lse_strides[1],
         CAUSAL=flags["CAUSAL"],
         HEAD_DIM=geo.head_dim,
         BLOCK_M=cfg.block_m,
@@ -325,11 +358,10 @@ def _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo: _Geometry, arch
         GQA=geo.nheads != geo.nheads_k,
         num_warps=cfg.num_warps,
     )
-    dq.copy_(acc[:, :seqlen_q])
+    dq.copy_(acc[:, :seqlen_q] if seqlen_q_pad != seqlen_q else acc)
     for dst, src in ((dk, gk), (dv, gv)):
         if src is not dst:
             dst.copy_(src)
-    return True
 
 
 def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
@@ -402,6 +434,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dq.zero_(), dk.zero_(), dv.zero_()
         return
     arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
+    runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
+    hopper = None if deterministic else _hopper_backward_kernels(q, k, v, dout, geo, arch, mod_flags)
+    if hopper is not None:
+        _hopper_backward(hopper, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, mod_flags, softmax_scale)
+        return
     K = _runtime.kernels().bwd
     block_d = _block_d(geo.head_dim)
     cu_q, cu_k = geo.cu_seqlens(lse)
@@ -409,23 +446,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
     delta = _runtime.empty(lse.shape, torch.float32, q.device)
-    pre_m = 64 if block_d <= 128 else 32
-    _runtime.launch(K.attn_bwd_preprocess_kernel, (_cdiv(geo.max_seqlen_q, pre_m) * geo.batch * geo.nheads,),
-        out, dout, delta, dlse if dlse is not None else delta, cu_q,
-        *geo.strides(out), *geo.strides(dout),
-        *geo.lse_strides(lse),
-        geo.nheads, geo.max_seqlen_q,
-        HAS_DLSE=dlse is not None,
-        IS_VARLEN=is_varlen,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_M=pre_m,
-        BLOCK_D=block_d,
-    )
+    _preprocess(out, dout, lse, dlse, geo, delta)
 
-    runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
-    if not deterministic and _hopper_backward(dout, q, k, v, lse, delta, dq, dk, dv, geo, arch, mod_flags,
-                                              softmax_scale):
-        return
     dq_atomic = not deterministic and config.dq_atomic(arch, geo.head_dim)
     # where the kernels write: the interpreter writes fp32 and torch casts; atomic dQ adds into
     # an fp32 accumulator (zeros: rows no key block reaches). Copied into dq, dk, dv at the end.

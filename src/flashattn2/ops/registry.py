@@ -137,12 +137,20 @@ def _saved(ctx):
 
 def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
     q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
+    dout = _grad_of_out(dout, out)
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
     (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes, deterministic)
     return dq, dk, dv, *(None,) * (1 + len(options))
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _grad_of_out(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The output's gradient; zeros when only the logsumexp received one. (The autograd.Functions
+    below do not materialize missing gradients: a training step's unused logsumexp then costs no
+    zero-filled tensor, and the preprocess reads no lse gradient.)"""
+    return torch.zeros_like(out) if dout is None else dout
 
 
 class Attention(torch.autograd.Function):
@@ -155,6 +163,7 @@ class Attention(torch.autograd.Function):
         out, lse = run_fwd(q, k, v, *options, alibi_slopes)
         _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
         ctx.deterministic = deterministic
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
@@ -182,6 +191,7 @@ class PackedAttention(torch.autograd.Function):
         out, lse = run_fwd(q, k, v, *options, alibi_slopes)
         _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
         ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
@@ -195,7 +205,8 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        run_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes, ctx.deterministic)
+        run_bwd(_grad_of_out(dout, out), q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes,
+                ctx.deterministic)
         nones = (None,) * (3 + len(options))
         return (None if ctx.packing == "qkv" else dq), dpacked, *nones
 
