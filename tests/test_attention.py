@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import flashattn2
-from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn
+from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn, shape_id
 from conftest import DEVICE, ON_GPU
 from flashattn2.ops import _runtime, config
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
@@ -136,6 +136,47 @@ def test_gluon_backward_grid_limit(monkeypatch):
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_ws_kernel" not in launched, launched
     check_against_reference(q, k, v, out, lse, grads, do, True)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 8, 256), (1, 333, 1029, 4, 2, 256), (2, 1537, 700, 6, 1, 256),
+                                   (1, 2048, 2048, 4, 4, 128), (1, 999, 1300, 8, 2, 128), (2, 700, 900, 4, 4, 64)],
+                         ids=shape_id)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_gluon_backward_split_ring(shape, dtype, causal, monkeypatch):
+    """The Gluon backward's split-ring variant (override(gluon_bwd_split=True): dO in a ring of its
+    own released after dV; at headdim 256 two Q stages and dQ_i staged in column halves) against
+    the reference: tails of both lengths, GQA and MQA, seqlen_q != seqlen_k, causal or not."""
+    q, k, v = make_qkv(shape, dtype)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    do = torch.randn_like(out)
+    split = []
+    real = _runtime.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel.__name__ == "attn_bwd_ws_kernel":
+            split.append((kwargs["SPLIT_RING"], kwargs["DQ_SPLIT"]))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "launch", spy)
+    with config.override(gluon_bwd_split=True):
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert split == [(True, 2 if shape[-1] == 256 else 1)], split
+    check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
+def test_gluon_backward_split_rule(monkeypatch):
+    """config.gluon_bwd_split: off by default (not yet measured), on only where asked (override
+    before the environment) and where the head dim has an entry."""
+    monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
+    assert not any(config.gluon_bwd_split(d) for d in (64, 128, 256))
+    with config.override(gluon_bwd_split=True):
+        assert all(config.gluon_bwd_split(d) for d in (64, 128, 256, 200))
+    monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", True)
+    assert config.gluon_bwd_split(256)
+    with config.override(gluon_bwd_split=False):
+        assert not config.gluon_bwd_split(256)
 
 
 def test_gluon_forward_rule(monkeypatch):

@@ -60,10 +60,10 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
     return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
 
 
-def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out")):
+def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out"), dq_cols=None):
     """Signature types of a Gluon kernel's descriptors (3-D, box [1, rows, head_dim], with the
     shared-memory layout ops.attention gives them): query-side tensors BLOCK_M rows, key-side
-    BLOCK_N; "DQ" is the backward's fp32 accumulator."""
+    BLOCK_N; "DQ" is the backward's fp32 accumulator (box [1, BLOCK_M, dq_cols or head_dim])."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -71,7 +71,8 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
     for name in names:
         t = torch.empty(2, 64, 2, head_dim, dtype=torch.float32 if name == "DQ" else torch.float16)
         rows = cfg.block_n if name in _KEY_SIDE else cfg.block_m
-        (desc,) = _runtime._for_triton((attention._host_desc(t, rows, gluon=True),))
+        cols = dq_cols if name == "DQ" else None
+        (desc,) = _runtime._for_triton((attention._host_desc(t, rows, gluon=True, cols=cols),))
         types[name] = mangle_type(desc)
     return types
 
@@ -121,11 +122,15 @@ def cases(arch):
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
                        fn, elem_bytes, constexprs, cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
             continue
-        if kernel == "bwd_hopper":  # the warp-specialized Gluon backward: as the Gluon forward
-            types = _gluon_descriptor_types(elem_bytes, bucket, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
+        if kernel in ("bwd_hopper", "bwd_hopper_split"):  # the warp-specialized Gluon backward: as the forward
+            split = kernel == "bwd_hopper_split"
+            rings = (config.GLUON_BWD_SPLIT[bucket] if split else
+                     dict(DO_STAGES=cfg.num_stages, DQ_SPLIT=1, DQ_STAGES=config.GLUON_BWD_DQ_STAGES[bucket]))
+            types = _gluon_descriptor_types(elem_bytes, bucket, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"),
+                                            dq_cols=bucket // rings["DQ_SPLIT"])
             for causal, gqa in ((False, False), (True, True)):
                 constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                  STAGES=cfg.num_stages, DQ_STAGES=config.GLUON_BWD_DQ_STAGES[bucket], GQA=gqa)
+                                  STAGES=cfg.num_stages, GQA=gqa, SPLIT_RING=split, **rings)
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal-gqa' if causal else 'full'}",
                        _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel, elem_bytes, constexprs, cfg, types)
             continue

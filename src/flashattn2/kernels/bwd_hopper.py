@@ -26,16 +26,16 @@ The program is split with gl.warp_specialize into three partitions:
     wait Q, issue S; wait dO, issue dP; wait S -> P (causal mask on crossing blocks) -> smem while
     dP runs; issue dV; wait dP -> dS -> smem while dV runs; issue dQ_i, issue dK; wait dV, dQ_i ->
     dQ_i into a staging tile the writer has finished reading, hand it over (dq_full) while dK
-    runs; wait dK -> release the Q / dO stage (qdo_empty).
+    runs; wait dK -> release the Q / dO stage (q_empty).
   * worker 0, 1 warp (24 registers): the producer. K and V once (kv_bar), then Q and dO of every
     flat position t into ring stage t % STAGES once the MMA warps released its previous use
-    (qdo_empty, phase t // STAGES - 1; a fresh barrier passes a wait on parity 1, so the first
+    (q_empty, phase t // STAGES - 1; a fresh barrier passes a wait on parity 1, so the first
     STAGES positions go at once). Q and dO have a ready barrier each: S starts before dO lands.
   * worker 1, 1 warp (24 registers): the dQ writer. For each t: wait dq_full, TMA reduce-add of the
     staging tile into the accumulator, tma.store_wait(0) (the bulk group has *read* the tile),
     arrive dq_empty. The MMA warps never wait on a reduce; the writer's last wait keeps the CTA
     alive until the reads end.
-Barriers count one arrival: ready barriers the producer's expect-tx; qdo_empty and dq_full the MMA
+Barriers count one arrival: ready barriers the producer's expect-tx; q_empty and dq_full the MMA
 partition's mbarrier.arrive, which a multi-warp partition lowers to `bar.sync 0, 256` + one
 thread's arrive (one arrival stands for all 256 threads' wgmma waits and smem stores before it);
 dq_empty the writer's. Every partition walks the same flat positions (_ws_program, _ws_advance):
@@ -53,6 +53,18 @@ dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores, as long
 (the exponent is capped at 0, see _ws_step). K and V's buffers take dK and dV at the end (TMA
 stores). GQA / MQA: one flat loop over (query head, query block) whose ring runs on across heads;
 dK/dV accumulate over the group in registers. Causal is bottom-right aligned.
+
+The split-ring variant (SPLIT_RING, DQ_SPLIT; config.gluon_bwd_split, opt-in until measured): dO has
+a ring of its own (DO_STAGES deep, ready barriers do_ready, released by do_empty) that the MMA warps
+release as soon as dV (dO's last reader) is waited, so the next dO loads while dQ_i and dK run; Q
+keeps its STAGES-deep ring, released after dK. DQ_SPLIT 2 computes dQ_i as two column halves
+(B = K's halves, slices of its buffer): the first issued before dK and staged while dK runs, the
+second after it, each through a [BLOCK_M, HEAD_DIM / 2] staging tile (the writer's tile u = 2t +
+half, at column half * HEAD_DIM / 2); only one half is in registers at a time. At headdim 256 this
+frees the shared memory for a second Q stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one
+half dQ tile 32 KB = 213,388 bytes, where the shipped kernel's one Q/dO stage waits for each
+position's loads. (Compiled for sm_90 with no spills; the shipped configurations' PTX is unchanged
+by the variant's code, tools/ptx_hash.py.)
 """
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
@@ -128,10 +140,13 @@ def _ws_advance(i, hq, i_first, i_end):
 
 
 @gluon.jit
-def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q,
-                 seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """1 warp: K and V once, then Q and dO of every flat position into the ring, each with its own ready barrier."""
+def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                 seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_RING: gl.constexpr,
+                 DO_STAGES: gl.constexpr):
+    """1 warp: K and V once, then Q and dO of every flat position into the ring(s), each with its own ready
+    barrier. SPLIT_RING: dO has a ring of its own (DO_STAGES deep, released by do_empty), else it shares Q's
+    stage and its release (q_empty)."""
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
                                                                             CAUSAL, BLOCK_M, BLOCK_N)
     col_k = off_hk * HEAD_DIM
@@ -142,10 +157,13 @@ def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, 
     hq = h0
     for t in range(total):
         stage = t % STAGES
-        mbarrier.wait(qdo_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(stage), Q.block_type.nbytes)
         tma.async_copy_global_to_shared(Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ready.index(stage),
                                         q_smem.index(stage))
+        if SPLIT_RING:
+            stage = t % DO_STAGES
+            mbarrier.wait(do_empty.index(stage), ((t // DO_STAGES) & 1) ^ 1)
         mbarrier.expect(do_ready.index(stage), DO.block_type.nbytes)
         tma.async_copy_global_to_shared(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ready.index(stage),
                                         do_smem.index(stage))
@@ -154,33 +172,56 @@ def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, 
 
 @gluon.jit
 def _ws_dq_writer(DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_STAGES: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_STAGES: gl.constexpr,
+                  DQ_SPLIT: gl.constexpr):
     """1 warp: TMA reduce-add of each staged dQ_i into the fp32 accumulator (batch, seqlen_q_pad, nheads, HEAD_DIM)
-    at (off_b, i * BLOCK_M, hq * HEAD_DIM); the buffer goes back once the reduce has read it."""
+    at (off_b, i * BLOCK_M, hq * HEAD_DIM); the buffer goes back once the reduce has read it. DQ_SPLIT 2: dQ_i comes
+    as two column halves, staged one after the other (tile u = 2 t + half)."""
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
                                                                             CAUSAL, BLOCK_M, BLOCK_N)
     i = i_first
     hq = h0
     for t in range(total):
-        db = t % DQ_STAGES
-        mbarrier.wait(dq_full.index(db), (t // DQ_STAGES) & 1)
-        tma_reduce_add(DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM], dq_smem.index(db))
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(dq_empty.index(db))
+        for half in gl.static_range(DQ_SPLIT):
+            u = t * DQ_SPLIT + half
+            db = u % DQ_STAGES
+            mbarrier.wait(dq_full.index(db), (u // DQ_STAGES) & 1)
+            tma_reduce_add(DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)], dq_smem.index(db))
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(dq_empty.index(db))
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
 
 @gluon.jit
-def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, p_smem, ds_smem, dq_smem,
-             dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale, sm_scale, masked, CAUSAL: gl.constexpr,
-             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             DQ_STAGES: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr, q_tile: gl.constexpr,
+def _stage_dq(dq, u, dq_smem, dq_full, dq_empty, DQ_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, COLS: gl.constexpr,
+              dq_tile: gl.constexpr):
+    """dQ tile u ([BLOCK_M, COLS] fp32: a whole dQ_i, or one of its halves) into staging buffer u % DQ_STAGES once
+    the writer has finished reading that buffer's last tile, then to the writer."""
+    db = u % DQ_STAGES
+    mbarrier.wait(dq_empty.index(db), ((u // DQ_STAGES) & 1) ^ 1)
+    dq_smem.index(db)._reinterpret(gl.float32, [BLOCK_M, COLS], dq_tile).store(dq)
+    fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
+    mbarrier.arrive(dq_full.index(db))
+
+
+@gluon.jit
+def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty, p_smem, ds_smem,
+             dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale, sm_scale, masked,
+             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, SPLIT_RING: gl.constexpr, DO_STAGES: gl.constexpr,
+             DQ_SPLIT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr, q_tile: gl.constexpr,
              kv_tile: gl.constexpr, dq_tile: gl.constexpr):
     """Flat position it (ring stage it % STAGES) = query block i of the current query head against this program's
-    key block; returns (dk, dv)."""
+    key block; returns (dk, dv). dq_tile: the layout of a staged dQ tile, [BLOCK_M, HEAD_DIM // DQ_SPLIT] fp32."""
     dtype: gl.constexpr = k_smem.dtype
     stage = it % STAGES
     phase = (it // STAGES) & 1
+    if SPLIT_RING:
+        do_stage = it % DO_STAGES
+        do_phase = (it // DO_STAGES) & 1
+    else:
+        do_stage = stage
+        do_phase = phase
     start_m = i * BLOCK_M
 
     # lse (natural log) and delta of the BLOCK_M query rows; in flight during the waits. Rows past seqlen_q (the
@@ -202,8 +243,8 @@ def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, 
     q_op = q_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(do_ready.index(stage), phase)
-    do_op = do_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    mbarrier.wait(do_ready.index(do_stage), do_phase)
+    do_op = do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
     dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
     # S ready (dP may still run): P -> smem, then dV += P^T dO issued (A = P^T, a permuted view: MN-major A).
@@ -222,46 +263,56 @@ def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, 
     dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_op, dv, is_async=True)
 
     # dS = P * (dP * scale - delta * scale) -> smem; dQ_i = dS K (A = dS, B = K: MN-major B) first, so that it
-    # completes before dK += dS^T Q
+    # completes before dK += dS^T Q. DQ_SPLIT 2: dQ_i in two column halves (B = the halves of K), the second issued
+    # after dK, so only one half is in registers and staged at a time
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))
     ds = p * (dp * sm_scale - delta_s[:, None])
     ds_smem.store(ds.to(dtype))
     fence_async_shared()
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    dq_tok = warpgroup_mma(ds_smem, k_op, dq_zero, use_acc=False, is_async=True)
+    HALF: gl.constexpr = HEAD_DIM // DQ_SPLIT
+    dq_zero = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    k_dq = k_op if DQ_SPLIT == 1 else k_op.slice(0, HALF, dim=1)
+    dq_tok = warpgroup_mma(ds_smem, k_dq, dq_zero, use_acc=False, is_async=True)
     dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_op, dk, is_async=True)
 
-    # dV, dQ_i ready (dK may still run): dQ_i into a staging buffer the writer has finished reading, to the writer
+    # dV, dQ_i (its first half) ready (dK may still run): dO has no reader left (SPLIT_RING: back to the producer);
+    # dQ_i into a staging buffer the writer has finished reading, to the writer
     dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok))
-    db = it % DQ_STAGES
-    mbarrier.wait(dq_empty.index(db), ((it // DQ_STAGES) & 1) ^ 1)
-    dq_smem.index(db)._reinterpret(gl.float32, [BLOCK_M, HEAD_DIM], dq_tile).store(dq)
-    fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
-    mbarrier.arrive(dq_full.index(db))
-
-    # dK ready: no wgmma reads this Q / dO stage any more: back to the producer
-    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-    mbarrier.arrive(qdo_empty.index(stage))
+    if SPLIT_RING:
+        mbarrier.arrive(do_empty.index(do_stage))
+    _stage_dq(dq, it * DQ_SPLIT, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HALF, dq_tile)
+    if DQ_SPLIT == 2:
+        dq_tok = warpgroup_mma(ds_smem, k_op.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
+        # dK ready (the second half may still run): no wgmma reads this Q stage any more
+        dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok, ))
+        mbarrier.arrive(q_empty.index(stage))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+        _stage_dq(dq, it * DQ_SPLIT + 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HALF, dq_tile)
+    else:
+        # dK ready: no wgmma reads this Q (/ dO) stage any more: back to the producer
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
+        mbarrier.arrive(q_empty.index(stage))
     return dk, dv
 
 
 @gluon.jit
 def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-            qdo_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k, stride_lb, stride_lh,
-            CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, GQA: gl.constexpr):
+            q_empty, do_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k, stride_lb,
+            stride_lh, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, GQA: gl.constexpr, SPLIT_RING: gl.constexpr,
+            DO_STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """The default partition (8 warps: two MMA warpgroups): the loop over flat positions and the epilogue. Layouts:
     S / dP [BLOCK_M, BLOCK_N] with BLOCK_M = 64: warps_per_cta [4, 2], each warpgroup all query rows and half of the
     keys; dK / dV [BLOCK_N, D]: warps stacked along the keys (each warpgroup the same half of the keys as in S);
-    dQ_i [BLOCK_M, D]: [4, 2], the warpgroups split headdim."""
+    dQ_i [BLOCK_M, D // DQ_SPLIT]: [4, 2], the warpgroups split its columns."""
     dtype: gl.constexpr = k_smem.dtype
     NW: gl.constexpr = 8  # (gl.num_warps() is not the partition's inside a partition)
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, NW)
     kv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_DIM, NW)
-    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM, NW)
+    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM // DQ_SPLIT, NW)
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    dq_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    dq_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32)
 
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
                                                                             CAUSAL, BLOCK_M, BLOCK_N)
@@ -279,20 +330,21 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
     if GQA:
         i = i_first
         for it in range(0, total):
-            dk, dv = _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, p_smem,
-                              ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale,
-                              sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, s_layout,
-                              dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv = _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty,
+                              p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag,
+                              qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES,
+                              SPLIT_RING, DO_STAGES, DQ_SPLIT, s_layout, dq_layout, q_tile, kv_tile, dq_tile)
             i += 1
             wrap = i == i_end
             i = gl.where(wrap, i_first, i)
             off_lse = gl.where(wrap, off_lse + stride_lh, off_lse)
     else:
         for i in range(i_first, i_end):
-            dk, dv = _ws_step(i - i_first, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                              p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag,
-                              qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES,
-                              s_layout, dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv = _ws_step(i - i_first, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty,
+                              do_empty, p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n,
+                              diag, qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              DQ_STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, s_layout, dq_layout, q_tile, kv_tile,
+                              dq_tile)
 
     # dK, dV through the K / V buffers (every wgmma reading them was waited), clipped TMA stores
     k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
@@ -309,32 +361,51 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
 def attn_bwd_ws_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, seqlen_k, seqlen_q_pad, nheads,
                        nheads_k, stride_lb, stride_lh, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_STAGES: gl.constexpr,
-                       GQA: gl.constexpr):
+                       GQA: gl.constexpr, SPLIT_RING: gl.constexpr, DO_STAGES: gl.constexpr,
+                       DQ_SPLIT: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); launched with num_warps=8 (the MMA partition; the compiler
     adds the workers' warps). Q, K, V, DO, DK, DV: 3-D descriptors over (batch, seqlen, heads * headdim), blocks
-    [1, BLOCK_M or BLOCK_N, HEAD_DIM]; DQ: the fp32 accumulator's (batch, seqlen_q_pad, nheads * headdim), zeroed;
-    Lse (natural log), Delta: (batch, nheads, seqlen_q_pad) padded with +inf / 0, strides (stride_lb, stride_lh, 1).
+    [1, BLOCK_M or BLOCK_N, HEAD_DIM]; DQ: the fp32 accumulator's (batch, seqlen_q_pad, nheads * headdim), zeroed,
+    block [1, BLOCK_M, HEAD_DIM // DQ_SPLIT]; Lse (natural log), Delta: (batch, nheads, seqlen_q_pad) padded with
+    +inf / 0, strides (stride_lb, stride_lh, 1). SPLIT_RING: dO in a ring of its own, DO_STAGES deep, released as
+    soon as dV is computed (Q's ring, STAGES deep, after dK); else Q and dO share a STAGES-deep ring. DQ_SPLIT 2:
+    dQ_i computed and staged in two column halves through DQ_STAGES half-width tiles.
     """
     dtype: gl.constexpr = Q.dtype
     p_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], K.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], V.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], Q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
+    if SPLIT_RING:
+        do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
+    else:
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, 1, BLOCK_M, HEAD_DIM], DQ.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, 1, BLOCK_M, HEAD_DIM // DQ_SPLIT], DQ.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if SPLIT_RING:
+        do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if SPLIT_RING:
+        do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        do_empty = q_empty  # (not used: dO goes back with Q)
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(do_ready.index(s), count=1)
-        mbarrier.init(qdo_empty.index(s), count=1)
+        if not SPLIT_RING:
+            mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=1)
+    if SPLIT_RING:
+        for s in gl.static_range(DO_STAGES):
+            mbarrier.init(do_ready.index(s), count=1)
+            mbarrier.init(do_empty.index(s), count=1)
     for s in gl.static_range(DQ_STAGES):
         mbarrier.init(dq_full.index(s), count=1)
         mbarrier.init(dq_empty.index(s), count=1)
@@ -343,10 +414,12 @@ def attn_bwd_ws_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, 
     # (the argument tuples written out: a tuple bound to a variable turns its constexprs into tensors)
     gl.warp_specialize([
         (_ws_mma, (DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                   do_ready, qdo_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k, stride_lb,
-                   stride_lh, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, GQA)),
-        (_ws_producer, (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q,
-                        seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                   do_ready, q_empty, do_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k,
+                   stride_lb, stride_lh, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, GQA, SPLIT_RING,
+                   DO_STAGES, DQ_SPLIT)),
+        (_ws_producer, (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                        seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, SPLIT_RING,
+                        DO_STAGES)),
         (_ws_dq_writer, (DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, DQ_STAGES)),
+                         BLOCK_M, BLOCK_N, DQ_STAGES, DQ_SPLIT)),
     ], [1, 1], [WORKER_NREG, WORKER_NREG])

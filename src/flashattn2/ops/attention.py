@@ -198,13 +198,13 @@ def _sources(geo: _Geometry, use_tma: bool, *pairs: tuple[torch.Tensor, int]) ->
     return [_host_desc(t, rows) for t, rows in pairs], True
 
 
-def _host_desc(t: torch.Tensor, rows: int, gluon: bool = False) -> _runtime.HostDesc:
+def _host_desc(t: torch.Tensor, rows: int, gluon: bool = False, cols: int | None = None) -> _runtime.HostDesc:
     """A descriptor over a dense (batch, seqlen, heads, headdim) tensor whose heads are adjacent,
-    seen as (batch, seqlen, heads * headdim), with a [1, rows, headdim] box; gluon: carrying the
-    shared-memory layout a Gluon kernel is compiled for."""
+    seen as (batch, seqlen, heads * headdim), with a [1, rows, cols] box (cols: headdim unless
+    given); gluon: carrying the shared-memory layout a Gluon kernel is compiled for."""
     b, n, h, d = t.shape
     s = t.stride()
-    box = (1, rows, d)
+    box = (1, rows, d if cols is None else cols)
     return _runtime.HostDesc((t, (b, n, h * d), (s[0], s[1], 1), box, gluon_layout(t.dtype, box) if gluon else None))
 
 
@@ -328,7 +328,10 @@ def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _G
     dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not such
     a multiple (or lse is not contiguous), lse padded the same way (+inf; delta 0: the padded rows
     contribute nothing). Then the kernel, then dQ cast from the accumulator into dq."""
-    cfg = config.select("bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
+    split = config.gluon_bwd_split(geo.head_dim)
+    cfg = config.select("bwd_hopper_split" if split else "bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
+    rings = (config.GLUON_BWD_SPLIT[geo.head_dim] if split else
+             dict(DO_STAGES=cfg.num_stages, DQ_SPLIT=1, DQ_STAGES=config.GLUON_BWD_DQ_STAGES[geo.head_dim]))
     seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
     seqlen_q_pad = _cdiv(seqlen_q, cfg.block_m) * cfg.block_m
     delta = _runtime.empty((geo.batch, geo.nheads, seqlen_q_pad), torch.float32, q.device)
@@ -344,7 +347,8 @@ def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _G
               else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
     descs = [_host_desc(t, rows, gluon=True) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (gk, cfg.block_n),
-        (gv, cfg.block_n), (acc, cfg.block_m))]
+        (gv, cfg.block_n))]
+    descs.append(_host_desc(acc, cfg.block_m, gluon=True, cols=geo.head_dim // rings["DQ_SPLIT"]))
     lse_strides = delta.stride()
     _runtime.launch(kernels.attn_bwd_ws_kernel, (_cdiv(seqlen_k, cfg.block_n), geo.batch * geo.nheads_k),
         *descs, lse, delta, softmax_scale,
@@ -354,8 +358,11 @@ def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _G
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages,
-        DQ_STAGES=config.GLUON_BWD_DQ_STAGES[geo.head_dim],
+        DQ_STAGES=rings["DQ_STAGES"],
         GQA=geo.nheads != geo.nheads_k,
+        SPLIT_RING=split,
+        DO_STAGES=rings["DO_STAGES"],
+        DQ_SPLIT=rings["DQ_SPLIT"],
         num_warps=cfg.num_warps,
     )
     dq.copy_(acc[:, :seqlen_q] if seqlen_q_pad != seqlen_q else acc)

@@ -16,9 +16,10 @@ from . import _runtime
 # fwd_hopper_ws: its warp-specialized kernel (block_m: rows per consumer warpgroup, two per program;
 # num_warps: the default partition's, always 4); fwd_hopper_persist: its persistent kernel (the
 # same); bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps: the MMA
-# partition's, always 8)
+# partition's, always 8); bwd_hopper_split: its split-ring variant (GLUON_BWD_SPLIT; num_stages: Q's
+# ring)
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws", "fwd_hopper_persist",
-           "bwd_hopper")
+           "bwd_hopper", "bwd_hopper_split")
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
 # sm80: A100 / A800 / Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB)
 ARCHS = ("sm90", "sm80", "sm86", "interp")
@@ -103,6 +104,17 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # The one-partition Gluon backward of session 9 had 128x128 w8 s2 at d64, 64x128 w8 s2 at d128,
     # 64x64 w8 s2 (dQ by atomics) at d256.
     ("sm90", 256, 2, "bwd_hopper"): TileConfig(64, 64, 8, 1),
+    # The split-ring variant of the Gluon backward (GLUON_BWD_SPLIT, config.gluon_bwd_split): dO has a ring of its
+    # own, released as soon as dV is computed (the next dO loads while dQ_i and dK run), and at d256 dQ_i is
+    # staged in two 32 KB column halves. At d256 the one-stage kernel above waits for every position's Q and dO
+    # (the next ones load only once this position's dK is done); the halves free the shared memory for a second
+    # Q stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one half dQ tile 32 = 208 KB (213,388 bytes).
+    # At d64/d128 the same tiles and stages as above, only dO's early release. NOT MEASURED: written 2026-12-01
+    # on a machine without a GPU (compiled for sm_90, no spills: docs/notes.md, session 11); opt-in until an
+    # H200 run measures it against the entries above.
+    ("sm90", 64, 2, "bwd_hopper_split"): TileConfig(128, 128, 8, 2),
+    ("sm90", 128, 2, "bwd_hopper_split"): TileConfig(64, 128, 8, 2),
+    ("sm90", 256, 2, "bwd_hopper_split"): TileConfig(64, 64, 8, 2),
     # d64 bwd (with dQ 128x64 w8 s2): 347/322 at 16k, 301/230 at 2k; 32x64 w4 s3: 347/316
     ("sm90", 64, 2, "bwd_dkdv"):   TileConfig(32, 128, 4, 3),
     # d128 bwd (with dQ 128x64 w8 s2): 370/357 at 16k, 315/237 at 2k; 32x64 w4 s3: 353/345
@@ -176,7 +188,7 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
-                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None}
+                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -227,6 +239,7 @@ _ENV_GLUON = _runtime.env_flag("FLASHATTN2_GLUON")
 _ENV_GLUON_WS = _runtime.env_flag("FLASHATTN2_GLUON_WS")
 _ENV_GLUON_PERSIST = _runtime.env_flag("FLASHATTN2_GLUON_PERSIST")
 _ENV_GLUON_BWD = _runtime.env_flag("FLASHATTN2_GLUON_BWD")
+_ENV_GLUON_BWD_SPLIT = _runtime.env_flag("FLASHATTN2_GLUON_BWD_SPLIT")
 
 
 def _forced_or_env(name: str, env: bool | None) -> bool | None:
@@ -299,6 +312,11 @@ GLUON_PERSIST_QBUF: dict[int, int] = {64: 2, 128: 2}
 # where they fit in shared memory beside the rings (headdim 128: 229,740 of 232,448 bytes), else
 # one. Measurements: the bwd_hopper entries.
 GLUON_BWD_DQ_STAGES: dict[int, int] = {64: 1, 128: 2, 256: 1}
+# head-dim bucket -> the split-ring variant's constexprs (the bwd_hopper_split entries): dO's ring depth,
+# dQ_i in DQ_SPLIT column parts, DQ_STAGES staging tiles of that width
+GLUON_BWD_SPLIT: dict[int, dict] = {64: dict(DO_STAGES=2, DQ_SPLIT=1, DQ_STAGES=1),
+                                    128: dict(DO_STAGES=2, DQ_SPLIT=1, DQ_STAGES=2),
+                                    256: dict(DO_STAGES=1, DQ_SPLIT=2, DQ_STAGES=1)}
 
 
 def gluon_persist(head_dim: int) -> bool:
@@ -346,6 +364,16 @@ def gluon_bwd() -> bool:
     return _forced_or_env("gluon_bwd", _ENV_GLUON_BWD) is not False
 
 
+def gluon_bwd_split(head_dim: int) -> bool:
+    """Whether the Gluon backward takes its split-ring variant (the bwd_hopper_split entries): only
+    where override(gluon_bwd_split=True) or FLASHATTN2_GLUON_BWD_SPLIT=1 asks for it (and the head
+    dim has an entry), until it is measured."""
+    bucket = head_dim_bucket(head_dim)
+    if ("sm90", bucket, 2, "bwd_hopper_split") not in _TABLE:
+        return False
+    return _forced_or_env("gluon_bwd_split", _ENV_GLUON_BWD_SPLIT) is True
+
+
 def wgmma(device: torch.device) -> bool:
     """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernel is written with."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -361,7 +389,8 @@ _WGMMA: dict = {}
 @contextlib.contextmanager
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
-             gluon_persist: bool | None = None, gluon_bwd: bool | None = None, **tiles: TileConfig):
+             gluon_persist: bool | None = None, gluon_bwd: bool | None = None, gluon_bwd_split: bool | None = None,
+             **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
@@ -369,8 +398,8 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     forward may take the Gluon kernel, and/or whether that takes its warp-specialized kernel
     (gluon_ws; True forces it whatever the sequence length, where the head dim has one) or its
     persistent kernel (gluon_persist), and/or
-    whether deterministic=False backwards may take the Gluon backward (gluon_bwd), inside a
-    with-block. The CPU interpreter ignores arch."""
+    whether deterministic=False backwards may take the Gluon backward (gluon_bwd) and its split-ring
+    variant (gluon_bwd_split), inside a with-block. The CPU interpreter ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
@@ -379,7 +408,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
-                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd)
+                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split)
     try:
         yield
     finally:
