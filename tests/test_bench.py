@@ -96,3 +96,31 @@ def test_gpt_bench_rows_and_table(tmp_path):
     assert gpt.step_flops(10, 2, 64, 32, 2) == 2 * (6 * 32 * 10 + 12 * 2 * 64 * 32**2)
     table = gpt.markdown(path)
     assert "| gpt3-1.3b | 32 |" in table and "x sdpa_flash" in table
+
+
+def test_ab_settings_and_table():
+    """bench ab's settings parse into config.override arguments (a typo is refused, naming the
+    keys), the defaults enter no override, and the table gives each setting's ratio to the first
+    and to cuDNN."""
+    from flashattn2.bench import ab
+    from flashattn2.ops import config
+
+    default, split = ab.Setting("default"), ab.Setting("gluon_bwd_split=1, gluon=0")
+    assert default.overrides == {} and ab.Setting("").label == "default"
+    assert split.overrides == {"gluon_bwd_split": True, "gluon": False}
+    with split.context():
+        assert config.gluon() is False
+    assert config.gluon() is True
+    assert ab.Setting("arch=sm80").overrides == {"arch": "sm80"}
+    tile = ab.Setting("fwd_hopper_persist=64x64w4s2").overrides
+    assert tile == {"fwd_hopper_persist": config.TileConfig(64, 64, 4, 2)}
+    for bad in ("gluon_bwd_spilt=1", "gluon", "fwd_hopper_persist=64x64", "fwd_hoper=64x64w4s2"):
+        with pytest.raises(ValueError, match="gluon_bwd_split"):
+            ab.Setting(bad)
+    point = dict(dtype="fp16", headdim=256, causal=1, seqlen=2048, mode="bwd", ms=1.0, note="")
+    rows = [dict(point, setting="default", tflops=300.0), dict(point, setting=split.label, tflops=330.0),
+            dict(point, setting="sdpa_cudnn", tflops=360.0)]
+    table = ab.markdown(rows)
+    header, _, line = table.splitlines()[:3]
+    assert f"{split.label} / default" in header and "cuDNN" in header
+    assert line.split(" | ")[5:] == ["300", "330", "1.100", "360", "0.833", "0.917 |"]

@@ -1,4 +1,4 @@
-"""python -m flashattn2 [bench] [filters] | bench report | bench features | bench decode | bench gpt
+"""python -m flashattn2 [bench] [filters] | bench report | features | decode | gpt | ab
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -23,11 +23,13 @@ def _parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", default="bench", choices=["bench", "check"],
                     help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check")
-    ap.add_argument("what", nargs="?", default="kernels", choices=["kernels", "report", "features", "decode", "gpt"],
+    ap.add_argument("what", nargs="?", default="kernels",
+                    choices=["kernels", "report", "features", "decode", "gpt", "ab"],
                     help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
                          "features: what varlen, window and the other options cost (headdim 128 by default); "
                          "decode: GB/s of K/V read when decoding over a KV cache; "
-                         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table)")
+                         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table); "
+                         "ab: flashattn2 under two or more settings (--setting), alternated in one run")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
@@ -54,6 +56,11 @@ def _parser():
     ap.add_argument("--attentions", default="flashattn2,sdpa_flash,sdpa_cudnn,naive", help="gpt: what runs attention")
     ap.add_argument("--tokens", type=int, default=16384, help="gpt: tokens per training step")
     ap.add_argument("--steps", type=int, default=10, help="gpt: timed steps (after 3 warm-up steps)")
+    ap.add_argument("--setting", action="append", default=None,
+                    help="ab: a setting, given twice or more: config.override arguments ('gluon_bwd_split=1', "
+                         "'gluon=0,gluon_bwd=0'; 'default'), or 'pkg:NAME' (tools/baseline_pkg.py)")
+    ap.add_argument("--rounds", type=int, default=3, help="ab: rounds alternating the settings (median reported)")
+    ap.add_argument("--no-cudnn", action="store_true", help="ab: leave SDPA's cuDNN kernels out")
     return ap
 
 
@@ -94,6 +101,8 @@ def main(argv=None) -> int:
         return _report(args.csv or _default_csv(None), args.plots)
     if args.what == "gpt":
         return _gpt(args)
+    if args.what == "ab":
+        return _ab(args)
     if args.command == "check" or not torch.cuda.is_available():
         return _cpu_check(argv)
     if args.what == "features":
@@ -135,6 +144,26 @@ def _decode(args):
     decode.run(path, _ints(args.batches), _ints(args.caches), _ints(args.kv_heads), args.layouts.split(","),
                args.timings.split(","), peers="sdpa" in args.providers)
     return _write_markdown(path, decode.markdown(path))
+
+
+def _ab(args):
+    import torch
+
+    from .bench import ab
+
+    if not torch.cuda.is_available():
+        print("bench ab times flashattn2 under several settings: it needs a CUDA GPU")
+        return 2
+    if not args.setting or len(args.setting) < 2:
+        print("bench ab: give two or more --setting (e.g. --setting default --setting gluon_bwd_split=1)")
+        return 2
+    path = args.csv or os.path.join(RESULTS, f"ab-{_slug(torch.cuda.get_device_name())}.csv")
+    rows = ab.run(args.setting, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
+                  [bool(c) for c in _ints(args.causal)], args.modes.split(","), cudnn=not args.no_cudnn,
+                  rounds=args.rounds, nheads=args.nheads, nheads_k=args.nheads_k, out_csv=path,
+                  progress=not args.no_progress)
+    print(ab.markdown(rows))
+    return 0
 
 
 def _gpt(args):

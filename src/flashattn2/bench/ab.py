@@ -1,0 +1,143 @@
+"""Same-run A/B of flashattn2 under two or more settings (`python -m flashattn2 bench ab`): what the
+kernel table's choices are made from. A setting is a comma-separated list of config.override
+arguments ("gluon_bwd_split=1", "gluon=0,gluon_bwd=0", "arch=sm80", a tile as
+"fwd_hopper_persist=64x64w4s2"; "" or "default" for the defaults) or "pkg:NAME" for a package built
+by tools/baseline_pkg.py (an older commit, loaded beside this one). At every point the rounds
+alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike; each setting's
+median over the rounds is reported with its ratio to the first setting and to cuDNN. Every setting
+is checked against the reference (forward and backward, flash-attn's rule) before it is timed; one
+that fails is not timed.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import itertools
+import re
+import statistics
+
+import torch
+
+import flashattn2
+from ..ops import config
+from .kernels import DTYPES, FIELDS, check_provider, run_metadata, time_modes
+from .providers import attention_flops, providers
+from .results import appending
+
+# config.override's switches (tma=..., gluon_bwd=..., ...); arch takes a name
+_SWITCHES = [name for name, p in inspect.signature(config.override).parameters.items()
+             if p.default is None and name != "arch"]
+_OFF = ("0", "false", "off", "no")
+_TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
+
+
+class Setting:
+    """One side of the A/B: label, and how flashattn2 is called under it (run(q, k, v, causal))."""
+
+    def __init__(self, text: str):
+        text = text.strip()
+        self.label = text if text and text != "default" else "default"
+        self.overrides: dict = {}
+        self.fn = flashattn2.flash_attn_func
+        if text.startswith("pkg:"):
+            self.fn = importlib.import_module(text[4:]).flash_attn_func
+            return
+        for item in filter(None, text.split(",") if self.label != "default" else []):
+            key, sep, value = (part.strip() for part in item.partition("="))
+            tile = _TILE.fullmatch(value)
+            if key in config.KERNELS and tile:
+                self.overrides[key] = config.TileConfig(*(int(x) for x in tile.groups()))
+                continue
+            if not sep or (key not in _SWITCHES and key != "arch"):
+                raise ValueError(f"bench ab: setting {text!r}: expected key=value with key one of "
+                                 f"{['arch', *_SWITCHES]}, or a kernel of {list(config.KERNELS)} = a tile like "
+                                 f"64x128w4s2, got {item!r}")
+            self.overrides[key] = value if key == "arch" else value.lower() not in _OFF
+
+    def context(self):
+        # the defaults enter no override at all: no host time the other side does not pay
+        return config.override(**self.overrides) if self.overrides else contextlib.nullcontext()
+
+    def run(self, q, k, v, causal):
+        with self.context():
+            return self.fn(q, k, v, causal=causal)
+
+
+def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=True, rounds=3, tokens=16384,
+        hidden=2048, nheads=None, nheads_k=None, out_csv=None, progress=True) -> list[dict]:
+    """Rows {setting, dtype, headdim, causal, seqlen, mode, ms (median of rounds), tflops, note} for each
+    setting (and "sdpa_cudnn"); appended to out_csv (kernels.FIELDS, provider = "flashattn2[label]") if given."""
+    sides = [Setting(s) for s in settings]
+    cudnn_fn = providers()["sdpa_cudnn"][1] if cudnn else None
+    meta = run_metadata()
+    rows = []
+    for dtype_name, headdim, causal, seqlen in itertools.product(dtypes, headdims, causals, seqlens):
+        dtype = DTYPES[dtype_name]
+        heads = nheads or hidden // headdim
+        heads_k = nheads_k or heads
+        batch = max(1, tokens // seqlen)
+        shape = dict(batch=batch, heads=heads, heads_k=heads_k)
+        notes = {}
+        for side in sides:
+            notes[side.label] = check_provider(side.run, "bshd", dtype, headdim, causal, heads // heads_k)
+        names = [s.label for s in sides] + (["sdpa_cudnn"] if cudnn else [])
+        times = {name: {mode: [] for mode in modes} for name in names}
+        q, k, v = (torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype)
+                   for h in (heads, heads_k, heads_k))
+        for _ in range(rounds):
+            for side in sides:
+                if notes[side.label]:
+                    continue
+                for mode, ms in time_modes(lambda a, b, c: side.run(a, b, c, causal), [q, k, v], modes).items():
+                    times[side.label][mode].append(ms)
+            if cudnn:
+                qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+                for mode, ms in time_modes(lambda a, b, c: cudnn_fn(a, b, c, causal), [qt, kt, vt], modes).items():
+                    times["sdpa_cudnn"][mode].append(ms)
+            torch.cuda.empty_cache()
+        for name in names:
+            for mode in modes:
+                found = times[name][mode]
+                ms = statistics.median(found) if found else float("nan")
+                flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
+                rows.append(dict(setting=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
+                                 mode=mode, ms=ms, tflops=flops / ms * 1e-9, note=notes.get(name, ""), **shape))
+        if progress:
+            print(f"ab: {dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} done", flush=True)
+    if out_csv:
+        with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
+            for r in rows:
+                provider = r["setting"] if r["setting"] == "sdpa_cudnn" else f"flashattn2[{r['setting']}]"
+                writer.writerow(dict(provider=provider, dtype=r["dtype"], headdim=r["headdim"], causal=r["causal"],
+                                     seqlen=r["seqlen"], batch=r["batch"], nheads=r["heads"], nheads_k=r["heads_k"],
+                                     mode=r["mode"], ms=f"{r['ms']:.4f}", tflops=f"{r['tflops']:.1f}", peak_mib="",
+                                     note=r["note"] or f"ab median of {rounds}", **meta))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per (dtype, headdim, causal, seqlen, mode): each setting's TFLOP/s, its ratio to the
+    first setting and, where measured, to cuDNN."""
+    labels = list(dict.fromkeys(r["setting"] for r in rows if r["setting"] != "sdpa_cudnn"))
+    has_cudnn = any(r["setting"] == "sdpa_cudnn" for r in rows)
+    head = ["dtype", "headdim", "causal", "seqlen", "mode", *labels]
+    head += [f"{lab} / {labels[0]}" for lab in labels[1:]]
+    if has_cudnn:
+        head += ["cuDNN", *[f"{lab} / cuDNN" for lab in labels]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    points: dict = {}
+    for r in rows:
+        points.setdefault((r["dtype"], r["headdim"], r["causal"], r["seqlen"], r["mode"]), {})[r["setting"]] = r
+    for (dtype, headdim, causal, seqlen, mode), found in points.items():
+        tf = {name: found[name]["tflops"] if name in found else float("nan") for name in [*labels, "sdpa_cudnn"]}
+        cells = [dtype, str(headdim), "causal" if causal else "full", str(seqlen), mode]
+        cells += [f"{tf[lab]:.0f}" for lab in labels]
+        cells += [f"{tf[lab] / tf[labels[0]]:.3f}" for lab in labels[1:]]
+        if has_cudnn:
+            cells += [f"{tf['sdpa_cudnn']:.0f}", *[f"{tf[lab] / tf['sdpa_cudnn']:.3f}" for lab in labels]]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = {r["setting"]: r["note"] for r in rows if r["note"]}
+    for name, note in notes.items():
+        lines.append(f"\n{name}: {note}")
+    return "\n".join(lines)
