@@ -27,6 +27,18 @@ def per_call_us(fn, n=300):
     return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
 
 
+def profile_to(fh, name: str, fn, calls: int, top: int = 25) -> None:
+    """cProfile of `calls` calls of fn, written to fh: by own time, then by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    print(f"===== {name}", file=fh)
+    pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(top + 15)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default=None)
@@ -119,15 +131,8 @@ def main():
     if args.profile:
         with open(args.profile, "w") as fh:
             for name in ("flashattn2 fwd", "kvcache decode", "kvcache append+rotary", "flashattn2 fwd+bwd"):
-                prof = cProfile.Profile()
                 with torch.set_grad_enabled(name.endswith("bwd")):
-                    prof.enable()
-                    for _ in range(300):
-                        cases[name]()
-                    prof.disable()
-                print(f"===== {name}", file=fh)
-                pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(25)
-                pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(40)
+                    profile_to(fh, name, cases[name], 300)
 
 
 if __name__ == "__main__":

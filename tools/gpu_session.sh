@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# What a session with an H100/H200 runs, stage by stage, each stage bounded so that one device call
+# (10 minutes at most) can hold the stages given:  bash tools/gpu_session.sh STAGE [STAGE ...]
+# Logs and CSVs go to $OUT (the device tool's folder; ./gpu-out elsewhere; plots to /tmp/gpu-plots:
+# the device tool brings back 8 files a call, and `python -m flashattn2 bench report --csv FILE` redraws
+# them here). From the source tree: no install needed (PYTHONPATH=src).
+#
+#   env        GPU, clocks, versions
+#   new-tests  the GPU tests written since the last GPU run, and the paths they touch
+#   tests      the whole suite on the GPU (-n 14)
+#   ab-bwd     bench ab: the Gluon backward's split-ring variant against the shipped one, with cuDNN
+#   ab-fwd     bench ab: the forward tiles the last sweep favoured at short lengths (d128 causal
+#              64x64, d64 non-causal 64x128), against the table's
+#   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
+#   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
+#   gqa        the GQA rows (32 query heads over 8)
+#   features   bench features (varlen, window, the options' costs)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+GIT_SHA=${FLASHATTN2_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+export FLASHATTN2_GIT_SHA=$GIT_SHA
+
+stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s) $(date +%T)"
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc in $((SECONDS - start))s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    env)
+      stage env 60 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv;
+        python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__,
+        torch.cuda.get_device_name(), torch.cuda.get_device_capability())"' ;;
+    new-tests)
+      stage new-tests 300 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
+        -k "split or padded_preprocess or one_output or persistent_forward_many or grid_limit or kernel_choice
+            or lse_gradient or keys_past_the_end or race or ab_settings" ;;
+    tests)
+      stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
+    ab-bwd)
+      stage ab-bwd 420 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
+        --setting default --setting gluon_bwd_split=1 --dtypes fp16 --headdims 256,128,64 \
+        --seqlens 512,2048,8192,16384 --causal 0,1 ;;
+    ab-fwd)
+      stage ab-fwd 300 bash -c "python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
+          --setting default --setting fwd_hopper_persist=64x64w4s2 --dtypes fp16 --headdims 128 \
+          --seqlens 512,1024,2048,4096 --causal 1 &&
+        python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
+          --setting default --setting fwd_hopper_persist=64x128w4s2 --dtypes fp16 --headdims 64 \
+          --seqlens 512,1024,2048 --causal 0" ;;
+    host)
+      stage host 240 bash -c "python3 tools/overhead.py &&
+        python3 -m flashattn2 bench --csv '$OUT/host.csv' --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 --headdims 128,64 \
+          --seqlens 512 --causal 0,1 --modes fwd,bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn" ;;
+    grid-fp16|grid-bf16)
+      stage "$s" 560 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes "${s#grid-}" \
+        --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
+    gqa)
+      stage gqa 400 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 \
+        --headdims 128 --nheads 32 --nheads-k 8 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
+    features)
+      stage features 400 python3 -m flashattn2 bench features --csv "$OUT/features.csv" --dtypes fp16,bf16 ;;
+    *)
+      echo "unknown stage $s"; exit 2 ;;
+  esac
+done
