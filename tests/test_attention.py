@@ -166,11 +166,45 @@ def test_gluon_backward_split_ring(shape, dtype, causal, monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 8, 64), (1, 333, 2047, 4, 2, 64), (2, 1537, 700, 6, 1, 128)],
+                         ids=shape_id)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_persistent_forward_polynomial_exp2(shape, dtype, causal, monkeypatch):
+    """The persistent forward with a quarter of the unmasked blocks' exponentials by polynomial
+    (override(gluon_exp2_emu=True)) against the reference, forward and backward: tails, GQA/MQA,
+    seqlen_q != seqlen_k (rows that see no key), causal or not."""
+    flags = []
+    real = _runtime.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel.__name__ == "attn_fwd_persist_kernel":
+            flags.append(kwargs["EXP2_EMU"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "launch", spy)
+    q, k, v = make_qkv(shape, dtype)
+    with config.override(gluon_exp2_emu=True):
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert flags == [True], flags
+    check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
 def test_gluon_backward_split_rule(monkeypatch):
-    """config.gluon_bwd_split: off by default (not yet measured), on only where asked (override
-    before the environment) and where the head dim has an entry."""
+    """config.gluon_bwd_split and gluon_exp2_emu: off by default (not yet measured), on only where
+    asked (override before the environment) and where the head dim has an entry; the d64 length
+    limit of the Gluon forward, and the override that lifts it for measurements."""
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
-    assert not any(config.gluon_bwd_split(d) for d in (64, 128, 256))
+    monkeypatch.setattr(config, "_ENV_GLUON_EXP2_EMU", None)
+    assert not any(config.gluon_bwd_split(d) or config.gluon_exp2_emu(d) for d in (64, 128, 256))
+    with config.override(gluon_exp2_emu=True):
+        assert config.gluon_exp2_emu(64)
+    assert config.gluon_max_seqlen_k(64) == config.GLUON_MAX_SEQLEN_K[64] and config.gluon_max_seqlen_k(128) is None
+    with config.override(gluon_any_length=True):
+        assert config.gluon_max_seqlen_k(64) is None
     with config.override(gluon_bwd_split=True):
         assert all(config.gluon_bwd_split(d) for d in (64, 128, 256, 200))
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", True)

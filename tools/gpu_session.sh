@@ -10,7 +10,7 @@
 #   tests      the whole suite on the GPU (-n 14)
 #   ab-bwd     bench ab: the Gluon backward's split-ring variant against the shipped one, with cuDNN
 #   ab-fwd     bench ab: the forward tiles the last sweep favoured at short lengths (d128 causal
-#              64x64, d64 non-causal 64x128), against the table's
+#              64x64, d64 non-causal 64x128), against the table's; the polynomial exp2 at d64/d128
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
 #   gqa        the GQA rows (32 query heads over 8)
@@ -43,8 +43,8 @@ for s in "$@"; do
         torch.cuda.get_device_name(), torch.cuda.get_device_capability())"' ;;
     new-tests)
       stage new-tests 300 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
-        -k "split or padded_preprocess or one_output or persistent_forward_many or grid_limit or kernel_choice
-            or lse_gradient or keys_past_the_end or race or ab_settings" ;;
+        -k "split or padded_preprocess or one_output or persistent_forward or grid_limit or kernel_choice
+            or lse_gradient or keys_past_the_end or race or ab_settings or exp2" ;;
     tests)
       stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
     ab-bwd)
@@ -57,7 +57,11 @@ for s in "$@"; do
           --seqlens 512,1024,2048,4096 --causal 1 &&
         python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
           --setting default --setting fwd_hopper_persist=64x128w4s2 --dtypes fp16 --headdims 64 \
-          --seqlens 512,1024,2048 --causal 0" ;;
+          --seqlens 512,1024,2048 --causal 0 &&
+        python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
+          --setting default --setting gluon_exp2_emu=1 --setting gluon_any_length=1 \
+          --setting gluon_any_length=1,gluon_exp2_emu=1 --dtypes fp16 --headdims 64,128 --seqlens 512,2048,8192 \
+          --causal 0,1" ;;
     host)
       stage host 240 bash -c "python3 tools/overhead.py &&
         python3 -m flashattn2 bench --csv '$OUT/host.csv' --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 --headdims 128,64 \

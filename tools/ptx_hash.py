@@ -41,9 +41,11 @@ def main():
             continue
         compiled = compile_check.compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *types)
         sha = hashlib.sha256(strip_debug(compiled.asm["ptx"]).encode()).hexdigest()[:16]
-        row = dict(id=name, sha=sha, shared=compiled.metadata.shared)
+        # (an id can repeat: a causal-only table entry builds both variants under the same names)
+        row = dict(id=f"{name} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}", sha=sha,
+                   shared=compiled.metadata.shared)
         if args.against:
-            row["same"] = before.get(name) == sha
+            row["same"] = before.get(row["id"]) == sha
             changed += not row["same"]
         print(json.dumps(row), flush=True)
     if args.against:

@@ -242,13 +242,15 @@ def _gluon_kernels(arch: str, flags: dict, geo: _Geometry, direction: str, q: to
 def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
                     softmax_scale: float) -> bool:
     """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: what
-    _gluon_kernels checks, config.gluon on, keys present (at most config.GLUON_MAX_SEQLEN_K of
+    _gluon_kernels checks, config.gluon on, keys present (at most config.gluon_max_seqlen_k of
     them). Everything else takes kernels/fwd.py. Of its three kernels, config.gluon_persist
     chooses the persistent one (headdim 64 and 128), else config.gluon_ws the
     warp-specialized one (long key sequences) or the one-warpgroup one."""
     kernels = _gluon_kernels(arch, flags, geo, "fwd", q, k, v, out)
-    if not (kernels is not None and config.gluon()
-            and 0 < geo.max_seqlen_k <= config.GLUON_MAX_SEQLEN_K.get(geo.head_dim, geo.max_seqlen_k)):
+    if not (kernels is not None and config.gluon() and geo.max_seqlen_k > 0):
+        return False
+    longest = config.gluon_max_seqlen_k(geo.head_dim)
+    if longest is not None and geo.max_seqlen_k > longest:
         return False
     causal = flags["CAUSAL"]
     # the persistent kernel (config.gluon_persist: a grid of one program per SM looping over tiles),
@@ -264,7 +266,8 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     rows_per_tile = cfg.block_m * (kernels.NUM_CONSUMERS.value if persist or ws else 1)
     tiles = _cdiv(geo.max_seqlen_q, rows_per_tile) * geo.batch * geo.nheads
     grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
-    extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal} if persist
+    extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal,
+              "EXP2_EMU": config.gluon_exp2_emu(geo.head_dim)} if persist
              else {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {})
     kernel = (kernels.attn_fwd_persist_kernel if persist else kernels.attn_fwd_ws_kernel if ws
               else kernels.attn_fwd_hopper_kernel)

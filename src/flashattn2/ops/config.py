@@ -188,7 +188,8 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
-                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None}
+                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None,
+                              "gluon_exp2_emu": None, "gluon_any_length": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -240,6 +241,7 @@ _ENV_GLUON_WS = _runtime.env_flag("FLASHATTN2_GLUON_WS")
 _ENV_GLUON_PERSIST = _runtime.env_flag("FLASHATTN2_GLUON_PERSIST")
 _ENV_GLUON_BWD = _runtime.env_flag("FLASHATTN2_GLUON_BWD")
 _ENV_GLUON_BWD_SPLIT = _runtime.env_flag("FLASHATTN2_GLUON_BWD_SPLIT")
+_ENV_GLUON_EXP2_EMU = _runtime.env_flag("FLASHATTN2_GLUON_EXP2_EMU")
 
 
 def _forced_or_env(name: str, env: bool | None) -> bool | None:
@@ -289,6 +291,14 @@ def gluon() -> bool:
 # Headdim 64: H200, 2026-11-30, fp16, interleaved A/B against the Triton forward (docs/notes.md,
 # session 8): 1.40x/1.15x at 512 (non-causal/causal), 0.99x/1.06x at 2k, 0.94x/0.98x at 16k.
 GLUON_MAX_SEQLEN_K: dict[int, int] = {64: 2048}
+
+
+def gluon_max_seqlen_k(head_dim: int) -> int | None:
+    """The longest key sequence the Gluon forward takes at this head dim (GLUON_MAX_SEQLEN_K; None:
+    any), unless override(gluon_any_length=True) lifts the limit (for measuring past it)."""
+    if _forced["gluon_any_length"]:
+        return None
+    return GLUON_MAX_SEQLEN_K.get(head_dim)
 
 # head-dim bucket -> the warp-specialized Gluon forward (kernels/fwd_hopper.attn_fwd_ws_kernel) is
 # chosen when the longest key sequence is longer than this (absent: never). Its two consumer
@@ -364,6 +374,17 @@ def gluon_bwd() -> bool:
     return _forced_or_env("gluon_bwd", _ENV_GLUON_BWD) is not False
 
 
+# The persistent forward's exponentials of unmasked blocks, one in four on the FMA pipe
+# (kernels/fwd_hopper._exp2_mixed, FlashAttention-4's trick): at headdim 64 a 128x64 tile's 8192
+# exp2 take as long on the multi-function unit (16 per clock per SM) as its two matmuls on the
+# tensor cores (4096 FLOP per clock per SM), and cuDNN's 460-490 TFLOP/s there is what the two
+# serialized would give. NOT MEASURED (written 2026-12-01 without a GPU): off unless
+# override(gluon_exp2_emu=True) or FLASHATTN2_GLUON_EXP2_EMU=1.
+def gluon_exp2_emu(head_dim: int) -> bool:
+    """Whether the persistent Gluon forward computes a quarter of its exponentials by polynomial."""
+    return _forced_or_env("gluon_exp2_emu", _ENV_GLUON_EXP2_EMU) is True
+
+
 def gluon_bwd_split(head_dim: int) -> bool:
     """Whether the Gluon backward takes its split-ring variant (the bwd_hopper_split entries): only
     where override(gluon_bwd_split=True) or FLASHATTN2_GLUON_BWD_SPLIT=1 asks for it (and the head
@@ -390,7 +411,7 @@ _WGMMA: dict = {}
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
              gluon_persist: bool | None = None, gluon_bwd: bool | None = None, gluon_bwd_split: bool | None = None,
-             **tiles: TileConfig):
+             gluon_exp2_emu: bool | None = None, gluon_any_length: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
@@ -399,7 +420,10 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     (gluon_ws; True forces it whatever the sequence length, where the head dim has one) or its
     persistent kernel (gluon_persist), and/or
     whether deterministic=False backwards may take the Gluon backward (gluon_bwd) and its split-ring
-    variant (gluon_bwd_split), inside a with-block. The CPU interpreter ignores arch."""
+    variant (gluon_bwd_split), and/or whether the persistent forward computes a quarter of its
+    exponentials by polynomial (gluon_exp2_emu), and/or whether the Gluon forward takes every key
+    length (gluon_any_length: GLUON_MAX_SEQLEN_K lifted), inside a with-block. The CPU interpreter
+    ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
@@ -408,7 +432,8 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
-                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split)
+                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split,
+                   gluon_exp2_emu=gluon_exp2_emu, gluon_any_length=gluon_any_length)
     try:
         yield
     finally:
