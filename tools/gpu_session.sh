@@ -15,6 +15,8 @@
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
 #   gqa        the GQA rows (32 query heads over 8)
 #   features   bench features (varlen, window, the options' costs)
+# Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
+# every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -38,17 +40,17 @@ stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log t
 for s in "$@"; do
   case $s in
     env)
-      stage env 60 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv;
+      stage env 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv;
         python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__,
         torch.cuda.get_device_name(), torch.cuda.get_device_capability())"' ;;
     new-tests)
-      stage new-tests 300 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
+      stage new-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
         -k "split or padded_preprocess or one_output or persistent_forward or grid_limit or kernel_choice
             or lse_gradient or keys_past_the_end or race or ab_settings or exp2" ;;
     tests)
       stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
     ab-bwd)
-      stage ab-bwd 420 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
+      stage ab-bwd 300 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
         --setting default --setting gluon_bwd_split=1 --dtypes fp16 --headdims 256,128,64 \
         --seqlens 512,2048,8192,16384 --causal 0,1 ;;
     ab-fwd)
@@ -70,10 +72,10 @@ for s in "$@"; do
       stage "$s" 560 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes "${s#grid-}" \
         --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
     gqa)
-      stage gqa 400 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 \
+      stage gqa 280 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 \
         --headdims 128 --nheads 32 --nheads-k 8 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
     features)
-      stage features 400 python3 -m flashattn2 bench features --csv "$OUT/features.csv" --dtypes fp16,bf16 ;;
+      stage features 300 python3 -m flashattn2 bench features --csv "$OUT/features.csv" --dtypes fp16,bf16 ;;
     *)
       echo "unknown stage $s"; exit 2 ;;
   esac
