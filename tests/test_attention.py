@@ -199,9 +199,9 @@ def test_gluon_backward_split_rule(monkeypatch):
     limit of the Gluon forward, and the override that lifts it for measurements."""
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
     monkeypatch.setattr(config, "_ENV_GLUON_EXP2_EMU", None)
-    assert not any(config.gluon_bwd_split(d) or config.gluon_exp2_emu(d) for d in (64, 128, 256))
+    assert not config.gluon_exp2_emu() and not any(config.gluon_bwd_split(d) for d in (64, 128, 256))
     with config.override(gluon_exp2_emu=True):
-        assert config.gluon_exp2_emu(64)
+        assert config.gluon_exp2_emu()
     assert config.gluon_max_seqlen_k(64) == config.GLUON_MAX_SEQLEN_K[64] and config.gluon_max_seqlen_k(128) is None
     with config.override(gluon_any_length=True):
         assert config.gluon_max_seqlen_k(64) is None
@@ -335,14 +335,16 @@ def test_one_output_gradient(which, monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, do, True, dlse=dlse)
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_pad", [(100, 128), (128, 128), (61, 64)])
+@pytest.mark.parametrize("seqlen_q, seqlen_pad, copy_lse", [(100, 128, True), (128, 128, False), (128, 128, True),
+                                                             (61, 64, True)])
 @pytest.mark.parametrize("d", [64, 256])  # 64 and 32 rows per preprocess program
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
-def test_padded_preprocess(seqlen_q, seqlen_pad, d, with_dlse):
+def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
     """The Gluon backward's one preprocess launch (ops.attention._preprocess with seqlen_pad): delta =
-    rowsum(dO * O) - dlse up to seqlen_q and 0 to seqlen_pad, lse copied with +inf past seqlen_q,
-    the fp32 dQ accumulator's padded rows zeroed; every buffer starts NaN-filled. (On the CPU the
-    interpreter runs it; on an H100/H200 it is what the Gluon backward runs.)"""
+    rowsum(dO * O) - dlse up to seqlen_q and 0 to seqlen_pad, the fp32 dQ accumulator's padded rows
+    zeroed, and where asked (a tail; the launcher also asks for a non-contiguous lse) lse copied
+    with +inf past seqlen_q; every buffer starts NaN-filled. (On the CPU the interpreter runs it; on
+    an H100/H200 it is what the Gluon backward runs.)"""
     from flashattn2.ops import attention
 
     b, h = 2, 3
@@ -352,13 +354,16 @@ def test_padded_preprocess(seqlen_q, seqlen_pad, d, with_dlse):
     geo = attention._Geometry.of(out, out, None)
     delta, lse_pad = (_runtime.empty((b, h, seqlen_pad), torch.float32, out.device) for _ in range(2))
     acc = _runtime.empty((b, seqlen_pad, h, d), torch.float32, out.device)
-    attention._preprocess(out, dout, lse, dlse, geo, delta, seqlen_pad, lse_pad, acc)
+    attention._preprocess(out, dout, lse, dlse, geo, delta, seqlen_pad, lse_pad if copy_lse else None, acc)
     expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
     if with_dlse:
         expected = expected - dlse
     torch.testing.assert_close(delta[:, :, :seqlen_q], expected, rtol=1e-5, atol=1e-4)
     assert (delta[:, :, seqlen_q:] == 0).all()
-    assert torch.equal(lse_pad[:, :, :seqlen_q], lse) and torch.isposinf(lse_pad[:, :, seqlen_q:]).all()
+    if copy_lse:
+        assert torch.equal(lse_pad[:, :, :seqlen_q], lse) and torch.isposinf(lse_pad[:, :, seqlen_q:]).all()
+    else:
+        assert lse_pad.isnan().all()  # not written
     assert (acc == 0).all()
 
 

@@ -124,3 +124,29 @@ def test_ab_settings_and_table():
     header, _, line = table.splitlines()[:3]
     assert f"{split.label} / default" in header and "cuDNN" in header
     assert line.split(" | ")[5:] == ["300", "330", "1.100", "360", "0.833", "0.917 |"]
+
+
+def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
+    """bench ab's checks and timings run inside the setting's overrides (the backward reads its
+    switches after the forward call has returned), the defaults outside any; each setting once per
+    round, in turn. (The timing itself is replaced here: it needs CUDA.)"""
+    from flashattn2.bench import ab
+    from flashattn2.ops import config
+
+    seen = []
+
+    def fake_check(fn, *args):
+        seen.append(("check", config._forced["gluon_bwd_split"]))
+        return ""
+
+    def fake_time(call, inputs, modes):
+        seen.append(("time", config._forced["gluon_bwd_split"]))
+        return {mode: 1.0 for mode in modes}
+
+    monkeypatch.setattr(ab, "check_provider", fake_check)
+    monkeypatch.setattr(ab, "time_modes", fake_time)
+    rows = ab.run(["default", "gluon_bwd_split=1"], ["fp16"], [64], [128], [True], ["bwd"], cudnn=False, rounds=2,
+                  tokens=128, hidden=128, progress=False, device="cpu")
+    assert seen == [("check", None), ("check", True)] + [("time", None), ("time", True)] * 2
+    assert [r["setting"] for r in rows] == ["default", "gluon_bwd_split=1"]
+    assert config._forced["gluon_bwd_split"] is None

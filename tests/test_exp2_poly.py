@@ -13,13 +13,15 @@ def _replay(x: np.ndarray) -> np.ndarray:
     once to fp32), 2^floor added into the exponent bits."""
     f32 = np.float32
     c1, c2, c3 = (f32(c) for c in fwd_hopper.EXP2_POLY)
-    x = np.maximum(x.astype(f32), f32(fwd_hopper.EXP2_FLOOR))
+    x = np.maximum(x.astype(f32), f32(fwd_hopper.EXP2_FLOOR))  # max.NaN: a NaN stays NaN
     f = np.floor(x)
     r = (x - f).astype(f32)
     p = (r.astype(np.float64) * c3 + c2).astype(f32)
     p = (p.astype(np.float64) * r + c1).astype(f32)
     p = (p.astype(np.float64) * r + 1.0).astype(f32)
-    bits = p.view(np.int32) + (f.astype(np.int32) << 23)
+    with np.errstate(invalid="ignore"):  # NaN -> int: cvt.rzi gives 0 there, as does this below
+        n = np.where(np.isnan(f), 0, f).astype(np.int32)
+    bits = p.view(np.int32) + (n << 23)
     return bits.view(f32)
 
 
@@ -38,10 +40,19 @@ def test_polynomial_exp2_underflow():
     sum >= 1 in fp32 and bf16): never NaN, inf or a wrapped exponent."""
     got = _replay(np.array([-126.5, -200.0, -1e4, -3.0e38], dtype=np.float32))
     assert np.all(got == np.float32(2.0 ** -126)), got
+    assert np.isnan(_replay(np.array([np.nan], dtype=np.float32))).all()
 
 
-def test_the_asm_carries_those_constants():
-    asm = fwd_hopper._EXP2_MIXED_ASM.value
-    for c in (*fwd_hopper.EXP2_POLY, fwd_hopper.EXP2_FLOOR, 1.0):
-        assert fwd_hopper._f32_hex(c) in asm
-    assert asm.count("ex2.approx") == 3 and asm.count("fma.rn") == 3
+def test_the_asm_is_that_algorithm():
+    """The PTX's lines, in order, are the steps _replay takes, with the same constants: three
+    lanes by ex2.approx, the fourth clamped (NaN kept), floored, Horner from the highest
+    coefficient down, 2^floor added into the exponent."""
+    hexes = [fwd_hopper._f32_hex(c) for c in (*fwd_hopper.EXP2_POLY, 1.0, fwd_hopper.EXP2_FLOOR)]
+    c1, c2, c3, one, floor = hexes
+    lines = [line.strip() for line in fwd_hopper._EXP2_MIXED_ASM.value.splitlines()]
+    steps = [line for line in lines if line and line[0] not in "{}."]
+    assert steps == [
+        "ex2.approx.ftz.f32 $0, $4;", "ex2.approx.ftz.f32 $1, $5;", "ex2.approx.ftz.f32 $2, $6;",
+        f"max.ftz.NaN.f32 x, $7, {floor};", "cvt.rmi.ftz.f32.f32 f, x;", "sub.ftz.f32 r, x, f;",
+        f"fma.rn.ftz.f32 p, r, {c3}, {c2};", f"fma.rn.ftz.f32 p, p, r, {c1};", f"fma.rn.ftz.f32 p, p, r, {one};",
+        "cvt.rzi.ftz.s32.f32 n, f;", "shl.b32 n, n, 23;", "add.s32 $3, p, n;"], steps

@@ -26,6 +26,10 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 GIT_SHA=${FLASHATTN2_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 export FLASHATTN2_GIT_SHA=$GIT_SHA
 
+# the tests added since the last GPU run and those of the paths they touch (pytest -k: one line)
+NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or grid_limit or kernel_choice"
+NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or exp2 or ab_runs"
+
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -45,8 +49,7 @@ for s in "$@"; do
         torch.cuda.get_device_name(), torch.cuda.get_device_capability())"' ;;
     new-tests)
       stage new-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
-        -k "split or padded_preprocess or one_output or persistent_forward or grid_limit or kernel_choice
-            or lse_gradient or keys_past_the_end or race or ab_settings or exp2" ;;
+        -k "$NEW_TESTS" ;;
     tests)
       stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
     ab-bwd)

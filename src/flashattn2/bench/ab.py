@@ -56,21 +56,22 @@ class Setting:
             self.overrides[key] = value if key == "arch" else value.lower() not in _OFF
 
     def context(self):
-        # the defaults enter no override at all: no host time the other side does not pay
+        """The setting's overrides, entered around a whole measurement or check: the backward runs
+        after the forward call has returned (autograd), and reads the backward's switches then. The
+        defaults enter no override at all."""
         return config.override(**self.overrides) if self.overrides else contextlib.nullcontext()
 
     def run(self, q, k, v, causal):
-        with self.context():
-            return self.fn(q, k, v, causal=causal)
+        """The call measured, inside context()."""
+        return self.fn(q, k, v, causal=causal)
 
 
 def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=True, rounds=3, tokens=16384,
-        hidden=2048, nheads=None, nheads_k=None, out_csv=None, progress=True) -> list[dict]:
+        hidden=2048, nheads=None, nheads_k=None, out_csv=None, progress=True, device="cuda") -> list[dict]:
     """Rows {setting, dtype, headdim, causal, seqlen, mode, ms (median of rounds), tflops, note} for each
     setting (and "sdpa_cudnn"); appended to out_csv (kernels.FIELDS, provider = "flashattn2[label]") if given."""
     sides = [Setting(s) for s in settings]
     cudnn_fn = providers()["sdpa_cudnn"][1] if cudnn else None
-    meta = run_metadata()
     rows = []
     for dtype_name, headdim, causal, seqlen in itertools.product(dtypes, headdims, causals, seqlens):
         dtype = DTYPES[dtype_name]
@@ -80,22 +81,26 @@ def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=Tr
         shape = dict(batch=batch, heads=heads, heads_k=heads_k)
         notes = {}
         for side in sides:
-            notes[side.label] = check_provider(side.run, "bshd", dtype, headdim, causal, heads // heads_k)
+            with side.context():
+                notes[side.label] = check_provider(side.run, "bshd", dtype, headdim, causal, heads // heads_k)
         names = [s.label for s in sides] + (["sdpa_cudnn"] if cudnn else [])
         times = {name: {mode: [] for mode in modes} for name in names}
-        q, k, v = (torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype)
+        q, k, v = (torch.randn(batch, seqlen, h, headdim, device=device, dtype=dtype)
                    for h in (heads, heads_k, heads_k))
         for _ in range(rounds):
             for side in sides:
                 if notes[side.label]:
                     continue
-                for mode, ms in time_modes(lambda a, b, c: side.run(a, b, c, causal), [q, k, v], modes).items():
+                with side.context():  # forward and backward under the setting
+                    found = time_modes(lambda a, b, c: side.run(a, b, c, causal), [q, k, v], modes)
+                for mode, ms in found.items():
                     times[side.label][mode].append(ms)
             if cudnn:
                 qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                 for mode, ms in time_modes(lambda a, b, c: cudnn_fn(a, b, c, causal), [qt, kt, vt], modes).items():
                     times["sdpa_cudnn"][mode].append(ms)
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
         for name in names:
             for mode in modes:
                 found = times[name][mode]
@@ -106,6 +111,7 @@ def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=Tr
         if progress:
             print(f"ab: {dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} done", flush=True)
     if out_csv:
+        meta = run_metadata()
         with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
             for r in rows:
                 provider = r["setting"] if r["setting"] == "sdpa_cudnn" else f"flashattn2[{r['setting']}]"

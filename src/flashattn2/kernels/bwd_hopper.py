@@ -63,8 +63,10 @@ second after it, each through a [BLOCK_M, HEAD_DIM / 2] staging tile (the writer
 half, at column half * HEAD_DIM / 2); only one half is in registers at a time. At headdim 256 this
 frees the shared memory for a second Q stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one
 half dQ tile 32 KB = 213,388 bytes, where the shipped kernel's one Q/dO stage waits for each
-position's loads. (Compiled for sm_90 with no spills; the shipped configurations' PTX is unchanged
-by the variant's code, tools/ptx_hash.py.)
+position's loads. With one staging tile the MMA warps do wait for the writer there: the second half
+is staged once the bulk engine has read the first (32 KB, read while dK runs). (Compiled for sm_90:
+no spills at d256, 16 / 40 bytes in the d64 / d128 causal + GQA builds, as the shipped d128 one; the
+shipped configurations' PTX is unchanged by the variant's code, tools/ptx_hash.py.)
 """
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon

@@ -70,7 +70,7 @@ def _f32_hex(x: float) -> str:
 # 2^r on [0, 1) as 1 + r (C1 + r (C2 + r C3)): a degree-3 fit of least maximum relative error
 # (1.0e-4) with p(1) = 2, so that 2^x = 2^floor(x) p(x - floor(x)) is continuous at integers.
 EXP2_POLY = (0.6954243524265168, 0.2263076799001781, 0.0782679676733051)
-EXP2_FLOOR = -126.0  # inputs below are clamped: 2^-126 (the smallest normal) stands for 0
+EXP2_FLOOR = -126.0  # inputs below are clamped: 2^-126 (the smallest normal) stands for 0; NaN stays NaN
 # Four fp32 values per asm block: three by the multi-function unit (ex2.approx), the fourth by the
 # polynomial on the FMA pipe, with 2^floor(x) added into its exponent bits.
 _EXP2_MIXED_ASM = gl.constexpr(f"""{{
@@ -78,7 +78,7 @@ _EXP2_MIXED_ASM = gl.constexpr(f"""{{
 ex2.approx.ftz.f32 $0, $4;
 ex2.approx.ftz.f32 $1, $5;
 ex2.approx.ftz.f32 $2, $6;
-max.ftz.f32 x, $7, {_f32_hex(EXP2_FLOOR)};
+max.ftz.NaN.f32 x, $7, {_f32_hex(EXP2_FLOOR)};
 cvt.rmi.ftz.f32.f32 f, x;
 sub.ftz.f32 r, x, f;
 fma.rn.ftz.f32 p, r, {_f32_hex(EXP2_POLY[2])}, {_f32_hex(EXP2_POLY[1])};

@@ -267,7 +267,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     tiles = _cdiv(geo.max_seqlen_q, rows_per_tile) * geo.batch * geo.nheads
     grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
     extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal,
-              "EXP2_EMU": config.gluon_exp2_emu(geo.head_dim)} if persist
+              "EXP2_EMU": config.gluon_exp2_emu()} if persist
              else {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {})
     kernel = (kernels.attn_fwd_persist_kernel if persist else kernels.attn_fwd_ws_kernel if ws
               else kernels.attn_fwd_hopper_kernel)
@@ -443,6 +443,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return
+    # the kernels read lse, dlse and delta with one set of strides, lse's: all contiguous
+    # (registry.bwd_impl makes lse and dlse so; direct callers may not)
+    lse = lse if lse.is_contiguous() else lse.contiguous()
+    dlse = dlse if dlse is None or dlse.is_contiguous() else dlse.contiguous()
     arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     hopper = None if deterministic else _hopper_backward_kernels(q, k, v, dout, geo, arch, mod_flags)

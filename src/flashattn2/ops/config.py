@@ -110,8 +110,9 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # (the next ones load only once this position's dK is done); the halves free the shared memory for a second
     # Q stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one half dQ tile 32 = 208 KB (213,388 bytes).
     # At d64/d128 the same tiles and stages as above, only dO's early release. NOT MEASURED: written 2026-12-01
-    # on a machine without a GPU (compiled for sm_90, no spills: docs/notes.md, session 11); opt-in until an
-    # H200 run measures it against the entries above.
+    # on a machine without a GPU (compiled for sm_90; spills only in the causal + GQA builds, d64 16 bytes and
+    # d128 40 as the shipped d128: docs/notes.md, session 11); opt-in until an H200 run measures it against the
+    # entries above.
     ("sm90", 64, 2, "bwd_hopper_split"): TileConfig(128, 128, 8, 2),
     ("sm90", 128, 2, "bwd_hopper_split"): TileConfig(64, 128, 8, 2),
     ("sm90", 256, 2, "bwd_hopper_split"): TileConfig(64, 64, 8, 2),
@@ -379,8 +380,9 @@ def gluon_bwd() -> bool:
 # exp2 take as long on the multi-function unit (16 per clock per SM) as its two matmuls on the
 # tensor cores (4096 FLOP per clock per SM), and cuDNN's 460-490 TFLOP/s there is what the two
 # serialized would give. NOT MEASURED (written 2026-12-01 without a GPU): off unless
-# override(gluon_exp2_emu=True) or FLASHATTN2_GLUON_EXP2_EMU=1.
-def gluon_exp2_emu(head_dim: int) -> bool:
+# override(gluon_exp2_emu=True) or FLASHATTN2_GLUON_EXP2_EMU=1, which turn it on wherever the
+# persistent kernel runs (headdim 64 and 128).
+def gluon_exp2_emu() -> bool:
     """Whether the persistent Gluon forward computes a quarter of its exponentials by polynomial."""
     return _forced_or_env("gluon_exp2_emu", _ENV_GLUON_EXP2_EMU) is True
 
