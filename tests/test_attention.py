@@ -68,13 +68,17 @@ def test_forward_backward(shape, dtype, causal, path):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
-def spy_launches(monkeypatch) -> list[str]:
-    """The names of the kernels _runtime.launch runs from now on (in this test), in order."""
+def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -> list:
+    """The names of the kernels _runtime.launch runs from now on (in this test), in order; with
+    kernel_name, the values of the keyword arguments kwargs_of of each launch of that kernel."""
     launched = []
     real = _runtime.launch
 
     def spy(kernel, grid, *args, **kwargs):
-        launched.append(kernel.__name__)
+        if kernel_name is None:
+            launched.append(kernel.__name__)
+        elif kernel.__name__ == kernel_name:
+            launched.append(tuple(kwargs[k] for k in kwargs_of))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_runtime, "launch", spy)
@@ -151,15 +155,7 @@ def test_gluon_backward_split_ring(shape, dtype, causal, monkeypatch):
     q, k, v = make_qkv(shape, dtype)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     do = torch.randn_like(out)
-    split = []
-    real = _runtime.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if kernel.__name__ == "attn_bwd_ws_kernel":
-            split.append((kwargs["SPLIT_RING"], kwargs["DQ_SPLIT"]))
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_runtime, "launch", spy)
+    split = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "SPLIT_RING", "DQ_SPLIT")
     with config.override(gluon_bwd_split=True):
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert split == [(True, 2 if shape[-1] == 256 else 1)], split
@@ -175,21 +171,13 @@ def test_persistent_forward_polynomial_exp2(shape, dtype, causal, monkeypatch):
     """The persistent forward with a quarter of the unmasked blocks' exponentials by polynomial
     (override(gluon_exp2_emu=True)) against the reference, forward and backward: tails, GQA/MQA,
     seqlen_q != seqlen_k (rows that see no key), causal or not."""
-    flags = []
-    real = _runtime.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if kernel.__name__ == "attn_fwd_persist_kernel":
-            flags.append(kwargs["EXP2_EMU"])
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_runtime, "launch", spy)
+    flags = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "EXP2_EMU")
     q, k, v = make_qkv(shape, dtype)
     with config.override(gluon_exp2_emu=True):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    assert flags == [True], flags
+    assert flags == [(True,)], flags
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
@@ -315,15 +303,7 @@ def test_one_output_gradient(which, monkeypatch):
     only the logsumexp used, the output's gradient is zeros. Both against the reference."""
     q, k, v = make_qkv((2, 70, 90, 4, 2, 64), torch.float16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    flags = []
-    real = _runtime.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if kernel.__name__ == "attn_bwd_preprocess_kernel":
-            flags.append(kwargs["HAS_DLSE"])
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_runtime, "launch", spy)
+    flags = spy_launches(monkeypatch, "attn_bwd_preprocess_kernel", "HAS_DLSE")
     do, dlse = torch.randn_like(out), torch.randn_like(lse)
     if which == "out-only":
         grads = torch.autograd.grad(out, (q, k, v), do)
@@ -331,7 +311,7 @@ def test_one_output_gradient(which, monkeypatch):
     else:
         grads = torch.autograd.grad(lse, (q, k, v), dlse)
         do = torch.zeros_like(out)
-    assert flags == [which == "lse-only"], flags
+    assert flags == [(which == "lse-only",)], flags
     check_against_reference(q, k, v, out, lse, grads, do, True, dlse=dlse)
 
 
