@@ -148,17 +148,19 @@ def test_gluon_backward_grid_limit(monkeypatch):
                                    (1, 2048, 2048, 4, 4, 128), (1, 999, 1300, 8, 2, 128), (2, 700, 900, 4, 4, 64)],
                          ids=shape_id)
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_gluon_backward_split_ring(shape, dtype, causal, monkeypatch):
-    """The Gluon backward's split-ring variant (override(gluon_bwd_split=True): dO in a ring of its
-    own released after dV; at headdim 256 two Q stages and dQ_i staged in column halves) against
-    the reference: tails of both lengths, GQA and MQA, seqlen_q != seqlen_k, causal or not."""
+@pytest.mark.parametrize("forced", [True, False], ids=["split", "one-ring"])
+def test_gluon_backward_split_ring(shape, dtype, causal, forced, monkeypatch):
+    """The Gluon backward's split-ring variant (dO in a ring of its own released after dV; at
+    headdim 256, its default there, two Q stages and dQ_i staged in column halves) and the one-ring
+    kernel, each forced (override(gluon_bwd_split=...)), against the reference: tails of both
+    lengths, GQA and MQA, seqlen_q != seqlen_k, causal or not."""
     q, k, v = make_qkv(shape, dtype)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     do = torch.randn_like(out)
     split = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "SPLIT_RING", "DQ_SPLIT")
-    with config.override(gluon_bwd_split=True):
+    with config.override(gluon_bwd_split=forced):
         grads = torch.autograd.grad(out, (q, k, v), do)
-    assert split == [(True, 2 if shape[-1] == 256 else 1)], split
+    assert split == [(forced, 2 if forced and shape[-1] == 256 else 1)], split
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
@@ -182,12 +184,13 @@ def test_persistent_forward_polynomial_exp2(shape, dtype, causal, monkeypatch):
 
 
 def test_gluon_backward_split_rule(monkeypatch):
-    """config.gluon_bwd_split and gluon_exp2_emu: off by default (not yet measured), on only where
-    asked (override before the environment) and where the head dim has an entry; the d64 length
-    limit of the Gluon forward, and the override that lifts it for measurements."""
+    """config.gluon_bwd_split: by default at headdim 256 only (GLUON_BWD_SPLIT_DEFAULT), elsewhere
+    where asked (override before the environment) and the head dim has an entry; gluon_exp2_emu
+    off unless asked; the d64 length limit of the Gluon forward, and the override that lifts it."""
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
     monkeypatch.setattr(config, "_ENV_GLUON_EXP2_EMU", None)
-    assert not config.gluon_exp2_emu() and not any(config.gluon_bwd_split(d) for d in (64, 128, 256))
+    assert not config.gluon_exp2_emu()
+    assert [config.gluon_bwd_split(d) for d in (64, 128, 256, 200)] == [False, False, True, True]
     with config.override(gluon_exp2_emu=True):
         assert config.gluon_exp2_emu()
     assert config.gluon_max_seqlen_k(64) == config.GLUON_MAX_SEQLEN_K[64] and config.gluon_max_seqlen_k(128) is None

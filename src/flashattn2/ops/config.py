@@ -109,10 +109,9 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # staged in two 32 KB column halves. At d256 the one-stage kernel above waits for every position's Q and dO
     # (the next ones load only once this position's dK is done); the halves free the shared memory for a second
     # Q stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one half dQ tile 32 = 208 KB (213,388 bytes).
-    # At d64/d128 the same tiles and stages as above, only dO's early release. NOT MEASURED: written 2026-12-01
-    # on a machine without a GPU (compiled for sm_90; spills only in the causal + GQA builds, d64 16 bytes and
-    # d128 40 as the shipped d128: docs/notes.md, session 11); opt-in until an H200 run measures it against the
-    # entries above.
+    # At d64/d128 the same tiles and stages as above, only dO's early release. Measured on the H200: see
+    # GLUON_BWD_SPLIT_DEFAULT (the default at d256 only). Spills only in the causal + GQA builds, d64 16 bytes
+    # and d128 40, as the shipped d128.
     ("sm90", 64, 2, "bwd_hopper_split"): TileConfig(128, 128, 8, 2),
     ("sm90", 128, 2, "bwd_hopper_split"): TileConfig(64, 128, 8, 2),
     ("sm90", 256, 2, "bwd_hopper_split"): TileConfig(64, 64, 8, 2),
@@ -387,14 +386,23 @@ def gluon_exp2_emu() -> bool:
     return _forced_or_env("gluon_exp2_emu", _ENV_GLUON_EXP2_EMU) is True
 
 
+# head-dim buckets where the Gluon backward takes its split-ring variant by default. H200,
+# 2026-12-01 (session 11), fp16, 16k tokens, `bench ab` (median of 3 alternated rounds, cuDNN in the
+# same run), split / shipped at 512/2k/8k/16k: d256 1.19/1.26/1.26/1.26, causal 1.11/1.17/1.22/1.22
+# (to 0.92-1.10x cuDNN, from 0.75-0.92x); d128 0.97-1.01, d64 0.99-1.01 (dO's early release alone
+# buys nothing there): headdim 256 only.
+GLUON_BWD_SPLIT_DEFAULT = frozenset({256})
+
+
 def gluon_bwd_split(head_dim: int) -> bool:
-    """Whether the Gluon backward takes its split-ring variant (the bwd_hopper_split entries): only
-    where override(gluon_bwd_split=True) or FLASHATTN2_GLUON_BWD_SPLIT=1 asks for it (and the head
-    dim has an entry), until it is measured."""
+    """Whether the Gluon backward takes its split-ring variant (the bwd_hopper_split entries): by
+    default where GLUON_BWD_SPLIT_DEFAULT has the head dim, unless override(gluon_bwd_split=...) or
+    FLASHATTN2_GLUON_BWD_SPLIT=0/1 says otherwise (where the head dim has an entry)."""
     bucket = head_dim_bucket(head_dim)
     if ("sm90", bucket, 2, "bwd_hopper_split") not in _TABLE:
         return False
-    return _forced_or_env("gluon_bwd_split", _ENV_GLUON_BWD_SPLIT) is True
+    forced = _forced_or_env("gluon_bwd_split", _ENV_GLUON_BWD_SPLIT)
+    return bucket in GLUON_BWD_SPLIT_DEFAULT if forced is None else forced
 
 
 def wgmma(device: torch.device) -> bool:
