@@ -164,35 +164,12 @@ def test_gluon_backward_split_ring(shape, dtype, causal, forced, monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
-@pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 8, 64), (1, 333, 2047, 4, 2, 64), (2, 1537, 700, 6, 1, 128)],
-                         ids=shape_id)
-@pytest.mark.parametrize("causal", CAUSAL)
-def test_persistent_forward_polynomial_exp2(shape, dtype, causal, monkeypatch):
-    """The persistent forward with a quarter of the unmasked blocks' exponentials by polynomial
-    (override(gluon_exp2_emu=True)) against the reference, forward and backward: tails, GQA/MQA,
-    seqlen_q != seqlen_k (rows that see no key), causal or not."""
-    flags = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "EXP2_EMU")
-    q, k, v = make_qkv(shape, dtype)
-    with config.override(gluon_exp2_emu=True):
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    do = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    assert flags == [(True,)], flags
-    check_against_reference(q, k, v, out, lse, grads, do, causal)
-
-
 def test_gluon_backward_split_rule(monkeypatch):
     """config.gluon_bwd_split: by default at headdim 256 only (GLUON_BWD_SPLIT_DEFAULT), elsewhere
-    where asked (override before the environment) and the head dim has an entry; gluon_exp2_emu
-    off unless asked; the d64 length limit of the Gluon forward, and the override that lifts it."""
+    where asked (override before the environment) and the head dim has an entry; the d64 length
+    limit of the Gluon forward, and the override that lifts it."""
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
-    monkeypatch.setattr(config, "_ENV_GLUON_EXP2_EMU", None)
-    assert not config.gluon_exp2_emu()
     assert [config.gluon_bwd_split(d) for d in (64, 128, 256, 200)] == [False, False, True, True]
-    with config.override(gluon_exp2_emu=True):
-        assert config.gluon_exp2_emu()
     assert config.gluon_max_seqlen_k(64) == config.GLUON_MAX_SEQLEN_K[64] and config.gluon_max_seqlen_k(128) is None
     with config.override(gluon_any_length=True):
         assert config.gluon_max_seqlen_k(64) is None

@@ -118,13 +118,9 @@ def cases(arch):
                 if ws:
                     constexprs["PINGPONG"] = config.GLUON_WS_PINGPONG[bucket]
                 if persist:
-                    constexprs.update(QBUF=config.GLUON_PERSIST_QBUF[bucket], SNAKE=causal, EXP2_EMU=False)
+                    constexprs.update(QBUF=config.GLUON_PERSIST_QBUF[bucket], SNAKE=causal)
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
                        fn, elem_bytes, constexprs, cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
-                if persist:  # the opt-in polynomial exponentials (config.gluon_exp2_emu)
-                    yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-exp2emu-{'causal' if causal else 'full'}",
-                           fn, elem_bytes, dict(constexprs, EXP2_EMU=True), cfg,
-                           _gluon_descriptor_types(elem_bytes, bucket, cfg))
             continue
         if kernel in ("bwd_hopper", "bwd_hopper_split"):  # the warp-specialized Gluon backward: as the forward
             split = kernel == "bwd_hopper_split"

@@ -41,11 +41,6 @@ QBUF 2) 64 + 32 = 96 KB; d128 (M 64, N 128, S 2, QBUF 2) 64 + 128 = 192 KB of th
 (Headdim 256 would fit only with QBUF 1, 192 KB; it measured 0.87-1.02x the warp-specialized
 kernel and has no table entry.)
 
-EXP2_EMU (the persistent kernel, opt-in, not yet measured): in the blocks that need no mask, one
-exponential in four is computed by a degree-3 polynomial on the FMA pipe (_exp2_mixed) instead of
-the multi-function unit, whose 16 exp2 per clock per SM take as long as the tensor cores' work at
-headdim 64 (FlashAttention-4's trick on Blackwell, for the same reason).
-
 Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
 [1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.
 No softcap, ALiBi, window or dropout (ops.attention sends those to kernels/fwd.py). Causal is
@@ -59,44 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-
-
-def _f32_hex(x: float) -> str:
-    import struct
-
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-# 2^r on [0, 1) as 1 + r (C1 + r (C2 + r C3)): a degree-3 fit of least maximum relative error
-# (1.0e-4) with p(1) = 2, so that 2^x = 2^floor(x) p(x - floor(x)) is continuous at integers.
-EXP2_POLY = (0.6954243524265168, 0.2263076799001781, 0.0782679676733051)
-EXP2_FLOOR = -126.0  # inputs below are clamped: 2^-126 (the smallest normal) stands for 0; NaN stays NaN
-# Four fp32 values per asm block: three by the multi-function unit (ex2.approx), the fourth by the
-# polynomial on the FMA pipe, with 2^floor(x) added into its exponent bits.
-_EXP2_MIXED_ASM = gl.constexpr(f"""{{
-.reg .b32 x, f, r, p, n;
-ex2.approx.ftz.f32 $0, $4;
-ex2.approx.ftz.f32 $1, $5;
-ex2.approx.ftz.f32 $2, $6;
-max.ftz.NaN.f32 x, $7, {_f32_hex(EXP2_FLOOR)};
-cvt.rmi.ftz.f32.f32 f, x;
-sub.ftz.f32 r, x, f;
-fma.rn.ftz.f32 p, r, {_f32_hex(EXP2_POLY[2])}, {_f32_hex(EXP2_POLY[1])};
-fma.rn.ftz.f32 p, p, r, {_f32_hex(EXP2_POLY[0])};
-fma.rn.ftz.f32 p, p, r, {_f32_hex(1.0)};
-cvt.rzi.ftz.s32.f32 n, f;
-shl.b32 n, n, 23;
-add.s32 $3, p, n;
-}}""")
-
-
-@gluon.jit
-def _exp2_mixed(x):
-    """exp2 of x (finite, at most ~0: scores minus their row max) with one element in four computed
-    on the FMA pipe instead of the multi-function unit (16 exp2 per clock per SM on Hopper, as slow
-    as the tensor cores on a headdim-64 tile): FlashAttention-4's trick, for the unmasked blocks."""
-    return gl.inline_asm_elementwise(_EXP2_MIXED_ASM, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                     pack=4)
 
 
 @gluon.constexpr_function
@@ -174,11 +131,11 @@ def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, start_m, start_n, seqlen_k, diag, masked, CAUSAL: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, EXP2_EMU: gl.constexpr = False):
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One online-softmax step on raw scores s: (p, alpha, m, l). `masked` (constexpr, or a
     runtime flag for block 0): the block crosses the causal diagonal or the end of the keys; its
     invisible scores become -inf and a row that has seen no key yet keeps m = -inf, shifted by 0
-    so that exp2 gives 0, not NaN. EXP2_EMU: the unmasked blocks' exponentials by _exp2_mixed."""
+    so that exp2 gives 0, not NaN."""
     if masked:
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -193,10 +150,7 @@ def _softmax(s, m_i, l_i, qk_scale, start_m, start_n, seqlen_k, diag, masked, CA
     else:
         # the scale folded into one FMA, the max taken before scaling (softmax_scale >= 0)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        if EXP2_EMU:
-            p = _exp2_mixed(s * qk_scale - m_new[:, None])
-        else:
-            p = gl.exp2(s * qk_scale - m_new[:, None])
+        p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
@@ -625,8 +579,7 @@ def _q_release(q_empty, idx, pred):
 def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, g, j,
                   qk_scale, start_m, seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr,
-                  EXP2_EMU: gl.constexpr):
+                  s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
     """_ws_step (without ping-pong) on the running ring: the tile's key block j >= 1 is ring block
     g + j."""
     dtype: gl.constexpr = q_op.dtype
@@ -643,7 +596,7 @@ def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
     _persist_release(k_empty, ks)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout, EXP2_EMU)
+                                  BLOCK_M, BLOCK_N, s_layout)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
     _persist_release(v_empty, vs)
@@ -655,7 +608,7 @@ def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k
 def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty, v_empty, lse_row0, off_b,
                   q_col, start_m, n_blocks, mask_from, g, qi, prev_qi, has_prev, qk_scale, seqlen_q, seqlen_k,
                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, QBUF: gl.constexpr, EXP2_EMU: gl.constexpr):
+                  STAGES: gl.constexpr, QBUF: gl.constexpr):
     """One consumer warpgroup's query tile (n_blocks >= 1, its Q in buffer qi already waited for):
     ring blocks g .. g + n_blocks - 1, then the epilogue, whose O store is left in flight."""
     dtype: gl.constexpr = q_smem.dtype
@@ -687,19 +640,17 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     _persist_release(k_empty, ks)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout, EXP2_EMU)
+                                  BLOCK_M, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, gl.maximum(mask_from, 1)):
         acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
                                             v_empty, s_zero, g, j, qk_scale, start_m, seqlen_k, diag, False, CAUSAL,
-                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile,
-                                            EXP2_EMU)
+                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
     for j in range(gl.maximum(mask_from, 1), n_blocks):
         acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
                                             v_empty, s_zero, g, j, qk_scale, start_m, seqlen_k, diag, True, CAUSAL,
-                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile,
-                                            EXP2_EMU)
+                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
 
     # the last block's PV
     gv = g + n_blocks - 1
@@ -722,8 +673,7 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
 def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                       stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                       ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
-                      EXP2_EMU: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
     """Consumer warpgroup ME (0: the default partition, 1: worker 0): half ME of each of this CTA's
     tiles. The k-th tile's Q is in buffer (k % QBUF) * 2 + ME, phase (k // QBUF) & 1."""
     CTA_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
@@ -745,7 +695,7 @@ def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_read
             lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
             _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty, v_empty, lse_row0,
                           off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, g, qi, prev_qi, it > 0,
-                          qk_scale, seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, EXP2_EMU)
+                          qk_scale, seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)
         else:  # this half of the tile lies past seqlen_q: nothing to compute, nothing stored
             if QBUF == 2:
                 _q_release(q_empty, prev_qi, it > 0)
@@ -811,10 +761,9 @@ def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
 def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k,
                             group_size, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            QBUF: gl.constexpr, SNAKE: gl.constexpr, EXP2_EMU: gl.constexpr):
+                            QBUF: gl.constexpr, SNAKE: gl.constexpr):
     """Grid: min(#SMs, cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads) CTAs; launched with
-    num_warps=4 (the default partition; the compiler adds the workers' warps). EXP2_EMU: a quarter
-    of the unmasked blocks' exponentials on the FMA pipe (_exp2_mixed)."""
+    num_warps=4 (the default partition; the compiler adds the workers' warps)."""
     dtype: gl.constexpr = Q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [QBUF * NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM], Q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
@@ -838,10 +787,10 @@ def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch
     gl.warp_specialize([
         (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                              stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                             _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, EXP2_EMU)),
+                             _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)),
         (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                              stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                             _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, EXP2_EMU)),
+                             _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)),
         (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                              batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M,
                              BLOCK_N, STAGES, QBUF)),

@@ -266,8 +266,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     rows_per_tile = cfg.block_m * (kernels.NUM_CONSUMERS.value if persist or ws else 1)
     tiles = _cdiv(geo.max_seqlen_q, rows_per_tile) * geo.batch * geo.nheads
     grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
-    extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal,
-              "EXP2_EMU": config.gluon_exp2_emu()} if persist
+    extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal} if persist
              else {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {})
     kernel = (kernels.attn_fwd_persist_kernel if persist else kernels.attn_fwd_ws_kernel if ws
               else kernels.attn_fwd_hopper_kernel)

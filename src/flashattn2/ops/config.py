@@ -189,7 +189,7 @@ _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
                               "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None,
-                              "gluon_exp2_emu": None, "gluon_any_length": None}
+                              "gluon_any_length": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -241,7 +241,6 @@ _ENV_GLUON_WS = _runtime.env_flag("FLASHATTN2_GLUON_WS")
 _ENV_GLUON_PERSIST = _runtime.env_flag("FLASHATTN2_GLUON_PERSIST")
 _ENV_GLUON_BWD = _runtime.env_flag("FLASHATTN2_GLUON_BWD")
 _ENV_GLUON_BWD_SPLIT = _runtime.env_flag("FLASHATTN2_GLUON_BWD_SPLIT")
-_ENV_GLUON_EXP2_EMU = _runtime.env_flag("FLASHATTN2_GLUON_EXP2_EMU")
 
 
 def _forced_or_env(name: str, env: bool | None) -> bool | None:
@@ -374,18 +373,6 @@ def gluon_bwd() -> bool:
     return _forced_or_env("gluon_bwd", _ENV_GLUON_BWD) is not False
 
 
-# The persistent forward's exponentials of unmasked blocks, one in four on the FMA pipe
-# (kernels/fwd_hopper._exp2_mixed, FlashAttention-4's trick): at headdim 64 a 128x64 tile's 8192
-# exp2 take as long on the multi-function unit (16 per clock per SM) as its two matmuls on the
-# tensor cores (4096 FLOP per clock per SM), and cuDNN's 460-490 TFLOP/s there is what the two
-# serialized would give. NOT MEASURED (written 2026-12-01 without a GPU): off unless
-# override(gluon_exp2_emu=True) or FLASHATTN2_GLUON_EXP2_EMU=1, which turn it on wherever the
-# persistent kernel runs (headdim 64 and 128).
-def gluon_exp2_emu() -> bool:
-    """Whether the persistent Gluon forward computes a quarter of its exponentials by polynomial."""
-    return _forced_or_env("gluon_exp2_emu", _ENV_GLUON_EXP2_EMU) is True
-
-
 # head-dim buckets where the Gluon backward takes its split-ring variant by default. H200,
 # 2026-12-01 (session 11), fp16, 16k tokens, `bench ab` (median of 3 alternated rounds, cuDNN in the
 # same run), split / shipped at 512/2k/8k/16k: d256 1.19/1.26/1.26/1.26, causal 1.11/1.17/1.22/1.22
@@ -421,7 +408,7 @@ _WGMMA: dict = {}
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
              gluon_persist: bool | None = None, gluon_bwd: bool | None = None, gluon_bwd_split: bool | None = None,
-             gluon_exp2_emu: bool | None = None, gluon_any_length: bool | None = None, **tiles: TileConfig):
+             gluon_any_length: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
@@ -430,9 +417,8 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     (gluon_ws; True forces it whatever the sequence length, where the head dim has one) or its
     persistent kernel (gluon_persist), and/or
     whether deterministic=False backwards may take the Gluon backward (gluon_bwd) and its split-ring
-    variant (gluon_bwd_split), and/or whether the persistent forward computes a quarter of its
-    exponentials by polynomial (gluon_exp2_emu), and/or whether the Gluon forward takes every key
-    length (gluon_any_length: GLUON_MAX_SEQLEN_K lifted), inside a with-block. The CPU interpreter
+    variant (gluon_bwd_split), and/or whether the Gluon forward takes every key length
+    (gluon_any_length: GLUON_MAX_SEQLEN_K lifted), inside a with-block. The CPU interpreter
     ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
@@ -443,7 +429,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
                    gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split,
-                   gluon_exp2_emu=gluon_exp2_emu, gluon_any_length=gluon_any_length)
+                   gluon_any_length=gluon_any_length)
     try:
         yield
     finally:
