@@ -126,12 +126,11 @@ def configs() -> dict:
 
     found = {}
     for (arch, bucket, _, kernel), cfg in config.table_entries():
-        if kernel == "bwd_hopper":
-            found[f"d{bucket}"] = (cfg.num_stages, False, cfg.num_stages, 1, config.GLUON_BWD_DQ_STAGES[bucket])
-        elif kernel == "bwd_hopper_split":
-            rings = config.GLUON_BWD_SPLIT[bucket]
-            found[f"d{bucket} split"] = (cfg.num_stages, True, rings["DO_STAGES"], rings["DQ_SPLIT"],
-                                         rings["DQ_STAGES"])
+        if kernel in ("bwd_hopper", "bwd_hopper_split"):
+            split = kernel == "bwd_hopper_split"
+            r = config.gluon_bwd_rings(bucket, split, cfg.num_stages)
+            found[f"d{bucket}" + " split" * split] = (cfg.num_stages, r["SPLIT_RING"], r["DO_STAGES"], r["DQ_SPLIT"],
+                                                      r["DQ_STAGES"])
     return found
 
 

@@ -124,13 +124,12 @@ def cases(arch):
             continue
         if kernel in ("bwd_hopper", "bwd_hopper_split"):  # the warp-specialized Gluon backward: as the forward
             split = kernel == "bwd_hopper_split"
-            rings = (config.GLUON_BWD_SPLIT[bucket] if split else
-                     dict(DO_STAGES=cfg.num_stages, DQ_SPLIT=1, DQ_STAGES=config.GLUON_BWD_DQ_STAGES[bucket]))
+            rings = config.gluon_bwd_rings(bucket, split, cfg.num_stages)
             types = _gluon_descriptor_types(elem_bytes, bucket, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"),
                                             dq_cols=bucket // rings["DQ_SPLIT"])
             for causal, gqa in ((False, False), (True, True)):
                 constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                  STAGES=cfg.num_stages, GQA=gqa, SPLIT_RING=split, **rings)
+                                  STAGES=cfg.num_stages, GQA=gqa, **rings)
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal-gqa' if causal else 'full'}",
                        _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel, elem_bytes, constexprs, cfg, types)
             continue

@@ -24,8 +24,11 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+# the sha the results record: pass FLASHATTN2_GIT_SHA (the device tool's copy of the checkout can carry
+# a stale .git: on 2026-12-01 it reported the session's first commit)
 GIT_SHA=${FLASHATTN2_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 export FLASHATTN2_GIT_SHA=$GIT_SHA
+echo "results recorded as git $GIT_SHA"
 
 # the tests added since the last GPU run and those of the paths they touch (pytest -k: one line)
 NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or grid_limit or kernel_choice"

@@ -328,18 +328,16 @@ def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _G
     """The Gluon backward (kernels/bwd_hopper.py; _hopper_backward_kernels chose it). One
     preprocess launch writes what it reads besides the inputs (_preprocess): delta, the zeroed fp32
     dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not such
-    a multiple (or lse is not contiguous), lse padded the same way (+inf; delta 0: the padded rows
-    contribute nothing). Then the kernel, then dQ cast from the accumulator into dq."""
+    a multiple, lse (contiguous: backward makes it so) padded the same way (+inf; delta 0: the
+    padded rows contribute nothing). Then the kernel, then dQ cast from the accumulator into dq."""
     split = config.gluon_bwd_split(geo.head_dim)
     cfg = config.select("bwd_hopper_split" if split else "bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
-    rings = (config.GLUON_BWD_SPLIT[geo.head_dim] if split else
-             dict(DO_STAGES=cfg.num_stages, DQ_SPLIT=1, DQ_STAGES=config.GLUON_BWD_DQ_STAGES[geo.head_dim]))
+    rings = config.gluon_bwd_rings(geo.head_dim, split, cfg.num_stages)
     seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
     seqlen_q_pad = _cdiv(seqlen_q, cfg.block_m) * cfg.block_m
     delta = _runtime.empty((geo.batch, geo.nheads, seqlen_q_pad), torch.float32, q.device)
-    # the kernel reads lse and delta with one set of strides
-    lse_pad = (_runtime.empty(delta.shape, torch.float32, q.device)
-               if seqlen_q_pad != seqlen_q or lse.stride() != delta.stride() else None)
+    # the kernel reads lse and delta with one set of strides (lse arrives contiguous): a tail needs a padded copy
+    lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if seqlen_q_pad != seqlen_q else None
     acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
     _preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc)
     lse = lse_pad if lse_pad is not None else lse
@@ -360,11 +358,8 @@ def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _G
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages,
-        DQ_STAGES=rings["DQ_STAGES"],
         GQA=geo.nheads != geo.nheads_k,
-        SPLIT_RING=split,
-        DO_STAGES=rings["DO_STAGES"],
-        DQ_SPLIT=rings["DQ_SPLIT"],
+        **rings,
         num_warps=cfg.num_warps,
     )
     dq.copy_(acc[:, :seqlen_q] if seqlen_q_pad != seqlen_q else acc)

@@ -323,6 +323,15 @@ GLUON_PERSIST_QBUF: dict[int, int] = {64: 2, 128: 2}
 GLUON_BWD_DQ_STAGES: dict[int, int] = {64: 1, 128: 2, 256: 1}
 # head-dim bucket -> the split-ring variant's constexprs (the bwd_hopper_split entries): dO's ring depth,
 # dQ_i in DQ_SPLIT column parts, DQ_STAGES staging tiles of that width
+def gluon_bwd_rings(head_dim: int, split: bool, num_stages: int) -> dict:
+    """The Gluon backward's ring constexprs (SPLIT_RING, DO_STAGES, DQ_SPLIT, DQ_STAGES) for the
+    one-ring kernel (dO shares Q's num_stages-deep ring) or the split-ring variant (GLUON_BWD_SPLIT)."""
+    bucket = head_dim_bucket(head_dim)
+    if split:
+        return dict(SPLIT_RING=True, **GLUON_BWD_SPLIT[bucket])
+    return dict(SPLIT_RING=False, DO_STAGES=num_stages, DQ_SPLIT=1, DQ_STAGES=GLUON_BWD_DQ_STAGES[bucket])
+
+
 GLUON_BWD_SPLIT: dict[int, dict] = {64: dict(DO_STAGES=2, DQ_SPLIT=1, DQ_STAGES=1),
                                     128: dict(DO_STAGES=2, DQ_SPLIT=1, DQ_STAGES=2),
                                     256: dict(DO_STAGES=1, DQ_SPLIT=2, DQ_STAGES=1)}
