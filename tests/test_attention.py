@@ -221,6 +221,44 @@ def test_persistent_forward_many_tiles_per_program(d, causal, monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
+# persistent-forward tiles beyond the table's: three consumer warpgroups (w12), 64-key blocks at d128
+PERSIST_TILES = [pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
+                 pytest.param(64, T(64, 128, 12, 3), id="d64-64x128w12s3"),
+                 pytest.param(64, T(64, 128, 8, 2), id="d64-64x128w8s2"),
+                 pytest.param(128, T(64, 64, 8, 2), id="d128-64x64w8s2"),
+                 pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2")]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
+@pytest.mark.parametrize("d, tile", PERSIST_TILES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("grid", [3, None], ids=["3-programs", "all-sms"])
+def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
+    """The persistent forward with each tile it may be given (two or three consumer warpgroups): a
+    ragged last tile whose later parts lie past seqlen_q (300 rows: 192-row tiles leave 108, one part
+    and a half), GQA, seqlen_q != seqlen_k both ways, bf16 too, and on a grid of 3 programs the
+    rings and Q buffers carried across many tiles; NaN-filled outputs (every element written)."""
+    if grid is not None:
+        monkeypatch.setattr(_runtime, "sm_count", lambda device: grid)
+    launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "CONSUMERS", "BLOCK_N")
+    for dtype, shape in ((torch.float16, (3, 300, 461, 8, 2, d)), (torch.bfloat16, (2, 461, 300, 4, 4, d)),
+                         (torch.float16, (1, 64, 1000, 6, 3, d))):
+        q, k, v = make_qkv(shape, dtype)
+        with config.override(fwd_hopper_persist=tile):
+            out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        check_against_reference(q, k, v, out, lse, None, None, causal)
+    assert launched == [(tile.num_warps // 4, tile.block_n)] * 3, launched
+
+
+def test_persistent_constexprs():
+    """The persistent forward's num_warps counts its consumer warps: 8 or 12, nothing else."""
+    assert config.gluon_persist_constexprs(T(64, 128, 12, 2), 64, True) == dict(QBUF=2, SNAKE=True, CONSUMERS=3)
+    assert config.gluon_persist_constexprs(T(64, 128, 8, 2), 128, False)["CONSUMERS"] == 2
+    for warps in (4, 16):
+        with pytest.raises(ValueError, match="num_warps"):
+            config.gluon_persist_constexprs(T(64, 128, warps, 2), 64, False)
+
+
 @pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "gluon-bwd-off",
                                   "softcap", "dropout", "d96", "varlen", "sm80"])
 def test_backward_kernel_choice(case, monkeypatch):

@@ -52,7 +52,9 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
         else:
             sig[name] = "i32"
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # the persistent Gluon forward's num_warps counts its consumer warps; it launches with its default
+    # partition's 4 (ops.attention._hopper_forward)
+    options = dict(num_warps=4 if "CONSUMERS" in constexprs else cfg.num_warps, num_stages=cfg.num_stages)
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -118,7 +120,7 @@ def cases(arch):
                 if ws:
                     constexprs["PINGPONG"] = config.GLUON_WS_PINGPONG[bucket]
                 if persist:
-                    constexprs.update(QBUF=config.GLUON_PERSIST_QBUF[bucket], SNAKE=causal)
+                    constexprs.update(config.gluon_persist_constexprs(cfg, bucket, causal))
                 yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
                        fn, elem_bytes, constexprs, cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
             continue

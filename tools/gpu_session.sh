@@ -62,7 +62,7 @@ for s in "$@"; do
         --seqlens 512,2048,8192,16384 --causal 0,1 ;;
     ab-fwd)
       stage ab-fwd 300 bash -c "python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
-          --setting default --setting fwd_hopper_persist=64x64w4s2 --dtypes fp16 --headdims 128 \
+          --setting default --setting fwd_hopper_persist=64x64w8s2 --dtypes fp16 --headdims 128 \
           --seqlens 512,1024,2048,4096 --causal 1 &&
         python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
           --setting default --setting fwd_hopper_persist=64x128w4s2 --dtypes fp16 --headdims 64 \

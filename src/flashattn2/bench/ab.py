@@ -1,7 +1,7 @@
 """Same-run A/B of flashattn2 under two or more settings (`python -m flashattn2 bench ab`): what the
 kernel table's choices are made from. A setting is a comma-separated list of config.override
 arguments ("gluon_bwd_split=1", "gluon=0,gluon_bwd=0", "arch=sm80", a tile as
-"fwd_hopper_persist=64x64w4s2"; "" or "default" for the defaults) or "pkg:NAME" for a package built
+"fwd_hopper_persist=64x64w8s2"; "" or "default" for the defaults) or "pkg:NAME" for a package built
 by tools/baseline_pkg.py (an older commit, loaded beside this one). At every point the rounds
 alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike; each setting's
 median over the rounds is reported with its ratio to the first setting and to cuDNN. Every setting

@@ -293,7 +293,10 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
 NUM_CONSUMERS = gl.constexpr(2)
 _CONSUMER0 = gl.constexpr(0)  # partition ids as constexpr globals (a literal in a tuple is not one)
 _CONSUMER1 = gl.constexpr(1)
+_CONSUMER2 = gl.constexpr(2)
 _CONSUMER_REGS = gl.constexpr(240)
+# the persistent kernel with three consumer warpgroups: 3 * 128 * 160 + 24 * 128 <= 64K registers
+_CONSUMER3_REGS = gl.constexpr(160)
 _PRODUCER_REGS = gl.constexpr(24)
 
 
@@ -543,6 +546,18 @@ def _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL: gl.constexpr, SNA
 
 
 @gluon.jit
+def _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CONSUMERS: gl.constexpr):
+    """The largest block count of a tile's CONSUMERS parts (_tile_blocks of each): how far the ring
+    moves per tile."""
+    n_max, _ = _tile_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for t in gl.static_range(1, CONSUMERS):
+        n_t, _ = _tile_blocks(cta_m + t * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        n_max = gl.maximum(n_max, n_t)
+    return n_max
+
+
+@gluon.jit
 def _persist_release(empty_bars, stage):
     """Done reading ring stage `stage`: one arrival (after this warpgroup's wgmma wait); the empty
     barrier completes its phase when both consumers arrived -- never for the partner (_skip_blocks)."""
@@ -673,10 +688,12 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
 def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                       stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                       ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
-    """Consumer warpgroup ME (0: the default partition, 1: worker 0): half ME of each of this CTA's
-    tiles. The k-th tile's Q is in buffer (k % QBUF) * 2 + ME, phase (k // QBUF) & 1."""
-    CTA_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
+                      CONSUMERS: gl.constexpr):
+    """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part ME
+    of each of this CTA's tiles. The k-th tile's Q is in buffer (k % QBUF) * CONSUMERS + ME, phase
+    (k // QBUF) & 1."""
+    CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -687,9 +704,9 @@ def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_read
         off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
         start_m = cta_m + ME * BLOCK_M
         n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-        n_other, _ = _tile_blocks(cta_m + (1 - ME) * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-        qi = (it % QBUF) * NUM_CONSUMERS + ME
-        prev_qi = ((it + 1) % QBUF) * NUM_CONSUMERS + ME  # QBUF 2: the previous tile's buffer
+        n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
+        qi = (it % QBUF) * CONSUMERS + ME
+        prev_qi = ((it + 1) % QBUF) * CONSUMERS + ME  # QBUF 2: the previous tile's buffer
         mbarrier.wait(q_ready.index(qi), (it // QBUF) & 1)
         if n_blocks > 0:
             lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
@@ -701,7 +718,6 @@ def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_read
                 _q_release(q_empty, prev_qi, it > 0)
             else:
                 mbarrier.arrive(q_empty.index(qi))
-        n_max = gl.maximum(n_blocks, n_other)
         _skip_blocks(k_ready, v_ready, k_empty, v_empty, g, n_blocks, n_max, STAGES)  # after the epilogue
         g += n_max
     tma.store_wait(pendings=0)
@@ -722,10 +738,10 @@ def _persist_produce(desc, ready, empty, smem, gb, row, off_b, kv_col, STAGES: g
 def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
                       nheads, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      QBUF: gl.constexpr):
-    """One warp, per tile: K_0, Q_0, Q_1 (each once its buffer is free), K_1, V_0, K_2, V_1, ...,
-    V_{n-1} (n = the longer half's block count)."""
-    CTA_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+                      QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One warp, per tile: K_0, Q_0 .. Q_{CONSUMERS-1} (each once its buffer is free), K_1, V_0, K_2,
+    V_1, ..., V_{n-1} (n = the longest part's block count)."""
+    CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -733,16 +749,14 @@ def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
     g = 0
     for it in range(n_my):
         off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
-        n0, _ = _tile_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-        n1, _ = _tile_blocks(cta_m + BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-        n_max = gl.maximum(n0, n1)  # >= 1: the tile's first half is valid
+        n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)  # >= 1: part 0 is valid
         q_col = off_h * HEAD_DIM
         kv_col = (off_h // group_size) * HEAD_DIM
         # K_0 first: its stage held a block of an earlier tile, so this wait never needs this tile's
         # Q (no deadlock), and with QBUF 1 only the Q load's latency is exposed per tile
         _persist_produce(K, k_ready, k_empty, k_smem, g, 0, off_b, kv_col, STAGES)
-        for t in gl.static_range(NUM_CONSUMERS):
-            qi = (it % QBUF) * NUM_CONSUMERS + t
+        for t in gl.static_range(CONSUMERS):
+            qi = (it % QBUF) * CONSUMERS + t
             mbarrier.wait(q_empty.index(qi), ((it // QBUF) & 1) ^ 1)
             bar = q_ready.index(qi)
             row = cta_m + t * BLOCK_M
@@ -761,37 +775,58 @@ def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
 def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k,
                             group_size, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            QBUF: gl.constexpr, SNAKE: gl.constexpr):
-    """Grid: min(#SMs, cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads) CTAs; launched with
-    num_warps=4 (the default partition; the compiler adds the workers' warps)."""
+                            QBUF: gl.constexpr, SNAKE: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Grid: min(#SMs, cdiv(seqlen_q, CONSUMERS * BLOCK_M) * batch * nheads) CTAs; launched with
+    num_warps=4 (the default partition; the compiler adds the workers' warps). CONSUMERS 2 or 3
+    consumer warpgroups (PERSIST_REGS registers each), one producer warp."""
     dtype: gl.constexpr = Q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [QBUF * NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM], Q.layout)
+    NQ: gl.constexpr = QBUF * CONSUMERS
+    q_smem = gl.allocate_shared_memory(dtype, [NQ, 1, BLOCK_M, HEAD_DIM], Q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [QBUF * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [QBUF * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(QBUF * NUM_CONSUMERS):
+    for i in gl.static_range(NQ):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
-    gl.warp_specialize([
-        (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                             stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                             _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)),
-        (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                             stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                             _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)),
-        (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                             batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M,
-                             BLOCK_N, STAGES, QBUF)),
-    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    # (written out per count: a tuple in a Gluon kernel cannot hold a function, nor be concatenated
+    # with the partition id and keep its constexprs)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                                 _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                                 _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 3, "the persistent forward has 2 or 3 consumer warpgroups")
+        gl.warp_specialize([
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                                 _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                                 _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+                                 _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                 v_empty, batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+        ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])

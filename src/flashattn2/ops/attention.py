@@ -263,11 +263,11 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     descs = [_host_desc(t, rows, gluon=True)
              for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))]
     lse_strides = lse.stride()
-    rows_per_tile = cfg.block_m * (kernels.NUM_CONSUMERS.value if persist or ws else 1)
-    tiles = _cdiv(geo.max_seqlen_q, rows_per_tile) * geo.batch * geo.nheads
-    grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
-    extra = ({"QBUF": config.GLUON_PERSIST_QBUF[geo.head_dim], "SNAKE": causal} if persist
+    extra = (config.gluon_persist_constexprs(cfg, geo.head_dim, causal) if persist
              else {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {})
+    consumers = extra["CONSUMERS"] if persist else kernels.NUM_CONSUMERS.value if ws else 1
+    tiles = _cdiv(geo.max_seqlen_q, cfg.block_m * consumers) * geo.batch * geo.nheads
+    grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
     kernel = (kernels.attn_fwd_persist_kernel if persist else kernels.attn_fwd_ws_kernel if ws
               else kernels.attn_fwd_hopper_kernel)
     _runtime.launch(kernel, grid,
@@ -279,7 +279,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
         BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages,
         **extra,
-        num_warps=cfg.num_warps,
+        num_warps=4 if persist else cfg.num_warps,  # the persistent kernel's: its default partition's
     )
     return True
 

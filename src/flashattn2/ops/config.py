@@ -14,8 +14,8 @@ from . import _runtime
 
 # bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py);
 # fwd_hopper_ws: its warp-specialized kernel (block_m: rows per consumer warpgroup, two per program;
-# num_warps: the default partition's, always 4); fwd_hopper_persist: its persistent kernel (the
-# same); bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps: the MMA
+# num_warps: the default partition's, always 4); fwd_hopper_persist: its persistent kernel (block_m
+# the same; num_warps: the consumer warps, 4 per consumer warpgroup, 8 or 12); bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps: the MMA
 # partition's, always 8); bwd_hopper_split: its split-ring variant (GLUON_BWD_SPLIT; num_stages: Q's
 # ring)
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws", "fwd_hopper_persist",
@@ -78,12 +78,12 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # d128 64(x2)x128 s2, 2 Q buffers: 513/574/630/623/636/625 (ship 456/484/528/583/596/614,
     # cuDNN 512/591/638/657/667/670); causal 255/349/433/550/605/645 (ship 249/324/367/449/526/588,
     # cuDNN 325/417/502/527/558/618). 1 Q buffer: 0.84-0.99x of 2.
-    ("sm90", 128, 2, "fwd_hopper_persist"): TileConfig(64, 128, 4, 2),
+    ("sm90", 128, 2, "fwd_hopper_persist"): TileConfig(64, 128, 8, 2),
     # d64 128(x2)x64 s2, 2 Q buffers: 358/399/407/401/401 (ship 336/374/400/433/453, cuDNN 388/
     # 434/458/483/492); causal 219/296/348/368/398 (ship 208/286/332/385/446, cuDNN 257/333/387/
     # 431/464): ahead up to 2k keys, where the Gluon forward stops at d64 (GLUON_MAX_SEQLEN_K),
     # behind past it.
-    ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(128, 64, 4, 2),
+    ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(128, 64, 8, 2),
     # d256 (64(x2)x64 s2, 1 Q buffer) measured 0.87-1.02x of the warp-specialized kernel: no entry.
     # The warp-specialized Gluon backward (deterministic=False; ops.attention._hopper_backward):
     # producer warp, two MMA warpgroups, dQ-writer warp; dQ by TMA reduce-add through
@@ -316,6 +316,14 @@ GLUON_WS_PINGPONG: dict[int, bool] = {128: False, 256: False}
 # head-dim bucket -> the persistent forward's Q buffers per consumer: two let a tile's O store and
 # the next tile's Q load overlap the compute (headdim 256 would need 256 KB of shared memory).
 GLUON_PERSIST_QBUF: dict[int, int] = {64: 2, 128: 2}
+
+
+def gluon_persist_constexprs(cfg: TileConfig, head_dim: int, causal: bool) -> dict:
+    """The persistent forward's constexprs beyond the tile: Q buffers per consumer (GLUON_PERSIST_QBUF),
+    the snake order (causal), and its consumer warpgroups, cfg.num_warps // 4 (2 or 3)."""
+    if cfg.num_warps not in (8, 12):
+        raise ValueError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {cfg.num_warps}")
+    return dict(QBUF=GLUON_PERSIST_QBUF[head_dim_bucket(head_dim)], SNAKE=causal, CONSUMERS=cfg.num_warps // 4)
 
 # head-dim bucket -> the Gluon backward's dQ staging tiles (fp32 BLOCK_M x headdim each): two
 # where they fit in shared memory beside the rings (headdim 128: 229,740 of 232,448 bytes), else
