@@ -102,7 +102,7 @@ def test_forward_kernel_choice(case, monkeypatch):
     launched = spy_launches(monkeypatch)
     d = {"d256": 256, "d96": 96, "d256-ws-off": 256}.get(case, 128 if case.startswith("d128") else 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
-    seqlen_k = {"d64-long": config.GLUON_MAX_SEQLEN_K[64] + 1,  # past the d64 limit
+    seqlen_k = {"d64-long": 2049,  # past _TABLE_SHORT's d64 tiles (and the length limit the Gluon forward had there)
                 "d128-long": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1,
                 "d128-persist-off": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1}.get(case, 130)
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
@@ -119,9 +119,9 @@ def test_forward_kernel_choice(case, monkeypatch):
                                               cu, cu, 100, 100)
         else:
             flashattn2.flash_attn_func(q, k, v, **kwargs)
-    gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256", "d128-short", "d128-long", "d128-ws-forced",
-                                "d128-one-wg-forced", "d128-persist-off", "d256-ws-off", "d64-ws-forced")
-    persist = gluon and case in ("plain", "causal", "gqa-bf16", "d128-short", "d128-long")
+    gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256", "d64-long", "d128-short", "d128-long",
+                                "d128-ws-forced", "d128-one-wg-forced", "d128-persist-off", "d256-ws-off", "d64-ws-forced")
+    persist = gluon and case in ("plain", "causal", "gqa-bf16", "d64-long", "d128-short", "d128-long")
     ws = gluon and case in ("d256", "d128-ws-forced", "d128-persist-off")
     expected = ("attn_fwd_persist_kernel" if persist else "attn_fwd_ws_kernel" if ws
                 else "attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel")
@@ -166,13 +166,9 @@ def test_gluon_backward_split_ring(shape, dtype, causal, forced, monkeypatch):
 
 def test_gluon_backward_split_rule(monkeypatch):
     """config.gluon_bwd_split: by default at headdim 256 only (GLUON_BWD_SPLIT_DEFAULT), elsewhere
-    where asked (override before the environment) and the head dim has an entry; the d64 length
-    limit of the Gluon forward, and the override that lifts it."""
+    where asked (override before the environment) and the head dim has an entry."""
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
     assert [config.gluon_bwd_split(d) for d in (64, 128, 256, 200)] == [False, False, True, True]
-    assert config.gluon_max_seqlen_k(64) == config.GLUON_MAX_SEQLEN_K[64] and config.gluon_max_seqlen_k(128) is None
-    with config.override(gluon_any_length=True):
-        assert config.gluon_max_seqlen_k(64) is None
     with config.override(gluon_bwd_split=True):
         assert all(config.gluon_bwd_split(d) for d in (64, 128, 256, 200))
     monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", True)
@@ -248,6 +244,20 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
             out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_against_reference(q, k, v, out, lse, None, None, causal)
     assert launched == [(tile.num_warps // 4, tile.block_n)] * 3, launched
+
+
+def test_short_tiles():
+    """config.select with the longest key sequence: _TABLE_SHORT's tile up to its bound (causal and
+    not apart), the table entry past it or without a length; an override beats both."""
+    sel = lambda d, causal, n: config.select("fwd_hopper_persist", "sm90", d, torch.float16, causal, n)
+    for (arch, d, _, kernel, causal), tiles in config._TABLE_SHORT.items():
+        base = config.select(kernel, arch, d, torch.float16, causal)
+        for longest, tile in tiles:
+            assert sel(d, causal, 1) == sel(d, causal, longest) == tile != base
+        assert sel(d, causal, tiles[-1][0] + 1) == base
+    assert sel(128, False, 512) == config._TABLE[("sm90", 128, 2, "fwd_hopper_persist")]  # no short tile there
+    with config.override(fwd_hopper_persist=T(64, 64, 8, 2)):
+        assert sel(64, True, 512) == sel(64, False, 99999) == T(64, 64, 8, 2)
 
 
 def test_persistent_constexprs():

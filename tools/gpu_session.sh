@@ -9,9 +9,8 @@
 #   new-tests  the GPU tests written since the last GPU run, and the paths they touch
 #   tests      the whole suite on the GPU (-n 14)
 #   ab-bwd     bench ab: the Gluon backward's split-ring variant against the shipped one, with cuDNN
-#   ab-fwd     bench ab: the forward tiles the last sweep favoured at short lengths (d128 causal
-#              64x64, d64 non-causal 64x128), against the table's; the Gluon forward past its d64
-#              length limit
+#   ab-fwd     bench ab: the persistent forward's tiles by length (config._TABLE_SHORT) against one
+#              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
 #   gqa        the GQA rows (32 query heads over 8)
@@ -62,14 +61,11 @@ for s in "$@"; do
         --seqlens 512,2048,8192,16384 --causal 0,1 ;;
     ab-fwd)
       stage ab-fwd 300 bash -c "python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
-          --setting default --setting fwd_hopper_persist=64x64w8s2 --dtypes fp16 --headdims 128 \
-          --seqlens 512,1024,2048,4096 --causal 1 &&
+          --setting default --setting fwd_hopper_persist=64x128w12s3 --setting fwd_hopper_persist=128x64w8s2 \
+          --dtypes fp16,bf16 --headdims 64 --seqlens 512,2048,16384 --causal 0,1 &&
         python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
-          --setting default --setting fwd_hopper_persist=64x128w4s2 --dtypes fp16 --headdims 64 \
-          --seqlens 512,1024,2048 --causal 0 &&
-        python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
-          --setting default --setting gluon_any_length=1 --dtypes fp16 --headdims 64 --seqlens 4096,8192,16384 \
-          --causal 0,1" ;;
+          --setting default --setting fwd_hopper_persist=64x128w8s2 --dtypes fp16,bf16 --headdims 128 \
+          --seqlens 512,1024,2048,4096 --causal 1" ;;
     host)
       stage host 240 bash -c "python3 tools/overhead.py &&
         python3 -m flashattn2 bench --csv '$OUT/host.csv' --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 --headdims 128,64 \

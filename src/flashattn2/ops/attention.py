@@ -242,15 +242,11 @@ def _gluon_kernels(arch: str, flags: dict, geo: _Geometry, direction: str, q: to
 def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
                     softmax_scale: float) -> bool:
     """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: what
-    _gluon_kernels checks, config.gluon on, keys present (at most config.gluon_max_seqlen_k of
-    them). Everything else takes kernels/fwd.py. Of its three kernels, config.gluon_persist
+    _gluon_kernels checks, config.gluon on, keys present. Everything else takes kernels/fwd.py. Of its three kernels, config.gluon_persist
     chooses the persistent one (headdim 64 and 128), else config.gluon_ws the
     warp-specialized one (long key sequences) or the one-warpgroup one."""
     kernels = _gluon_kernels(arch, flags, geo, "fwd", q, k, v, out)
     if not (kernels is not None and config.gluon() and geo.max_seqlen_k > 0):
-        return False
-    longest = config.gluon_max_seqlen_k(geo.head_dim)
-    if longest is not None and geo.max_seqlen_k > longest:
         return False
     causal = flags["CAUSAL"]
     # the persistent kernel (config.gluon_persist: a grid of one program per SM looping over tiles),
@@ -259,7 +255,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     persist = config.gluon_persist(geo.head_dim)
     ws = not persist and config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
     name = "fwd_hopper_persist" if persist else "fwd_hopper_ws" if ws else "fwd_hopper"
-    cfg = config.select(name, arch, geo.head_dim, q.dtype, causal)
+    cfg = config.select(name, arch, geo.head_dim, q.dtype, causal, geo.max_seqlen_k)
     descs = [_host_desc(t, rows, gluon=True)
              for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))]
     lse_strides = lse.stride()

@@ -79,11 +79,16 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # cuDNN 512/591/638/657/667/670); causal 255/349/433/550/605/645 (ship 249/324/367/449/526/588,
     # cuDNN 325/417/502/527/558/618). 1 Q buffer: 0.84-0.99x of 2.
     ("sm90", 128, 2, "fwd_hopper_persist"): TileConfig(64, 128, 8, 2),
-    # d64 128(x2)x64 s2, 2 Q buffers: 358/399/407/401/401 (ship 336/374/400/433/453, cuDNN 388/
-    # 434/458/483/492); causal 219/296/348/368/398 (ship 208/286/332/385/446, cuDNN 257/333/387/
-    # 431/464): ahead up to 2k keys, where the Gluon forward stops at d64 (GLUON_MAX_SEQLEN_K),
-    # behind past it.
-    ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(128, 64, 8, 2),
+    # d64: three consumer warpgroups of 64 rows, 128 keys per block (FlashAttention-3's 192x128 at
+    # this head dim), 3 stages; shorter key sequences take _TABLE_SHORT's tiles. H200, 2026-12-02
+    # (session 12), fp16, 16k tokens, bench ab (bench/results/ab-nvidia-h200.csv), at 512/1k/2k/4k/
+    # 8k/16k against the table of the time (128(x2)x64 s2 up to 2k keys, the Triton forward past it)
+    # and cuDNN in the same rounds: 326/387/426/437/463/467 (then 365/383/394/416/424/428, cuDNN 378/
+    # 419/428/442/442/446); causal 183/257/328/371/396/428 (220/293/331/351/386/412, cuDNN 259/329/364/
+    # 397/409/428). 64(x3)x128 s2: 0.99-1.0x of s3 from 2k; 64(x2)x128 s2 0.92-1.04x of the old table.
+    # Session 10's 128(x2)x64 s2 (2 Q buffers): 358/399/407/401/401 at 512/1k/2k/4k/16k, causal
+    # 219/296/348/368/398 (cuDNN 388/434/458/483/492, 257/333/387/431/464).
+    ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(64, 128, 12, 3),
     # d256 (64(x2)x64 s2, 1 Q buffer) measured 0.87-1.02x of the warp-specialized kernel: no entry.
     # The warp-specialized Gluon backward (deterministic=False; ops.attention._hopper_backward):
     # producer warp, two MMA warpgroups, dQ-writer warp; dQ by TMA reduce-add through
@@ -173,6 +178,19 @@ for _arch in ("sm90", "sm80", "sm86"):
 _TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 64, 2, "fwd_hopper"): TileConfig(128, 64, 4, 2),  # see the non-causal entry
 }
+# (arch, head-dim bucket, bytes per element, kernel, causal) -> ((longest key sequence, tile), ...):
+# tiles for short key sequences, the first whose length bound max_seqlen_k does not pass, before
+# _TABLE_CAUSAL / _TABLE. H200, 2026-12-02 (session 12), fp16, 16k tokens, bench ab against the
+# entries above and cuDNN in the same rounds (bench/results/ab-nvidia-h200.csv):
+_TABLE_SHORT: dict[tuple[str, int, int, str, bool], tuple[tuple[int, TileConfig], ...]] = {
+    # d64 64(x2)x128 s2 at 512/1k: 373/391 (64(x3)x128 s3 326/387; cuDNN 378/419)
+    ("sm90", 64, 2, "fwd_hopper_persist", False): ((1024, TileConfig(64, 128, 8, 2)),),
+    # d64 causal 128(x2)x64 s2 at 512/1k/2k: 220/293/331 (64(x3)x128 s3 183/257/328; cuDNN 259/329/364)
+    ("sm90", 64, 2, "fwd_hopper_persist", True): ((2048, TileConfig(128, 64, 8, 2)),),
+    # d128 causal 64(x3)x64 s2 at 512/1k/2k/4k: 281/349/429/471 (the 64(x2)x128 entry 242/342/416/502;
+    # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472)
+    ("sm90", 128, 2, "fwd_hopper_persist", True): ((2048, TileConfig(64, 64, 12, 2)),),
+}
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles.
 _INTERP = TileConfig(64, 64, 4, 1)
 
@@ -188,8 +206,7 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
-                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None,
-                              "gluon_any_length": None}
+                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -217,20 +234,30 @@ def arch_of(device: torch.device) -> str:
 _ARCH: dict = {}
 
 
-def select(kernel: str, arch: str, head_dim: int, dtype: torch.dtype, causal: bool) -> TileConfig:
-    """The tile for one launch: an override (tests, tuning) if set, else the table entry."""
+def select(kernel: str, arch: str, head_dim: int, dtype: torch.dtype, causal: bool,
+           max_seqlen_k: int | None = None) -> TileConfig:
+    """The tile for one launch: an override (tests, tuning) if set, else the table entry (with the
+    longest key sequence given, _TABLE_SHORT's tile where one covers it)."""
     if kernel in _overrides:
         return _overrides[kernel]
     if arch == "interp":
         return _INTERP
     key = (arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2, kernel)
+    if max_seqlen_k is not None:
+        for longest, cfg in _TABLE_SHORT.get((*key, causal), ()):
+            if max_seqlen_k <= longest:
+                return cfg
     return (_TABLE_CAUSAL.get(key) if causal else None) or _TABLE[key]
 
 
 def table_entries():
-    """Every (key, TileConfig) the table can select on a GPU (for the compile-only check)."""
+    """Every (key, TileConfig) the table can select on a GPU (for the compile-only check; a
+    _TABLE_SHORT tile under its key without the causal flag)."""
     yield from _TABLE.items()
     yield from _TABLE_CAUSAL.items()
+    for key, tiles in _TABLE_SHORT.items():
+        for _, cfg in tiles:
+            yield key[:4], cfg
 
 
 _ENV_DQ_ATOMIC = _runtime.env_flag("FLASHATTN2_DQ_ATOMIC")
@@ -279,25 +306,12 @@ def host_desc() -> bool:
 # The Gluon forward (kernels/fwd_hopper.py) where it applies (ops.attention._hopper_forward): on by
 # default on sm_90 (it uses wgmma, which sm_100 lacks). H200, 2026-11-30, interleaved A/B against
 # the Triton forward (docs/notes.md, session 8) at 512 / 2k / 16k tokens: headdim 128 1.42-1.51x /
-# 1.11-1.19x / 1.09-1.12x, 256 1.00-1.31x / 1.30-1.34x / 1.34-1.39x, 64 see GLUON_MAX_SEQLEN_K.
+# 1.11-1.19x / 1.09-1.12x, 256 1.00-1.31x / 1.30-1.34x / 1.34-1.39x; headdim 64: the fwd_hopper_persist entry.
 # FLASHATTN2_GLUON=0 or override(gluon=False) turns it off.
 def gluon() -> bool:
     """Whether the forward may take the Gluon kernel (see above)."""
     return _forced_or_env("gluon", _ENV_GLUON) is not False
 
-
-# head-dim bucket -> the longest key sequence for which the Gluon forward is chosen (absent: any).
-# Headdim 64: H200, 2026-11-30, fp16, interleaved A/B against the Triton forward (docs/notes.md,
-# session 8): 1.40x/1.15x at 512 (non-causal/causal), 0.99x/1.06x at 2k, 0.94x/0.98x at 16k.
-GLUON_MAX_SEQLEN_K: dict[int, int] = {64: 2048}
-
-
-def gluon_max_seqlen_k(head_dim: int) -> int | None:
-    """The longest key sequence the Gluon forward takes at this head dim (GLUON_MAX_SEQLEN_K; None:
-    any), unless override(gluon_any_length=True) lifts the limit (for measuring past it)."""
-    if _forced["gluon_any_length"]:
-        return None
-    return GLUON_MAX_SEQLEN_K.get(head_dim)
 
 # head-dim bucket -> the warp-specialized Gluon forward (kernels/fwd_hopper.attn_fwd_ws_kernel) is
 # chosen when the longest key sequence is longer than this (absent: never). Its two consumer
@@ -425,7 +439,7 @@ _WGMMA: dict = {}
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
              gluon_persist: bool | None = None, gluon_bwd: bool | None = None, gluon_bwd_split: bool | None = None,
-             gluon_any_length: bool | None = None, **tiles: TileConfig):
+             **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
@@ -434,8 +448,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     (gluon_ws; True forces it whatever the sequence length, where the head dim has one) or its
     persistent kernel (gluon_persist), and/or
     whether deterministic=False backwards may take the Gluon backward (gluon_bwd) and its split-ring
-    variant (gluon_bwd_split), and/or whether the Gluon forward takes every key length
-    (gluon_any_length: GLUON_MAX_SEQLEN_K lifted), inside a with-block. The CPU interpreter
+    variant (gluon_bwd_split), inside a with-block. The CPU interpreter
     ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
@@ -445,8 +458,7 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
-                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split,
-                   gluon_any_length=gluon_any_length)
+                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split)
     try:
         yield
     finally:
