@@ -233,17 +233,18 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
     """The persistent forward with each tile it may be given (two or three consumer warpgroups): a
     ragged last tile whose later parts lie past seqlen_q (300 rows: 192-row tiles leave 108, one part
     and a half), GQA, seqlen_q != seqlen_k both ways, bf16 too, and on a grid of 3 programs the
-    rings and Q buffers carried across many tiles; NaN-filled outputs (every element written)."""
+    rings and Q buffers carried across many tiles; 2400 rows (more than 8 tiles a head: the causal
+    order over all heads, else head by head); NaN-filled outputs (every element written)."""
     if grid is not None:
         monkeypatch.setattr(_runtime, "sm_count", lambda device: grid)
     launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "CONSUMERS", "BLOCK_N")
     for dtype, shape in ((torch.float16, (3, 300, 461, 8, 2, d)), (torch.bfloat16, (2, 461, 300, 4, 4, d)),
-                         (torch.float16, (1, 64, 1000, 6, 3, d))):
+                         (torch.float16, (1, 64, 1000, 6, 3, d)), (torch.float16, (1, 2400, 2400, 3, 1, d))):
         q, k, v = make_qkv(shape, dtype)
         with config.override(fwd_hopper_persist=tile):
             out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_against_reference(q, k, v, out, lse, None, None, causal)
-    assert launched == [(tile.num_warps // 4, tile.block_n)] * 3, launched
+    assert launched == [(tile.num_warps // 4, tile.block_n)] * 4, launched
 
 
 def test_short_tiles():
