@@ -531,19 +531,14 @@ def _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL: gl.constexpr, SNA
                  CTA_M: gl.constexpr):
     """The it-th tile of CTA pid (tile it * nprog + pid; SNAKE: odd rounds reversed): (batch entry,
     head, first row). Non-causal: one head's tiles together (K/V reuse in L2); causal: heaviest
-    first, over all heads where a head has more than 8 tiles, else head by head (_program_tile's
-    orders): the CTAs running at once then share their heads' K/V in L2."""
+    first over all heads (_program_tile's order for more than 8 tiles per head)."""
     idx = pid
     if SNAKE:
         idx = pid + (it % 2) * (nprog - 1 - 2 * pid)
     t = it * nprog + idx
     if CAUSAL:
-        if num_m > 8:
-            pid_m = num_m - 1 - t // (batch * nheads)
-            off_bh = t % (batch * nheads)
-        else:
-            pid_m = num_m - 1 - t % num_m
-            off_bh = t // num_m
+        pid_m = num_m - 1 - t // (batch * nheads)
+        off_bh = t % (batch * nheads)
     else:
         pid_m = t % num_m
         off_bh = t // num_m
