@@ -16,19 +16,20 @@ warpgroups compute one query block each (FlashAttention-3's arrangement); attn_f
 headdim 64 and 128 (config.gluon_persist) and the warp-specialized one at headdim 256
 (config.gluon_ws); the others where overrides ask for them.
 
-attn_fwd_persist_kernel: the same partitions and numerics as attn_fwd_ws_kernel (no ping-pong),
-but a grid of min(#SMs, #tiles) CTAs (a tile: batch entry, head, 2 * BLOCK_M query rows), each
+attn_fwd_persist_kernel: the same partitions and numerics as attn_fwd_ws_kernel (no ping-pong), with
+CONSUMERS (2 or 3) consumer warpgroups, and a grid of min(#SMs, #tiles) CTAs (a tile: batch entry,
+head, CONSUMERS * BLOCK_M query rows), each
 looping over tiles pid, pid + G, pid + 2G, ... (G CTAs), so a tile's prologue and epilogue overlap
 its neighbours' work. SNAKE (meant for causal) reverses every other round, so a CTA that got a
 round's heaviest tile gets the next round's lightest. Tile order: non-causal one head's query
 blocks together (K/V reuse in L2), causal heaviest first over all heads. The K/V rings run on
 across tiles: ring block g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
-both consumers advance g by max(n_0, n_1) per tile. Every consumer waits for and releases every
-ring block of the tile, the blocks its half does not use (causal: the lighter half; a half past
-seqlen_q: all) right after its epilogue (_skip_blocks). attn_fwd_ws_kernel's scheme, the partner
+every consumer advance g by the largest block count of the tile's parts per tile. Every consumer
+waits for and releases every ring block of the tile, the blocks its part does not use (causal: the
+lighter parts; a part past seqlen_q: all) right after its epilogue (_skip_blocks). attn_fwd_ws_kernel's scheme, the partner
 arriving twice on them, is wrong here: the consumer that skipped them would go on to its next tile
 and wait on ring blocks more than STAGES ahead of the fill, where a parity wait passes two phases
-early. Q has QBUF buffers per consumer (buffer (k % QBUF) * 2 + consumer for a CTA's k-th tile),
+early. Q has QBUF buffers per consumer (buffer (k % QBUF) * CONSUMERS + consumer for a CTA's k-th tile),
 each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
 a tile's O leaves through its Q buffer by TMA store, and the buffer goes back once the store has
 read it. QBUF 2: the store is not waited for at the tile's end; the buffer goes back after the next
@@ -36,8 +37,9 @@ tile's first QK^T is issued (the producer has loaded that tile's Q into the othe
 so the store and the next Q load are off the critical path. QBUF 1: back right after the store; the
 producer issues a tile's K_0 before it waits for the Q buffer (K_0's stage held an earlier tile's
 block: no deadlock), so only the Q load's latency is exposed. Shared memory (2-byte types): Q
-QBUF * 2 * BLOCK_M * D * 2 bytes, each ring STAGES * BLOCK_N * D * 2: d64 (M 128, N 64, S 2,
-QBUF 2) 64 + 32 = 96 KB; d128 (M 64, N 128, S 2, QBUF 2) 64 + 128 = 192 KB of the 227 KB.
+QBUF * CONSUMERS * BLOCK_M * D * 2 bytes, each ring STAGES * BLOCK_N * D * 2: d64 (3 consumers,
+M 64, N 128, S 3, QBUF 2) 48 + 96 = 144 KB; d128 (2 consumers, M 64, N 128, S 2, QBUF 2) 64 + 128 =
+192 KB of the 227 KB. Three consumers get 160 registers each (two: 240).
 (Headdim 256 would fit only with QBUF 1, 192 KB; it measured 0.87-1.02x the warp-specialized
 kernel and has no table entry.)
 

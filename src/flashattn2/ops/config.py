@@ -85,7 +85,7 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 8k/16k against the table of the time (128(x2)x64 s2 up to 2k keys, the Triton forward past it)
     # and cuDNN in the same rounds: 326/387/426/437/463/467 (then 365/383/394/416/424/428, cuDNN 378/
     # 419/428/442/442/446); causal 183/257/328/371/396/428 (220/293/331/351/386/412, cuDNN 259/329/364/
-    # 397/409/428). 64(x3)x128 s2: 0.99-1.0x of s3 from 2k; 64(x2)x128 s2 0.92-1.04x of the old table.
+    # 397/409/428). 64(x3)x128 s2: 0.98-1.01x of s3 from 2k; 64(x2)x128 s2 0.89-1.04x of the old table.
     # Session 10's 128(x2)x64 s2 (2 Q buffers): 358/399/407/401/401 at 512/1k/2k/4k/16k, causal
     # 219/296/348/368/398 (cuDNN 388/434/458/483/492, 257/333/387/431/464).
     ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(64, 128, 12, 3),
