@@ -15,8 +15,11 @@
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
 #   gqa        the GQA rows (32 query heads over 8)
 #   features   bench features (varlen, window, the options' costs)
+#   graph      forward + backward at 512/1k tokens with the host taken out (tools/graph_fwd_bwd.py)
+#   profile    ncu of the points that miss #5's bars, beside cuDNN (tools/ncu_profile.py; summary in the log)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
-# every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features".
+# every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
+# "graph profile".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -79,6 +82,15 @@ for s in "$@"; do
         --headdims 128 --nheads 32 --nheads-k 8 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
     features)
       stage features 300 python3 -m flashattn2 bench features --csv "$OUT/features.csv" --dtypes fp16,bf16 ;;
+    graph)
+      stage graph 150 python3 tools/graph_fwd_bwd.py ;;
+    profile)
+      stage profile 240 bash -c "ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+          --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats \
+          --section LaunchStats --section Occupancy --print-details all python3 tools/ncu_profile.py \
+          flashattn2:fp16:64:1:512 sdpa_cudnn:fp16:64:1:512 flashattn2:fp16:64:1:2048 sdpa_cudnn:fp16:64:1:2048 \
+          flashattn2:fp16:128:1:512 sdpa_cudnn:fp16:128:1:512 flashattn2:fp16:256:0:4096:bwd \
+          sdpa_cudnn:fp16:256:0:4096:bwd > '$OUT/ncu.txt' 2>&1 && python3 tools/ncu_profile.py --summarize '$OUT/ncu.txt'" ;;
     *)
       echo "unknown stage $s"; exit 2 ;;
   esac
