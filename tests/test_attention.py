@@ -120,7 +120,8 @@ def test_forward_kernel_choice(case, monkeypatch):
         else:
             flashattn2.flash_attn_func(q, k, v, **kwargs)
     gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256", "d64-long", "d128-short", "d128-long",
-                                "d128-ws-forced", "d128-one-wg-forced", "d128-persist-off", "d256-ws-off", "d64-ws-forced")
+                                "d128-ws-forced", "d128-one-wg-forced", "d128-persist-off", "d256-ws-off",
+                                "d64-ws-forced")
     persist = gluon and case in ("plain", "causal", "gqa-bf16", "d64-long", "d128-short", "d128-long")
     ws = gluon and case in ("d256", "d128-ws-forced", "d128-persist-off")
     expected = ("attn_fwd_persist_kernel" if persist else "attn_fwd_ws_kernel" if ws

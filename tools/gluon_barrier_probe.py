@@ -34,7 +34,8 @@ def main():
     for arrive in (False, True):
         src = GluonASTSource(probe, {"X": "*fp32", "n": "i32", "ARRIVE": "constexpr"}, {"ARRIVE": arrive})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
-        ops = [line.split()[0] for line in ptx.splitlines() if re.search(r"bar\.sync|mbarrier\.(arrive|try_wait)", line)]
+        ops = [line.split()[0] for line in ptx.splitlines()
+               if re.search(r"bar\.sync|mbarrier\.(arrive|try_wait)", line)]
         print(f"wait{' + arrive' if arrive else ''}: {' '.join(ops)}")
 
 

@@ -8,7 +8,8 @@ Where eager is below graph, the GPU waited for the host (the 512-token points of
 Prints: dtype d causal seqlen provider mode eager_tflops graph_tflops (one line per point)."""
 import torch
 from triton.testing import do_bench
-from flashattn2.bench.providers import providers, attention_flops
+from flashattn2.bench.kernels import cuda_graph
+from flashattn2.bench.providers import attention_flops, providers
 
 P = providers()
 points = [(dt, d, c, n) for dt in ("fp16", "bf16") for d, c in ((64, 1), (128, 1), (128, 0), (256, 1), (64, 0))
@@ -26,15 +27,7 @@ for dt, d, causal, n in points:
             out = fn(q, k, v, causal == 1)
             return torch.autograd.grad(out, (q, k, v), do)
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    fb()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fb()
+            g = cuda_graph(fb)
             eager = do_bench(fb)
             graph = do_bench(g.replay)
         except Exception as e:  # a provider that cannot be captured

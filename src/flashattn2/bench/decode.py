@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import flashattn2
 from ..reference import tolerance
 from ..reference.kvcache import kvcache_ref
-from .kernels import run_metadata
+from .kernels import cuda_graph, run_metadata
 from .results import appending
 
 FIELDS = ["provider", "layout", "batch", "nheads", "nheads_k", "cache", "timing", "ms", "gbs", "frac_copy", "note",
@@ -42,16 +42,7 @@ def _time(fn, timing):
 
     if timing == "eager":
         return do_bench(fn, warmup=10, rep=100, return_mode="median")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    return do_bench(cuda_graph(fn).replay, warmup=10, rep=100, return_mode="median")
 
 
 def _flashattn2_case(batch, nheads_k, cache, layout):

@@ -32,6 +32,21 @@ def git_sha() -> str:
         return "unknown"
 
 
+def cuda_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph (after three warm-up calls on a side stream, as PyTorch asks):
+    replay() runs its kernels with no host work."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def run_metadata(gpu: str | None = None) -> dict:
     """GPU (default: CUDA's current device), versions, date and git sha of a benchmark run."""
     import triton

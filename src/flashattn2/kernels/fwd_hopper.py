@@ -26,10 +26,11 @@ blocks together (K/V reuse in L2), causal heaviest first over all heads. The K/V
 across tiles: ring block g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
 every consumer advance g by the largest block count of the tile's parts per tile. Every consumer
 waits for and releases every ring block of the tile, the blocks its part does not use (causal: the
-lighter parts; a part past seqlen_q: all) right after its epilogue (_skip_blocks). attn_fwd_ws_kernel's scheme, the partner
-arriving twice on them, is wrong here: the consumer that skipped them would go on to its next tile
-and wait on ring blocks more than STAGES ahead of the fill, where a parity wait passes two phases
-early. Q has QBUF buffers per consumer (buffer (k % QBUF) * CONSUMERS + consumer for a CTA's k-th tile),
+lighter parts; a part past seqlen_q: all) right after its epilogue (_skip_blocks).
+attn_fwd_ws_kernel's scheme, the partner arriving twice on them, is wrong here: the consumer that
+skipped them would go on to its next tile and wait on ring blocks more than STAGES ahead of the
+fill, where a parity wait passes two phases early. Q has QBUF buffers per consumer (buffer
+(k % QBUF) * CONSUMERS + consumer for a CTA's k-th tile),
 each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
 a tile's O leaves through its Q buffer by TMA store, and the buffer goes back once the store has
 read it. QBUF 2: the store is not waited for at the tile's end; the buffer goes back after the next
@@ -751,7 +752,8 @@ def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
     g = 0
     for it in range(n_my):
         off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
-        n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)  # >= 1: part 0 is valid
+        # >= 1: the tile's part 0 is valid
+        n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
         q_col = off_h * HEAD_DIM
         kv_col = (off_h // group_size) * HEAD_DIM
         # K_0 first: its stage held a block of an earlier tile, so this wait never needs this tile's
@@ -780,7 +782,7 @@ def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch
                             QBUF: gl.constexpr, SNAKE: gl.constexpr, CONSUMERS: gl.constexpr):
     """Grid: min(#SMs, cdiv(seqlen_q, CONSUMERS * BLOCK_M) * batch * nheads) CTAs; launched with
     num_warps=4 (the default partition; the compiler adds the workers' warps). CONSUMERS 2 or 3
-    consumer warpgroups (PERSIST_REGS registers each), one producer warp."""
+    consumer warpgroups (_CONSUMER_REGS registers each for 2, _CONSUMER3_REGS for 3), one producer warp."""
     dtype: gl.constexpr = Q.dtype
     NQ: gl.constexpr = QBUF * CONSUMERS
     q_smem = gl.allocate_shared_memory(dtype, [NQ, 1, BLOCK_M, HEAD_DIM], Q.layout)

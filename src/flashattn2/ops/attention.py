@@ -242,9 +242,9 @@ def _gluon_kernels(arch: str, flags: dict, geo: _Geometry, direction: str, q: to
 def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
                     softmax_scale: float) -> bool:
     """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: what
-    _gluon_kernels checks, config.gluon on, keys present. Everything else takes kernels/fwd.py. Of its three kernels, config.gluon_persist
-    chooses the persistent one (headdim 64 and 128), else config.gluon_ws the
-    warp-specialized one (long key sequences) or the one-warpgroup one."""
+    _gluon_kernels checks, config.gluon on, keys present. Everything else takes kernels/fwd.py. Of
+    its three kernels, config.gluon_persist chooses the persistent one (headdim 64 and 128), else
+    config.gluon_ws the warp-specialized one (long key sequences) or the one-warpgroup one."""
     kernels = _gluon_kernels(arch, flags, geo, "fwd", q, k, v, out)
     if not (kernels is not None and config.gluon() and geo.max_seqlen_k > 0):
         return False

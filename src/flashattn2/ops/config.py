@@ -15,9 +15,9 @@ from . import _runtime
 # bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py);
 # fwd_hopper_ws: its warp-specialized kernel (block_m: rows per consumer warpgroup, two per program;
 # num_warps: the default partition's, always 4); fwd_hopper_persist: its persistent kernel (block_m
-# the same; num_warps: the consumer warps, 4 per consumer warpgroup, 8 or 12); bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps: the MMA
-# partition's, always 8); bwd_hopper_split: its split-ring variant (GLUON_BWD_SPLIT; num_stages: Q's
-# ring)
+# the same; num_warps: the consumer warps, 4 per consumer warpgroup, 8 or 12); bwd_hopper: the
+# warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps: the MMA partition's, always 8);
+# bwd_hopper_split: its split-ring variant (GLUON_BWD_SPLIT; num_stages: Q's ring)
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_atomic", "fwd_hopper", "fwd_hopper_ws", "fwd_hopper_persist",
            "bwd_hopper", "bwd_hopper_split")
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block);
@@ -338,6 +338,7 @@ def gluon_persist_constexprs(cfg: TileConfig, head_dim: int, causal: bool) -> di
     if cfg.num_warps not in (8, 12):
         raise ValueError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {cfg.num_warps}")
     return dict(QBUF=GLUON_PERSIST_QBUF[head_dim_bucket(head_dim)], SNAKE=causal, CONSUMERS=cfg.num_warps // 4)
+
 
 # head-dim bucket -> the Gluon backward's dQ staging tiles (fp32 BLOCK_M x headdim each): two
 # where they fit in shared memory beside the rings (headdim 128: 229,740 of 232,448 bytes), else
