@@ -222,8 +222,10 @@ def test_persistent_forward_many_tiles_per_program(d, causal, monkeypatch):
 PERSIST_TILES = [pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
                  pytest.param(64, T(64, 128, 12, 3), id="d64-64x128w12s3"),
                  pytest.param(64, T(64, 128, 8, 2), id="d64-64x128w8s2"),
+                 pytest.param(64, T(128, 64, 8, 3), id="d64-128x64w8s3"),
                  pytest.param(128, T(64, 64, 8, 2), id="d128-64x64w8s2"),
-                 pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2")]
+                 pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2"),
+                 pytest.param(128, T(64, 64, 12, 3), id="d128-64x64w12s3")]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
@@ -234,18 +236,20 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
     """The persistent forward with each tile it may be given (two or three consumer warpgroups): a
     ragged last tile whose later parts lie past seqlen_q (300 rows: 192-row tiles leave 108, one part
     and a half), GQA, seqlen_q != seqlen_k both ways, bf16 too, and on a grid of 3 programs the
-    rings and Q buffers carried across many tiles, and 2400 rows (10-19 tiles a head); NaN-filled
-    outputs (every element written)."""
+    rings and Q buffers carried across many tiles, 2400 rows (10-19 tiles a head), and 40 keys (one
+    key block: a tile's ring units are K_0 alone, then V_0 alone); NaN-filled outputs (every element
+    written)."""
     if grid is not None:
         monkeypatch.setattr(_runtime, "sm_count", lambda device: grid)
     launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "CONSUMERS", "BLOCK_N")
     for dtype, shape in ((torch.float16, (3, 300, 461, 8, 2, d)), (torch.bfloat16, (2, 461, 300, 4, 4, d)),
-                         (torch.float16, (1, 64, 1000, 6, 3, d)), (torch.float16, (1, 2400, 2400, 3, 1, d))):
+                         (torch.float16, (1, 64, 1000, 6, 3, d)), (torch.float16, (1, 2400, 2400, 3, 1, d)),
+                         (torch.float16, (2, 200, 40, 4, 2, d))):
         q, k, v = make_qkv(shape, dtype)
         with config.override(fwd_hopper_persist=tile):
             out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_against_reference(q, k, v, out, lse, None, None, causal)
-    assert launched == [(tile.num_warps // 4, tile.block_n)] * 4, launched
+    assert launched == [(tile.num_warps // 4, tile.block_n)] * 5, launched
 
 
 def test_short_tiles():

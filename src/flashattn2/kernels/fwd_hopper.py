@@ -561,26 +561,29 @@ def _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: g
 
 
 @gluon.jit
-def _persist_release(empty_bars, stage):
-    """Done reading ring stage `stage`: one arrival (after this warpgroup's wgmma wait); the empty
-    barrier completes its phase when both consumers arrived -- never for the partner (_skip_blocks)."""
-    mbarrier.arrive(empty_bars.index(stage))
+def _unit_wait(ready, u, STAGES: gl.constexpr):
+    """Wait until ring unit u (its K block and/or V block) has landed in stage u % STAGES."""
+    mbarrier.wait(ready.index(u % STAGES), (u // STAGES) & 1)
 
 
 @gluon.jit
-def _skip_blocks(k_ready, v_ready, k_empty, v_empty, g, j0, j1, STAGES: gl.constexpr):
-    """Ring blocks g + j0 .. g + j1 - 1: the partner's, not this consumer's (causal: the partner's
-    half sees more keys; or this half lies past seqlen_q). Wait until each is loaded, then give this
-    consumer's arrival. Not the partner arriving twice instead (attn_fwd_ws_kernel's _release): this
-    consumer would go on to its next tile and wait on ring blocks more than STAGES ahead of the fill,
+def _persist_release(empty, u, STAGES: gl.constexpr):
+    """Done reading ring unit u (both its blocks): one arrival (after this warpgroup's wgmma wait);
+    the stage's empty barrier completes its phase when every consumer arrived -- never for a
+    partner (_skip_units)."""
+    mbarrier.arrive(empty.index(u % STAGES))
+
+
+@gluon.jit
+def _skip_units(ready, empty, g, j0, j1, STAGES: gl.constexpr):
+    """Ring units g + j0 .. g + j1 - 1: the partners', not this consumer's (causal: a partner's part
+    sees more keys; or this part lies past seqlen_q). Wait until each is loaded, then give this
+    consumer's arrival. Not a partner arriving twice instead (attn_fwd_ws_kernel's _release): this
+    consumer would go on to its next tile and wait on ring units more than STAGES ahead of the fill,
     where a parity wait passes two phases early."""
     for j in range(j0, j1):
-        gb = g + j
-        st = gb % STAGES
-        mbarrier.wait(k_ready.index(st), (gb // STAGES) & 1)
-        mbarrier.arrive(k_empty.index(st))
-        mbarrier.wait(v_ready.index(st), (gb // STAGES) & 1)
-        mbarrier.arrive(v_empty.index(st))
+        _unit_wait(ready, g + j, STAGES)
+        _persist_release(empty, g + j, STAGES)
 
 
 @gluon.jit
@@ -594,41 +597,37 @@ def _q_release(q_empty, idx, pred):
 
 
 @gluon.jit
-def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero, g, j,
-                  qk_scale, start_m, seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
-    """_ws_step (without ping-pong) on the running ring: the tile's key block j >= 1 is ring block
-    g + j."""
+def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, ready, empty, s_zero, g, j, qk_scale, start_m,
+                  seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                  p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
+    """_ws_step (without ping-pong) on the running ring: the tile's key block j >= 1 and value block
+    j - 1 are ring unit g + j, waited for once and released once, after both wgmmas."""
     dtype: gl.constexpr = q_op.dtype
-    gk = g + j
-    ks = gk % STAGES
-    mbarrier.wait(k_ready.index(ks), (gk // STAGES) & 1)
-    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    u = g + j
+    st = u % STAGES
+    _unit_wait(ready, u, STAGES)
+    k_op = k_smem.index(st)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    gv = gk - 1
-    vs = gv % STAGES
-    mbarrier.wait(v_ready.index(vs), (gv // STAGES) & 1)
-    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    v_op = v_smem.index(st)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
-    _persist_release(k_empty, ks)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
                                   BLOCK_M, BLOCK_N, s_layout)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _persist_release(v_empty, vs)
+    _persist_release(empty, u, STAGES)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     return acc, p_next, m_i, l_i
 
 
 @gluon.jit
-def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty, v_empty, lse_row0, off_b,
-                  q_col, start_m, n_blocks, mask_from, g, qi, prev_qi, has_prev, qk_scale, seqlen_q, seqlen_k,
-                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, QBUF: gl.constexpr):
+def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_row0, off_b, q_col, start_m,
+                  n_blocks, mask_from, g, qi, prev_qi, has_prev, qk_scale, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  QBUF: gl.constexpr):
     """One consumer warpgroup's query tile (n_blocks >= 1, its Q in buffer qi already waited for):
-    ring blocks g .. g + n_blocks - 1, then the epilogue, whose O store is left in flight."""
+    ring units g .. g + n_blocks, then the epilogue, whose O store is left in flight."""
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
     s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
@@ -647,37 +646,35 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
 
-    # block 0 (ring block g): S = Q K_0^T; QBUF 2: the previous tile's Q buffer goes back while it
-    # runs, so waiting for that tile's O store costs nothing
-    ks = g % STAGES
-    mbarrier.wait(k_ready.index(ks), (g // STAGES) & 1)
-    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    # block 0 (ring unit g, K_0 alone): S = Q K_0^T; QBUF 2: the previous tile's Q buffer goes back
+    # while it runs, so waiting for that tile's O store costs nothing
+    _unit_wait(ready, g, STAGES)
+    k_op = k_smem.index(g % STAGES)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if QBUF == 2:
         _q_release(q_empty, prev_qi, has_prev)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    _persist_release(k_empty, ks)
+    _persist_release(empty, g, STAGES)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
                                   BLOCK_M, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, gl.maximum(mask_from, 1)):
-        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                            v_empty, s_zero, g, j, qk_scale, start_m, seqlen_k, diag, False, CAUSAL,
-                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, ready, empty, s_zero, g, j,
+                                            qk_scale, start_m, seqlen_k, diag, False, CAUSAL, HEAD_DIM, BLOCK_M,
+                                            BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
     for j in range(gl.maximum(mask_from, 1), n_blocks):
-        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                            v_empty, s_zero, g, j, qk_scale, start_m, seqlen_k, diag, True, CAUSAL,
-                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, ready, empty, s_zero, g, j,
+                                            qk_scale, start_m, seqlen_k, diag, True, CAUSAL, HEAD_DIM, BLOCK_M,
+                                            BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
 
-    # the last block's PV
-    gv = g + n_blocks - 1
-    vs = gv % STAGES
-    mbarrier.wait(v_ready.index(vs), (gv // STAGES) & 1)
-    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    # the last block's PV: ring unit g + n_blocks (its K block, if any, is a partner's)
+    u = g + n_blocks
+    _unit_wait(ready, u, STAGES)
+    v_op = v_smem.index(u % STAGES)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _persist_release(v_empty, vs)
+    _persist_release(empty, u, STAGES)
 
     # O through this tile's Q buffer, the store not waited for here
     _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf, BLOCK_M, row_s,
@@ -688,9 +685,8 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k
 
 
 @gluon.jit
-def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                      stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                      ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h,
+                      batch, nheads, seqlen_q, seqlen_k, sm_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
                       CONSUMERS: gl.constexpr):
     """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part ME
@@ -713,37 +709,44 @@ def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_read
         mbarrier.wait(q_ready.index(qi), (it // QBUF) & 1)
         if n_blocks > 0:
             lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
-            _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty, v_empty, lse_row0,
-                          off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, g, qi, prev_qi, it > 0,
-                          qk_scale, seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)
+            _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_row0, off_b,
+                          off_h * HEAD_DIM, start_m, n_blocks, mask_from, g, qi, prev_qi, it > 0, qk_scale,
+                          seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)
         else:  # this half of the tile lies past seqlen_q: nothing to compute, nothing stored
             if QBUF == 2:
                 _q_release(q_empty, prev_qi, it > 0)
             else:
                 mbarrier.arrive(q_empty.index(qi))
-        _skip_blocks(k_ready, v_ready, k_empty, v_empty, g, n_blocks, n_max, STAGES)  # after the epilogue
-        g += n_max
+        # after the epilogue: the units past this part's last (unit n_blocks, or none when it has no block)
+        _skip_units(ready, empty, g, n_blocks + (n_blocks > 0).to(gl.int32), n_max + 1, STAGES)
+        g += n_max + 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _persist_produce(desc, ready, empty, smem, gb, row, off_b, kv_col, STAGES: gl.constexpr):
-    """Ring block gb (key rows from `row`): wait until both consumers released the stage's previous
-    block (gb - STAGES; a fresh barrier passes a wait on parity 1), then TMA it."""
-    stage = gb % STAGES
-    mbarrier.wait(empty.index(stage), ((gb // STAGES) & 1) ^ 1)
+def _persist_produce(K, V, ready, empty, k_smem, v_smem, u, j, n_max, off_b, kv_col, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Ring unit u, the tile's j-th (0 <= j <= n_max): K_j unless j == n_max, V_{j-1} unless j == 0.
+    Wait until every consumer released the stage's previous unit (u - STAGES; a fresh barrier passes
+    a wait on parity 1), then TMA both blocks onto the stage's one ready barrier."""
+    stage = u % STAGES
+    mbarrier.wait(empty.index(stage), ((u // STAGES) & 1) ^ 1)
     bar = ready.index(stage)
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [off_b, row, kv_col], bar, smem.index(stage))
+    has_k = j < n_max
+    has_v = j > 0
+    one = (j == 0) | (j == n_max)  # n_max >= 1: never neither
+    mbarrier.expect(bar, 2 * K.block_type.nbytes, pred=(j > 0) & (j < n_max))
+    mbarrier.expect(bar, K.block_type.nbytes, pred=one)
+    tma.async_copy_global_to_shared(K, [off_b, j * BLOCK_N, kv_col], bar, k_smem.index(stage), pred=has_k)
+    tma.async_copy_global_to_shared(V, [off_b, (j - 1) * BLOCK_N, kv_col], bar, v_smem.index(stage), pred=has_v)
 
 
 @gluon.jit
-def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
-                      nheads, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
+def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
-    """One warp, per tile: K_0, Q_0 .. Q_{CONSUMERS-1} (each once its buffer is free), K_1, V_0, K_2,
-    V_1, ..., V_{n-1} (n = the longest part's block count)."""
+    """One warp, per tile: ring unit 0 (K_0), Q_0 .. Q_{CONSUMERS-1} (each once its buffer is free),
+    then units 1 .. n: (K_1, V_0), (K_2, V_1), ..., (V_{n-1}) (n = the longest part's block count)."""
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
@@ -758,7 +761,7 @@ def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
         kv_col = (off_h // group_size) * HEAD_DIM
         # K_0 first: its stage held a block of an earlier tile, so this wait never needs this tile's
         # Q (no deadlock), and with QBUF 1 only the Q load's latency is exposed per tile
-        _persist_produce(K, k_ready, k_empty, k_smem, g, 0, off_b, kv_col, STAGES)
+        _persist_produce(K, V, ready, empty, k_smem, v_smem, g, 0, n_max, off_b, kv_col, BLOCK_N, STAGES)
         for t in gl.static_range(CONSUMERS):
             qi = (it % QBUF) * CONSUMERS + t
             mbarrier.wait(q_empty.index(qi), ((it // QBUF) & 1) ^ 1)
@@ -767,11 +770,9 @@ def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready
             mbarrier.expect(bar, Q.block_type.nbytes, pred=row < seqlen_q)
             tma.async_copy_global_to_shared(Q, [off_b, row, q_col], bar, q_smem.index(qi), pred=row < seqlen_q)
             mbarrier.arrive(bar, pred=row >= seqlen_q)  # an empty half: its consumer only waits and hands back
-        for j in range(1, n_max):
-            _persist_produce(K, k_ready, k_empty, k_smem, g + j, j * BLOCK_N, off_b, kv_col, STAGES)
-            _persist_produce(V, v_ready, v_empty, v_smem, g + j - 1, (j - 1) * BLOCK_N, off_b, kv_col, STAGES)
-        _persist_produce(V, v_ready, v_empty, v_smem, g + n_max - 1, (n_max - 1) * BLOCK_N, off_b, kv_col, STAGES)
-        g += n_max
+        for j in range(1, n_max + 1):
+            _persist_produce(K, V, ready, empty, k_smem, v_smem, g + j, j, n_max, off_b, kv_col, BLOCK_N, STAGES)
+        g += n_max + 1
 
 
 # do_not_specialize: one compiled variant per configuration whatever the shapes
@@ -790,47 +791,44 @@ def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # one ready and one empty barrier per ring stage, for the stage's K and V buffers together
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NQ):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
     # (written out per count: a tuple in a Gluon kernel cannot hold a function, nor be concatenated
     # with the partition id and keep its constexprs)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
+                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                                  _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
+                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                                  _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
+            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch,
+                                 nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
                                  BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "the persistent forward has 2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
+                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                                  _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
+                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                                  _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
+            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
+                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
                                  _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                 v_empty, batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
+            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch,
+                                 nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
                                  BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
         ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])
