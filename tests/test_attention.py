@@ -258,8 +258,10 @@ def test_short_tiles():
     sel = lambda d, causal, n: config.select("fwd_hopper_persist", "sm90", d, torch.float16, causal, n)
     for (arch, d, _, kernel, causal), tiles in config._TABLE_SHORT.items():
         base = config.select(kernel, arch, d, torch.float16, causal)
+        shorter = 0  # the bound of the tile before: the next one starts past it
         for longest, tile in tiles:
-            assert sel(d, causal, 1) == sel(d, causal, longest) == tile != base
+            assert sel(d, causal, shorter + 1) == sel(d, causal, longest) == tile != base
+            shorter = longest
         assert sel(d, causal, tiles[-1][0] + 1) == base
     assert sel(128, False, 512) == config._TABLE[("sm90", 128, 2, "fwd_hopper_persist")]  # no short tile there
     with config.override(fwd_hopper_persist=T(64, 64, 8, 2)):

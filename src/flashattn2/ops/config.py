@@ -185,11 +185,15 @@ _TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {
 _TABLE_SHORT: dict[tuple[str, int, int, str, bool], tuple[tuple[int, TileConfig], ...]] = {
     # d64 64(x2)x128 s2 at 512/1k: 373/391 (64(x3)x128 s3 326/387; cuDNN 378/419)
     ("sm90", 64, 2, "fwd_hopper_persist", False): ((1024, TileConfig(64, 128, 8, 2)),),
-    # d64 causal 128(x2)x64 s2 at 512/1k/2k: 220/293/331 (64(x3)x128 s3 183/257/328; cuDNN 259/329/364)
-    ("sm90", 64, 2, "fwd_hopper_persist", True): ((2048, TileConfig(128, 64, 8, 2)),),
+    # d64 causal 128(x2)x64 s2 at 512/1k/2k: 220/293/331 (64(x3)x128 s3 183/257/328; cuDNN 259/329/364).
+    # Session 13 (K and V of a step in one ring unit, git 46cdfb0): s3 223/294/335 against s2's 218/290/332
+    # (cuDNN 258/334/386)
+    ("sm90", 64, 2, "fwd_hopper_persist", True): ((2048, TileConfig(128, 64, 8, 3)),),
     # d128 causal 64(x3)x64 s2 at 512/1k/2k/4k: 281/349/429/471 (the 64(x2)x128 entry 242/342/416/502;
-    # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472)
-    ("sm90", 128, 2, "fwd_hopper_persist", True): ((2048, TileConfig(64, 64, 12, 2)),),
+    # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472). Session 13 (ring units, git 46cdfb0): s3 at
+    # 512/1k/2k 285/364/447 against s2's 275/352/472 (cuDNN 327/411/443)
+    ("sm90", 128, 2, "fwd_hopper_persist", True): ((1024, TileConfig(64, 64, 12, 3)),
+                                                   (2048, TileConfig(64, 64, 12, 2))),
 }
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles.
 _INTERP = TileConfig(64, 64, 4, 1)
