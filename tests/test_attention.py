@@ -268,6 +268,60 @@ def test_short_tiles():
         assert sel(64, True, 512) == sel(64, False, 99999) == T(64, 64, 8, 2)
 
 
+def test_plan_keys():
+    """The keys under which ops.attention remembers the Gluon paths' choices: they change with an
+    override (tile or switch), the dtype, the strides and the causal flag, and are None where a
+    call is not remembered (ALiBi, dropout)."""
+    from flashattn2.ops import attention
+
+    q, k, v = make_qkv((2, 64, 64, 4, 2, 64), torch.float16, requires_grad=False)
+    mods = attention.ScoreMods(causal=True)
+    key = attention._forward_key(q, k, v, mods)
+    assert key == attention._forward_key(q.clone(), k.clone(), v.clone(), mods)
+    with config.override(fwd_hopper_persist=T(64, 64, 8, 2)):
+        assert attention._forward_key(q, k, v, mods) != key
+    with config.override(gluon_persist=False):
+        assert attention._forward_key(q, k, v, mods) != key
+    assert attention._forward_key(q, k, v, attention.ScoreMods(causal=False)) != key
+    assert attention._forward_key(q.bfloat16(), k.bfloat16(), v.bfloat16(), mods) != key
+    assert attention._forward_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mods) != key
+    alibi = torch.rand(4, device=q.device)
+    assert attention._forward_key(q, k, v, attention.ScoreMods(causal=True, alibi_slopes=alibi)) is None
+    out = torch.randn_like(q)
+    bkey = attention._backward_key(out, q, k, v, out, None, mods)
+    assert bkey == attention._backward_key(out.clone(), q, k, v, out.clone(), None, mods)
+    assert bkey != attention._backward_key(out, q, k, v, out, torch.zeros(2, 4, 64, device=q.device), mods)
+    with config.override(gluon_bwd_split=True):
+        assert attention._backward_key(out, q, k, v, out, None, mods) != bkey
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon paths (whose choices are remembered) run on an H100/H200 only")
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_plans_repeated_signature(causal, monkeypatch):
+    """A call signature seen before runs from its remembered choices (attention._FWD_PLANS /
+    _BWD_PLANS): new inputs of the same shapes, NaN-filled outputs, against the reference; an
+    override between the calls is seen (another tile launches)."""
+    from flashattn2.ops import attention
+
+    monkeypatch.setattr(attention, "_FWD_PLANS", {})
+    monkeypatch.setattr(attention, "_BWD_PLANS", {})
+    launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "BLOCK_M", "BLOCK_N", "STAGES")
+    shape = (2, 300, 300, 8, 2, 128)  # a ragged last tile: the backward pads lse
+    for _ in range(2):
+        q, k, v = make_qkv(shape, torch.float16)
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        check_against_reference(q, k, v, out, lse, grads, do, causal)
+        assert len(attention._FWD_PLANS) == len(attention._BWD_PLANS) == 1
+    tile = T(64, 64, 8, 2)
+    with config.override(fwd_hopper_persist=tile):
+        q, k, v = make_qkv(shape, torch.float16)
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    check_against_reference(q, k, v, out, lse, None, None, causal)
+    assert len(attention._FWD_PLANS) == 2 and launched[0] == launched[1] != launched[2] == (64, 64, 2), launched
+
+
 def test_persistent_constexprs():
     """The persistent forward's num_warps counts its consumer warps: 8 or 12, nothing else."""
     assert config.gluon_persist_constexprs(T(64, 128, 12, 2), 64, True) == dict(QBUF=2, SNAKE=True, CONSUMERS=3)

@@ -239,12 +239,52 @@ def _gluon_kernels(arch: str, flags: dict, geo: _Geometry, direction: str, q: to
     return kernels
 
 
-def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
-                    softmax_scale: float) -> bool:
+class _ForwardPlan:
+    """The Gluon forward's choices for one call signature (_forward_key): kernel, tile, constexprs,
+    grid size. A training or serving loop repeats a few signatures, and on the H200's host making
+    these choices cost about a third of a forward's host time (session 13)."""
+    __slots__ = ("kernel", "rows", "lse_shape", "tiles", "persist", "ints", "kwargs")
+
+    def __init__(self, kernel, rows, lse_shape, tiles, persist, ints, kwargs):
+        self.kernel, self.rows, self.lse_shape, self.tiles = kernel, rows, lse_shape, tiles
+        self.persist, self.ints, self.kwargs = persist, ints, kwargs
+
+    def run(self, q, k, v, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = _runtime.empty(q.shape, q.dtype, q.device)
+        lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
+        self.launch(q, k, v, out, lse, softmax_scale)
+        return out, lse
+
+    def launch(self, q, k, v, out, lse, softmax_scale: float) -> None:
+        rows_m, rows_n = self.rows
+        s = lse.stride()
+        grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
+        _runtime.launch(self.kernel, grid,
+            _host_desc(q, rows_m, gluon=True), _host_desc(k, rows_n, gluon=True), _host_desc(v, rows_n, gluon=True),
+            _host_desc(out, rows_m, gluon=True), lse, s[0], s[1], *self.ints, softmax_scale, **self.kwargs)
+
+
+_FWD_PLANS: dict = {}
+
+
+def _forward_key(q, k, v, mods: ScoreMods):
+    """What the Gluon forward's choices read (_ForwardPlan), for a dense call without ALiBi or
+    dropout; None otherwise (those are not remembered). The output is new and contiguous: its
+    layout follows from q's shape."""
+    if mods.alibi_slopes is not None or mods.dropout_p != 0:
+        return None
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, mods.causal, mods.window_left, mods.window_right,
+            mods.softcap, config.state())
+
+
+def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict, softmax_scale: float,
+                    key=None) -> bool:
     """Run the Gluon forward (kernels/fwd_hopper.py) if it applies, and say whether it ran: what
     _gluon_kernels checks, config.gluon on, keys present. Everything else takes kernels/fwd.py. Of
     its three kernels, config.gluon_persist chooses the persistent one (headdim 64 and 128), else
-    config.gluon_ws the warp-specialized one (long key sequences) or the one-warpgroup one."""
+    config.gluon_ws the warp-specialized one (long key sequences) or the one-warpgroup one. With a
+    key (_forward_key), the choices are remembered under it (_FWD_PLANS)."""
     kernels = _gluon_kernels(arch, flags, geo, "fwd", q, k, v, out)
     if not (kernels is not None and config.gluon() and geo.max_seqlen_k > 0):
         return False
@@ -256,27 +296,22 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict,
     ws = not persist and config.gluon_ws(geo.head_dim, geo.max_seqlen_k)
     name = "fwd_hopper_persist" if persist else "fwd_hopper_ws" if ws else "fwd_hopper"
     cfg = config.select(name, arch, geo.head_dim, q.dtype, causal, geo.max_seqlen_k)
-    descs = [_host_desc(t, rows, gluon=True)
-             for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))]
-    lse_strides = lse.stride()
     extra = (config.gluon_persist_constexprs(cfg, geo.head_dim, causal) if persist
              else {"PINGPONG": config.GLUON_WS_PINGPONG[geo.head_dim]} if ws else {})
     consumers = extra["CONSUMERS"] if persist else kernels.NUM_CONSUMERS.value if ws else 1
     tiles = _cdiv(geo.max_seqlen_q, cfg.block_m * consumers) * geo.batch * geo.nheads
-    grid = (min(tiles, _runtime.sm_count(q.device)) if persist else tiles,)
     kernel = (kernels.attn_fwd_persist_kernel if persist else kernels.attn_fwd_ws_kernel if ws
               else kernels.attn_fwd_hopper_kernel)
-    _runtime.launch(kernel, grid,
-        *descs, lse, lse_strides[0], lse_strides[1],
-        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k, softmax_scale,
-        CAUSAL=causal,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages,
-        **extra,
-        num_warps=4 if persist else cfg.num_warps,  # the persistent kernel's: its default partition's
-    )
+    plan = _ForwardPlan(kernel, (cfg.block_m, cfg.block_n), lse.shape, tiles, persist,
+        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k),
+        dict(CAUSAL=causal, HEAD_DIM=geo.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+             **extra,
+             num_warps=4 if persist else cfg.num_warps))  # the persistent kernel's: its default partition's
+    plan.launch(q, k, v, out, lse, softmax_scale)
+    if key is not None:
+        if len(_FWD_PLANS) >= 1024:
+            _FWD_PLANS.clear()
+        _FWD_PLANS[key] = plan
     return True
 
 
@@ -292,76 +327,111 @@ def _hopper_backward_kernels(q, k, v, dout, geo: _Geometry, arch: str, flags: di
 
 
 def _preprocess(out, dout, lse, dlse, geo: _Geometry, delta: torch.Tensor, seqlen_pad: int | None = None,
-                lse_pad: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> None:
+                lse_pad: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> tuple:
     """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded).
     With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
     seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
-    `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch."""
+    `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch. Returns the
+    launch's (grid, integer arguments, keywords): _BackwardPlan repeats it with them."""
     padded = seqlen_pad is not None
     rows = seqlen_pad if padded else geo.max_seqlen_q
     block_d = _block_d(geo.head_dim)
     pre_m = 64 if block_d <= 128 else 32
     acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
-    _runtime.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel,
-        (_cdiv(rows, pre_m) * geo.batch * geo.nheads,),
+    grid = (_cdiv(rows, pre_m) * geo.batch * geo.nheads,)
+    ints = (*geo.strides(out), *geo.strides(dout), *geo.lse_strides(lse), *geo.lse_strides(delta), *acc_strides,
+            geo.nheads, geo.max_seqlen_q, rows)
+    kwargs = dict(HAS_DLSE=dlse is not None, IS_VARLEN=geo.varlen is not None, PADDED=padded,
+                  COPY_LSE=lse_pad is not None, HEAD_DIM=geo.head_dim, BLOCK_M=pre_m, BLOCK_D=block_d)
+    _runtime.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel, grid,
         out, dout, delta, dlse if dlse is not None else delta, geo.cu_seqlens(lse)[0], lse,
-        lse_pad if lse_pad is not None else delta, acc if padded else delta,
-        *geo.strides(out), *geo.strides(dout),
-        *geo.lse_strides(lse), *geo.lse_strides(delta), *acc_strides,
-        geo.nheads, geo.max_seqlen_q, rows,
-        HAS_DLSE=dlse is not None,
-        IS_VARLEN=geo.varlen is not None,
-        PADDED=padded,
-        COPY_LSE=lse_pad is not None,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_M=pre_m,
-        BLOCK_D=block_d,
-    )
+        lse_pad if lse_pad is not None else delta, acc if padded else delta, *ints, **kwargs)
+    return grid, ints, kwargs
+
+
+class _BackwardPlan:
+    """The Gluon backward's choices for one call signature (_backward_key): tile, ring constexprs,
+    padded length. See _ForwardPlan."""
+    __slots__ = ("kernels", "geo", "arch", "flags", "cfg", "rings", "seqlen_q_pad", "pre")
+
+    def __init__(self, kernels, geo: _Geometry, arch: str, flags: dict, dtype: torch.dtype):
+        split = config.gluon_bwd_split(geo.head_dim)
+        cfg = config.select("bwd_hopper_split" if split else "bwd_hopper", arch, geo.head_dim, dtype, flags["CAUSAL"])
+        self.kernels, self.geo, self.arch, self.flags, self.cfg = kernels, geo, arch, flags, cfg
+        self.rings = config.gluon_bwd_rings(geo.head_dim, split, cfg.num_stages)
+        self.seqlen_q_pad = _cdiv(geo.max_seqlen_q, cfg.block_m) * cfg.block_m
+        self.pre = None  # the preprocess launch's grid and integer arguments (_preprocess), at the first run
+
+    def run(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale: float) -> None:
+        geo, cfg, rings, arch = self.geo, self.cfg, self.rings, self.arch
+        seqlen_q, seqlen_k, seqlen_q_pad = geo.max_seqlen_q, geo.max_seqlen_k, self.seqlen_q_pad
+        delta = _runtime.empty((geo.batch, geo.nheads, seqlen_q_pad), torch.float32, q.device)
+        # the kernel reads lse and delta with one set of strides (lse arrives contiguous): a tail needs a padded copy
+        lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if seqlen_q_pad != seqlen_q else None
+        acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
+        if self.pre is None:  # strides and shapes all follow from the key's
+            self.pre = _preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc)
+        else:
+            grid, ints, kwargs = self.pre
+            _runtime.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel, grid,
+                out, dout, delta, dlse if dlse is not None else delta, lse, lse,
+                lse_pad if lse_pad is not None else delta, acc, *ints, **kwargs)
+        lse = lse_pad if lse_pad is not None else lse
+        # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
+        # else into buffers copied back
+        gk, gv = (g if g.dtype == q.dtype and g.stride(2) == geo.head_dim and _use_tma(arch, g)
+                  else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
+        bm, bn = cfg.block_m, cfg.block_n
+        lse_strides = delta.stride()
+        _runtime.launch(self.kernels.attn_bwd_ws_kernel, (_cdiv(seqlen_k, bn), geo.batch * geo.nheads_k),
+            _host_desc(q, bm, gluon=True), _host_desc(k, bn, gluon=True), _host_desc(v, bn, gluon=True),
+            _host_desc(dout, bm, gluon=True), _host_desc(gk, bn, gluon=True), _host_desc(gv, bn, gluon=True),
+            _host_desc(acc, bm, gluon=True, cols=geo.head_dim // rings["DQ_SPLIT"]),
+            lse, delta, softmax_scale,
+            seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse_strides[0], lse_strides[1],
+            CAUSAL=self.flags["CAUSAL"],
+            HEAD_DIM=geo.head_dim,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            STAGES=cfg.num_stages,
+            GQA=geo.nheads != geo.nheads_k,
+            **rings,
+            num_warps=cfg.num_warps,
+        )
+        dq.copy_(acc[:, :seqlen_q] if seqlen_q_pad != seqlen_q else acc)
+        for dst, src in ((dk, gk), (dv, gv)):
+            if src is not dst:
+                dst.copy_(src)
+
+
+_BWD_PLANS: dict = {}
+
+
+def _backward_key(dout, q, k, v, out, dlse, mods: ScoreMods):
+    """What the Gluon backward's choices read (_BackwardPlan) for a dense call without ALiBi or
+    dropout, or None. (Where dK/dV are written is decided at each call.)"""
+    if mods.alibi_slopes is not None or mods.dropout_p != 0:
+        return None
+    return (q.shape, k.shape, v.shape, out.shape, dout.shape, q.stride(), k.stride(), v.stride(), out.stride(),
+            dout.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, q.device,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | dout.data_ptr()) % 16, dlse is None,
+            mods.causal, mods.window_left, mods.window_right, mods.softcap, config.state())
 
 
 def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _Geometry, arch: str, flags: dict,
-                     softmax_scale: float) -> None:
+                     softmax_scale: float, key=None) -> None:
     """The Gluon backward (kernels/bwd_hopper.py; _hopper_backward_kernels chose it). One
     preprocess launch writes what it reads besides the inputs (_preprocess): delta, the zeroed fp32
     dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not such
     a multiple, lse (contiguous: backward makes it so) padded the same way (+inf; delta 0: the
-    padded rows contribute nothing). Then the kernel, then dQ cast from the accumulator into dq."""
-    split = config.gluon_bwd_split(geo.head_dim)
-    cfg = config.select("bwd_hopper_split" if split else "bwd_hopper", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
-    rings = config.gluon_bwd_rings(geo.head_dim, split, cfg.num_stages)
-    seqlen_q, seqlen_k = geo.max_seqlen_q, geo.max_seqlen_k
-    seqlen_q_pad = _cdiv(seqlen_q, cfg.block_m) * cfg.block_m
-    delta = _runtime.empty((geo.batch, geo.nheads, seqlen_q_pad), torch.float32, q.device)
-    # the kernel reads lse and delta with one set of strides (lse arrives contiguous): a tail needs a padded copy
-    lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if seqlen_q_pad != seqlen_q else None
-    acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
-    _preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc)
-    lse = lse_pad if lse_pad is not None else lse
-    # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
-    # else into buffers copied back
-    gk, gv = (g if g.dtype == q.dtype and g.stride(2) == geo.head_dim and _use_tma(arch, g)
-              else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
-    descs = [_host_desc(t, rows, gluon=True) for t, rows in (
-        (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (gk, cfg.block_n),
-        (gv, cfg.block_n))]
-    descs.append(_host_desc(acc, cfg.block_m, gluon=True, cols=geo.head_dim // rings["DQ_SPLIT"]))
-    lse_strides = delta.stride()
-    _runtime.launch(kernels.attn_bwd_ws_kernel, (_cdiv(seqlen_k, cfg.block_n), geo.batch * geo.nheads_k),
-        *descs, lse, delta, softmax_scale,
-        seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse_strides[0], lse_strides[1],
-        CAUSAL=flags["CAUSAL"],
-        HEAD_DIM=geo.head_dim,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages,
-        GQA=geo.nheads != geo.nheads_k,
-        **rings,
-        num_warps=cfg.num_warps,
-    )
-    dq.copy_(acc[:, :seqlen_q] if seqlen_q_pad != seqlen_q else acc)
-    for dst, src in ((dk, gk), (dv, gv)):
-        if src is not dst:
-            dst.copy_(src)
+    padded rows contribute nothing). Then the kernel, then dQ cast from the accumulator into dq.
+    With a key (_backward_key), the choices are remembered under it (_BWD_PLANS)."""
+    plan = _BackwardPlan(kernels, geo, arch, flags, q.dtype)
+    plan.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale)
+    if key is not None:
+        if len(_BWD_PLANS) >= 1024:
+            _BWD_PLANS.clear()
+        _BWD_PLANS[key] = plan
 
 
 def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
@@ -377,6 +447,11 @@ def _cdiv(a: int, b: int) -> int:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, mods: ScoreMods,
             varlen: Varlen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q in q's dtype; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
+    key = _forward_key(q, k, v, mods) if varlen is None and not _runtime.interpreted() else None
+    if key is not None:
+        plan = _FWD_PLANS.get(key)
+        if plan is not None:
+            return plan.run(q, k, v, softmax_scale)
     geo = _Geometry.of(q, k, varlen)
     arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
     out = _runtime.empty(q.shape, _out_dtype(q.dtype, arch), q.device)
@@ -387,7 +462,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
-    if _hopper_forward(q, k, v, out, lse, geo, arch, flags, softmax_scale):
+    if _hopper_forward(q, k, v, out, lse, geo, arch, flags, softmax_scale, key):
         return out, lse
     cfg = config.select("fwd", arch, geo.head_dim, q.dtype, flags["CAUSAL"])
     grid = (_cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
@@ -429,19 +504,27 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are
     fine). `dlse` is the gradient flowing into the returned logsumexp, or None. deterministic=False
     lets config.dq_atomic choose atomics for dQ (run-to-run differences in its rounding)."""
-    geo = _Geometry.of(q, k, varlen)
-    if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return
     # the kernels read lse, dlse and delta with one set of strides, lse's: all contiguous
     # (registry.bwd_impl makes lse and dlse so; direct callers may not)
     lse = lse if lse.is_contiguous() else lse.contiguous()
     dlse = dlse if dlse is None or dlse.is_contiguous() else dlse.contiguous()
+    key = None
+    if not deterministic and varlen is None and not _runtime.interpreted():
+        key = _backward_key(dout, q, k, v, out, dlse, mods)
+        plan = _BWD_PLANS.get(key)
+        if plan is not None:
+            plan.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale)
+            return
+    geo = _Geometry.of(q, k, varlen)
+    if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return
     arch = "interp" if _runtime.interpreted() else config.arch_of(q.device)
     runtime, mod_flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     hopper = None if deterministic else _hopper_backward_kernels(q, k, v, dout, geo, arch, mod_flags)
     if hopper is not None:
-        _hopper_backward(hopper, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, mod_flags, softmax_scale)
+        _hopper_backward(hopper, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, mod_flags, softmax_scale,
+                         key)
         return
     K = _runtime.kernels().bwd
     block_d = _block_d(geo.head_dim)

@@ -281,6 +281,14 @@ def _forced_or_env(name: str, env: bool | None) -> bool | None:
     return forced if forced is not None else env
 
 
+def state() -> tuple:
+    """Everything the kernel choices read besides a call's arguments: overrides (tiles and switches)
+    and the FLASHATTN2_* flags. Part of the key under which ops.attention remembers a call
+    signature's choices, so that a change of any of them is seen at the next call."""
+    return (tuple(_forced.values()), tuple(_overrides.items()), _ENV_DQ_ATOMIC, _ENV_TMA, _ENV_HOST_DESC,
+            _ENV_GLUON, _ENV_GLUON_WS, _ENV_GLUON_PERSIST, _ENV_GLUON_BWD, _ENV_GLUON_BWD_SPLIT)
+
+
 def dq_atomic(arch: str, head_dim: int) -> bool:
     """Whether a deterministic=False backward adds dQ with atomics (see _DQ_ATOMIC)."""
     forced = _forced_or_env("dq_atomic", _ENV_DQ_ATOMIC)
