@@ -35,7 +35,7 @@ echo "results recorded as git $GIT_SHA"
 # the tests added since the last GPU run and those of the paths they touch (pytest -k: one line)
 NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or persistent_constexprs or short_tiles"
 NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
-NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs"
+NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
 
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2
