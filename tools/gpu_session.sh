@@ -17,9 +17,12 @@
 #   features   bench features (varlen, window, the options' costs)
 #   graph      forward + backward at 512/1k tokens with the host taken out (tools/graph_fwd_bwd.py)
 #   profile    ncu of the points that miss #5's bars, beside cuDNN (tools/ncu_profile.py; summary in the log)
+#   profile-causal  ncu of the d64 causal forward at 512: the table's 128(x2)x64 s3 tile, the balanced
+#              64(x2)x128 (measured 0.89x it, session 13: why?) and cuDNN
+#   host-profile    where a 512-token forward + backward's host time goes (tools/host_profile.py, overhead.py --profile)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
-# "graph profile".
+# "graph profile"; "profile-causal host-profile".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -91,6 +94,15 @@ for s in "$@"; do
           flashattn2:fp16:64:1:512 sdpa_cudnn:fp16:64:1:512 flashattn2:fp16:64:1:2048 sdpa_cudnn:fp16:64:1:2048 \
           flashattn2:fp16:128:1:512 sdpa_cudnn:fp16:128:1:512 flashattn2:fp16:256:0:4096:bwd \
           sdpa_cudnn:fp16:256:0:4096:bwd > '$OUT/ncu.txt' 2>&1 && python3 tools/ncu_profile.py --summarize '$OUT/ncu.txt'" ;;
+    profile-causal)
+      stage profile-causal 150 bash -c "ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+          --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats \
+          --section LaunchStats --section Occupancy --print-details all python3 tools/ncu_profile.py \
+          flashattn2:fp16:64:1:512 flashattn2:fp16:64:1:512:fwd_hopper_persist=64x128w8s2 sdpa_cudnn:fp16:64:1:512 \
+          > '$OUT/ncu-causal.txt' 2>&1 && python3 tools/ncu_profile.py --summarize '$OUT/ncu-causal.txt'" ;;
+    host-profile)
+      stage host-profile 90 bash -c "python3 tools/host_profile.py --shape 32,512,16,128 --causal 1 --rows 40 &&
+        python3 tools/overhead.py --profile '$OUT/host-profile.txt'" ;;
     *)
       echo "unknown stage $s"; exit 2 ;;
   esac
