@@ -518,10 +518,11 @@ def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nhe
 
 # ---------------------------------------------------------------------------------------------
 # The persistent warp-specialized forward (see the module docstring): attn_fwd_ws_kernel's three
-# partitions, but a grid of min(#SMs, #tiles) CTAs, each looping over tiles of 2 * BLOCK_M query
-# rows. The K/V rings run on across tiles on a block counter g that the consumers and the producer
-# advance alike (by max(n_0, n_1) per tile); Q has QBUF buffers per consumer, handed back through
-# q_empty barriers once the O stored through them has left.
+# partitions with CONSUMERS consumer warpgroups, but a grid of min(#SMs, #tiles) CTAs, each looping
+# over tiles of CONSUMERS * BLOCK_M query rows. The K/V ring runs on across tiles on a unit counter
+# g that the consumers and the producer advance alike (by n + 1 per tile, n the largest block count
+# of the tile's parts: unit j holds K_j and V_{j-1}); Q has QBUF buffers per consumer, handed back
+# through q_empty barriers once the O stored through them has left.
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
 def _num_my_tiles(num_tiles, pid, nprog, SNAKE: gl.constexpr):

@@ -282,9 +282,11 @@ def _forced_or_env(name: str, env: bool | None) -> bool | None:
 
 
 def state() -> tuple:
-    """Everything the kernel choices read besides a call's arguments: overrides (tiles and switches)
-    and the FLASHATTN2_* flags. Part of the key under which ops.attention remembers a call
-    signature's choices, so that a change of any of them is seen at the next call."""
+    """What may change between calls among what the kernel choices read besides a call's arguments:
+    overrides (tiles and switches) and the FLASHATTN2_* flags. Part of the key under which
+    ops.attention remembers a call signature's choices, so that a change of any of them is seen at
+    the next call. The tables (_TABLE, _TABLE_SHORT, GLUON_* dicts) are taken as constants: whoever
+    edits one at run time must clear attention._FWD_PLANS and _BWD_PLANS."""
     return (tuple(_forced.values()), tuple(_overrides.items()), _ENV_DQ_ATOMIC, _ENV_TMA, _ENV_HOST_DESC,
             _ENV_GLUON, _ENV_GLUON_WS, _ENV_GLUON_PERSIST, _ENV_GLUON_BWD, _ENV_GLUON_BWD_SPLIT)
 
