@@ -1,7 +1,9 @@
-"""The Gluon backward's barrier protocol as tools/bwd_ring_model.py models it (the kernel's ring
-indices and wait parities, random interleavings, TMA loads landing late): no deadlock and no tile
-read or refilled out of turn, for every configuration the table holds (the split-ring variant
-included). No GPU needed; the kernel itself runs only on an H100/H200 (test_attention.py)."""
+"""The Gluon kernels' barrier protocols as tools/bwd_ring_model.py (the backward) and
+tools/fwd_ring_model.py (the persistent forward's ring units and Q buffers) model them (the
+kernels' ring indices and wait parities, random interleavings, TMA loads landing late): no deadlock
+and no tile read or refilled out of turn, for every configuration the table holds (the backward's
+split-ring variant included). No GPU needed; the kernels themselves run only on an H100/H200
+(test_attention.py)."""
 import pathlib
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import bwd_ring_model  # noqa: E402
+import fwd_ring_model  # noqa: E402
 
 
 def test_every_table_configuration():
@@ -23,3 +26,30 @@ def test_the_model_catches_a_wrong_parity(monkeypatch):
     monkeypatch.setattr(bwd_ring_model.Bar, "passes", lambda self, parity: self.c % 2 == parity)
     with pytest.raises(AssertionError):
         bwd_ring_model.check(seeds=3)
+
+
+def test_forward_every_table_configuration():
+    counts = fwd_ring_model.check(seeds=3)
+    names = " ".join(counts)
+    assert all(f"d{d}" in names for d in (64, 128)) and "qbuf1" in names and "qbuf2" in names, counts
+    assert all(n == counts[next(iter(counts))] > 0 for n in counts.values()), counts
+
+
+@pytest.mark.parametrize("broken", ["parity", "skip from the last used unit", "skip one unit too few",
+                                    "expect two blocks always"])
+def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
+    """Waits that pass a phase late, a consumer that arrives again on its last unit or leaves out
+    its first unused one, and an expect-tx that does not match the blocks loaded: each deadlocks or
+    reads out of turn, and the model fails it."""
+    if broken == "parity":
+        monkeypatch.setattr(fwd_ring_model.Bar, "passes", lambda self, parity: self.c % 2 == parity)
+    elif broken == "skip from the last used unit":
+        monkeypatch.setattr(fwd_ring_model, "skip_from", lambda n_blocks: n_blocks)
+    elif broken == "skip one unit too few":
+        monkeypatch.setattr(fwd_ring_model, "skip_from", lambda n_blocks: n_blocks + 2 if n_blocks else 0)
+    else:
+        expect = fwd_ring_model.Bar.expect
+        monkeypatch.setattr(fwd_ring_model.Bar, "expect",
+                            lambda self, n: expect(self, 2 if self.name.startswith("ready") else n))
+    with pytest.raises(AssertionError):
+        fwd_ring_model.check(seeds=2)

@@ -34,7 +34,8 @@ tile. Every consumer waits for and releases every ring unit of the tile, the uni
 not use (causal: the lighter parts; a part past seqlen_q: all) right after its epilogue
 (_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on them, is wrong here: the
 consumer that skipped them would go on to its next tile and wait on ring units more than STAGES
-ahead of the fill, where a parity wait passes two phases early. Q has QBUF buffers per consumer (buffer
+ahead of the fill, where a parity wait passes two phases early. (tools/fwd_ring_model.py models
+this protocol under random interleavings; tests/test_protocol_model.py runs it.) Q has QBUF buffers per consumer (buffer
 (k % QBUF) * CONSUMERS + consumer for a CTA's k-th tile),
 each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
 a tile's O leaves through its Q buffer by TMA store, and the buffer goes back once the store has
