@@ -28,16 +28,16 @@ K_j (j < n) and V_{j-1} (j > 0) -- what one inner step reads (QK_j^T, then P_{j-
 the K and V buffers of one stage, behind one ready barrier (expect-tx of both blocks) and one empty
 barrier (one arrival per consumer, after the step's wgmmas), so a consumer waits once and releases
 once per key block (each Gluon arrive comes after a warpgroup bar.sync; session 13: 3 bar.syncs per
-step -> 2; 1-6% faster from 1k keys, the short causal tiles with a third stage). The ring runs on across tiles: ring unit g uses stage
-g % STAGES, phase (g // STAGES) & 1, and the producer and every consumer advance g by n + 1 per
-tile. Every consumer waits for and releases every ring unit of the tile, the units its part does
-not use (causal: the lighter parts; a part past seqlen_q: all) right after its epilogue
-(_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on them, is wrong here: the
-consumer that skipped them would go on to its next tile and wait on ring units more than STAGES
-ahead of the fill, where a parity wait passes two phases early. (tools/fwd_ring_model.py models
-this protocol under random interleavings; tests/test_protocol_model.py runs it.) Q has QBUF buffers per consumer (buffer
-(k % QBUF) * CONSUMERS + consumer for a CTA's k-th tile),
-each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
+step -> 2; 1-6% faster from 1k keys, the short causal tiles with a third stage). The ring runs on
+across tiles: ring unit g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
+every consumer advance g by n + 1 per tile. Every consumer waits for and releases every ring unit
+of the tile, the units its part does not use (causal: the lighter parts; a part past seqlen_q: all)
+right after its epilogue (_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on
+them, is wrong here: the consumer that skipped them would go on to its next tile and wait on ring
+units more than STAGES ahead of the fill, where a parity wait passes two phases early.
+(tools/fwd_ring_model.py models this protocol under random interleavings; tests/test_protocol_model.py
+runs it.) Q has QBUF buffers per consumer (buffer (k % QBUF) * CONSUMERS + consumer for a CTA's
+k-th tile), each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
 a tile's O leaves through its Q buffer by TMA store, and the buffer goes back once the store has
 read it. QBUF 2: the store is not waited for at the tile's end; the buffer goes back after the next
 tile's first QK^T is issued (the producer has loaded that tile's Q into the other buffer meanwhile),
@@ -692,13 +692,14 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_r
 
 
 @gluon.jit
-def _persist_consumer(Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h,
-                      batch, nheads, seqlen_q, seqlen_k, sm_scale, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
                       CONSUMERS: gl.constexpr):
     """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part ME
     of each of this CTA's tiles. The k-th tile's Q is in buffer (k % QBUF) * CONSUMERS + ME, phase
     (k // QBUF) & 1."""
+    (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h, batch, nheads,
+     seqlen_q, seqlen_k, sm_scale) = args
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
@@ -749,11 +750,14 @@ def _persist_produce(K, V, ready, empty, k_smem, v_smem, u, j, n_max, off_b, kv_
 
 
 @gluon.jit
-def _persist_producer(Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k, group_size, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
+def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
+                      CONSUMERS: gl.constexpr):
     """One warp, per tile: ring unit 0 (K_0), Q_0 .. Q_{CONSUMERS-1} (each once its buffer is free),
-    then units 1 .. n: (K_1, V_0), (K_2, V_1), ..., (V_{n-1}) (n = the longest part's block count)."""
+    then units 1 .. n: (K_1, V_0), (K_2, V_1), ..., (V_{n-1}) (n = the longest part's block count).
+    args: the kernel's `producer` tuple (its runtime values; a tuple drops constexprs)."""
+    (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k,
+     group_size) = args
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
@@ -809,33 +813,28 @@ def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch
         mbarrier.init(empty.index(i), count=CONSUMERS)
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
-    # (written out per count: a tuple in a Gluon kernel cannot hold a function, nor be concatenated
-    # with the partition id and keep its constexprs)
+    # the partitions' runtime arguments, one tuple each (a tuple drops constexprs, which go apart)
+    consumer = (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h, batch,
+                nheads, seqlen_q, seqlen_k, sm_scale)
+    producer = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k,
+                group_size)
+    # (a list per count: a Gluon kernel cannot build one from CONSUMERS, nor hold a function in a tuple)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
-                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                                 _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
-                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                                 _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch,
-                                 nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
-                                 BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_consumer, (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
+                                 CONSUMERS)),
+            (_persist_consumer, (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
+                                 CONSUMERS)),
+            (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "the persistent forward has 2 or 3 consumer warpgroups")
         gl.warp_specialize([
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
-                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                                 _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
-                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                                 _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b,
-                                 stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                                 _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-            (_persist_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch,
-                                 nheads, seqlen_q, seqlen_k, group_size, CAUSAL, SNAKE, HEAD_DIM,
-                                 BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            (_persist_consumer, (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
+                                 CONSUMERS)),
+            (_persist_consumer, (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
+                                 CONSUMERS)),
+            (_persist_consumer, (consumer, _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
+                                 CONSUMERS)),
+            (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
         ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])
