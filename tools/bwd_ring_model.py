@@ -64,7 +64,9 @@ def run(total, STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, DQ_STAGES, seed):
             yield ("wait", do_ready[do_stage], do_phase)
             assert do_buf[do_stage] == it, f"step {it} read the dO of step {do_buf[do_stage]}"
             do_user[do_stage] = it
-            yield ("step",)  # S, dP, P, dV, dS, dQ_i (its first half), dK issued; dV and dQ_i waited
+            if DQ_SPLIT == 2 and it > 0:  # S and dP issued: the previous position's second half staged
+                yield from stage_dq(it * 2 - 1, (it - 1, 1))
+            yield ("step",)  # P, dV, dS, dQ_i (its first half), dK issued; dV and dQ_i waited
             assert (q_buf[stage], do_buf[do_stage]) == (it, it), f"step {it}: an input changed under it"
             if SPLIT_RING:  # dO's last reader (dV) is done
                 do_user[do_stage] = None
@@ -77,8 +79,8 @@ def run(total, STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, DQ_STAGES, seed):
             if not SPLIT_RING:
                 do_user[do_stage] = None
             q_empty[stage].c += 1
-            if DQ_SPLIT == 2:
-                yield from stage_dq(it * DQ_SPLIT + 1, (it, 1))
+        if DQ_SPLIT == 2 and total > 0:  # after the loop: the last position's second half
+            yield from stage_dq(total * 2 - 1, (total - 1, 1))
 
     def writer():  # _ws_dq_writer
         for t in range(total):

@@ -207,14 +207,17 @@ def _stage_dq(dq, u, dq_smem, dq_full, dq_empty, DQ_STAGES: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty, p_smem, ds_smem,
-             dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale, sm_scale, masked,
+def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty, p_smem,
+             ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale, sm_scale, masked,
              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, SPLIT_RING: gl.constexpr, DO_STAGES: gl.constexpr,
              DQ_SPLIT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr, q_tile: gl.constexpr,
              kv_tile: gl.constexpr, dq_tile: gl.constexpr):
     """Flat position it (ring stage it % STAGES) = query block i of the current query head against this program's
-    key block; returns (dk, dv). dq_tile: the layout of a staged dQ tile, [BLOCK_M, HEAD_DIM // DQ_SPLIT] fp32."""
+    key block; returns (dk, dv, dq_prev). dq_tile: the layout of a staged dQ tile, [BLOCK_M, HEAD_DIM // DQ_SPLIT]
+    fp32. DQ_SPLIT 2: dq_prev (in) is the previous position's second dQ half, staged here once this position's S and
+    dP are issued; dq_prev (out) is this position's, kept in registers for the next position (or the loop's end).
+    DQ_SPLIT 1: dq_prev is passed through untouched."""
     dtype: gl.constexpr = k_smem.dtype
     stage = it % STAGES
     phase = (it // STAGES) & 1
@@ -248,6 +251,12 @@ def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, 
     mbarrier.wait(do_ready.index(do_stage), do_phase)
     do_op = do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
     dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    # DQ_SPLIT 2: the previous position's second half into the staging tile while S and dP run. Staged at the end
+    # of its own position, it waited there for the writer to finish reading the first half (a 32 KB bulk reduce,
+    # ~19% of the MMA warps' time in ncu at headdim 256, 4k keys) with the tensor cores idle
+    if DQ_SPLIT == 2:
+        if it > 0:
+            _stage_dq(dq_prev, it * 2 - 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HEAD_DIM // 2, dq_tile)
 
     # S ready (dP may still run): P -> smem, then dV += P^T dO issued (A = P^T, a permuted view: MN-major A).
     # Keys past seqlen_k (zero-filled K / V rows of the last key block) are not masked: S = 0 there, dP = 0 and
@@ -288,13 +297,13 @@ def _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, 
         # dK ready (the second half may still run): no wgmma reads this Q stage any more
         dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok, ))
         mbarrier.arrive(q_empty.index(stage))
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-        _stage_dq(dq, it * DQ_SPLIT + 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HALF, dq_tile)
+        # staged by the next position (or after the loop): tile it * 2 + 1
+        dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     else:
         # dK ready: no wgmma reads this Q (/ dO) stage any more: back to the producer
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
         mbarrier.arrive(q_empty.index(stage))
-    return dk, dv
+    return dk, dv, dq_prev
 
 
 @gluon.jit
@@ -325,6 +334,7 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
 
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dq_prev = gl.zeros([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32, dq_layout)  # (DQ_SPLIT 2: see _ws_step)
     mbarrier.wait(kv_bar, 0)
     # lse, delta: (batch, nheads, seqlen_q_pad) fp32 with the same strides, seqlen stride 1: one offset for both.
     # GQA / MQA: one flat loop over (query head, query block), head-major: the ring's stage / phase run on across
@@ -332,21 +342,27 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
     if GQA:
         i = i_first
         for it in range(0, total):
-            dk, dv = _ws_step(it, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty,
-                              p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag,
-                              qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES,
-                              SPLIT_RING, DO_STAGES, DQ_SPLIT, s_layout, dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv, dq_prev = _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready,
+                                       q_empty, do_empty, p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta,
+                                       off_lse, start_n, diag, qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM,
+                                       BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, s_layout,
+                                       dq_layout, q_tile, kv_tile, dq_tile)
             i += 1
             wrap = i == i_end
             i = gl.where(wrap, i_first, i)
             off_lse = gl.where(wrap, off_lse + stride_lh, off_lse)
     else:
         for i in range(i_first, i_end):
-            dk, dv = _ws_step(i - i_first, i, dk, dv, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty,
-                              do_empty, p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n,
-                              diag, qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              DQ_STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, s_layout, dq_layout, q_tile, kv_tile,
-                              dq_tile)
+            dk, dv, dq_prev = _ws_step(i - i_first, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready,
+                                       do_ready, q_empty, do_empty, p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse,
+                                       Delta, off_lse, start_n, diag, qk_scale, sm_scale, i < i_full, CAUSAL,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT,
+                                       s_layout, dq_layout, q_tile, kv_tile, dq_tile)
+
+    # DQ_SPLIT 2: the last position's second dQ half (tile 2 * total - 1)
+    if DQ_SPLIT == 2:
+        if total > 0:
+            _stage_dq(dq_prev, total * 2 - 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HEAD_DIM // 2, dq_tile)
 
     # dK, dV through the K / V buffers (every wgmma reading them was waited), clipped TMA stores
     k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
