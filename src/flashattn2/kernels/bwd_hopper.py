@@ -297,10 +297,8 @@ def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, d
         # dK ready (the second half may still run): no wgmma reads this Q stage any more
         dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok, ))
         mbarrier.arrive(q_empty.index(stage))
-        # staged by the next position (or after the loop): tile it * 2 + 1. Copied out of the wgmma's registers
-        # (+ 0.0, which the compiler may not fold): ptxas injects a warpgroup.wait before a later use of registers
-        # that a wgmma defined, and the next position stores these while its own S and dP run
-        dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, )) + 0.0
+        # staged by the next position (or after the loop): tile it * 2 + 1
+        dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     else:
         # dK ready: no wgmma reads this Q (/ dO) stage any more: back to the producer
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
