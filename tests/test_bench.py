@@ -69,6 +69,18 @@ def test_report_separates_gqa_and_tabulates_peak_memory(tmp_path):
     assert "sdpa_cudnn" not in peak  # a peer never measured has no column
 
 
+def test_report_names_the_run_of_a_table_measured_later(tmp_path):
+    path = tmp_path / "k.csv"
+    with results.appending(str(path), kernels.FIELDS) as (writer, _):
+        writer.writerow(_row(mode="fwd"))
+        writer.writerow(_row(mode="bwd"))
+        writer.writerow(_row(mode="bwd", git_sha="def"))  # the bwd table re-measured, in one other run
+    md = report.markdown(report.load(str(path)))
+    assert md.startswith("GPU, torch 2, triton 3, 2026-11-29, git abc.")
+    assert "### fp16, headdim 128, causal, bwd (runs: git def)" in md
+    assert "### fp16, headdim 128, causal, fwd\n" in md
+
+
 def test_rows_longer_than_the_header_are_refused(tmp_path):
     path = tmp_path / "k.csv"
     text = ",".join(OLD_FIELDS) + "\n" + ",".join(["x"] * (len(OLD_FIELDS) + 1)) + "\n"

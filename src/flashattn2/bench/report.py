@@ -60,7 +60,8 @@ def markdown(latest) -> str:
         present = [p for p in ORDER if any(p in v for v in by_len.values())]
         peers = [p for p in present if p != "flashattn2"]
         shas = sorted({row["git_sha"] for key, row in latest.items() if key[:5] == group})
-        runs = f" (runs: git {', '.join(shas)})" if len(shas) > 1 else ""
+        # a table from other runs than the header's names them (one other run too: the header names the first row's)
+        runs = f" (runs: git {', '.join(shas)})" if len(shas) > 1 or shas != [meta["git_sha"]] else ""
         lines.append(f"### {_title(*group)}{runs}\n")
         head = ["seqlen"] + present + [f"x {p}" for p in peers if "flashattn2" in present]
         lines.append("| " + " | ".join(head) + " |")
