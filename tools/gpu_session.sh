@@ -20,9 +20,10 @@
 #   profile-causal  ncu of the d64 causal forward at 512: the table's 128(x2)x64 s3 tile, the balanced
 #              64(x2)x128 (measured 0.89x it, session 13: why?) and cuDNN
 #   host-profile    where a 512-token forward + backward's host time goes (tools/host_profile.py, overhead.py --profile)
+#   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
-# "graph profile"; "profile-causal host-profile".
+# "graph profile"; "profile-causal host-profile profile-sass".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -103,6 +104,11 @@ for s in "$@"; do
     host-profile)
       stage host-profile 90 bash -c "python3 tools/host_profile.py --shape 32,512,16,128 --causal 1 --rows 40 &&
         python3 tools/overhead.py --profile '$OUT/host-profile.txt'" ;;
+    profile-sass)
+      stage profile-sass 150 bash -c "ncu --profile-from-start off --clock-control none --kernel-name regex:attn_bwd_ws \
+          --section WarpStateStats --section SourceCounters --import-source no -o /tmp/sass-rep -f python3 tools/ncu_profile.py \
+          flashattn2:fp16:256:0:4096:bwd && ncu -i /tmp/sass-rep.ncu-rep --page source --csv --print-source sass > /tmp/sass.csv &&
+          gzip -c /tmp/sass.csv > '$OUT/sass.csv.gz' && python3 tools/ncu_sass.py /tmp/sass.csv" ;;
     *)
       echo "unknown stage $s"; exit 2 ;;
   esac

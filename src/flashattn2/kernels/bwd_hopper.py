@@ -54,19 +54,26 @@ dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores, as long
 stores). GQA / MQA: one flat loop over (query head, query block) whose ring runs on across heads;
 dK/dV accumulate over the group in registers. Causal is bottom-right aligned.
 
-The split-ring variant (SPLIT_RING, DQ_SPLIT; config.gluon_bwd_split, opt-in until measured): dO has
+The split-ring variant (SPLIT_RING, DQ_SPLIT; config.gluon_bwd_split, the default at headdim 256): dO has
 a ring of its own (DO_STAGES deep, ready barriers do_ready, released by do_empty) that the MMA warps
 release as soon as dV (dO's last reader) is waited, so the next dO loads while dQ_i and dK run; Q
 keeps its STAGES-deep ring, released after dK. DQ_SPLIT 2 computes dQ_i as two column halves
 (B = K's halves, slices of its buffer): the first issued before dK and staged while dK runs, the
 second after it, each through a [BLOCK_M, HEAD_DIM / 2] staging tile (the writer's tile u = 2t +
-half, at column half * HEAD_DIM / 2); only one half is in registers at a time. At headdim 256 this
-frees the shared memory for a second Q stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one
-half dQ tile 32 KB = 213,388 bytes, where the shipped kernel's one Q/dO stage waits for each
-position's loads. With one staging tile the MMA warps do wait for the writer there: the second half
-is staged once the bulk engine has read the first (32 KB, read while dK runs). (Compiled for sm_90:
-no spills at d256, 16 / 40 bytes in the d64 / d128 causal + GQA builds, as the shipped d128 one; the
-shipped configurations' PTX is unchanged by the variant's code, tools/ptx_hash.py.)
+half, at column half * HEAD_DIM / 2). At headdim 256 this frees the shared memory for a second Q
+stage: K, V 32 KB each, Q 2 x 32, dO 32, P, dS 8 each, one half dQ tile 32 KB = 213,388 bytes,
+where the shipped kernel's one Q/dO stage waits for each position's loads. With one staging tile a
+half can be staged only once the bulk engine has read the previous one (32 KB, which took about as
+long as the MMA warps' work between two stagings: in ncu, H200, 4k keys, the wait for it before the
+second half was 19% of the MMA warps' samples). So the second half of position t stays in registers
+and is staged by position t + 1 once its S and dP are issued (after the loop, for the last): the
+writer's read of the first half then overlaps t's dK and t + 1's S and dP, and the tile order the
+writer sees (u = 2t, 2t + 1) is unchanged. Measured 1.05-1.10x the stage-at-the-end order from 1k
+keys (bench/results/ab-gluon-nvidia-h200.md). ptxas injects a warpgroup.wait before that store
+(C7517: registers a wgmma defined); copying them out first (+ 0.0) avoids it, and measured ~1% slower.
+(Compiled for sm_90: the d256 causal build spills 4 bytes, causal + GQA 20; d64 / d128 (DQ_SPLIT 1)
+16 / 40 bytes in the causal + GQA builds, as the shipped d128 one; the shipped configurations' PTX
+is unchanged by the variant's code, tools/ptx_hash.py.)
 """
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon

@@ -423,7 +423,9 @@ def gluon_bwd() -> bool:
 # 2026-12-01 (session 11), fp16, 16k tokens, `bench ab` (median of 3 alternated rounds, cuDNN in the
 # same run), split / shipped at 512/2k/8k/16k: d256 1.19/1.26/1.26/1.26, causal 1.11/1.17/1.22/1.22
 # (to 0.92-1.10x cuDNN, from 0.75-0.92x); d128 0.97-1.01, d64 0.99-1.01 (dO's early release alone
-# buys nothing there): headdim 256 only.
+# buys nothing there): headdim 256 only. Since session 14 (2026-12-02, git 0675b27) the second dQ half is
+# staged by the next position (kernels/bwd_hopper.py): bench ab against ded92fb, fp16/bf16, 1k-16k keys,
+# 1.05-1.10x (d256 bwd 330-404 TFLOP/s, 0.97-1.14x cuDNN in the grid at d2afc11).
 GLUON_BWD_SPLIT_DEFAULT = frozenset({256})
 
 
