@@ -67,12 +67,15 @@ half can be staged only once the bulk engine has read the previous one (32 KB, w
 long as the MMA warps' work between two stagings: in ncu, H200, 4k keys, the wait for it before the
 second half was 19% of the MMA warps' samples). So the second half of position t stays in registers
 and is staged by position t + 1 once its S and dP are issued (after the loop, for the last): the
-writer's read of the first half then overlaps t's dK and t + 1's S and dP, and the tile order the
-writer sees (u = 2t, 2t + 1) is unchanged. Measured 1.05-1.10x the stage-at-the-end order from 1k
-keys (bench/results/ab-gluon-nvidia-h200.md). ptxas injects a warpgroup.wait before that store
-(C7517: registers a wgmma defined); copying them out first (+ 0.0) avoids it, and measured ~1% slower.
+wait for the writer's read of the first half moves off the end of position t (the second half's wgmma,
+the loop turn and t + 1's S and dP issue run meanwhile), and the tile order the writer sees (u = 2t,
+2t + 1) is unchanged. Measured 1.05-1.10x the stage-at-the-end order from 1k keys
+(bench/results/ab-gluon-nvidia-h200.md); the two stagings still wait for the writer (21% of the MMA
+warps' samples afterwards). ptxas injects a warpgroup.wait before the deferred stores (C7517:
+registers a wgmma defined), so the stores themselves wait for S and dP; copying the half out first
+(+ 0.0) avoids that wait, and measured ~1% slower.
 (Compiled for sm_90: the d256 causal build spills 4 bytes, causal + GQA 20; d64 / d128 (DQ_SPLIT 1)
-16 / 40 bytes in the causal + GQA builds, as the shipped d128 one; the shipped configurations' PTX
+16 / 40 bytes in the causal + GQA builds, as the one-ring d128 one; the one-ring configurations' PTX
 is unchanged by the variant's code, tools/ptx_hash.py.)
 """
 from triton._C.libtriton import ir as _ir
@@ -258,9 +261,10 @@ def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, d
     mbarrier.wait(do_ready.index(do_stage), do_phase)
     do_op = do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
     dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    # DQ_SPLIT 2: the previous position's second half into the staging tile while S and dP run. Staged at the end
-    # of its own position, it waited there for the writer to finish reading the first half (a 32 KB bulk reduce,
-    # ~19% of the MMA warps' time in ncu at headdim 256, 4k keys) with the tensor cores idle
+    # DQ_SPLIT 2: the previous position's second half into the staging tile once S and dP are issued (ptxas makes
+    # the stores wait for them: C7517). Staged at the end of its own position, it waited there for the writer to
+    # finish reading the first half (a 32 KB bulk reduce; 19% of the MMA warps' samples in ncu at headdim 256,
+    # 4k keys) with the tensor cores idle
     if DQ_SPLIT == 2:
         if it > 0:
             _stage_dq(dq_prev, it * 2 - 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HEAD_DIM // 2, dq_tile)

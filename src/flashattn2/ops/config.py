@@ -425,7 +425,7 @@ def gluon_bwd() -> bool:
 # (to 0.92-1.10x cuDNN, from 0.75-0.92x); d128 0.97-1.01, d64 0.99-1.01 (dO's early release alone
 # buys nothing there): headdim 256 only. Since session 14 (2026-12-02, git 0675b27) the second dQ half is
 # staged by the next position (kernels/bwd_hopper.py): bench ab against ded92fb, fp16/bf16, 1k-16k keys,
-# 1.05-1.10x (d256 bwd 330-404 TFLOP/s, 0.97-1.14x cuDNN in the grid at d2afc11).
+# 1.05-1.10x (d256 bwd 330-404 TFLOP/s, 0.94-1.17x cuDNN in the grid at d2afc11, 22 of 24 points >= 1.0x).
 GLUON_BWD_SPLIT_DEFAULT = frozenset({256})
 
 
