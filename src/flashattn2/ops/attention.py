@@ -267,6 +267,16 @@ class _ForwardPlan:
 _FWD_PLANS: dict = {}
 
 
+def _remember(plans: dict, key, plan) -> None:
+    """plans[key] = plan unless key is None; past 1024 signatures (a loop that never repeats one)
+    the dict starts over."""
+    if key is None:
+        return
+    if len(plans) >= 1024:
+        plans.clear()
+    plans[key] = plan
+
+
 def _forward_key(q, k, v, mods: ScoreMods):
     """What the Gluon forward's choices read (_ForwardPlan), for a dense call without ALiBi or
     dropout; None otherwise (those are not remembered). The output is new and contiguous: its
@@ -308,10 +318,7 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict, s
              **extra,
              num_warps=4 if persist else cfg.num_warps))  # the persistent kernel's: its default partition's
     plan.launch(q, k, v, out, lse, softmax_scale)
-    if key is not None:
-        if len(_FWD_PLANS) >= 1024:
-            _FWD_PLANS.clear()
-        _FWD_PLANS[key] = plan
+    _remember(_FWD_PLANS, key, plan)
     return True
 
 
@@ -343,10 +350,18 @@ def _preprocess(out, dout, lse, dlse, geo: _Geometry, delta: torch.Tensor, seqle
             geo.nheads, geo.max_seqlen_q, rows)
     kwargs = dict(HAS_DLSE=dlse is not None, IS_VARLEN=geo.varlen is not None, PADDED=padded,
                   COPY_LSE=lse_pad is not None, HEAD_DIM=geo.head_dim, BLOCK_M=pre_m, BLOCK_D=block_d)
+    pre = (grid, ints, kwargs)
+    _launch_preprocess(pre, out, dout, lse, dlse, delta, geo.cu_seqlens(lse)[0], lse_pad, acc if padded else delta)
+    return pre
+
+
+def _launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_pad, acc) -> None:
+    """The delta preprocess launch with _preprocess's (grid, integer arguments, keywords); the
+    tensors absent from the call (dlse, lse_pad) get delta in their places (never read)."""
+    grid, ints, kwargs = pre
     _runtime.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel, grid,
-        out, dout, delta, dlse if dlse is not None else delta, geo.cu_seqlens(lse)[0], lse,
-        lse_pad if lse_pad is not None else delta, acc if padded else delta, *ints, **kwargs)
-    return grid, ints, kwargs
+        out, dout, delta, dlse if dlse is not None else delta, cu_seqlens, lse,
+        lse_pad if lse_pad is not None else delta, acc, *ints, **kwargs)
 
 
 class _BackwardPlan:
@@ -371,11 +386,8 @@ class _BackwardPlan:
         acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
         if self.pre is None:  # strides and shapes all follow from the key's
             self.pre = _preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc)
-        else:
-            grid, ints, kwargs = self.pre
-            _runtime.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel, grid,
-                out, dout, delta, dlse if dlse is not None else delta, lse, lse,
-                lse_pad if lse_pad is not None else delta, acc, *ints, **kwargs)
+        else:  # (dense: lse in cu_seqlens' place, never read)
+            _launch_preprocess(self.pre, out, dout, lse, dlse, delta, lse, lse_pad, acc)
         lse = lse_pad if lse_pad is not None else lse
         # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
         # else into buffers copied back
@@ -428,10 +440,7 @@ def _hopper_backward(kernels, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: _G
     With a key (_backward_key), the choices are remembered under it (_BWD_PLANS)."""
     plan = _BackwardPlan(kernels, geo, arch, flags, q.dtype)
     plan.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale)
-    if key is not None:
-        if len(_BWD_PLANS) >= 1024:
-            _BWD_PLANS.clear()
-        _BWD_PLANS[key] = plan
+    _remember(_BWD_PLANS, key, plan)
 
 
 def _score_scalars(runtime: dict, softmax_scale: float) -> tuple:
