@@ -473,6 +473,42 @@ def test_softmax_scale():
     assert (out.float() - attention_ref(q, k, v)[0]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("path", [{}, {"gluon_persist": False}, {"gluon_persist": False, "gluon_ws": False}],
+                         ids=["default", "persist-off", "one-warpgroup"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_zero_softmax_scale(d, causal, path):
+    """softmax_scale=0 (allowed): every visible key weighs the same, so O is the mean of the visible
+    values and lse the log of their count, in every forward (on an H100/H200 the persistent, the
+    warp-specialized and the one-warpgroup Gluon kernels, whose masked blocks must not turn the
+    invisible scores' -inf * 0 into NaN) and through the backward. seqlen_q > seqlen_k, causal:
+    rows that see no key (O 0, lse +inf); ragged key blocks."""
+    if not HOPPER and (path or d != 64):
+        pytest.skip("elsewhere one kernel (kernels/fwd.py) runs every path and head dim: d64 checks it")
+    q, k, v = make_qkv((2, 150, 97, 4, 2, d), torch.float16)
+    with config.override(**path):
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, return_attn_probs=True)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale=0.0, causal=causal)
+    low, low_lse = attention_ref(q, k, v, softmax_scale=0.0, causal=causal, upcast=False)
+    assert_close("out", out, ref, low, FWD_FACTOR)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
+    assert_close("lse", lse[finite], ref_lse[finite], low_lse[finite], FWD_FACTOR)
+    ref_grads = torch.autograd.grad((ref * do.to(ref.dtype)).sum(), (q, k, v))
+    low_grads = torch.autograd.grad((low * do).sum(), (q, k, v))
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
+    # the mean of the visible values: row i sees keys j <= i + 97 - 150 when causal
+    rows = torch.arange(150, device=q.device)[:, None]
+    seen = (torch.arange(97, device=q.device)[None, :] <= rows - 53) if causal else torch.ones(150, 97, dtype=torch.bool,
+                                                                                               device=q.device)
+    vv = v.float().repeat_interleave(2, dim=2)  # GQA: 4 query heads over 2
+    mean = torch.einsum("ij,bjhd->bihd", seen.float(), vv) / seen.sum(1).clamp(min=1)[None, :, None, None]
+    assert (out.float() - mean).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_deterministic_bitwise(causal):
     """deterministic=True: dQ has its own pass (no atomics), repeated runs give identical bits,

@@ -139,25 +139,36 @@ def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q
 
 
 @gluon.jit
+def _qk_scale(sm_scale):
+    """The scores' scale in base 2, at least 1e-30: softmax_scale 0 (allowed, >= 0 is checked) would
+    make a masked score's -inf * 0 a NaN in _softmax's folded FMA; at 1e-30 every exp2 still rounds
+    to 1 in fp32 and the logsumexp moves by under 1e-24, i.e. softmax_scale 0's results."""
+    return gl.maximum(sm_scale * LOG2E, 1e-30)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, start_m, start_n, seqlen_k, diag, masked, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """One online-softmax step on raw scores s: (p, alpha, m, l). `masked` (constexpr, or a
-    runtime flag for block 0): the block crosses the causal diagonal or the end of the keys; its
-    invisible scores become -inf and a row that has seen no key yet keeps m = -inf, shifted by 0
-    so that exp2 gives 0, not NaN."""
+    """One online-softmax step on raw scores s: (p, alpha, m, l); qk_scale > 0 (_qk_scale). In
+    both paths the scale is folded into one FMA and the max taken before scaling. `masked`
+    (constexpr, or a runtime flag for block 0): the block crosses the causal diagonal or the end of
+    the keys; its invisible scores become -inf (one compare of the column against a per-row limit
+    and one select per score) and a row that has seen no key yet keeps m = -inf, shifted by 0 so
+    that exp2 gives 0, not NaN."""
     if masked:
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:  # the last visible column of each row, relative to the block
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            last = gl.minimum(rows + diag, seqlen_k - 1) - start_n
+            visible = cols[None, :] <= last[:, None]
+        else:
+            visible = cols[None, :] < seqlen_k - start_n
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # -inf * qk_scale = -inf: qk_scale > 0
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_shift[:, None])
+        p = gl.exp2(s * qk_scale - m_shift[:, None])
         alpha = gl.exp2(m_i - m_shift)
     else:
-        # the scale folded into one FMA, the max taken before scaling (softmax_scale >= 0)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -212,7 +223,7 @@ def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch,
     off_b, off_h, start_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, BLOCK_M)
     q_col = off_h * HEAD_DIM
     kv_col = (off_h // group_size) * HEAD_DIM
-    qk_scale = sm_scale * LOG2E
+    qk_scale = _qk_scale(sm_scale)
     diag = seqlen_k - seqlen_q
     n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
 
@@ -439,7 +450,7 @@ def _consumer(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empt
     lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
     if n_blocks > 0:
         _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, lse_row0,
-                 off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, n_other, slots_other, sm_scale * LOG2E,
+                 off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, n_other, slots_other, _qk_scale(sm_scale),
                  seqlen_q, seqlen_k, ME, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)
 
 
@@ -705,7 +716,7 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_my = _num_my_tiles(num_m * batch * nheads, pid, nprog, SNAKE)
-    qk_scale = sm_scale * LOG2E
+    qk_scale = _qk_scale(sm_scale)
     g = 0
     for it in range(n_my):
         off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
