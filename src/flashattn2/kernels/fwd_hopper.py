@@ -32,9 +32,7 @@ step -> 2; 1-6% faster from 1k keys, the short causal tiles with a third stage).
 across tiles: ring unit g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
 every consumer advance g by n + 1 per tile. Every consumer waits for and releases every ring unit
 of the tile, the units its part does not use (causal: the lighter parts; a part past seqlen_q: all)
-right after its epilogue (_skip_units). Causal: consumer c computes part (c + k) % CONSUMERS of its
-CTA's k-th tile (_part), so the heavy part (the last) goes round and no consumer waits for the same
-partner at every tile. attn_fwd_ws_kernel's scheme, the partner arriving twice on
+right after its epilogue (_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on
 them, is wrong here: the consumer that skipped them would go on to its next tile and wait on ring
 units more than STAGES ahead of the fill, where a parity wait passes two phases early.
 (tools/fwd_ring_model.py models this protocol under random interleavings; tests/test_protocol_model.py
@@ -569,19 +567,6 @@ def _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL: gl.constexpr, SNA
 
 
 @gluon.jit
-def _part(me, it, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Which of its tile's CONSUMERS parts (BLOCK_M-row slices, part p at row p * BLOCK_M) consumer
-    `me` computes in the CTA's it-th tile. Non-causal: part me. Causal: part (me + it) % CONSUMERS,
-    so the heaviest part (the last: it sees the most keys) goes to each consumer in turn. With
-    fixed parts consumer CONSUMERS - 1 was always the heavy one, BLOCK_M / BLOCK_N ring units per
-    tile behind the others, which waited for it at every tile; rotated, the lead a light consumer
-    takes on one tile is given back on the next, within the ring's depth."""
-    if CAUSAL:
-        return (me + it) % CONSUMERS
-    return me
-
-
-@gluon.jit
 def _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CONSUMERS: gl.constexpr):
     """The largest block count of a tile's CONSUMERS parts (_tile_blocks of each): how far the ring
@@ -721,9 +706,9 @@ def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_r
 def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
                       CONSUMERS: gl.constexpr):
-    """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part
-    _part(ME, k) of this CTA's k-th tile (causal: the parts rotate). The k-th tile's Q is in buffer
-    (k % QBUF) * CONSUMERS + ME, phase (k // QBUF) & 1."""
+    """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part ME
+    of each of this CTA's tiles. The k-th tile's Q is in buffer (k % QBUF) * CONSUMERS + ME, phase
+    (k // QBUF) & 1."""
     (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h, batch, nheads,
      seqlen_q, seqlen_k, sm_scale) = args
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
@@ -735,7 +720,7 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
     g = 0
     for it in range(n_my):
         off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
-        start_m = cta_m + _part(ME, it, CAUSAL, CONSUMERS) * BLOCK_M
+        start_m = cta_m + ME * BLOCK_M
         n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
         qi = (it % QBUF) * CONSUMERS + ME
@@ -779,8 +764,8 @@ def _persist_produce(K, V, ready, empty, k_smem, v_smem, u, j, n_max, off_b, kv_
 def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
                       CONSUMERS: gl.constexpr):
-    """One warp, per tile: ring unit 0 (K_0), each consumer's Q (the rows of its part, _part),
-    each once its buffer is free, then units 1 .. n: (K_1, V_0), (K_2, V_1), ..., (V_{n-1}) (n = the longest part's block count).
+    """One warp, per tile: ring unit 0 (K_0), Q_0 .. Q_{CONSUMERS-1} (each once its buffer is free),
+    then units 1 .. n: (K_1, V_0), (K_2, V_1), ..., (V_{n-1}) (n = the longest part's block count).
     args: the kernel's `producer` tuple (its runtime values; a tuple drops constexprs)."""
     (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k,
      group_size) = args
@@ -803,7 +788,7 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
             qi = (it % QBUF) * CONSUMERS + t
             mbarrier.wait(q_empty.index(qi), ((it // QBUF) & 1) ^ 1)
             bar = q_ready.index(qi)
-            row = cta_m + _part(t, it, CAUSAL, CONSUMERS) * BLOCK_M
+            row = cta_m + t * BLOCK_M
             mbarrier.expect(bar, Q.block_type.nbytes, pred=row < seqlen_q)
             tma.async_copy_global_to_shared(Q, [off_b, row, q_col], bar, q_smem.index(qi), pred=row < seqlen_q)
             mbarrier.arrive(bar, pred=row >= seqlen_q)  # an empty half: its consumer only waits and hands back
