@@ -36,17 +36,19 @@ def test_forward_every_table_configuration():
 
 
 @pytest.mark.parametrize("broken", ["parity", "skip from the last used unit", "skip one unit too few",
-                                    "expect two blocks always"])
+                                    "expect two blocks always", "one part twice"])
 def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
     """Waits that pass a phase late, a consumer that arrives again on its last unit or leaves out
-    its first unused one, and an expect-tx that does not match the blocks loaded: each deadlocks or
-    reads out of turn, and the model fails it."""
+    its first unused one, an expect-tx that does not match the blocks loaded, and two consumers on
+    one part: each deadlocks, reads out of turn or leaves a part out, and the model fails it."""
     if broken == "parity":
         monkeypatch.setattr(fwd_ring_model.Bar, "passes", lambda self, parity: self.c % 2 == parity)
     elif broken == "skip from the last used unit":
         monkeypatch.setattr(fwd_ring_model, "skip_from", lambda n_blocks: n_blocks)
     elif broken == "skip one unit too few":
         monkeypatch.setattr(fwd_ring_model, "skip_from", lambda n_blocks: n_blocks + 2 if n_blocks else 0)
+    elif broken == "one part twice":
+        monkeypatch.setattr(fwd_ring_model, "part", lambda me: me // 2 * 2)
     else:
         expect = fwd_ring_model.Bar.expect
         monkeypatch.setattr(fwd_ring_model.Bar, "expect",

@@ -2,8 +2,8 @@
 attn_fwd_persist_kernel: one producer warp, CONSUMERS consumer warpgroups, the K/V ring of units and
 the Q buffers), run under random interleavings with TMA loads landing at random times. It mirrors
 the kernel's tile order, block counts, ring-unit indices and wait parities, and checks that no run
-deadlocks, that every step reads the K and V blocks meant for it and no stage is refilled while a
-consumer still reads it, that every expect-tx is met by the bytes loaded, and that a Q buffer is
+deadlocks, that every part of every tile is computed once, that every step reads the K and V blocks
+meant for it and no stage is refilled while a consumer still reads it, that every expect-tx is met by the bytes loaded, and that a Q buffer is
 not reloaded before the O stored through it has left. A model, not the kernel: change it with the
 kernel's protocol. No GPU needed:  python tools/fwd_ring_model.py [--seeds 20]
 (mbarrier semantics: a phase completes when the expected arrivals and bytes are in; a wait on
@@ -20,6 +20,12 @@ def skip_from(n_blocks):
     epilogue): the kernel's _skip_units(..., n_blocks + (n_blocks > 0), n_max + 1). (Tests break it
     on purpose.)"""
     return n_blocks + (n_blocks > 0)
+
+
+def part(me):
+    """The part (BLOCK_M-row slice) of each tile that consumer `me` computes: its own index, as in
+    the kernel's _persist_consumer. (Tests break it on purpose.)"""
+    return me
 
 
 class Bar:
@@ -91,6 +97,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
     k_buf, v_buf, q_buf = [None] * stages, [None] * stages, [None] * nq
     in_flight = []  # TMA loads issued, not landed: (buffers, index, tag, barrier)
     block_bytes = 1
+    parts_done = {}  # it -> the first rows of the parts the consumers computed of the CTA's it-th tile
     n_my = num_my_tiles(num_m * batch * nheads, pid, nprog, snake)
 
     def n_max_of(cta_m):  # _tile_max_blocks
@@ -153,7 +160,8 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
         g = 0
         for it in range(n_my):
             b, h, cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, causal, snake, cta_rows)
-            start_m = cta_m + me * block_m
+            start_m = cta_m + part(me) * block_m
+            parts_done.setdefault(it, []).append(start_m)
             n_blocks = tile_blocks(start_m, seqlen_q, seqlen_k, causal, block_m, block_n)
             n_max = n_max_of(cta_m)
             qi = (it % qbuf) * consumers + me
@@ -199,6 +207,9 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
         choices = runnable + (["tma"] if in_flight else [])
         if not choices:
             assert all(w is done for w in waits), f"deadlock: {shape} causal={causal} seed={seed}"
+            for it, starts in parts_done.items():  # every part of every tile computed, once
+                cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, causal, snake, cta_rows)[2]
+                assert sorted(starts) == [cta_m + t * block_m for t in range(consumers)], (it, starts)
             return
         pick = rnd.choice(choices)
         if pick == "tma":
