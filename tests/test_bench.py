@@ -141,7 +141,7 @@ def test_ab_settings_and_table():
 def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
     """bench ab's checks and timings run inside the setting's overrides (the backward reads its
     switches after the forward call has returned), the defaults outside any; each setting once per
-    round, in turn. (The timing itself is replaced here: it needs CUDA.)"""
+    round, in turn, odd rounds in reverse order. (The timing itself is replaced here: it needs CUDA.)"""
     from flashattn2.bench import ab
     from flashattn2.ops import config
 
@@ -157,8 +157,9 @@ def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
 
     monkeypatch.setattr(ab, "check_provider", fake_check)
     monkeypatch.setattr(ab, "time_modes", fake_time)
-    rows = ab.run(["default", "gluon_bwd_split=1"], ["fp16"], [64], [128], [True], ["bwd"], cudnn=False, rounds=2,
+    rows = ab.run(["default", "gluon_bwd_split=1"], ["fp16"], [64], [128], [True], ["bwd"], cudnn=False, rounds=3,
                   tokens=128, hidden=128, progress=False, device="cpu")
-    assert seen == [("check", None), ("check", True)] + [("time", None), ("time", True)] * 2
+    assert seen == [("check", None), ("check", True)] + [("time", None), ("time", True), ("time", True),
+                                                         ("time", None), ("time", None), ("time", True)]
     assert [r["setting"] for r in rows] == ["default", "gluon_bwd_split=1"]
     assert config._forced["gluon_bwd_split"] is None

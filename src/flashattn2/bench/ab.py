@@ -3,7 +3,8 @@ kernel table's choices are made from. A setting is a comma-separated list of con
 arguments ("gluon_bwd_split=1", "gluon=0,gluon_bwd=0", "arch=sm80", a tile as
 "fwd_hopper_persist=64x64w8s2"; "" or "default" for the defaults) or "pkg:NAME" for a package built
 by tools/baseline_pkg.py (an older commit, loaded beside this one). At every point the rounds
-alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike; each setting's
+alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike, odd rounds in reverse
+order, so a place in the round favours none; each setting's
 median over the rounds is reported with its ratio to the first setting and to cuDNN. Every setting
 is checked against the reference (forward and backward, flash-attn's rule) before it is timed; one
 that fails is not timed.
@@ -87,18 +88,20 @@ def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=Tr
         times = {name: {mode: [] for mode in modes} for name in names}
         q, k, v = (torch.randn(batch, seqlen, h, headdim, device=device, dtype=dtype)
                    for h in (heads, heads_k, heads_k))
-        for _ in range(rounds):
-            for side in sides:
-                if notes[side.label]:
+        order = [s for s in sides if not notes[s.label]] + ([None] if cudnn else [])  # None: cuDNN
+        for round_ in range(rounds):
+            # odd rounds in reverse order, so that a place in the round (first after the previous
+            # round's cache flush, last after the others' launches) favours no setting
+            for side in order if round_ % 2 == 0 else order[::-1]:
+                if side is None:
+                    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+                    for mode, ms in time_modes(lambda a, b, c: cudnn_fn(a, b, c, causal), [qt, kt, vt], modes).items():
+                        times["sdpa_cudnn"][mode].append(ms)
                     continue
                 with side.context():  # forward and backward under the setting
                     found = time_modes(lambda a, b, c: side.run(a, b, c, causal), [q, k, v], modes)
                 for mode, ms in found.items():
                     times[side.label][mode].append(ms)
-            if cudnn:
-                qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-                for mode, ms in time_modes(lambda a, b, c: cudnn_fn(a, b, c, causal), [qt, kt, vt], modes).items():
-                    times["sdpa_cudnn"][mode].append(ms)
             if device == "cuda":
                 torch.cuda.empty_cache()
         for name in names:
