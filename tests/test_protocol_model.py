@@ -36,11 +36,13 @@ def test_forward_every_table_configuration():
 
 
 @pytest.mark.parametrize("broken", ["parity", "skip from the last used unit", "skip one unit too few",
-                                    "expect two blocks always", "one part twice"])
+                                    "expect two blocks always", "one part twice", "shift by part of a part",
+                                    "shift a part too far"])
 def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
     """Waits that pass a phase late, a consumer that arrives again on its last unit or leaves out
-    its first unused one, an expect-tx that does not match the blocks loaded, and two consumers on
-    one part: each deadlocks, reads out of turn or leaves a part out, and the model fails it."""
+    its first unused one, an expect-tx that does not match the blocks loaded, two consumers on one
+    part, and causal tiles shifted by a part's fraction (a part straddling row 0) or by a part too
+    many: each deadlocks, reads out of turn or leaves rows out, and the model fails it."""
     if broken == "parity":
         monkeypatch.setattr(fwd_ring_model.Bar, "passes", lambda self, parity: self.c % 2 == parity)
     elif broken == "skip from the last used unit":
@@ -49,6 +51,12 @@ def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
         monkeypatch.setattr(fwd_ring_model, "skip_from", lambda n_blocks: n_blocks + 2 if n_blocks else 0)
     elif broken == "one part twice":
         monkeypatch.setattr(fwd_ring_model, "part", lambda me: me // 2 * 2)
+    elif broken == "shift by part of a part":
+        monkeypatch.setattr(fwd_ring_model, "causal_shift",
+                            lambda num_m, seqlen_q, cta_m, block_m: num_m * cta_m - seqlen_q)
+    elif broken == "shift a part too far":
+        shift = fwd_ring_model.causal_shift
+        monkeypatch.setattr(fwd_ring_model, "causal_shift", lambda *args: shift(*args) + args[3])
     else:
         expect = fwd_ring_model.Bar.expect
         monkeypatch.setattr(fwd_ring_model.Bar, "expect",

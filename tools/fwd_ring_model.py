@@ -2,8 +2,10 @@
 attn_fwd_persist_kernel: one producer warp, CONSUMERS consumer warpgroups, the K/V ring of units and
 the Q buffers), run under random interleavings with TMA loads landing at random times. It mirrors
 the kernel's tile order, block counts, ring-unit indices and wait parities, and checks that no run
-deadlocks, that every part of every tile is computed once, that every step reads the K and V blocks
-meant for it and no stage is refilled while a consumer still reads it, that every expect-tx is met by the bytes loaded, and that a Q buffer is
+deadlocks, that every part of every tile is computed once (and, on a grid of one CTA, every query
+row once: causal tiles are aligned to the last row, leaving empty parts before row 0), that every
+step reads the K and V blocks meant for it and no stage is refilled while a consumer still reads it,
+that every expect-tx is met by the bytes loaded, and that a Q buffer is
 not reloaded before the O stored through it has left. A model, not the kernel: change it with the
 kernel's protocol. No GPU needed:  python tools/fwd_ring_model.py [--seeds 20]
 (mbarrier semantics: a phase completes when the expected arrivals and bytes are in; a wait on
@@ -63,7 +65,7 @@ def tile_blocks(start_m, seqlen_q, seqlen_k, causal, block_m, block_n):  # _tile
     n_end = seqlen_k
     if causal:
         n_end = max(min(seqlen_k, start_m + block_m + diag), 1)
-    return 0 if start_m >= seqlen_q else cdiv(n_end, block_n)
+    return 0 if start_m >= seqlen_q or start_m < 0 else cdiv(n_end, block_n)
 
 
 def num_my_tiles(num_tiles, pid, nprog, snake):  # _num_my_tiles
@@ -72,14 +74,21 @@ def num_my_tiles(num_tiles, pid, nprog, snake):  # _num_my_tiles
     return full + int(idx < num_tiles - full * nprog)
 
 
-def tile_coords(it, pid, nprog, batch, nheads, num_m, causal, snake, cta_m):  # _tile_coords
+def causal_shift(num_m, seqlen_q, cta_m, block_m):
+    """_tile_coords' causal tiles aligned to the last row: shifted up by the whole parts left over.
+    (Tests break it on purpose.)"""
+    return (num_m * cta_m - seqlen_q) // block_m * block_m
+
+
+def tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_m, block_m):  # _tile_coords
     idx = pid + (it % 2) * (nprog - 1 - 2 * pid) if snake else pid
     t = it * nprog + idx
     if causal:
         pid_m, off_bh = num_m - 1 - t // (batch * nheads), t % (batch * nheads)
+        shift = causal_shift(num_m, seqlen_q, cta_m, block_m)
     else:
-        pid_m, off_bh = t % num_m, t // num_m
-    return off_bh // nheads, off_bh % nheads, pid_m * cta_m
+        pid_m, off_bh, shift = t % num_m, t // num_m, 0
+    return off_bh // nheads, off_bh % nheads, pid_m * cta_m - shift
 
 
 def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, seed):
@@ -98,6 +107,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
     in_flight = []  # TMA loads issued, not landed: (buffers, index, tag, barrier)
     block_bytes = 1
     parts_done = {}  # it -> the first rows of the parts the consumers computed of the CTA's it-th tile
+    rows_done = []  # (batch entry, head, row) of every query row a consumer computed
     n_my = num_my_tiles(num_m * batch * nheads, pid, nprog, snake)
 
     def n_max_of(cta_m):  # _tile_max_blocks
@@ -117,14 +127,14 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
 
         g = 0
         for it in range(n_my):
-            b, h, cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, causal, snake, cta_rows)
+            b, h, cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_rows, block_m)
             n_max = n_max_of(cta_m)
             yield from produce(g, 0, n_max, b, h)
             for t in range(consumers):
                 qi = (it % qbuf) * consumers + t
                 yield lambda qi=qi, it=it: q_empty[qi].passes(((it // qbuf) & 1) ^ 1)
                 row = cta_m + t * block_m
-                if row < seqlen_q:
+                if 0 <= row < seqlen_q:
                     q_ready[qi].expect(block_bytes)
                     in_flight.append((q_buf, qi, ("Q", b, h, row), q_ready[qi]))
                 else:
@@ -159,7 +169,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
 
         g = 0
         for it in range(n_my):
-            b, h, cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, causal, snake, cta_rows)
+            b, h, cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_rows, block_m)
             start_m = cta_m + part(me) * block_m
             parts_done.setdefault(it, []).append(start_m)
             n_blocks = tile_blocks(start_m, seqlen_q, seqlen_k, causal, block_m, block_n)
@@ -168,6 +178,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
             prev_qi = ((it + 1) % qbuf) * consumers + me
             yield lambda qi=qi, it=it: q_ready[qi].passes((it // qbuf) & 1)
             if n_blocks > 0:
+                rows_done.extend((b, h, r) for r in range(start_m, min(start_m + block_m, seqlen_q)))
                 assert q_buf[qi] == ("Q", b, h, start_m), f"Q buffer {qi}: {q_buf[qi]} for rows {start_m}"
                 # block 0: S = Q K_0^T issued, then (QBUF 2) the previous tile's Q buffer handed back
                 after = (lambda p=prev_qi, it=it: q_release(p, it > 0)) if qbuf == 2 else None
@@ -208,8 +219,11 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
         if not choices:
             assert all(w is done for w in waits), f"deadlock: {shape} causal={causal} seed={seed}"
             for it, starts in parts_done.items():  # every part of every tile computed, once
-                cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, causal, snake, cta_rows)[2]
+                cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_rows, block_m)[2]
                 assert sorted(starts) == [cta_m + t * block_m for t in range(consumers)], (it, starts)
+            if nprog == 1:  # one CTA runs every tile: each query row of each head computed once
+                want = [(b, h, r) for b in range(batch) for h in range(nheads) for r in range(seqlen_q)]
+                assert sorted(rows_done) == want, f"rows computed: {shape} causal={causal}"
             return
         pick = rnd.choice(choices)
         if pick == "tma":

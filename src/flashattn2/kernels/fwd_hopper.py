@@ -105,7 +105,8 @@ def _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
     """The key blocks of the query tile starting at row start_m: (n_blocks, mask_from); blocks
     [0, n_blocks), those from mask_from on cross the causal diagonal or the keys' end. A tile that
     sees no key (causal, seqlen_q > seqlen_k) still gets one block, all masked; a tile past
-    seqlen_q (the second tile of the warp-specialized kernel's last program) gets none."""
+    seqlen_q (the second tile of the warp-specialized kernel's last program) or before row 0 (the
+    persistent kernel's first causal tile, _tile_coords) gets none."""
     diag = seqlen_k - seqlen_q
     n_end = seqlen_k
     mask_from = seqlen_k // BLOCK_N
@@ -113,7 +114,7 @@ def _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
         n_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag), 1)
         mask_from = gl.minimum(mask_from, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
     n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
-    if start_m >= seqlen_q:
+    if (start_m >= seqlen_q) | (start_m < 0):
         n_blocks = 0
     return n_blocks, mask_from
 
@@ -548,11 +549,15 @@ def _num_my_tiles(num_tiles, pid, nprog, SNAKE: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
-                 CTA_M: gl.constexpr):
+def _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
+                 CTA_M: gl.constexpr, BLOCK_M: gl.constexpr):
     """The it-th tile of CTA pid (tile it * nprog + pid; SNAKE: odd rounds reversed): (batch entry,
     head, first row). Non-causal: one head's tiles together (K/V reuse in L2); causal: heaviest
-    first over all heads (_program_tile's order for more than 8 tiles per head)."""
+    first over all heads (_program_tile's order for more than 8 tiles per head), and the tiles
+    aligned to the last row rather than the first (shifted up by the whole parts of the
+    num_m * CTA_M - seqlen_q rows left over), so the parts left empty (before row 0) fall in the
+    lightest tile, not the heaviest: at 512 rows in 192-row tiles the tiles' longest parts sum to
+    15 key blocks (of 64) instead of 17."""
     idx = pid
     if SNAKE:
         idx = pid + (it % 2) * (nprog - 1 - 2 * pid)
@@ -560,10 +565,12 @@ def _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL: gl.constexpr, SNA
     if CAUSAL:
         pid_m = num_m - 1 - t // (batch * nheads)
         off_bh = t % (batch * nheads)
+        shift = (num_m * CTA_M - seqlen_q) // BLOCK_M * BLOCK_M
     else:
         pid_m = t % num_m
         off_bh = t // num_m
-    return off_bh // nheads, off_bh % nheads, pid_m * CTA_M
+        shift = 0
+    return off_bh // nheads, off_bh % nheads, pid_m * CTA_M - shift
 
 
 @gluon.jit
@@ -719,7 +726,8 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
     qk_scale = _qk_scale(sm_scale)
     g = 0
     for it in range(n_my):
-        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
+        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL, SNAKE,
+                                           CTA_M, BLOCK_M)
         start_m = cta_m + ME * BLOCK_M
         n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
@@ -731,7 +739,7 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
             _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_row0, off_b,
                           off_h * HEAD_DIM, start_m, n_blocks, mask_from, g, qi, prev_qi, it > 0, qk_scale,
                           seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)
-        else:  # this half of the tile lies past seqlen_q: nothing to compute, nothing stored
+        else:  # this part lies past seqlen_q or before row 0: nothing to compute, nothing stored
             if QBUF == 2:
                 _q_release(q_empty, prev_qi, it > 0)
             else:
@@ -776,8 +784,9 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
     n_my = _num_my_tiles(num_m * batch * nheads, pid, nprog, SNAKE)
     g = 0
     for it in range(n_my):
-        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, CAUSAL, SNAKE, CTA_M)
-        # >= 1: the tile's part 0 is valid
+        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL, SNAKE,
+                                           CTA_M, BLOCK_M)
+        # >= 1: the tile's last part starts in [0, seqlen_q) (_tile_coords' shift leaves it there)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
         q_col = off_h * HEAD_DIM
         kv_col = (off_h // group_size) * HEAD_DIM
@@ -789,9 +798,11 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
             mbarrier.wait(q_empty.index(qi), ((it // QBUF) & 1) ^ 1)
             bar = q_ready.index(qi)
             row = cta_m + t * BLOCK_M
-            mbarrier.expect(bar, Q.block_type.nbytes, pred=row < seqlen_q)
-            tma.async_copy_global_to_shared(Q, [off_b, row, q_col], bar, q_smem.index(qi), pred=row < seqlen_q)
-            mbarrier.arrive(bar, pred=row >= seqlen_q)  # an empty half: its consumer only waits and hands back
+            valid = (row >= 0) & (row < seqlen_q)
+            mbarrier.expect(bar, Q.block_type.nbytes, pred=valid)
+            tma.async_copy_global_to_shared(Q, [off_b, row, q_col], bar, q_smem.index(qi), pred=valid)
+            # an empty part: its consumer only waits and hands back
+            mbarrier.arrive(bar, pred=(row < 0) | (row >= seqlen_q))
         for j in range(1, n_max + 1):
             _persist_produce(K, V, ready, empty, k_smem, v_smem, g + j, j, n_max, off_b, kv_col, BLOCK_N, STAGES)
         g += n_max + 1
