@@ -22,7 +22,8 @@ head, CONSUMERS * BLOCK_M query rows), each
 looping over tiles pid, pid + G, pid + 2G, ... (G CTAs), so a tile's prologue and epilogue overlap
 its neighbours' work. SNAKE (meant for causal) reverses every other round, so a CTA that got a
 round's heaviest tile gets the next round's lightest. Tile order: non-causal one head's query
-blocks together (K/V reuse in L2), causal heaviest first over all heads. The ring holds units: a
+blocks together (K/V reuse in L2), causal heaviest first over all heads, the causal tiles aligned
+to the last query row (the parts a length leaves over lie before row 0, in the lightest tile). The ring holds units: a
 tile of n key blocks (n = the largest block count of its parts) is units 0 .. n, unit j holding
 K_j (j < n) and V_{j-1} (j > 0) -- what one inner step reads (QK_j^T, then P_{j-1} V_{j-1}) -- in
 the K and V buffers of one stage, behind one ready barrier (expect-tx of both blocks) and one empty
