@@ -206,7 +206,8 @@ def test_gluon_forward_rule(monkeypatch):
 def test_persistent_forward_many_tiles_per_program(d, causal, monkeypatch):
     """The persistent forward with a grid of 3 programs (as if the GPU had 3 SMs), so each runs
     many tiles: the K/V ring and the Q buffers carried across tiles, GQA, a ragged last query tile
-    (a half past seqlen_q) and seqlen_q != seqlen_k; against the reference, then the gradients."""
+    (a half past seqlen_q; causal: a first tile with a half before row 0) and seqlen_q != seqlen_k;
+    against the reference, then the gradients."""
     monkeypatch.setattr(_runtime, "sm_count", lambda device: 3)
     launched = spy_launches(monkeypatch)
     # 300 query rows: the last tile (128 rows at d128, 256 at d64) has its second half past the end
@@ -235,7 +236,8 @@ PERSIST_TILES = [pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
 def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
     """The persistent forward with each tile it may be given (two or three consumer warpgroups): a
     ragged last tile whose later parts lie past seqlen_q (300 rows: 192-row tiles leave 108, one part
-    and a half), GQA, seqlen_q != seqlen_k both ways, bf16 too, and on a grid of 3 programs the
+    and a half; causal: the tiles aligned to the last row, a first tile whose first part lies before
+    row 0), GQA, seqlen_q != seqlen_k both ways, bf16 too, and on a grid of 3 programs the
     rings and Q buffers carried across many tiles, 2400 rows (10-19 tiles a head), and 40 keys (one
     key block: a tile's ring units are K_0 alone, then V_0 alone); NaN-filled outputs (every element
     written)."""
@@ -473,23 +475,33 @@ def test_softmax_scale():
     assert (out.float() - attention_ref(q, k, v)[0]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("path", [{}, {"gluon_persist": False}, {"gluon_persist": False, "gluon_ws": False}],
-                         ids=["default", "persist-off", "one-warpgroup"])
+@pytest.mark.parametrize("path", ["default", "ws-forced", "one-warpgroup"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_zero_softmax_scale(d, causal, path):
+def test_zero_softmax_scale(d, causal, path, monkeypatch):
     """softmax_scale=0 (allowed): every visible key weighs the same, so O is the mean of the visible
-    values and lse the log of their count, in every forward (on an H100/H200 the persistent, the
-    warp-specialized and the one-warpgroup Gluon kernels, whose masked blocks must not turn the
-    invisible scores' -inf * 0 into NaN) and through the backward. seqlen_q > seqlen_k, causal:
-    rows that see no key (O 0, lse +inf); ragged key blocks."""
-    if not HOPPER and (path or d != 64):
+    values and lse the log of their count, in every forward (on an H100/H200 each Gluon kernel, the
+    launch checked: the persistent one at headdim 64/128 by default, the warp-specialized one at
+    128/256, the one-warpgroup one; their masked blocks must not turn an invisible score's -inf * 0
+    into NaN) and through the backward. 100 queries over 97 keys: causal rows 0-2 see no key (O 0,
+    lse +inf), ragged key blocks, and the persistent kernel's causal tiles start before row 0."""
+    if not HOPPER and (path != "default" or d != 64):
         pytest.skip("elsewhere one kernel (kernels/fwd.py) runs every path and head dim: d64 checks it")
-    q, k, v = make_qkv((2, 150, 97, 4, 2, d), torch.float16)
-    with config.override(**path):
+    overrides = {"default": {}, "ws-forced": {"gluon_persist": False, "gluon_ws": True},
+                 "one-warpgroup": {"gluon_persist": False, "gluon_ws": False}}[path]
+    launched = spy_launches(monkeypatch)
+    sq, sk = 100, 97
+    q, k, v = make_qkv((2, sq, sk, 4, 2, d), torch.float16)
+    with config.override(**overrides):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
+    if HOPPER:  # (the d64 warp-specialized kernel has no table entry: forcing it gives the one-warpgroup kernel)
+        expected = ("attn_fwd_persist_kernel" if path == "default" and d != 256 else
+                    "attn_fwd_ws_kernel" if path != "one-warpgroup" and d != 64 else "attn_fwd_hopper_kernel")
+    else:
+        expected = "attn_fwd_kernel"
+    assert launched[0] == expected, launched
     ref, ref_lse = attention_ref(q, k, v, softmax_scale=0.0, causal=causal)
     low, low_lse = attention_ref(q, k, v, softmax_scale=0.0, causal=causal, upcast=False)
     assert_close("out", out, ref, low, FWD_FACTOR)
@@ -500,13 +512,14 @@ def test_zero_softmax_scale(d, causal, path):
     low_grads = torch.autograd.grad((low * do).sum(), (q, k, v))
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
-    # the mean of the visible values: row i sees keys j <= i + 97 - 150 when causal
-    rows = torch.arange(150, device=q.device)[:, None]
-    seen = (torch.arange(97, device=q.device)[None, :] <= rows - 53) if causal else torch.ones(150, 97, dtype=torch.bool,
-                                                                                               device=q.device)
+    # the mean of the visible values: row i sees keys j <= i + sk - sq when causal
+    rows, cols = torch.arange(sq, device=q.device)[:, None], torch.arange(sk, device=q.device)[None, :]
+    seen = (cols <= rows + sk - sq) if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     vv = v.float().repeat_interleave(2, dim=2)  # GQA: 4 query heads over 2
     mean = torch.einsum("ij,bjhd->bihd", seen.float(), vv) / seen.sum(1).clamp(min=1)[None, :, None, None]
     assert (out.float() - mean).abs().max() < 2e-2
+    blind = sq - sk if causal else 0  # rows that see no key
+    assert torch.isposinf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
 
 
 @pytest.mark.parametrize("causal", CAUSAL)

@@ -234,7 +234,8 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
             advance(pick)
 
 
-# shapes (batch, nheads, seqlen_q, seqlen_k): ragged last tiles, parts past seqlen_q, seqlen_q > seqlen_k
+# shapes (batch, nheads, seqlen_q, seqlen_k): ragged last tiles, parts past seqlen_q (causal: before row 0),
+# seqlen_q > seqlen_k
 # (causal rows that see no key), one key block, one key, one query row
 SHAPES = [(1, 2, 300, 461), (1, 2, 461, 300), (1, 3, 64, 1000), (1, 1, 700, 700), (2, 2, 200, 40),
           (1, 2, 130, 1), (1, 1, 1, 300)]

@@ -4,7 +4,7 @@ arguments ("gluon_bwd_split=1", "gluon=0,gluon_bwd=0", "arch=sm80", a tile as
 "fwd_hopper_persist=64x64w8s2"; "" or "default" for the defaults) or "pkg:NAME" for a package built
 by tools/baseline_pkg.py (an older commit, loaded beside this one). At every point the rounds
 alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike, odd rounds in reverse
-order, so a place in the round favours none; each setting's
+order, so a place in the round favours none (exactly with an even number of rounds); each setting's
 median over the rounds is reported with its ratio to the first setting and to cuDNN. Every setting
 is checked against the reference (forward and backward, flash-attn's rule) before it is timed; one
 that fails is not timed.

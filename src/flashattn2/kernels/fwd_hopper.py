@@ -32,13 +32,14 @@ once per key block (each Gluon arrive comes after a warpgroup bar.sync; session 
 step -> 2; 1-6% faster from 1k keys, the short causal tiles with a third stage). The ring runs on
 across tiles: ring unit g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
 every consumer advance g by n + 1 per tile. Every consumer waits for and releases every ring unit
-of the tile, the units its part does not use (causal: the lighter parts; a part past seqlen_q: all)
+of the tile, the units its part does not use (causal: the lighter parts; an empty part, past seqlen_q
+or, causal, before row 0: all)
 right after its epilogue (_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on
 them, is wrong here: the consumer that skipped them would go on to its next tile and wait on ring
 units more than STAGES ahead of the fill, where a parity wait passes two phases early.
 (tools/fwd_ring_model.py models this protocol under random interleavings; tests/test_protocol_model.py
 runs it.) Q has QBUF buffers per consumer (buffer (k % QBUF) * CONSUMERS + consumer for a CTA's
-k-th tile), each with a q_ready (expect-tx, or a plain arrive for a half past seqlen_q) and a q_empty barrier;
+k-th tile), each with a q_ready (expect-tx, or a plain arrive for an empty part) and a q_empty barrier;
 a tile's O leaves through its Q buffer by TMA store, and the buffer goes back once the store has
 read it. QBUF 2: the store is not waited for at the tile's end; the buffer goes back after the next
 tile's first QK^T is issued (the producer has loaded that tile's Q into the other buffer meanwhile),
@@ -603,7 +604,7 @@ def _persist_release(empty, u, STAGES: gl.constexpr):
 @gluon.jit
 def _skip_units(ready, empty, g, j0, j1, STAGES: gl.constexpr):
     """Ring units g + j0 .. g + j1 - 1: the partners', not this consumer's (causal: a partner's part
-    sees more keys; or this part lies past seqlen_q). Wait until each is loaded, then give this
+    sees more keys; or this part is empty: past seqlen_q or before row 0). Wait until each is loaded, then give this
     consumer's arrival. Not a partner arriving twice instead (attn_fwd_ws_kernel's _release): this
     consumer would go on to its next tile and wait on ring units more than STAGES ahead of the fill,
     where a parity wait passes two phases early."""
