@@ -13,6 +13,7 @@
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
+#   grid-fwd   the grid's forward rows only (d64/d128 fp16 and bf16, and GQA), appended
 #   gqa        the GQA rows (32 query heads over 8)
 #   features   bench features (varlen, window, the options' costs)
 #   graph      forward + backward at 512/1k tokens with the host taken out (tools/graph_fwd_bwd.py)
@@ -23,7 +24,7 @@
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
-# "graph profile"; "profile-causal host-profile profile-sass".
+# "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -40,6 +41,7 @@ echo "results recorded as git $GIT_SHA"
 NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or persistent_constexprs or short_tiles"
 NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
 NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
+NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward"
 
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2
@@ -81,6 +83,11 @@ for s in "$@"; do
     grid-fp16|grid-bf16)
       stage "$s" 560 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes "${s#grid-}" \
         --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
+    grid-fwd)  # the forward rows only (d64/d128, both dtypes, and GQA): ~80 s on a warm H200 (session 15)
+      stage grid-fwd 200 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
+          --dtypes fp16,bf16 --headdims 64,128 --modes fwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&
+        python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 \
+          --headdims 128 --nheads 32 --nheads-k 8 --modes fwd --providers flashattn2,sdpa_flash,sdpa_cudnn" ;;
     gqa)
       stage gqa 280 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 \
         --headdims 128 --nheads 32 --nheads-k 8 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
