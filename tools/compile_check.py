@@ -212,6 +212,12 @@ def cases(arch):
                config.TileConfig(8, 8, 4, 1), None)
 
 
+def case_id(name: str, cfg) -> str:
+    """A configuration's id with its tile, e.g. 'sm90-d64-fp16-fwd_hopper_persist-causal 128x64w8s3':
+    cases() names repeat across a kernel's tiles (the short-sequence tiles, causal-only entries)."""
+    return f"{name} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+
+
 def _key(case):
     name, fn, elem_bytes, constexprs, cfg, *types = case
     return (fn.__name__, elem_bytes, tuple(sorted(constexprs.items())), cfg, repr(types))

@@ -106,7 +106,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
     k_buf, v_buf, q_buf = [None] * stages, [None] * stages, [None] * nq
     in_flight = []  # TMA loads issued, not landed: (buffers, index, tag, barrier)
     block_bytes = 1
-    parts_done = {}  # it -> the first rows of the parts the consumers computed of the CTA's it-th tile
+    parts_done = {}  # it -> (the CTA's it-th tile's first row, the first rows of the parts its consumers computed)
     rows_done = []  # (batch entry, head, row) of every query row a consumer computed
     n_my = num_my_tiles(num_m * batch * nheads, pid, nprog, snake)
 
@@ -171,7 +171,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
         for it in range(n_my):
             b, h, cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_rows, block_m)
             start_m = cta_m + part(me) * block_m
-            parts_done.setdefault(it, []).append(start_m)
+            parts_done.setdefault(it, (cta_m, []))[1].append(start_m)
             n_blocks = tile_blocks(start_m, seqlen_q, seqlen_k, causal, block_m, block_n)
             n_max = n_max_of(cta_m)
             qi = (it % qbuf) * consumers + me
@@ -218,8 +218,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
         choices = runnable + (["tma"] if in_flight else [])
         if not choices:
             assert all(w is done for w in waits), f"deadlock: {shape} causal={causal} seed={seed}"
-            for it, starts in parts_done.items():  # every part of every tile computed, once
-                cta_m = tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_rows, block_m)[2]
+            for it, (cta_m, starts) in parts_done.items():  # every part of every tile computed, once
                 assert sorted(starts) == [cta_m + t * block_m for t in range(consumers)], (it, starts)
             if nprog == 1:  # one CTA runs every tile: each query row of each head computed once
                 want = [(b, h, r) for b in range(batch) for h in range(nheads) for r in range(seqlen_q)]

@@ -42,8 +42,7 @@ def main():
         compiled = compile_check.compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *types)
         sha = hashlib.sha256(strip_debug(compiled.asm["ptx"]).encode()).hexdigest()[:16]
         # (an id can repeat: a causal-only table entry builds both variants under the same names)
-        row = dict(id=f"{name} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}", sha=sha,
-                   shared=compiled.metadata.shared)
+        row = dict(id=compile_check.case_id(name, cfg), sha=sha, shared=compiled.metadata.shared)
         if args.against:
             row["same"] = before.get(row["id"]) == sha
             changed += not row["same"]

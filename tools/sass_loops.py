@@ -1,10 +1,10 @@
 """Instructions per loop of a kernel's sm_90 SASS, compiled here without a GPU: how a change to an inner loop
 moves its instruction count and mix before it is measured.
 
-    python tools/sass_loops.py --match d64-fp16-fwd_hopper_persist-causal --tile 128x64s3 [--min 60] [--sass FILE]
+    python tools/sass_loops.py --match "d64-fp16-fwd_hopper_persist-causal 128x64w8s3" [--min 60] [--sass FILE]
 
-Compiles the tools/compile_check.py configuration whose id contains --match (and whose tile is --tile, as
-BLOCK_MxBLOCK_NsSTAGES: the ids repeat across the tables' tiles), disassembles it with the cuobjdump that
+Compiles the first tools/compile_check.py configuration whose id with its tile (compile_check.case_id, as
+tools/ptx_hash.py prints them) contains --match, disassembles it with the cuobjdump that
 ships with triton, and prints every loop (a backward branch: its target to the branch) of at least --min
 instructions, innermost first, with its most frequent opcodes. A kernel's inner loops are the short ones; an
 mbarrier try-wait spin shows as a long loop closed far away and can be told by its SYNCS/BRA mix. Static counts:
@@ -50,12 +50,12 @@ def loops(instrs: list[tuple[int, str]], min_len: int = 1) -> list[tuple[int, in
     return sorted(found, key=lambda loop: sum(loop[2].values()))
 
 
-def compile_sass(match: str, tile: str) -> str:
+def compile_sass(match: str) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import compile_check  # noqa: E402  (refuses TRITON_INTERPRET=1)
 
     for name, fn, elem_bytes, constexprs, cfg, *types in compile_check.cases("sm90"):
-        if match in name and f"{cfg.block_m}x{cfg.block_n}s{cfg.num_stages}" == tile:
+        if match in compile_check.case_id(name, cfg):
             kernel = compile_check.compile_kernel(fn, "sm90", elem_bytes, constexprs, cfg, *types)
             cuobjdump = os.path.join(os.path.dirname(compile_check.triton.__file__), "backends", "nvidia", "bin",
                                      "cuobjdump")
@@ -64,18 +64,17 @@ def compile_sass(match: str, tile: str) -> str:
                 fh.flush()
                 return subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True,
                                       check=True).stdout
-    raise SystemExit(f"no sm90 configuration matches {match!r} with tile {tile}")
+    raise SystemExit(f"no sm90 configuration matches {match!r}")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--match", required=True, help="part of a tools/compile_check.py configuration id")
-    ap.add_argument("--tile", required=True, help="BLOCK_MxBLOCK_NsSTAGES, e.g. 128x64s3")
+    ap.add_argument("--match", required=True, help="part of a configuration's id with its tile (compile_check.case_id)")
     ap.add_argument("--min", type=int, default=60, help="shortest loop printed (instructions)")
     ap.add_argument("--top", type=int, default=14, help="opcodes printed per loop")
     ap.add_argument("--sass", help="also write the disassembly here")
     args = ap.parse_args()
-    sass = compile_sass(args.match, args.tile)
+    sass = compile_sass(args.match)
     if args.sass:
         with open(args.sass, "w") as fh:
             fh.write(sass)
