@@ -224,6 +224,7 @@ PERSIST_TILES = [pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
                  pytest.param(64, T(64, 128, 12, 3), id="d64-64x128w12s3"),
                  pytest.param(64, T(64, 128, 8, 2), id="d64-64x128w8s2"),
                  pytest.param(64, T(128, 64, 8, 3), id="d64-128x64w8s3"),
+                 pytest.param(64, T(64, 64, 12, 4), id="d64-64x64w12s4"),
                  pytest.param(128, T(64, 64, 8, 2), id="d128-64x64w8s2"),
                  pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2"),
                  pytest.param(128, T(64, 64, 12, 3), id="d128-64x64w12s3")]

@@ -213,7 +213,7 @@ def cases(arch):
 
 
 def case_id(name: str, cfg) -> str:
-    """A configuration's id with its tile, e.g. 'sm90-d64-fp16-fwd_hopper_persist-causal 128x64w8s3':
+    """A configuration's id with its tile, e.g. 'sm90-d64-fp16-fwd_hopper_persist-causal 64x64w12s4':
     cases() names repeat across a kernel's tiles (the short-sequence tiles, causal-only entries)."""
     return f"{name} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
 

@@ -1,7 +1,7 @@
 """Instructions per loop of a kernel's sm_90 SASS, compiled here without a GPU: how a change to an inner loop
 moves its instruction count and mix before it is measured.
 
-    python tools/sass_loops.py --match "d64-fp16-fwd_hopper_persist-causal 128x64w8s3" [--min 60] [--sass FILE]
+    python tools/sass_loops.py --match "d64-fp16-fwd_hopper_persist-causal 64x64w12s4" [--min 60] [--sass FILE]
 
 Compiles the first tools/compile_check.py configuration whose id with its tile (compile_check.case_id, as
 tools/ptx_hash.py prints them) contains --match, disassembles it with the cuobjdump that

@@ -188,7 +188,12 @@ _TABLE_SHORT: dict[tuple[str, int, int, str, bool], tuple[tuple[int, TileConfig]
     # d64 causal 128(x2)x64 s2 at 512/1k/2k: 220/293/331 (64(x3)x128 s3 183/257/328; cuDNN 259/329/364).
     # Session 13 (K and V of a step in one ring unit, git 46cdfb0): s3 223/294/335 against s2's 218/290/332
     # (cuDNN 258/334/386)
-    ("sm90", 64, 2, "fwd_hopper_persist", True): ((2048, TileConfig(128, 64, 8, 3)),),
+    # Session 16 (masked blocks of one compare and one select, causal tiles aligned to the last row; git b90f4bd;
+    # 4 rounds, alternating order): 64(x3)x64 s4 at 512/1k/2k/4k/8k/16k 238/308/347/371/401/425 fp16,
+    # 244/314/358/386/413/434 bf16, against this entry (then 128(x2)x64 s3 up to 2k, 64(x3)x128 s3 past it)
+    # 232/295/334/378/418/449 and 234/303/344/392/432/469 (cuDNN 257/323/374/402/419/431, 260/329/381/415/432/441);
+    # s3 238/304/343/364/400/423 and 241/311/354/376/414/435
+    ("sm90", 64, 2, "fwd_hopper_persist", True): ((2048, TileConfig(64, 64, 12, 4)),),
     # d128 causal 64(x3)x64 s2 at 512/1k/2k/4k: 281/349/429/471 (the 64(x2)x128 entry 242/342/416/502;
     # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472). Session 13 (ring units, git 46cdfb0): s3 at
     # 512/1k/2k 285/364/447 against s2's 275/352/472 (cuDNN 327/411/443)
