@@ -227,7 +227,9 @@ PERSIST_TILES = [pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
                  pytest.param(64, T(64, 64, 12, 4), id="d64-64x64w12s4"),
                  pytest.param(128, T(64, 64, 8, 2), id="d128-64x64w8s2"),
                  pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2"),
-                 pytest.param(128, T(64, 64, 12, 3), id="d128-64x64w12s3")]
+                 pytest.param(128, T(64, 64, 12, 3), id="d128-64x64w12s3"),
+                 pytest.param(128, T(64, 64, 12, 3, qbuf=1), id="d128-64x64w12s3q1"),
+                 pytest.param(64, T(64, 128, 12, 3, qbuf=1), id="d64-64x128w12s3q1")]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
@@ -332,6 +334,24 @@ def test_persistent_constexprs():
     for warps in (4, 16):
         with pytest.raises(ValueError, match="num_warps"):
             config.gluon_persist_constexprs(T(64, 128, warps, 2), 64, False)
+    # Q buffers per consumer: the tile's where it names them, else the head dim's
+    assert config.gluon_persist_constexprs(T(64, 64, 12, 3, qbuf=1), 128, True)["QBUF"] == 1
+    assert config.gluon_persist_constexprs(T(64, 64, 12, 3), 128, True)["QBUF"] == config.GLUON_PERSIST_QBUF[128]
+    for qbuf in (0, 3):
+        with pytest.raises(ValueError, match="qbuf"):
+            config.gluon_persist_constexprs(T(64, 64, 12, 3, qbuf=qbuf), 128, True)
+    with pytest.raises(ValueError, match="qbuf.*fwd_hopper_persist.*fwd_hopper_ws"):
+        with config.override(fwd_hopper_ws=T(64, 128, 4, 2, qbuf=1)):
+            pass
+
+
+def test_tile_text():
+    """A tile as bench ab and the tools write and read it: 'MxNwWsS', 'q' and the Q buffers after it where set."""
+    for tile in (T(64, 128, 12, 3), T(64, 64, 12, 3, qbuf=1), T(128, 32, 4, 2)):
+        assert config.parse_tile(str(tile)) == tile
+    assert str(T(64, 64, 12, 3, qbuf=1)) == "64x64w12s3q1" and str(T(64, 64, 12, 3)) == "64x64w12s3"
+    for text in ("64x64w12", "64x64w12s3q", "default", "64x64w12s3q1x"):
+        assert config.parse_tile(text) is None
 
 
 @pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "gluon-bwd-off",

@@ -126,6 +126,8 @@ def test_ab_settings_and_table():
     assert ab.Setting("arch=sm80").overrides == {"arch": "sm80"}
     tile = ab.Setting("fwd_hopper_persist=64x64w8s2").overrides
     assert tile == {"fwd_hopper_persist": config.TileConfig(64, 64, 8, 2)}
+    tile = ab.Setting("fwd_hopper_persist=64x64w12s3q1").overrides
+    assert tile == {"fwd_hopper_persist": config.TileConfig(64, 64, 12, 3, qbuf=1)}
     for bad in ("gluon_bwd_spilt=1", "gluon", "fwd_hopper_persist=64x64", "fwd_hoper=64x64w4s2"):
         with pytest.raises(ValueError, match="gluon_bwd_split"):
             ab.Setting(bad)

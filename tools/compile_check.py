@@ -215,7 +215,7 @@ def cases(arch):
 def case_id(name: str, cfg) -> str:
     """A configuration's id with its tile, e.g. 'sm90-d64-fp16-fwd_hopper_persist-causal 64x64w12s4':
     cases() names repeat across a kernel's tiles (the short-sequence tiles, causal-only entries)."""
-    return f"{name} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+    return f"{name} {cfg}"
 
 
 def _key(case):
@@ -236,7 +236,7 @@ def main():
         name, fn, elem_bytes, constexprs, cfg, *types = case
         if args.match not in name or _key(case) in skip:
             continue
-        row = dict(id=name, tile=f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
+        row = dict(id=name, tile=str(cfg))
         start = time.perf_counter()
         try:
             shared = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *types).metadata.shared

@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 import sys
 
-_TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
 _METRICS = ["Duration", "SM Frequency", "SM: Pipe Tensor Cycles Active", "SM: Inst Executed Pipe Xu",
             "SM: Pipe Alu Cycles Active", "SM: Pipe Fma Cycles Active", "SM: Issue Active", "Executed Instructions",
             "Registers Per Thread", "DRAM Throughput", "L2 Cache Throughput"]
@@ -31,8 +30,8 @@ def _overrides(items):
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        tile = _TILE.fullmatch(value)
-        out[key] = config.TileConfig(*map(int, tile.groups())) if tile else value.lower() not in ("0", "false")
+        tile = config.parse_tile(value)
+        out[key] = tile if tile else value.lower() not in ("0", "false")
     return out
 
 

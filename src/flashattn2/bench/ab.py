@@ -1,7 +1,7 @@
 """Same-run A/B of flashattn2 under two or more settings (`python -m flashattn2 bench ab`): what the
 kernel table's choices are made from. A setting is a comma-separated list of config.override
 arguments ("gluon_bwd_split=1", "gluon=0,gluon_bwd=0", "arch=sm80", a tile as
-"fwd_hopper_persist=64x64w8s2"; "" or "default" for the defaults) or "pkg:NAME" for a package built
+"fwd_hopper_persist=64x64w8s2", with its Q buffers "64x64w12s3q1"; "" or "default" for the defaults) or "pkg:NAME" for a package built
 by tools/baseline_pkg.py (an older commit, loaded beside this one). At every point the rounds
 alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike, odd rounds in reverse
 order, so a place in the round favours none (exactly with an even number of rounds); each setting's
@@ -15,7 +15,6 @@ import contextlib
 import importlib
 import inspect
 import itertools
-import re
 import statistics
 
 import torch
@@ -30,7 +29,6 @@ from .results import appending
 _SWITCHES = [name for name, p in inspect.signature(config.override).parameters.items()
              if p.default is None and name != "arch"]
 _OFF = ("0", "false", "off", "no")
-_TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
 
 
 class Setting:
@@ -46,9 +44,9 @@ class Setting:
             return
         for item in filter(None, text.split(",") if self.label != "default" else []):
             key, sep, value = (part.strip() for part in item.partition("="))
-            tile = _TILE.fullmatch(value)
+            tile = config.parse_tile(value)
             if key in config.KERNELS and tile:
-                self.overrides[key] = config.TileConfig(*(int(x) for x in tile.groups()))
+                self.overrides[key] = tile
                 continue
             if not sep or (key not in _SWITCHES and key != "arch"):
                 raise ValueError(f"bench ab: setting {text!r}: expected key=value with key one of "

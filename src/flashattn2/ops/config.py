@@ -6,6 +6,7 @@ per program step, not per FLOP (../docs/notes.md): big tiles, few steps.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,24 @@ class TileConfig:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int
+    # fwd_hopper_persist only: Q buffers per consumer (1 or 2; None: GLUON_PERSIST_QBUF's for the head dim)
+    qbuf: int | None = None
+
+    def __str__(self) -> str:
+        """'64x64w12s3', with 'q1' after it where qbuf is set: how bench ab and the tools write a tile."""
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}" + (
+            f"q{self.qbuf}" if self.qbuf is not None else "")
+
+
+# a tile as TileConfig.__str__ writes it
+TILE_PATTERN = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
+
+
+def parse_tile(text: str) -> TileConfig | None:
+    """The TileConfig that TileConfig.__str__ wrote as text ('64x64w12s3', '64x64w12s3q1'), else None."""
+    m = TILE_PATTERN.fullmatch(text)
+    return None if m is None else TileConfig(*(int(x) for x in m.groups()[:4]),
+                                             qbuf=None if m.group(5) is None else int(m.group(5)))
 
 
 # fmt: off
@@ -197,7 +216,13 @@ _TABLE_SHORT: dict[tuple[str, int, int, str, bool], tuple[tuple[int, TileConfig]
     # d128 causal 64(x3)x64 s2 at 512/1k/2k/4k: 281/349/429/471 (the 64(x2)x128 entry 242/342/416/502;
     # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472). Session 13 (ring units, git 46cdfb0): s3 at
     # 512/1k/2k 285/364/447 against s2's 275/352/472 (cuDNN 327/411/443)
-    ("sm90", 128, 2, "fwd_hopper_persist", True): ((1024, TileConfig(64, 64, 12, 3)),
+    # Session 16 (git 496c28a; 4 rounds, alternating order): one Q buffer per consumer instead of two at 512/1k/2k
+    # 305/387/450 fp16, 308/402/466 bf16 against 292/397/450 and 296/413/472 (cuDNN 322/408/476, 332/424/480);
+    # one Q buffer with 5 stages (4 at 2k) 290/376/444, 294/392/467; two Q buffers with 4 stages 292/395/452,
+    # 294/415/480. One Q buffer: 144 KB of shared memory instead of 192 (why that is faster at 512 only was not
+    # profiled)
+    ("sm90", 128, 2, "fwd_hopper_persist", True): ((512, TileConfig(64, 64, 12, 3, qbuf=1)),
+                                                   (1024, TileConfig(64, 64, 12, 3)),
                                                    (2048, TileConfig(64, 64, 12, 2))),
 }
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles.
@@ -352,11 +377,14 @@ GLUON_PERSIST_QBUF: dict[int, int] = {64: 2, 128: 2}
 
 
 def gluon_persist_constexprs(cfg: TileConfig, head_dim: int, causal: bool) -> dict:
-    """The persistent forward's constexprs beyond the tile: Q buffers per consumer (GLUON_PERSIST_QBUF),
-    the snake order (causal), and its consumer warpgroups, cfg.num_warps // 4 (2 or 3)."""
+    """The persistent forward's constexprs beyond the tile: Q buffers per consumer (cfg.qbuf, else
+    GLUON_PERSIST_QBUF's), the snake order (causal), and its consumer warpgroups, cfg.num_warps // 4 (2 or 3)."""
     if cfg.num_warps not in (8, 12):
         raise ValueError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {cfg.num_warps}")
-    return dict(QBUF=GLUON_PERSIST_QBUF[head_dim_bucket(head_dim)], SNAKE=causal, CONSUMERS=cfg.num_warps // 4)
+    if cfg.qbuf not in (None, 1, 2):
+        raise ValueError(f"fwd_hopper_persist: qbuf (Q buffers per consumer) must be 1 or 2, got {cfg.qbuf}")
+    qbuf = GLUON_PERSIST_QBUF[head_dim_bucket(head_dim)] if cfg.qbuf is None else cfg.qbuf
+    return dict(QBUF=qbuf, SNAKE=causal, CONSUMERS=cfg.num_warps // 4)
 
 
 # head-dim bucket -> the Gluon backward's dQ staging tiles (fp32 BLOCK_M x headdim each): two
@@ -475,6 +503,9 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
+    with_qbuf = sorted(name for name, cfg in tiles.items() if cfg.qbuf is not None and name != "fwd_hopper_persist")
+    if with_qbuf:
+        raise ValueError(f"override: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {with_qbuf}")
     if arch is not None and arch not in ARCHS[:-1]:
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
