@@ -246,7 +246,7 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
     written)."""
     if grid is not None:
         monkeypatch.setattr(_runtime, "sm_count", lambda device: grid)
-    launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "CONSUMERS", "BLOCK_N")
+    launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "CONSUMERS", "BLOCK_N", "QBUF")
     for dtype, shape in ((torch.float16, (3, 300, 461, 8, 2, d)), (torch.bfloat16, (2, 461, 300, 4, 4, d)),
                          (torch.float16, (1, 64, 1000, 6, 3, d)), (torch.float16, (1, 2400, 2400, 3, 1, d)),
                          (torch.float16, (2, 200, 40, 4, 2, d))):
@@ -254,7 +254,23 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
         with config.override(fwd_hopper_persist=tile):
             out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_against_reference(q, k, v, out, lse, None, None, causal)
-    assert launched == [(tile.num_warps // 4, tile.block_n)] * 5, launched
+    qbuf = config.GLUON_PERSIST_QBUF[d] if tile.qbuf is None else tile.qbuf  # the tile's Q buffers where it names them
+    assert launched == [(tile.num_warps // 4, tile.block_n, qbuf)] * 5, launched
+
+
+@pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
+@pytest.mark.parametrize("d, seqlen_k", [(128, 130), (128, 700), (64, 130), (64, 2049)])
+def test_short_tile_launch(d, seqlen_k, monkeypatch):
+    """A causal call launches the tile config.select gives for its key length, with that tile's Q buffers (d128 up
+    to 512 keys: one per consumer, from the tile; past it the head dim's), and is right."""
+    launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "BLOCK_M", "BLOCK_N", "STAGES", "QBUF", "CONSUMERS")
+    q, k, v = make_qkv((2, 100, seqlen_k, 4, 2, d), torch.float16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    check_against_reference(q, k, v, out, lse, None, None, True)
+    tile = config.select("fwd_hopper_persist", "sm90", d, torch.float16, True, seqlen_k)
+    extra = config.gluon_persist_constexprs(tile, d, True)
+    assert launched == [(tile.block_m, tile.block_n, tile.num_stages, extra["QBUF"], extra["CONSUMERS"])], launched
+    assert extra["QBUF"] == (1 if (d, seqlen_k) == (128, 130) else 2)
 
 
 def test_short_tiles():
@@ -343,6 +359,12 @@ def test_persistent_constexprs():
     with pytest.raises(ValueError, match="qbuf.*fwd_hopper_persist.*fwd_hopper_ws"):
         with config.override(fwd_hopper_ws=T(64, 128, 4, 2, qbuf=1)):
             pass
+    with pytest.raises(ValueError, match="fwd_hopper_persist's qbuf.*1 or 2, got 3"):
+        with config.override(fwd_hopper_persist=T(64, 64, 12, 3, qbuf=3)):
+            pass
+    with pytest.raises(TypeError, match="fwd_hopper_persist must be a TileConfig"):
+        with config.override(fwd_hopper_persist=(64, 64, 12, 3)):
+            pass
 
 
 def test_tile_text():
@@ -350,6 +372,8 @@ def test_tile_text():
     for tile in (T(64, 128, 12, 3), T(64, 64, 12, 3, qbuf=1), T(128, 32, 4, 2)):
         assert config.parse_tile(str(tile)) == tile
     assert str(T(64, 64, 12, 3, qbuf=1)) == "64x64w12s3q1" and str(T(64, 64, 12, 3)) == "64x64w12s3"
+    # a different tile for the plan keys and config.state()
+    assert T(64, 64, 12, 3, qbuf=1) != T(64, 64, 12, 3) and hash(T(64, 64, 12, 3, qbuf=1)) != hash(T(64, 64, 12, 3))
     for text in ("64x64w12", "64x64w12s3q", "default", "64x64w12s3q1x"):
         assert config.parse_tile(text) is None
 

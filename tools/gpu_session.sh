@@ -19,7 +19,7 @@
 #   graph      forward + backward at 512/1k tokens with the host taken out (tools/graph_fwd_bwd.py)
 #   profile    ncu of the points that miss #5's bars, beside cuDNN (tools/ncu_profile.py; summary in the log)
 #   profile-causal  ncu of the d64 causal forward at 512: the table's 64(x3)x64 s4 tile (session 16; 128(x2)x64 s3 before), the balanced
-#              64(x2)x128 (measured 0.89x it, session 13: why?) and cuDNN
+#              64(x2)x128 (measured 0.89x the 128(x2)x64 of the time, session 13: why?) and cuDNN
 #   host-profile    where a 512-token forward + backward's host time goes (tools/host_profile.py, overhead.py --profile)
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles

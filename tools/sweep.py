@@ -126,7 +126,7 @@ def main():
                     continue
                 for causal, shape in itertools.product((False, True), shapes):
                     ms = time_ours(kernel, cfg, shape, dtype, causal)
-                    row = [kernel, mode, d, causal, shape[2], f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}",
+                    row = [kernel, mode, d, causal, shape[2], str(cfg),
                            ms, flops(*shape, causal, mode) / ms * 1e-9, ok]
                     w.writerow(row)
                     rows.append(row)

@@ -51,7 +51,7 @@ class Setting:
             if not sep or (key not in _SWITCHES and key != "arch"):
                 raise ValueError(f"bench ab: setting {text!r}: expected key=value with key one of "
                                  f"{['arch', *_SWITCHES]}, or a kernel of {list(config.KERNELS)} = a tile like "
-                                 f"64x128w4s2, got {item!r}")
+                                 f"64x128w4s2 (64x64w12s3q1: with its Q buffers), got {item!r}")
             self.overrides[key] = value if key == "arch" else value.lower() not in _OFF
 
     def context(self):

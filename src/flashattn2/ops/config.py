@@ -219,8 +219,8 @@ _TABLE_SHORT: dict[tuple[str, int, int, str, bool], tuple[tuple[int, TileConfig]
     # Session 16 (git 496c28a; 4 rounds, alternating order): one Q buffer per consumer instead of two at 512/1k/2k
     # 305/387/450 fp16, 308/402/466 bf16 against 292/397/450 and 296/413/472 (cuDNN 322/408/476, 332/424/480);
     # one Q buffer with 5 stages (4 at 2k) 290/376/444, 294/392/467; two Q buffers with 4 stages 292/395/452,
-    # 294/415/480. One Q buffer: 144 KB of shared memory instead of 192 (why that is faster at 512 only was not
-    # profiled)
+    # 294/415/480. One Q buffer: 144 KB of shared memory instead of 192. In isolation (ncu, one call, caches
+    # flushed) it read 3% slower at 512 (docs/notes.md, session 16): the bench's gain is not explained yet
     ("sm90", 128, 2, "fwd_hopper_persist", True): ((512, TileConfig(64, 64, 12, 3, qbuf=1)),
                                                    (1024, TileConfig(64, 64, 12, 3)),
                                                    (2048, TileConfig(64, 64, 12, 2))),
@@ -503,9 +503,13 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
-    with_qbuf = sorted(name for name, cfg in tiles.items() if cfg.qbuf is not None and name != "fwd_hopper_persist")
-    if with_qbuf:
-        raise ValueError(f"override: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {with_qbuf}")
+    for name, cfg in tiles.items():
+        if not isinstance(cfg, TileConfig):
+            raise TypeError(f"override: {name} must be a TileConfig, got {type(cfg).__name__}")
+        if cfg.qbuf is not None and name != "fwd_hopper_persist":
+            raise ValueError(f"override: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}")
+        if cfg.qbuf not in (None, 1, 2):
+            raise ValueError(f"override: {name}'s qbuf (Q buffers per consumer) must be 1 or 2, got {cfg.qbuf}")
     if arch is not None and arch not in ARCHS[:-1]:
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
