@@ -41,7 +41,7 @@ echo "results recorded as git $GIT_SHA"
 NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or persistent_constexprs or short_tiles"
 NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
 NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
-NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward"
+NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward or short_tile_launch or tile_text or constexprs"
 
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2
