@@ -41,14 +41,19 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}" + (
             f"q{self.qbuf}" if self.qbuf is not None else "")
 
+    def __post_init__(self):
+        if self.qbuf not in (None, 1, 2):
+            raise ValueError(f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, "
+                             f"got {self.qbuf}")
+
 
 # a tile as TileConfig.__str__ writes it
-TILE_PATTERN = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
+_TILE_TEXT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
 
 
 def parse_tile(text: str) -> TileConfig | None:
     """The TileConfig that TileConfig.__str__ wrote as text ('64x64w12s3', '64x64w12s3q1'), else None."""
-    m = TILE_PATTERN.fullmatch(text)
+    m = _TILE_TEXT.fullmatch(text)
     return None if m is None else TileConfig(*(int(x) for x in m.groups()[:4]),
                                              qbuf=None if m.group(5) is None else int(m.group(5)))
 
@@ -381,8 +386,6 @@ def gluon_persist_constexprs(cfg: TileConfig, head_dim: int, causal: bool) -> di
     GLUON_PERSIST_QBUF's), the snake order (causal), and its consumer warpgroups, cfg.num_warps // 4 (2 or 3)."""
     if cfg.num_warps not in (8, 12):
         raise ValueError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {cfg.num_warps}")
-    if cfg.qbuf not in (None, 1, 2):
-        raise ValueError(f"fwd_hopper_persist: qbuf (Q buffers per consumer) must be 1 or 2, got {cfg.qbuf}")
     qbuf = GLUON_PERSIST_QBUF[head_dim_bucket(head_dim)] if cfg.qbuf is None else cfg.qbuf
     return dict(QBUF=qbuf, SNAKE=causal, CONSUMERS=cfg.num_warps // 4)
 
@@ -508,8 +511,6 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
             raise TypeError(f"override: {name} must be a TileConfig, got {type(cfg).__name__}")
         if cfg.qbuf is not None and name != "fwd_hopper_persist":
             raise ValueError(f"override: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}")
-        if cfg.qbuf not in (None, 1, 2):
-            raise ValueError(f"override: {name}'s qbuf (Q buffers per consumer) must be 1 or 2, got {cfg.qbuf}")
     if arch is not None and arch not in ARCHS[:-1]:
         raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
