@@ -130,17 +130,80 @@ def test_forward_kernel_choice(case, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
-def test_gluon_backward_grid_limit(monkeypatch):
-    """batch * nheads_k past 65535 (the Gluon backward's second grid axis, which CUDA caps) takes
-    the Triton backward, and its gradients are right."""
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_gluon_backward_many_heads(causal, monkeypatch):
+    """batch * nheads_k past 65535 (CUDA's limit on a grid's second and third axes; the Gluon backward had (batch,
+    kv head) on one of them until its grid grouped the heads) runs the Gluon backward on a grid whose groups of
+    heads bring the third axis under it, and its gradients are right."""
+    from flashattn2.ops import attention
+
+    monkeypatch.setattr(attention, "_BWD_PLANS", {})
     launched = spy_launches(monkeypatch)
+    grids = []
+    real = attention._bwd_grid
+    monkeypatch.setattr(attention, "_bwd_grid", lambda *args: grids.append(real(*args)) or grids[-1])
     q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)
     with config.override(gluon_bwd=True):
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
-    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_ws_kernel" not in launched, launched
+    assert "attn_bwd_ws_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, launched
+    assert len(grids) == 1 and grids[0][2] <= 65535 and grids[0][0] * grids[0][2] == 16385 * 4, grids
+    check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
+@pytest.mark.parametrize("groups", ["head-major", "3", "all"])
+@pytest.mark.parametrize("shape", [(3, 700, 700, 6, 2, 128), (3, 1000, 1000, 5, 5, 256), (4, 333, 900, 3, 3, 64),
+                                   (6, 640, 512, 4, 4, 128)], ids=shape_id)
+def test_gluon_backward_grid_order(shape, groups, monkeypatch):
+    """The Gluon backward's grid (G, key blocks, heads / G), whose shape is the programs' order (kernels/bwd_hopper
+    ._ws_program), with G = 1 (what non-causal calls and override(gluon_bwd_grouped=False) take), 3 and every head
+    in one group, causal (bottom-right aligned where seqlen_q != seqlen_k): every (key block, head) pair runs once,
+    so the gradients match the reference; the launch took the grid asked for."""
+    from flashattn2.ops import attention
+
+    monkeypatch.setattr(attention, "_BWD_PLANS", {})
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, d = shape
+    head_bytes = 2 * seqlen_q * d * 2 * (nheads // nheads_k)
+    n_bh = batch * nheads_k
+    want = {"head-major": 1, "3": 3, "all": n_bh}[groups]
+    monkeypatch.setattr(config, "GLUON_BWD_L2_BYTES", want * head_bytes + 1)
+    grids = []
+    real = attention._bwd_grid
+    monkeypatch.setattr(attention, "_bwd_grid", lambda *args: grids.append(real(*args)) or grids[-1])
+    q, k, v = make_qkv(shape, torch.bfloat16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    do = torch.randn_like(out)
+    with config.override(gluon_bwd_grouped=False if groups == "head-major" else None):
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    block_n = config.select("bwd_hopper_split" if d == 256 else "bwd_hopper", "sm90", d, q.dtype, True).block_n
+    assert grids == [(want, -(-seqlen_k // block_n), n_bh // want)], grids
     check_against_reference(q, k, v, out, lse, grads, do, True)
+
+
+def test_gluon_backward_grid_rule():
+    """config.gluon_bwd_l2_heads: 1 (head-major) for non-causal calls or where turned off; else as many heads as
+    GLUON_BWD_L2_BYTES holds, at least 1 and at most all. attention._bwd_grid: the largest divisor of the heads not
+    above that (whole groups), raised where the third axis would pass 65535."""
+    from flashattn2.ops import attention
+
+    budget = config.GLUON_BWD_L2_BYTES
+    assert config.gluon_bwd_l2_heads(False, 64, 1024) == 1
+    assert config.gluon_bwd_l2_heads(True, 64, budget // 6) == 6
+    assert config.gluon_bwd_l2_heads(True, 4, budget // 6) == 4
+    assert config.gluon_bwd_l2_heads(True, 64, budget * 2) == 1
+    with config.override(gluon_bwd_grouped=False):
+        assert config.gluon_bwd_l2_heads(True, 64, budget // 6) == 1
+    assert attention._divisors(1) == [1] and attention._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert attention._divisors(65540) == [d for d in range(1, 65541) if 65540 % d == 0]
+    assert attention._bwd_grid(64, 32, 6) == (4, 64, 8)
+    assert attention._bwd_grid(64, 32, 1) == (1, 64, 32)
+    assert attention._bwd_grid(3, 7, 6) == (1, 3, 7)  # a prime count of heads: head-major
+    assert attention._bwd_grid(3, 12, 100) == (12, 3, 1)
+    assert attention._bwd_grid(1, 65540, 1) == (2, 1, 32770)  # the third axis within 65535
+    assert attention._bwd_grid(1, 2 * 65537, 1) == (65537, 1, 2)
+    assert attention._bwd_grid(1, 65537, 1) == (65537, 1, 1)  # prime: every head in one group
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")

@@ -8,11 +8,15 @@
 #   env        GPU, clocks, versions
 #   new-tests  the GPU tests written since the last GPU run, and the paths they touch
 #   tests      the whole suite on the GPU (-n 14)
+#   order-tests  the tests of the Gluon backward's grouped grid (session 17) and of the paths it touches
+#   ab-order   bench ab: the Gluon backward's grouped grid against the head-major one (gluon_bwd_grouped=0), causal,
+#              fp16, every head dim and length, with cuDNN
 #   ab-bwd     bench ab: the Gluon backward's split-ring variant against the shipped one, with cuDNN
 #   ab-fwd     bench ab: the persistent forward's tiles by length (config._TABLE_SHORT) against one
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
+#   grid-bwd-fp16 / grid-bwd-bf16   the grid's backward and forward + backward rows, and GQA's, appended
 #   grid-fwd   the grid's forward rows only (d64/d128 fp16 and bf16, and GQA), appended
 #   gqa        the GQA rows (32 query heads over 8)
 #   features   bench features (varlen, window, the options' costs)
@@ -24,7 +28,7 @@
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
-# "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests".
+# "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -42,6 +46,9 @@ NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or per
 NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
 NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
 NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward or short_tile_launch or tile_text or constexprs"
+# session 17: the Gluon backward's grouped grid (and the tests of the paths it touches)
+ORDER_TESTS="grid_order or many_heads or grid_rule or split_ring or plans_repeated or persistent_forward_tiles"
+ORDER_TESTS="$ORDER_TESTS or short_tile_launch or lse_gradient or one_output or race"
 
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2
@@ -63,6 +70,13 @@ for s in "$@"; do
     new-tests)
       stage new-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
         -k "$NEW_TESTS" ;;
+    order-tests)
+      stage order-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_protocol_model.py \
+        -k "$ORDER_TESTS" ;;
+    ab-order)
+      stage ab-order 330 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 4 --no-progress \
+        --setting default --setting gluon_bwd_grouped=0 --dtypes fp16 --headdims 256,128,64 \
+        --seqlens 512,1024,2048,4096,8192,16384 --causal 1 ;;
     tests)
       stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
     ab-bwd)
@@ -83,6 +97,11 @@ for s in "$@"; do
     grid-fp16|grid-bf16)
       stage "$s" 560 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes "${s#grid-}" \
         --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
+    grid-bwd-fp16|grid-bwd-bf16)  # the backward and forward + backward rows (every head dim) and GQA's
+      stage "$s" 560 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
+          --dtypes ${s#grid-bwd-} --headdims 64,128,256 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&
+        python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress --dtypes ${s#grid-bwd-} \
+          --headdims 128 --nheads 32 --nheads-k 8 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn" ;;
     grid-fwd)  # the forward rows only (d64/d128, both dtypes, and GQA): ~80 s on a warm H200 (session 15)
       stage grid-fwd 200 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
           --dtypes fp16,bf16 --headdims 64,128 --modes fwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&

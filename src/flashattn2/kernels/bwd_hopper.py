@@ -118,12 +118,19 @@ WORKER_NREG = gl.constexpr(24)  # the two 1-warp workers' registers (setmaxnreg)
 def _ws_program(seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr):
     """The program's work, computed alike in every partition: (off_b, off_hk, h0, start_n, i_first, i_full, i_end,
-    total). Grid axis 0 is the key block (causal: key block 0 sees the most query blocks and goes first), axis 1
-    (batch, kv head); query heads h0 .. h0 + group - 1 share the kv head. Query blocks [i_first, i_end) of each of the
-    group's heads see key block start_n; those before i_full cross the causal diagonal (key j visible to query i iff
-    j <= i + seqlen_k - seqlen_q); total = group * (i_end - i_first) flat positions, head-major."""
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    total). The grid is (G, key blocks, batch * nheads_k / G): program (x, n, z) takes key block n of head (batch
+    entry, kv head) z * G + x. CUDA starts the programs x fastest, then n, then z, so the heads go in groups of G, one
+    group after the other, and within a group key block 0 of every head first, then key block 1, ...: under a causal
+    mask key block 0 sees the most query blocks, so each group runs heaviest first (the longest-first rule, which keeps
+    the last wave short), while the programs running at once read the Q and dO of G heads only (the host sizes G for
+    L2: config.gluon_bwd_l2_heads). G = 1 is the head-major order (one head's key blocks after the other's). The ids
+    come from special registers, which the compiler reads again rather than keep in registers through the loop (an
+    order computed with divisions spilled, compiled for sm_90). Query heads h0 .. h0 + group - 1 share the kv head.
+    Query blocks [i_first, i_end) of each of the group's heads see key block start_n; those before i_full cross the
+    causal diagonal (key j visible to query i iff j <= i + seqlen_k - seqlen_q); total = group * (i_end - i_first)
+    flat positions, head-major."""
+    pid_n = gl.program_id(1)
+    pid_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
     off_b = pid_bh // nheads_k
     off_hk = pid_bh % nheads_k
     group = nheads // nheads_k
@@ -392,13 +399,14 @@ def attn_bwd_ws_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, 
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_STAGES: gl.constexpr,
                        GQA: gl.constexpr, SPLIT_RING: gl.constexpr, DO_STAGES: gl.constexpr,
                        DQ_SPLIT: gl.constexpr):
-    """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); launched with num_warps=8 (the MMA partition; the compiler
-    adds the workers' warps). Q, K, V, DO, DK, DV: 3-D descriptors over (batch, seqlen, heads * headdim), blocks
-    [1, BLOCK_M or BLOCK_N, HEAD_DIM]; DQ: the fp32 accumulator's (batch, seqlen_q_pad, nheads * headdim), zeroed,
-    block [1, BLOCK_M, HEAD_DIM // DQ_SPLIT]; Lse (natural log), Delta: (batch, nheads, seqlen_q_pad) padded with
-    +inf / 0, strides (stride_lb, stride_lh, 1). SPLIT_RING: dO in a ring of its own, DO_STAGES deep, released as
-    soon as dV is computed (Q's ring, STAGES deep, after dK); else Q and dO share a STAGES-deep ring. DQ_SPLIT 2:
-    dQ_i computed and staged in two column halves through DQ_STAGES half-width tiles.
+    """Grid (G, cdiv(seqlen_k, BLOCK_N), batch * nheads_k / G) for G heads per group (_ws_program); launched with
+    num_warps=8 (the MMA partition; the compiler adds the workers' warps). Q, K, V, DO, DK, DV: 3-D descriptors over
+    (batch, seqlen, heads * headdim), blocks [1, BLOCK_M or BLOCK_N, HEAD_DIM]; DQ: the fp32 accumulator's (batch,
+    seqlen_q_pad, nheads * headdim), zeroed, block [1, BLOCK_M, HEAD_DIM // DQ_SPLIT]; Lse (natural log), Delta:
+    (batch, nheads, seqlen_q_pad) padded with +inf / 0, strides (stride_lb, stride_lh, 1). SPLIT_RING: dO in a ring
+    of its own, DO_STAGES deep, released as soon as dV is computed (Q's ring, STAGES deep, after dK); else Q and dO
+    share a STAGES-deep ring. DQ_SPLIT 2: dQ_i computed and staged in two column halves through DQ_STAGES
+    half-width tiles.
     """
     dtype: gl.constexpr = Q.dtype
     p_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)

@@ -324,11 +324,11 @@ def _hopper_forward(q, k, v, out, lse, geo: _Geometry, arch: str, flags: dict, s
 
 def _hopper_backward_kernels(q, k, v, dout, geo: _Geometry, arch: str, flags: dict):
     """The Gluon backward's module (kernels/bwd_hopper.py, warp-specialized) where it applies, else
-    None: what _gluon_kernels checks (of Q, K, V and dO), the grid's second axis (batch * nheads_k)
-    within CUDA's 65535, and config.gluon_bwd (on unless turned off); the caller asks only for
-    deterministic=False."""
+    None: what _gluon_kernels checks (of Q, K, V and dO), the key blocks within CUDA's 65535 on the
+    grid's second axis (_bwd_grid; 64 keys per block at least), and config.gluon_bwd (on unless
+    turned off); the caller asks only for deterministic=False."""
     kernels = _gluon_kernels(arch, flags, geo, "bwd", q, k, v, dout)
-    if kernels is not None and geo.batch * geo.nheads_k <= 65535 and config.gluon_bwd():
+    if kernels is not None and _cdiv(geo.max_seqlen_k, 64) <= _GRID_YZ and config.gluon_bwd():
         return kernels
     return None
 
@@ -364,10 +364,31 @@ def _launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_
         lse_pad if lse_pad is not None else delta, acc, *ints, **kwargs)
 
 
+_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2^31 - 1)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n >= 1, ascending."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _bwd_grid(n_n: int, n_bh: int, heads: int) -> tuple[int, int, int]:
+    """The Gluon backward's grid (G, n_n, n_bh // G) for n_n key blocks and n_bh (batch, kv head) pairs: CUDA starts
+    its programs x fastest, so the heads go in groups of G, each group key block by key block (kernels/bwd_hopper.py,
+    _ws_program). G is the largest divisor of n_bh (whole groups) not above `heads` (config.gluon_bwd_l2_heads), or
+    the smallest that keeps n_bh // G within CUDA's 65535."""
+    divisors = _divisors(n_bh)
+    g = max(d for d in divisors if d <= max(heads, 1))
+    if n_bh // g > _GRID_YZ:
+        g = min(d for d in divisors if n_bh // d <= _GRID_YZ)
+    return g, n_n, n_bh // g
+
+
 class _BackwardPlan:
     """The Gluon backward's choices for one call signature (_backward_key): tile, ring constexprs,
     padded length. See _ForwardPlan."""
-    __slots__ = ("kernels", "geo", "arch", "flags", "cfg", "rings", "seqlen_q_pad", "pre")
+    __slots__ = ("kernels", "geo", "arch", "flags", "cfg", "rings", "seqlen_q_pad", "grid", "pre")
 
     def __init__(self, kernels, geo: _Geometry, arch: str, flags: dict, dtype: torch.dtype):
         split = config.gluon_bwd_split(geo.head_dim)
@@ -375,6 +396,12 @@ class _BackwardPlan:
         self.kernels, self.geo, self.arch, self.flags, self.cfg = kernels, geo, arch, flags, cfg
         self.rings = config.gluon_bwd_rings(geo.head_dim, split, cfg.num_stages)
         self.seqlen_q_pad = _cdiv(geo.max_seqlen_q, cfg.block_m) * cfg.block_m
+        # the grid, whose shape is the programs' order (_bwd_grid): at most as many heads per group as keep their Q
+        # and dO (a kv head's query heads') in L2
+        head_bytes = 2 * geo.max_seqlen_q * geo.head_dim * dtype.itemsize * (geo.nheads // geo.nheads_k)
+        n_bh = geo.batch * geo.nheads_k
+        self.grid = _bwd_grid(_cdiv(geo.max_seqlen_k, cfg.block_n), n_bh,
+                              config.gluon_bwd_l2_heads(flags["CAUSAL"], n_bh, head_bytes))
         self.pre = None  # the preprocess launch's grid and integer arguments (_preprocess), at the first run
 
     def run(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale: float) -> None:
@@ -395,7 +422,7 @@ class _BackwardPlan:
                   else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
         bm, bn = cfg.block_m, cfg.block_n
         lse_strides = delta.stride()
-        _runtime.launch(self.kernels.attn_bwd_ws_kernel, (_cdiv(seqlen_k, bn), geo.batch * geo.nheads_k),
+        _runtime.launch(self.kernels.attn_bwd_ws_kernel, self.grid,
             _host_desc(q, bm, gluon=True), _host_desc(k, bn, gluon=True), _host_desc(v, bn, gluon=True),
             _host_desc(dout, bm, gluon=True), _host_desc(gk, bn, gluon=True), _host_desc(gv, bn, gluon=True),
             _host_desc(acc, bm, gluon=True, cols=geo.head_dim // rings["DQ_SPLIT"]),

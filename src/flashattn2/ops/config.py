@@ -245,7 +245,8 @@ _DQ_ATOMIC: dict[tuple[str, int], bool] = {}
 _overrides: dict[str, TileConfig] = {}
 # what override() forces (None: not forced): the TMA path, the architecture, the atomic dQ
 _forced: dict[str, object] = {"tma": None, "arch": None, "dq_atomic": None, "host_desc": None, "gluon": None,
-                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None}
+                              "gluon_ws": None, "gluon_persist": None, "gluon_bwd": None, "gluon_bwd_split": None,
+                              "gluon_bwd_grouped": None}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -476,6 +477,27 @@ def gluon_bwd_split(head_dim: int) -> bool:
     return bucket in GLUON_BWD_SPLIT_DEFAULT if forced is None else forced
 
 
+# The Gluon backward's program order (kernels/bwd_hopper._grid_order). Under a causal mask key block n's program
+# walks the query blocks below the diagonal (key block 0 all of them, the last one), and in the head-major order
+# (one head's key blocks heaviest first, then the next head's) the last heads' heaviest programs start late and run
+# past the others: an event model of the block scheduler (tools/bwd_grid_order.py; the table's tiles, 132 SMs)
+# puts the last wave's idle SMs at 5-6% of the causal backward at headdim 128 and 256 from 512 to 4k keys (d256 8k
+# and 16k, and 16k at d128, balance already), 3% at headdim 64. So causal programs go in groups of heads, each group
+# key block by key block (heaviest first: the longest-first rule), the last group whole: 0.99-1.0 in the model. A
+# group's heads' Q and dO, which the programs running at once read, are sized to stay in L2 (50 MB on the H200):
+# GLUON_BWD_L2_BYTES of them. Non-causal programs are alike and keep the head-major order. Not yet measured.
+GLUON_BWD_L2_BYTES = 24 << 20
+
+
+def gluon_bwd_l2_heads(causal: bool, n_bh: int, bytes_per_bh: int) -> int:
+    """Heads (batch, kv head pairs) per group in the Gluon backward's program order (see above): 1, the head-major
+    order, unless causal (and override(gluon_bwd_grouped=False) does not turn it off); else as many of the n_bh
+    heads as GLUON_BWD_L2_BYTES holds of bytes_per_bh each (a head's Q and dO, its group of query heads')."""
+    if not causal or _forced["gluon_bwd_grouped"] is False:
+        return 1
+    return max(1, min(n_bh, GLUON_BWD_L2_BYTES // bytes_per_bh))
+
+
 def wgmma(device: torch.device) -> bool:
     """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernel is written with."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -492,7 +514,7 @@ _WGMMA: dict = {}
 def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool | None = None,
              host_desc: bool | None = None, gluon: bool | None = None, gluon_ws: bool | None = None,
              gluon_persist: bool | None = None, gluon_bwd: bool | None = None, gluon_bwd_split: bool | None = None,
-             **tiles: TileConfig):
+             gluon_bwd_grouped: bool | None = None, **tiles: TileConfig):
     """Force tiles (fwd=..., bwd_dkdv=..., bwd_dq=...), the TMA path and/or the architecture
     whose table entries and load path a CUDA device uses (arch="sm80" on an H200 runs the
     non-Hopper path: sm80 tiles, pointer loads, no PDL), whether deterministic=False backwards
@@ -500,8 +522,9 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     forward may take the Gluon kernel, and/or whether that takes its warp-specialized kernel
     (gluon_ws; True forces it whatever the sequence length, where the head dim has one) or its
     persistent kernel (gluon_persist), and/or
-    whether deterministic=False backwards may take the Gluon backward (gluon_bwd) and its split-ring
-    variant (gluon_bwd_split), inside a with-block. The CPU interpreter
+    whether deterministic=False backwards may take the Gluon backward (gluon_bwd), its split-ring
+    variant (gluon_bwd_split) and, causal, its grouped program order (gluon_bwd_grouped; False: head-major),
+    inside a with-block. The CPU interpreter
     ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
@@ -516,7 +539,8 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
-                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split)
+                   gluon_persist=gluon_persist, gluon_bwd=gluon_bwd, gluon_bwd_split=gluon_bwd_split,
+                   gluon_bwd_grouped=gluon_bwd_grouped)
     try:
         yield
     finally:
