@@ -74,7 +74,7 @@ for s in "$@"; do
       stage order-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_protocol_model.py \
         -k "$ORDER_TESTS" ;;
     ab-order)
-      stage ab-order 330 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 4 --no-progress \
+      stage ab-order 300 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
         --setting default --setting gluon_bwd_grouped=0 --dtypes fp16 --headdims 256,128,64 \
         --seqlens 512,1024,2048,4096,8192,16384 --causal 1 ;;
     tests)
