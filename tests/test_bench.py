@@ -165,3 +165,27 @@ def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
                                                          ("time", None), ("time", None), ("time", True)]
     assert [r["setting"] for r in rows] == ["default", "gluon_bwd_split=1"]
     assert config._forced["gluon_bwd_split"] is None
+
+
+def test_grid_rounds_alternate_the_providers(tmp_path, monkeypatch):
+    """run_grid with rounds > 1: each point timed that many times, the providers in order then reversed, each
+    mode's median reported (note 'median of N rounds'), peak memory from the first round only."""
+    from flashattn2.bench import kernels
+
+    calls, values = [], {"a": iter([1.0, 5.0, 3.0]), "b": iter([2.0, 2.0, 8.0])}
+
+    def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes, heads_k, peak):
+        calls.append((fn, peak is not None))
+        if peak is not None:
+            peak["fwd"] = 1.0
+        return {"fwd": next(values[fn])}
+
+    monkeypatch.setattr(kernels, "providers", lambda: {"a": ("bshd", "a"), "b": ("bshd", "b")})
+    monkeypatch.setattr(kernels, "check_provider", lambda *args: "")
+    monkeypatch.setattr(kernels, "time_point", time_point)
+    monkeypatch.setattr(kernels, "run_metadata", lambda: {})
+    rows = kernels.run_grid(tmp_path / "k.csv", ["fp16"], [64], [512], [False], ["fwd"], ["a", "b"],
+                            progress=False, rounds=3)
+    assert calls == [("a", True), ("b", True), ("b", False), ("a", False), ("a", False), ("b", False)]
+    assert [(r["provider"], r["ms"], r["note"], r["peak_mib"]) for r in rows] == [
+        ("a", "3.0000", "median of 3 rounds", "1"), ("b", "2.0000", "median of 3 rounds", "1")]

@@ -15,7 +15,8 @@
 #   ab-fwd     bench ab: the persistent forward's tiles by length (config._TABLE_SHORT) against one
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
-#   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended
+#   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended; 3 rounds alternating the
+#              providers (~250 s a dtype on a warm H200, session 17; one round read a point 5-10% apart in two runs)
 #   grid-bwd-fp16 / grid-bwd-bf16   the grid's backward and forward + backward rows, and GQA's, appended
 #   grid-fwd   the grid's forward rows only (d64/d128 fp16 and bf16, and GQA), appended
 #   gqa        the GQA rows (32 query heads over 8)
@@ -96,7 +97,7 @@ for s in "$@"; do
           --seqlens 512 --causal 0,1 --modes fwd,bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn" ;;
     grid-fp16|grid-bf16)
       stage "$s" 560 python3 -m flashattn2 bench --csv "$OUT/kernels.csv" --plots /tmp/gpu-plots --no-progress --dtypes "${s#grid-}" \
-        --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn ;;
+        --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn --rounds 3 ;;
     grid-bwd-fp16|grid-bwd-bf16)  # the backward and forward + backward rows (every head dim) and GQA's
       stage "$s" 560 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
           --dtypes ${s#grid-bwd-} --headdims 64,128,256 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&

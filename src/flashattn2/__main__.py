@@ -59,7 +59,9 @@ def _parser():
     ap.add_argument("--setting", action="append", default=None,
                     help="ab: a setting, given twice or more: config.override arguments ('gluon_bwd_split=1', "
                          "'gluon=0,gluon_bwd=0'; 'default'), or 'pkg:NAME' (tools/baseline_pkg.py)")
-    ap.add_argument("--rounds", type=int, default=3, help="ab: rounds alternating the settings (median reported)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="kernels / ab: rounds alternating the providers / settings, odd ones in reverse order "
+                         "(median reported; default 1 / 3)")
     ap.add_argument("--no-cudnn", action="store_true", help="ab: leave SDPA's cuDNN kernels out")
     return ap
 
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     path = args.csv or _default_csv(torch.cuda.get_device_name())
     kernels.run_grid(path, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
                      [bool(c) for c in _ints(args.causal)], args.modes.split(","), names,
-                     progress=not args.no_progress, nheads=args.nheads, nheads_k=args.nheads_k)
+                     progress=not args.no_progress, nheads=args.nheads, nheads_k=args.nheads_k, rounds=args.rounds or 1)
     return _report(path, args.plots)
 
 
@@ -160,7 +162,7 @@ def _ab(args):
     path = args.csv or os.path.join(RESULTS, f"ab-{_slug(torch.cuda.get_device_name())}.csv")
     rows = ab.run(args.setting, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
                   [bool(c) for c in _ints(args.causal)], args.modes.split(","), cudnn=not args.no_cudnn,
-                  rounds=args.rounds, nheads=args.nheads, nheads_k=args.nheads_k, out_csv=path,
+                  rounds=args.rounds or 3, nheads=args.nheads, nheads_k=args.nheads_k, out_csv=path,
                   progress=not args.no_progress)
     print(ab.markdown(rows))
     return 0

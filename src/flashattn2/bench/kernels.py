@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import statistics
 import subprocess
 
 import torch
@@ -132,8 +133,11 @@ def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes,
 
 
 def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=16384, hidden=2048,
-             progress=True, nheads=None, nheads_k=None):
-    """nheads: query heads (default hidden // headdim); nheads_k: K/V heads (default nheads)."""
+             progress=True, nheads=None, nheads_k=None, rounds=1):
+    """nheads: query heads (default hidden // headdim); nheads_k: K/V heads (default nheads). rounds > 1: each
+    point is timed that many times, the providers alternated, odd rounds in reverse order (as bench ab does), and
+    each mode's median is reported: a single pass times the providers one after the other, and a drift between them
+    (clocks, the GPU's power state) reads as their ratio."""
     for headdim in headdims:  # before anything is measured or written
         heads = nheads or hidden // headdim
         if heads % (nheads_k or heads):
@@ -150,28 +154,39 @@ def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=1
             dtype = DTYPES[dtype_name]
             batch, heads = max(1, tokens // seqlen), nheads or hidden // headdim
             heads_k = nheads_k or heads
+            notes = {name: "" for name in names}
+            peaks = {name: {} for name in names}
+            times = {name: {mode: [] for mode in modes} for name in names}
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    if notes[name]:
+                        continue
+                    layout, fn = table[name]
+                    key = (name, dtype_name, headdim, causal, heads // heads_k)
+                    try:
+                        if key not in checked:
+                            checked[key] = check_provider(fn, layout, dtype, headdim, causal, heads // heads_k)
+                        notes[name] = checked[key] and "check failed: " + checked[key]
+                        peak = peaks[name] if r == 0 else None  # memory: the first round's
+                        timings = {} if notes[name] else time_point(fn, layout, batch, heads, seqlen, headdim, dtype,
+                                                                    causal, modes, heads_k, peak)
+                    except torch.cuda.OutOfMemoryError:
+                        timings, notes[name] = {}, "out of memory"
+                    except RuntimeError as exc:  # a backend that refuses the shape or dtype
+                        timings, notes[name] = {}, "failed: " + str(exc).splitlines()[0][:120]
+                    torch.cuda.empty_cache()
+                    for mode, ms in timings.items():
+                        times[name][mode].append(ms)
             for name in names:
-                layout, fn = table[name]
-                key = (name, dtype_name, headdim, causal, heads // heads_k)
-                note, peak = "", {}
-                try:
-                    if key not in checked:
-                        checked[key] = check_provider(fn, layout, dtype, headdim, causal, heads // heads_k)
-                    note = checked[key] and "check failed: " + checked[key]
-                    timings = {} if note else time_point(fn, layout, batch, heads, seqlen, headdim, dtype,
-                                                         causal, modes, heads_k, peak)
-                except torch.cuda.OutOfMemoryError:
-                    timings, note = {}, "out of memory"
-                except RuntimeError as exc:  # a backend that refuses the shape or dtype
-                    timings, note = {}, "failed: " + str(exc).splitlines()[0][:120]
-                torch.cuda.empty_cache()
+                note, peak = notes[name], peaks[name]
                 for mode in modes:
-                    ms = timings.get(mode, float("nan"))
+                    ms = statistics.median(times[name][mode]) if times[name][mode] and not note else float("nan")
                     flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
                     row = dict(provider=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
                                batch=batch, nheads=heads, nheads_k=heads_k, mode=mode, ms=f"{ms:.4f}",
                                tflops=f"{flops / ms * 1e-9:.1f}",
-                               peak_mib=f"{peak[mode]:.0f}" if mode in peak else "", note=note, **meta)
+                               peak_mib=f"{peak[mode]:.0f}" if mode in peak else "",
+                               note=note or (f"median of {rounds} rounds" if rounds > 1 else ""), **meta)
                     writer.writerow(row)
                     rows.append(row)
                 fh.flush()
