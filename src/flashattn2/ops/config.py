@@ -481,18 +481,18 @@ def gluon_bwd_split(head_dim: int) -> bool:
 # a causal mask key block n's program walks the query blocks below the diagonal (key block 0 all of them, the last one),
 # and in the head-major order (one head's key blocks heaviest first, then the next head's) the last heads' heaviest
 # programs start late and run past the others: an event model of the block scheduler (tools/bwd_grid_order.py; the
-# table's tiles, 132 SMs) puts the last wave's idle SMs at 5-6% of the causal backward at headdim 128 and 256 from 512
-# to 4k keys (d256 8k and 16k, and 16k at d128, balance already), 3% at headdim 64. So causal programs go in groups of
-# heads, each group key block by key block (heaviest first: the longest-first rule), the last group whole: 0.99-1.0 in
-# the model. A group's heads' Q and dO, which the programs running at once read, are sized to stay in L2 (50 MB on the
-# H200): GLUON_BWD_L2_BYTES of them. Non-causal programs are alike and keep the head-major order. H200, 2026-12-02
-# (session 17, git 5ef6cd1), fp16, 16k tokens, bench ab (bench/results/ab-nvidia-h200.csv), grouped / head-major, causal
-# at 512/1k/2k/4k/8k/16k: d256 1.11/1.03/1.03/1.03/1.01/1.00, d128 1.01/1.02/1.04/1.06/1.04/1.01, d64
-# 0.96/0.88/1.02/1.03/ 1.02/1.00 (3 rounds); a second run at 512-4k: d256 0.98/1.04/1.03/1.03, d128 0.98/1.02/1.04/1.04,
-# d64 0.98/0.99/1.02/ 1.02, and the head-major grid against the commit before (5fbd374) 0.98-1.01 causal and not. The
-# first run's d64 1k (0.88) did not repeat (0.99; that run's 512 points read 0.67-0.91x of every run before it in both
-# orders: its start on a cold GPU). Counting the fp32 dQ accumulator into a head's bytes too (half the groups):
-# 0.985-1.03x of this, no better.
+# table's tiles, 132 SMs) puts the last wave's idle SMs at 5-6% of the causal backward at headdim 128 from 512 to 8k
+# keys and at headdim 256 to 4k, 3% at headdim 64 to 8k (the longer ones balance already). So causal programs go in
+# groups of heads, each group key block by key block (heaviest first: the longest-first rule), every group whole:
+# 0.98-1.0 in the model. A group's heads' Q and dO, which the programs running at once read, are sized to stay in L2 (50
+# MB on the H200): GLUON_BWD_L2_BYTES of them. Non-causal programs are alike and keep the head-major order. H200,
+# 2026-12-02 (session 17, git 5ef6cd1), fp16, 16k tokens, bench ab (bench/results/ab-gluon-nvidia-h200.md), grouped /
+# head-major, causal, at 512/1k/2k/4k/8k/16k: d256 1.11/1.03/1.03/1.03/1.01/1.00, d128 1.01/1.02/1.04/1.06/1.04/1.01,
+# d64 0.96/0.88/1.02/1.03/1.02/1.00 (3 rounds); a second run at 512/1k/2k/4k: d256 0.98/1.04/1.03/1.03, d128
+# 0.98/1.02/1.04/1.04, d64 0.98/0.99/1.02/1.02, and the head-major grid against the commit before (5fbd374) 0.98-1.01
+# causal and not. The first run's d64 1k (0.88) did not repeat (0.99; that run's 512 points read 0.67-0.91x of every run
+# before it in both orders: its start on a cold GPU). Counting the fp32 dQ accumulator into a head's bytes too (half the
+# heads per group): 0.985-1.03x of this, no better.
 GLUON_BWD_L2_BYTES = 24 << 20
 
 
