@@ -139,17 +139,47 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
 
     monkeypatch.setattr(attention, "_BWD_PLANS", {})
     launched = spy_launches(monkeypatch)
-    grids = []
-    real = attention._bwd_grid
-    monkeypatch.setattr(attention, "_bwd_grid", lambda *args: grids.append(real(*args)) or grids[-1])
+    grids = spy_backward_grids(monkeypatch)
     q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)
     with config.override(gluon_bwd=True):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert "attn_bwd_ws_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, launched
-    assert len(grids) == 1 and grids[0][2] <= 65535 and grids[0][0] * grids[0][2] == 16385 * 4, grids
+    # 65540 heads = 4 * 16385: causal, as many per group as 24 MB of Q and dO hold (a divisor); else raised from 1 to 2
+    assert grids == [(16385, 1, 4) if causal else (2, 1, 32770)], grids
     check_against_reference(q, k, v, out, lse, grads, do, causal)
+
+
+def spy_backward_grids(monkeypatch) -> list:
+    """The grids the Gluon backward is launched on from now on (in this test), in order."""
+    grids = []
+    real = _runtime.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel.__name__ == "attn_bwd_ws_kernel":
+            grids.append(tuple(grid))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "launch", spy)
+    return grids
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
+def test_gluon_backward_key_blocks_limit(monkeypatch):
+    """More key blocks than CUDA's 65535 on the Gluon backward's second grid axis (lowered here to 4, so that 300
+    keys are past it) take the Triton backward, and its gradients are right."""
+    from flashattn2.ops import attention
+
+    monkeypatch.setattr(attention, "_BWD_PLANS", {})
+    monkeypatch.setattr(attention, "_GRID_YZ", 4)
+    launched = spy_launches(monkeypatch)
+    q, k, v = make_qkv((2, 200, 300, 4, 2, 128), torch.float16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_ws_kernel" not in launched, launched
+    check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
@@ -158,9 +188,10 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
                                    (6, 640, 512, 4, 4, 128)], ids=shape_id)
 def test_gluon_backward_grid_order(shape, groups, monkeypatch):
     """The Gluon backward's grid (G, key blocks, heads / G), whose shape is the programs' order (kernels/bwd_hopper
-    ._ws_program), with G = 1 (what non-causal calls and override(gluon_bwd_grouped=False) take), 3 and every head
+    ._ws_program), with G = 1 (override(gluon_bwd_grouped=False), where the L2 budget would give 3), 3 and every head
     in one group, causal (bottom-right aligned where seqlen_q != seqlen_k): every (key block, head) pair runs once,
-    so the gradients match the reference; the launch took the grid asked for."""
+    so the gradients match the reference; the launch took the grid asked for. (That CUDA starts the programs in the
+    order the grouping intends is not tested: a transposed mapping would cover the pairs too.)"""
     from flashattn2.ops import attention
 
     monkeypatch.setattr(attention, "_BWD_PLANS", {})
@@ -168,10 +199,8 @@ def test_gluon_backward_grid_order(shape, groups, monkeypatch):
     head_bytes = 2 * seqlen_q * d * 2 * (nheads // nheads_k)
     n_bh = batch * nheads_k
     want = {"head-major": 1, "3": 3, "all": n_bh}[groups]
-    monkeypatch.setattr(config, "GLUON_BWD_L2_BYTES", want * head_bytes + 1)
-    grids = []
-    real = attention._bwd_grid
-    monkeypatch.setattr(attention, "_bwd_grid", lambda *args: grids.append(real(*args)) or grids[-1])
+    monkeypatch.setattr(config, "GLUON_BWD_L2_BYTES", max(want, 3) * head_bytes + 1)
+    grids = spy_backward_grids(monkeypatch)
     q, k, v = make_qkv(shape, torch.bfloat16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     do = torch.randn_like(out)

@@ -189,3 +189,10 @@ def test_grid_rounds_alternate_the_providers(tmp_path, monkeypatch):
     assert calls == [("a", True), ("b", True), ("b", False), ("a", False), ("a", False), ("b", False)]
     assert [(r["provider"], r["ms"], r["note"], r["peak_mib"]) for r in rows] == [
         ("a", "3.0000", "median of 3 rounds", "1"), ("b", "2.0000", "median of 3 rounds", "1")]
+
+
+def test_rounds_below_one_are_refused(capsys):
+    from flashattn2.__main__ import main
+
+    assert main(["bench", "--rounds", "0"]) == 2
+    assert "--rounds must be 1 or more, got 0" in capsys.readouterr().out

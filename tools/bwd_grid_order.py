@@ -15,13 +15,17 @@ import heapq
 import pathlib
 import sys
 
+import torch
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 from flashattn2.ops import attention, config  # noqa: E402
 
 SMS = 132
 OVERHEAD = 1.5  # query blocks' worth of a program's fixed cost (an estimate)
-# headdim -> (BLOCK_M, BLOCK_N) of the table's backward entries (bwd_hopper, bwd_hopper_split at 256)
-TILES = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
+# headdim -> (BLOCK_M, BLOCK_N) of the backward table entry taken (bwd_hopper, or bwd_hopper_split where default)
+TILES = {d: (lambda cfg: (cfg.block_m, cfg.block_n))(config.select(
+    "bwd_hopper_split" if config.gluon_bwd_split(d) else "bwd_hopper", "sm90", d, torch.float16, True))
+    for d in (64, 128, 256)}
 
 
 def programs(grid):

@@ -16,7 +16,7 @@
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended; 3 rounds alternating the
-#              providers (~250 s a dtype on a warm H200, session 17; one round read a point 5-10% apart in two runs)
+#              providers (~205 s a dtype on a warm H200, session 17; one round read a point 5-10% apart in two runs)
 #   grid-bwd-fp16 / grid-bwd-bf16   the grid's backward and forward + backward rows, and GQA's, appended
 #   grid-fwd   the grid's forward rows only (d64/d128 fp16 and bf16, and GQA), appended
 #   gqa        the GQA rows (32 query heads over 8)
@@ -100,9 +100,9 @@ for s in "$@"; do
         --headdims 64,128,256 --providers flashattn2,sdpa_flash,sdpa_cudnn --rounds 3 ;;
     grid-bwd-fp16|grid-bwd-bf16)  # the backward and forward + backward rows (every head dim) and GQA's
       stage "$s" 560 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
-          --dtypes ${s#grid-bwd-} --headdims 64,128,256 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&
+          --dtypes ${s#grid-bwd-} --headdims 64,128,256 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn --rounds 3 &&
         python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress --dtypes ${s#grid-bwd-} \
-          --headdims 128 --nheads 32 --nheads-k 8 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn" ;;
+          --headdims 128 --nheads 32 --nheads-k 8 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn --rounds 3" ;;
     grid-fwd)  # the forward rows only (d64/d128, both dtypes, and GQA): ~80 s on a warm H200 (session 15)
       stage grid-fwd 200 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
           --dtypes fp16,bf16 --headdims 64,128 --modes fwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&

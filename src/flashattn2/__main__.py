@@ -97,6 +97,9 @@ def _report(path, plots):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        print(f"bench: --rounds must be 1 or more, got {args.rounds}")
+        return 2
     import torch
 
     if args.what == "report":

@@ -178,7 +178,8 @@ def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=1
                     for mode, ms in timings.items():
                         times[name][mode].append(ms)
             for name in names:
-                note, peak = notes[name], peaks[name]
+                note = notes[name]
+                peak = {} if note else peaks[name]  # (a round that failed: no row of it, memory included)
                 for mode in modes:
                     ms = statistics.median(times[name][mode]) if times[name][mode] and not note else float("nan")
                     flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)

@@ -119,16 +119,16 @@ def _ws_program(seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOC
                 BLOCK_N: gl.constexpr):
     """The program's work, computed alike in every partition: (off_b, off_hk, h0, start_n, i_first, i_full, i_end,
     total). The grid is (G, key blocks, batch * nheads_k / G): program (x, n, z) takes key block n of head (batch
-    entry, kv head) z * G + x. CUDA starts the programs x fastest, then n, then z, so the heads go in groups of G, one
-    group after the other, and within a group key block 0 of every head first, then key block 1, ...: under a causal
-    mask key block 0 sees the most query blocks, so each group runs heaviest first (the longest-first rule, which keeps
-    the last wave short), while the programs running at once read the Q and dO of G heads only (the host sizes G for
-    L2: config.gluon_bwd_l2_heads). G = 1 is the head-major order (one head's key blocks after the other's). The ids
-    come from special registers, which the compiler reads again rather than keep in registers through the loop (an
-    order computed with divisions spilled, compiled for sm_90). Query heads h0 .. h0 + group - 1 share the kv head.
-    Query blocks [i_first, i_end) of each of the group's heads see key block start_n; those before i_full cross the
-    causal diagonal (key j visible to query i iff j <= i + seqlen_k - seqlen_q); total = group * (i_end - i_first)
-    flat positions, head-major."""
+    entry, kv head) z * G + x. CUDA starts the programs x fastest, then n, then z (observed, not a documented
+    guarantee), so the heads go in groups of G, one group after the other, and within a group key block 0 of every
+    head first, then key block 1, ...: under a causal mask key block 0 sees the most query blocks, so each group
+    runs heaviest first (the longest-first rule, which keeps the last wave short), while the programs running at
+    once read the Q and dO of G heads only (ops.attention._bwd_grid sizes G for L2 and CUDA's grid limits). G = 1 is
+    the head-major order (one head's key blocks after the other's). The ids come from special registers, which the
+    compiler reads again rather than keep in registers through the loop (an order computed with divisions spilled,
+    compiled for sm_90). Query heads h0 .. h0 + group - 1 share the kv head. Query blocks [i_first, i_end) of each
+    of the group's heads see key block start_n; those before i_full cross the causal diagonal (key j visible to
+    query i iff j <= i + seqlen_k - seqlen_q); total = group * (i_end - i_first) flat positions, head-major."""
     pid_n = gl.program_id(1)
     pid_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
     off_b = pid_bh // nheads_k

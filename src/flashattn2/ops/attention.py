@@ -375,9 +375,10 @@ def _divisors(n: int) -> list[int]:
 
 def _bwd_grid(n_n: int, n_bh: int, heads: int) -> tuple[int, int, int]:
     """The Gluon backward's grid (G, n_n, n_bh // G) for n_n key blocks and n_bh (batch, kv head) pairs: CUDA starts
-    its programs x fastest, so the heads go in groups of G, each group key block by key block (kernels/bwd_hopper.py,
-    _ws_program). G is the largest divisor of n_bh (whole groups) not above `heads` (config.gluon_bwd_l2_heads), or
-    the smallest that keeps n_bh // G within CUDA's 65535."""
+    its programs x fastest (observed), so the heads go in groups of G, each group key block by key block
+    (kernels/bwd_hopper.py, _ws_program). G is the largest divisor of n_bh (whole groups) not above `heads`
+    (config.gluon_bwd_l2_heads; a prime n_bh below it gets 1, the head-major order), or the smallest that keeps
+    n_bh // G within CUDA's 65535."""
     divisors = _divisors(n_bh)
     g = max(d for d in divisors if d <= max(heads, 1))
     if n_bh // g > _GRID_YZ:

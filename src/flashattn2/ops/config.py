@@ -321,7 +321,7 @@ def state() -> tuple:
     """What may change between calls among what the kernel choices read besides a call's arguments:
     overrides (tiles and switches) and the FLASHATTN2_* flags. Part of the key under which
     ops.attention remembers a call signature's choices, so that a change of any of them is seen at
-    the next call. The tables (_TABLE, _TABLE_SHORT, GLUON_* dicts) are taken as constants: whoever
+    the next call. The tables (_TABLE, _TABLE_SHORT, the GLUON_* dicts and constants) are taken as constants: whoever
     edits one at run time must clear attention._FWD_PLANS and _BWD_PLANS."""
     return (tuple(_forced.values()), tuple(_overrides.items()), _ENV_DQ_ATOMIC, _ENV_TMA, _ENV_HOST_DESC,
             _ENV_GLUON, _ENV_GLUON_WS, _ENV_GLUON_PERSIST, _ENV_GLUON_BWD, _ENV_GLUON_BWD_SPLIT)
@@ -485,14 +485,15 @@ def gluon_bwd_split(head_dim: int) -> bool:
 # keys and at headdim 256 to 4k, 3% at headdim 64 to 8k (the longer ones balance already). So causal programs go in
 # groups of heads, each group key block by key block (heaviest first: the longest-first rule), every group whole:
 # 0.98-1.0 in the model. A group's heads' Q and dO, which the programs running at once read, are sized to stay in L2 (50
-# MB on the H200): GLUON_BWD_L2_BYTES of them. Non-causal programs are alike and keep the head-major order. H200,
-# 2026-12-02 (session 17, git 5ef6cd1), fp16, 16k tokens, bench ab (bench/results/ab-gluon-nvidia-h200.md), grouped /
-# head-major, causal, at 512/1k/2k/4k/8k/16k: d256 1.11/1.03/1.03/1.03/1.01/1.00, d128 1.01/1.02/1.04/1.06/1.04/1.01,
-# d64 0.96/0.88/1.02/1.03/1.02/1.00 (3 rounds); a second run at 512/1k/2k/4k: d256 0.98/1.04/1.03/1.03, d128
-# 0.98/1.02/1.04/1.04, d64 0.98/0.99/1.02/1.02, and the head-major grid against the commit before (5fbd374) 0.98-1.01
-# causal and not. The first run's d64 1k (0.88) did not repeat (0.99; that run's 512 points read 0.67-0.91x of every run
-# before it in both orders: its start on a cold GPU). Counting the fp32 dQ accumulator into a head's bytes too (half the
-# heads per group): 0.985-1.03x of this, no better.
+# MB on the H200): GLUON_BWD_L2_BYTES of them. Non-causal programs are alike and keep the head-major order (unless
+# _bwd_grid must group heads to stay within CUDA's 65535 on the grid's third axis). H200, 2026-12-02 (session 17, git
+# 5ef6cd1), fp16, 16k tokens, bench ab (bench/results/ab-gluon-nvidia-h200.md), grouped / head-major, causal, at
+# 512/1k/2k/4k/8k/16k: d256 1.11/1.03/1.03/1.03/1.01/1.00, d128 1.01/1.02/1.04/1.06/1.04/1.01, d64
+# 0.96/0.88/1.02/1.03/1.02/1.00 (3 rounds); a second run at 512/1k/2k/4k (where, non-causal, the same kernel under other
+# names read 0.96-1.00x of itself): d256 0.98/1.04/1.03/1.03, d128 0.98/1.02/1.04/1.04, d64 0.98/0.99/1.02/1.02, and the
+# head-major grid against the commit before (5fbd374) 0.98-1.01 causal and not. The first run's d64 1k (0.88) did not
+# repeat (0.99; that run's 512 points read 0.67-0.91x of every run before it in both orders: its start on a cold GPU).
+# Counting the fp32 dQ accumulator into a head's bytes too (half the heads per group): 0.985-1.03x of this, no better.
 GLUON_BWD_L2_BYTES = 24 << 20
 
 
