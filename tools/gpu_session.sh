@@ -48,7 +48,7 @@ NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
 NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
 NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward or short_tile_launch or tile_text or constexprs"
 # session 17: the Gluon backward's grouped grid (and the tests of the paths it touches)
-ORDER_TESTS="grid_order or many_heads or grid_rule or split_ring or plans_repeated or persistent_forward_tiles"
+ORDER_TESTS="grid_order or many_heads or key_blocks_limit or grid_rule or split_ring or plans_repeated or persistent_forward_tiles"
 ORDER_TESTS="$ORDER_TESTS or short_tile_launch or lse_gradient or one_output or race"
 
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log to $OUT/NAME.log
