@@ -70,7 +70,8 @@ def test_forward_backward(shape, dtype, causal, path):
 
 def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -> list:
     """The names of the kernels _runtime.launch runs from now on (in this test), in order; with
-    kernel_name, the values of the keyword arguments kwargs_of of each launch of that kernel."""
+    kernel_name, the values of the keyword arguments kwargs_of of each launch of that kernel ("grid":
+    the grid it is launched on)."""
     launched = []
     real = _runtime.launch
 
@@ -78,7 +79,7 @@ def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -
         if kernel_name is None:
             launched.append(kernel.__name__)
         elif kernel.__name__ == kernel_name:
-            launched.append(tuple(kwargs[k] for k in kwargs_of))
+            launched.append(tuple(tuple(grid) if k == "grid" else kwargs[k] for k in kwargs_of))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_runtime, "launch", spy)
@@ -139,7 +140,7 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
 
     monkeypatch.setattr(attention, "_BWD_PLANS", {})
     launched = spy_launches(monkeypatch)
-    grids = spy_backward_grids(monkeypatch)
+    grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)
     with config.override(gluon_bwd=True):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -147,22 +148,8 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert "attn_bwd_ws_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, launched
     # 65540 heads = 4 * 16385: causal, as many per group as 24 MB of Q and dO hold (a divisor); else raised from 1 to 2
-    assert grids == [(16385, 1, 4) if causal else (2, 1, 32770)], grids
+    assert grids == [((16385, 1, 4) if causal else (2, 1, 32770),)], grids
     check_against_reference(q, k, v, out, lse, grads, do, causal)
-
-
-def spy_backward_grids(monkeypatch) -> list:
-    """The grids the Gluon backward is launched on from now on (in this test), in order."""
-    grids = []
-    real = _runtime.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if kernel.__name__ == "attn_bwd_ws_kernel":
-            grids.append(tuple(grid))
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_runtime, "launch", spy)
-    return grids
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
@@ -200,14 +187,14 @@ def test_gluon_backward_grid_order(shape, groups, monkeypatch):
     n_bh = batch * nheads_k
     want = {"head-major": 1, "3": 3, "all": n_bh}[groups]
     monkeypatch.setattr(config, "GLUON_BWD_L2_BYTES", max(want, 3) * head_bytes + 1)
-    grids = spy_backward_grids(monkeypatch)
+    grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv(shape, torch.bfloat16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     do = torch.randn_like(out)
     with config.override(gluon_bwd_grouped=False if groups == "head-major" else None):
         grads = torch.autograd.grad(out, (q, k, v), do)
     block_n = config.select("bwd_hopper_split" if d == 256 else "bwd_hopper", "sm90", d, q.dtype, True).block_n
-    assert grids == [(want, -(-seqlen_k // block_n), n_bh // want)], grids
+    assert grids == [((want, -(-seqlen_k // block_n), n_bh // want),)], grids
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
