@@ -1,4 +1,5 @@
 """flashattn2: FlashAttention-2 in Triton, a drop-in for flash_attn 2.x's functions."""
+from .errors import ArgumentError, ArgumentTypeError
 from .api import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -21,5 +22,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "set_kvcache_checks",
+    "ArgumentError",
+    "ArgumentTypeError",
     "__version__",
 ]

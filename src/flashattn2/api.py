@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from .errors import ArgumentError, ArgumentTypeError
 from .ops import _runtime, checks
 from .ops.kvcache import Check
 from .ops.registry import Attention, PackedAttention, run_fwd
@@ -301,7 +302,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
         checks.check_kvcache_values(*values)  # raises with the details
-        raise ValueError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
+        raise ArgumentError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
 
 
@@ -341,7 +342,7 @@ def set_kvcache_checks(enabled: bool) -> bool:
     it off around one call while other threads decode can leave their calls unchecked."""
     global _KVCACHE_CHECKS
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        raise ArgumentTypeError(f"enabled must be a bool, got {type(enabled).__name__}")
     previous, _KVCACHE_CHECKS = _KVCACHE_CHECKS, enabled
     return previous
 

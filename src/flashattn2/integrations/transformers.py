@@ -18,6 +18,7 @@ import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ..bert_padding import index_first_axis, pad_input, unpad_input
+from ..errors import ArgumentError
 
 NAME = "flashattn2"
 
@@ -70,12 +71,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is None:
         return flash_attn_func(q, k, v, **options), None
     if attention_mask.dim() != 2:
-        raise ValueError("attn_implementation='flashattn2' takes a 2-D padding mask (batch, seqlen_k) or None, got "
+        raise ArgumentError("attn_implementation='flashattn2' takes a 2-D padding mask (batch, seqlen_k) or None, got "
                          f"shape {tuple(attention_mask.shape)}; the model builds it when its config names "
                          "'flashattn2' (flashattn2.integrations.transformers registers the mask too)")
     keep = attention_mask.bool()
     if keep.shape[1] > k.shape[1]:
-        raise ValueError(f"attn_implementation='flashattn2': the padding mask covers {keep.shape[1]} positions, the "
+        raise ArgumentError(f"attn_implementation='flashattn2': the padding mask covers {keep.shape[1]} positions, the "
                          f"keys only {k.shape[1]}")
     # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
     k, v = k[:, :keep.shape[1]], v[:, :keep.shape[1]]

@@ -8,43 +8,44 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..ops import rotary as _rotary
 
 
 def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):
     if cos.dim() != 2 or cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} "
+        raise ArgumentError(f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
     headdim = x.shape[-1]
     if 2 * cos.shape[1] > headdim:
-        raise ValueError(f"rotary_dim {2 * cos.shape[1]} (2 * cos.shape[1]) exceeds headdim {headdim}")
+        raise ArgumentError(f"rotary_dim {2 * cos.shape[1]} (2 * cos.shape[1]) exceeds headdim {headdim}")
     if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        raise TypeError(f"cos/sin ({cos.dtype}/{sin.dtype}) must have {what}'s dtype {x.dtype}")
+        raise ArgumentTypeError(f"cos/sin ({cos.dtype}/{sin.dtype}) must have {what}'s dtype {x.dtype}")
     if cos.device != x.device or sin.device != x.device:
-        raise ValueError(f"cos/sin are on {cos.device}/{sin.device}, {what} on {x.device}")
+        raise ArgumentError(f"cos/sin are on {cos.device}/{sin.device}, {what} on {x.device}")
     if x.stride(-1) != 1:
-        raise ValueError(f"{what} must be contiguous in its last dimension")
+        raise ArgumentError(f"{what} must be contiguous in its last dimension")
     if cu_seqlens is not None:
         if x.dim() != 3:
-            raise ValueError(f"with cu_seqlens, {what} must be (total, nheads, headdim), got {tuple(x.shape)}")
+            raise ArgumentError(f"with cu_seqlens, {what} must be (total, nheads, headdim), got {tuple(x.shape)}")
         if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-            raise TypeError("cu_seqlens must be an int32 (batch + 1,) tensor")
+            raise ArgumentTypeError("cu_seqlens must be an int32 (batch + 1,) tensor")
     elif x.dim() != 4:
-        raise ValueError(f"{what} must be (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
+        raise ArgumentError(f"{what} must be (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
     if cu_seqlens is not None and cu_seqlens.device != x.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, {what} on {x.device}")
+        raise ArgumentError(f"cu_seqlens is on {cu_seqlens.device}, {what} on {x.device}")
     if isinstance(seqlen_offsets, torch.Tensor):
         batch = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"seqlen_offsets must be an int or an int32/int64 ({batch},) tensor, got "
+            raise ArgumentError(f"seqlen_offsets must be an int or an int32/int64 ({batch},) tensor, got "
                              f"{seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}")
         if seqlen_offsets.device != x.device:
-            raise ValueError(f"seqlen_offsets is on {seqlen_offsets.device}, {what} on {x.device}")
+            raise ArgumentError(f"seqlen_offsets is on {seqlen_offsets.device}, {what} on {x.device}")
     elif int(seqlen_offsets) < 0:
-        raise ValueError(f"seqlen_offsets must be >= 0, got {seqlen_offsets}")
+        raise ArgumentError(f"seqlen_offsets must be >= 0, got {seqlen_offsets}")
     if cu_seqlens is None and x.shape[1] > cos.shape[0]:
         # flash_attn's rule: positions past the table (from an offset) are left unrotated
-        raise ValueError(f"seqlen {x.shape[1]} exceeds the {cos.shape[0]} positions of cos/sin")
+        raise ArgumentError(f"seqlen {x.shape[1]} exceeds the {cos.shape[0]} positions of cos/sin")
 
 
 class ApplyRotaryEmb(torch.autograd.Function):
@@ -115,16 +116,16 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
     Returns qkv."""
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+            raise ArgumentError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
         views = (lambda t: t[:, :, 0], lambda t: t[:, :, 1])
     elif qkv.dim() == 4:
         if num_heads_q is None or (qkv.shape[2] - num_heads_q) % 2 or num_heads_q >= qkv.shape[2]:
-            raise ValueError("a 4-d qkv needs num_heads_q with nheads_q + 2 * nheads_k = qkv.shape[2], got "
+            raise ArgumentError("a 4-d qkv needs num_heads_q with nheads_q + 2 * nheads_k = qkv.shape[2], got "
                              f"num_heads_q={num_heads_q} and shape {tuple(qkv.shape)}")
         hq, hk = num_heads_q, (qkv.shape[2] - num_heads_q) // 2
         views = (lambda t: t[:, :, :hq], lambda t: t[:, :, hq:hq + hk])
     else:
-        raise ValueError(f"qkv must be 5-d (batch, seqlen, 3, nheads, headdim) or 4-d, got {tuple(qkv.shape)}")
+        raise ArgumentError(f"qkv must be 5-d (batch, seqlen, 3, nheads, headdim) or 4-d, got {tuple(qkv.shape)}")
     cos_k = cos if cos_k is None else cos_k
     sin_k = sin if sin_k is None else sin_k
     for select, c, s, name in ((views[0], cos, sin, "q"), (views[1], cos_k, sin_k, "k")):
@@ -135,7 +136,7 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
 def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
     """In place on kv (batch, seqlen, 2, nheads_k, headdim): rotates k. Returns kv."""
     if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+        raise ArgumentError(f"kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     views = (lambda t: t[:, :, 0],)
     _check(views[0](kv), cos, sin, seqlen_offsets, None, "k")
     return _RotateInPlace.apply(kv, views, (cos,), (sin,), interleaved, seqlen_offsets)
@@ -150,7 +151,7 @@ class RotaryEmbedding(torch.nn.Module):
                  device=None):
         super().__init__()
         if dim % 2:
-            raise ValueError(f"rotary dim must be even, got {dim}")
+            raise ArgumentError(f"rotary dim must be even, got {dim}")
         if scale_base is not None:
             raise NotImplementedError("RotaryEmbedding(scale_base=...) (XPos) is not supported by flashattn2")
         self.dim, self.base, self.interleaved = dim, float(base), interleaved
@@ -184,7 +185,7 @@ class RotaryEmbedding(torch.nn.Module):
         seqlen = qkv.shape[1]
         if isinstance(seqlen_offset, torch.Tensor):
             if max_seqlen is None:
-                raise ValueError("a tensor seqlen_offset needs max_seqlen (the cos/sin cache length)")
+                raise ArgumentError("a tensor seqlen_offset needs max_seqlen (the cos/sin cache length)")
             self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)
         else:
             self._update_cos_sin_cache(seqlen + int(seqlen_offset), device=qkv.device, dtype=qkv.dtype)

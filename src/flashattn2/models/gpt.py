@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modules.mha import MHA
+from ..errors import ArgumentError
 from ..utils.generation import InferenceParams
 
 ATTENTIONS = ("flashattn2", "sdpa_flash", "sdpa_cudnn", "naive")
@@ -82,9 +83,9 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         if config.attention not in ATTENTIONS:
-            raise ValueError(f"GPTConfig.attention must be one of {ATTENTIONS}, got {config.attention!r}")
+            raise ArgumentError(f"GPTConfig.attention must be one of {ATTENTIONS}, got {config.attention!r}")
         if config.n_embd % config.n_head:
-            raise ValueError(f"GPTConfig: n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+            raise ArgumentError(f"GPTConfig: n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.rotary_dim == 0 else None
@@ -119,7 +120,7 @@ class GPT(nn.Module):
             if positions is None:
                 start = 0 if inference_params is None else inference_params.seqlen_offset
                 if start + seqlen > self.config.block_size:
-                    raise ValueError(f"GPT: positions up to {start + seqlen} exceed block_size "
+                    raise ArgumentError(f"GPT: positions up to {start + seqlen} exceed block_size "
                                      f"{self.config.block_size}")
                 positions = torch.arange(start, start + seqlen, device=idx.device)
             x = x + self.wpe(positions)
@@ -146,7 +147,7 @@ class GPT(nn.Module):
         """A fresh KV cache for up to max_seqlen tokens, filled with idx (batch, seqlen). Returns
         (logits of the last position (batch, vocab), the InferenceParams for decode_step)."""
         if max_seqlen > self.config.block_size and self.wpe is not None:
-            raise ValueError(f"GPT: max_seqlen {max_seqlen} exceeds block_size {self.config.block_size}")
+            raise ArgumentError(f"GPT: max_seqlen {max_seqlen} exceeds block_size {self.config.block_size}")
         batch, seqlen = idx.shape
         params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch,
                                  lengths_per_sample=torch.full((batch,), seqlen, dtype=torch.int32, device=idx.device))

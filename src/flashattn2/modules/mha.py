@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from ..api import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                    flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from ..bert_padding import index_first_axis, pad_input, unpad_input
+from ..errors import ArgumentError
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -69,7 +70,7 @@ class FlashSelfAttention(nn.Module):
         if cu_seqlens is None:
             return flash_attn_qkvpacked_func(qkv, _dropout_p(self), **self._options(causal))
         if max_seqlen is None:
-            raise ValueError("FlashSelfAttention: cu_seqlens needs max_seqlen")
+            raise ArgumentError("FlashSelfAttention: cu_seqlens needs max_seqlen")
         return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, _dropout_p(self), **self._options(causal))
 
 
@@ -86,14 +87,14 @@ class FlashCrossAttention(FlashSelfAttention):
     def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
         if cu_seqlens is None:
             if cu_seqlens_k is not None:
-                raise ValueError("FlashCrossAttention: cu_seqlens_k without cu_seqlens")
+                raise ArgumentError("FlashCrossAttention: cu_seqlens_k without cu_seqlens")
             return flash_attn_kvpacked_func(q, kv, _dropout_p(self), **self._options(causal))
         if max_seqlen is None:
-            raise ValueError("FlashCrossAttention: cu_seqlens needs max_seqlen")
+            raise ArgumentError("FlashCrossAttention: cu_seqlens needs max_seqlen")
         if cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
         elif max_seqlen_k is None:
-            raise ValueError("FlashCrossAttention: cu_seqlens_k needs max_seqlen_k")
+            raise ArgumentError("FlashCrossAttention: cu_seqlens_k needs max_seqlen_k")
         return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
                                                _dropout_p(self), **self._options(causal))
 
@@ -174,7 +175,7 @@ def _update_kv_cache(kv, inference_params, layer_idx):
     seq_start = inference_params.seqlen_offset
     seq_end = seq_start + kv.shape[1]
     if batch_end > cache.shape[0] or seq_end > cache.shape[1]:
-        raise ValueError(f"inference_params: the KV cache holds {tuple(cache.shape[:2])} (batch, seqlen); "
+        raise ArgumentError(f"inference_params: the KV cache holds {tuple(cache.shape[:2])} (batch, seqlen); "
                          f"writing rows {batch_start}:{batch_end}, positions {seq_start}:{seq_end}")
     cache[batch_start:batch_end, seq_start:seq_end] = kv
     return cache[batch_start:batch_end, :seq_end]
@@ -211,17 +212,17 @@ class MHA(nn.Module):
         super().__init__()
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
         if embed_dim % num_heads:
-            raise ValueError(f"MHA: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise ArgumentError(f"MHA: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if num_heads_kv <= 0 or num_heads % num_heads_kv:
-            raise ValueError(f"MHA: num_heads ({num_heads}) must be a multiple of num_heads_kv ({num_heads_kv})")
+            raise ArgumentError(f"MHA: num_heads ({num_heads}) must be a multiple of num_heads_kv ({num_heads_kv})")
         self.head_dim = embed_dim // num_heads
         if rotary_emb_dim < 0 or rotary_emb_dim > self.head_dim or rotary_emb_dim % 2:
-            raise ValueError(f"MHA: rotary_emb_dim ({rotary_emb_dim}) must be even and at most the head "
+            raise ArgumentError(f"MHA: rotary_emb_dim ({rotary_emb_dim}) must be even and at most the head "
                              f"dimension ({self.head_dim})")
         if dwconv:
             raise NotImplementedError("MHA(dwconv=True) (depthwise convolution of q/k/v) is not supported")
         if not use_flash_attn and (use_alibi or tuple(window_size) != (-1, -1)):
-            raise ValueError("MHA: use_alibi and window_size need use_flash_attn=True")
+            raise ArgumentError("MHA: use_alibi and window_size need use_flash_attn=True")
         self.embed_dim, self.num_heads, self.num_heads_kv = embed_dim, num_heads, num_heads_kv
         self.cross_attn, self.causal, self.layer_idx = cross_attn, causal, layer_idx
         self.dwconv, self.rotary_emb_dim = False, rotary_emb_dim
@@ -253,14 +254,14 @@ class MHA(nn.Module):
 
     def _update_kv_cache(self, kv, inference_params):
         if self.layer_idx is None:
-            raise ValueError("MHA: generation with inference_params needs layer_idx in the constructor")
+            raise ArgumentError("MHA: generation with inference_params needs layer_idx in the constructor")
         return _update_kv_cache(kv, inference_params, self.layer_idx)
 
     def _decode(self, q, kv, inference_params, rotate):
         """One decoding step on the kernels: append kv to the cache (rotating q and k first when
         rotate) and attend over it, in one flash_attn_with_kvcache call."""
         if self.layer_idx is None:
-            raise ValueError("MHA: generation with inference_params needs layer_idx in the constructor")
+            raise ArgumentError("MHA: generation with inference_params needs layer_idx in the constructor")
         batch = q.shape[0]
         cache = inference_params.key_value_memory_dict[self.layer_idx][:batch]
         lengths = inference_params.lengths_per_sample
@@ -334,23 +335,23 @@ class MHA(nn.Module):
                 inference_params=None, **kwargs):
         if cu_seqlens is not None:
             if max_seqlen is None:
-                raise ValueError("MHA: cu_seqlens needs max_seqlen")
+                raise ArgumentError("MHA: cu_seqlens needs max_seqlen")
             if not self.use_flash_attn:
-                raise ValueError("MHA: cu_seqlens (varlen input) needs use_flash_attn=True")
+                raise ArgumentError("MHA: cu_seqlens (varlen input) needs use_flash_attn=True")
             if key_padding_mask is not None:
-                raise ValueError("MHA: give key_padding_mask or cu_seqlens, not both")
+                raise ArgumentError("MHA: give key_padding_mask or cu_seqlens, not both")
             if self.rotary_emb_dim > 0:
                 raise NotImplementedError("MHA: rotary embedding with cu_seqlens (varlen input)")
         if inference_params is not None and (key_padding_mask is not None or cu_seqlens is not None):
-            raise ValueError("MHA: inference_params takes padded input without key_padding_mask or cu_seqlens")
+            raise ArgumentError("MHA: inference_params takes padded input without key_padding_mask or cu_seqlens")
         if (mixer_subset is not None or x_kv is not None) and not self.cross_attn:
-            raise ValueError("MHA: x_kv and mixer_subset are for cross-attention (cross_attn=True)")
+            raise ArgumentError("MHA: x_kv and mixer_subset are for cross-attention (cross_attn=True)")
         if key_padding_mask is not None and self.use_flash_attn:
             if self.cross_attn:
                 raise NotImplementedError("MHA: key_padding_mask with cross_attn and use_flash_attn=True; "
                                           "pass cu_seqlens for q and cu_seqlens_k for the keys instead")
             if key_padding_mask.shape != x.shape[:2] or key_padding_mask.dtype != torch.bool:
-                raise ValueError(f"MHA: key_padding_mask must be bool of shape {tuple(x.shape[:2])}, got "
+                raise ArgumentError(f"MHA: key_padding_mask must be bool of shape {tuple(x.shape[:2])}, got "
                                  f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
         q, kv, residual = self._project(x, x_kv, mixer_subset, inference_params)
         if key_padding_mask is not None and self.use_flash_attn:

@@ -6,6 +6,7 @@ import weakref
 import torch
 
 from . import _runtime
+from ..errors import ArgumentError, ArgumentTypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -13,11 +14,11 @@ MAX_HEAD_DIM = 256
 
 def _tensor(name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16 and float32")
+        raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16 and float32")
 
 
 def check_qkv(q, k, v, varlen: bool = False) -> None:
@@ -31,26 +32,26 @@ def check_qkv(q, k, v, varlen: bool = False) -> None:
     _tensor("v", v, ndim, prefix_k + "nheads_k, headdim)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"q, k and v must have one dtype: q is {q.dtype}, {name} is {t.dtype}")
+            raise ArgumentTypeError(f"q, k and v must have one dtype: q is {q.dtype}, {name} is {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
+            raise ArgumentError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ArgumentError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     nheads, head_dim = q.shape[-2:]
     nheads_k, head_dim_k = k.shape[-2:]
     if not varlen and k.shape[0] != q.shape[0]:
-        raise ValueError(f"batch size of k/v ({k.shape[0]}) differs from q's ({q.shape[0]})")
+        raise ArgumentError(f"batch size of k/v ({k.shape[0]}) differs from q's ({q.shape[0]})")
     if head_dim_k != head_dim:
-        raise ValueError(f"headdim of k/v ({head_dim_k}) differs from q's ({head_dim})")
+        raise ArgumentError(f"headdim of k/v ({head_dim_k}) differs from q's ({head_dim})")
     if head_dim < 1 or nheads < 1 or nheads_k < 1 or (not varlen and min(q.shape[1], k.shape[1]) < 1):
-        raise ValueError(f"seqlens, nheads and headdim must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ArgumentError(f"seqlens, nheads and headdim must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
     check_heads(nheads, nheads_k, head_dim, q.device, "k/v")
 
 
 def check_heads(nheads, nheads_k, head_dim, device, kv_name) -> None:
     """The GQA ratio, the head-dim limit and q's device."""
     if nheads % nheads_k:
-        raise ValueError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads of {kv_name} ({nheads_k})")
+        raise ArgumentError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads of {kv_name} ({nheads_k})")
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
     check_device(device, "q")
@@ -142,15 +143,15 @@ def _remember(cu: torch.Tensor, values: tuple[int, int], order: torch.Tensor) ->
 def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+            raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+            raise ArgumentTypeError(f"{name} must be int32, got {cu.dtype}")
         if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+            raise ArgumentError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
         if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device}, q on {q.device}")
+            raise ArgumentError(f"{name} is on {cu.device}, q on {q.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+        raise ArgumentError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
                          "must have the same length (batch + 1)")
 
 
@@ -160,7 +161,7 @@ def _max_seqlens(max_seqlen_q, max_seqlen_k) -> list[int]:
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         m = int(m.item()) if isinstance(m, torch.Tensor) else m
         if not isinstance(m, int) or m < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
+            raise ArgumentError(f"{name} must be an int >= 0, got {m!r}")
         maxes.append(m)
     return maxes
 
@@ -178,13 +179,13 @@ def _check_cu_values(both, totals, maxes, tensors=None):
         lengths = cu[1:] - cu[:-1]
         orders.append(torch.argsort(lengths, descending=True, stable=True).to(torch.int32))
         if cu[0] != 0 or (lengths < 0).any():
-            raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
+            raise ArgumentError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
         if cu[-1] > total:
-            raise ValueError(f"{name} ends at {int(cu[-1])}, past the {total} rows of "
+            raise ArgumentError(f"{name} ends at {int(cu[-1])}, past the {total} rows of "
                              f"{'q' if name.endswith('q') else 'k/v'}")
         longest = int(lengths.max()) if lengths.numel() else 0
         if longest > max_seqlen:
-            raise ValueError(f"a sequence of length {longest} exceeds max_seqlen_{name[-1]}={max_seqlen}")
+            raise ArgumentError(f"a sequence of length {longest} exceeds max_seqlen_{name[-1]}={max_seqlen}")
         seen.append((int(cu[-1]), longest))
     if tensors is not None:
         for cu, values, order in zip(tensors, seen, orders):
@@ -198,24 +199,24 @@ def check_device(device: torch.device, name: str) -> None:
         return
     if device.type == "cpu":
         if not _runtime.interpreted():
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} is a CPU tensor: flashattn2 runs on CUDA GPUs, or on the CPU through Triton's "
                 "interpreter when TRITON_INTERPRET=1 is set in the environment before Python starts")
         return
-    raise ValueError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
+    raise ArgumentError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
 
 
 def check_options(dropout_p, softmax_scale, window_size, softcap) -> None:
     """Validate the options, and refuse those not implemented yet rather than ignore them."""
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        raise ArgumentError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if softmax_scale is not None and not softmax_scale >= 0:
         raise NotImplementedError(f"softmax_scale must be >= 0 (got {softmax_scale})")
     window = tuple(window_size)
     if len(window) != 2 or any(int(w) != w or w < -1 for w in window):
-        raise ValueError(f"window_size must be (left, right) with integers >= -1, got {window_size}")
+        raise ArgumentError(f"window_size must be (left, right) with integers >= -1, got {window_size}")
     if not softcap >= 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
+        raise ArgumentError(f"softcap must be >= 0, got {softcap}")
     if dropout_p > 0 and softcap > 0:
         raise NotImplementedError("dropout_p > 0 with softcap > 0 is not supported (as in flash_attn)")
 
@@ -225,15 +226,15 @@ def check_alibi(alibi_slopes, q, batch: int) -> None:
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        raise ArgumentTypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
     if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        raise ArgumentTypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     nheads = q.shape[-2]
     if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+        raise ArgumentError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
                          f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
     if alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+        raise ArgumentError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
 
 
 def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
@@ -242,18 +243,18 @@ def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
     layout = f"({'total' if varlen else 'batch, seqlen'}, {count}, nheads, headdim)"
     _tensor(name, t, 4 if varlen else 5, layout)
     if t.shape[1 if varlen else 2] != count:
-        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
 
 
 def _index_tensor(name, t, shape, dtypes=(torch.int32,)):
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+        raise ArgumentTypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -268,62 +269,62 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     batch, seqlen_q, nheads, head_dim = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}: the cache must have q's dtype")
+            raise ArgumentTypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}: the cache must have q's dtype")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+            raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (it is written in place)")
+            raise ArgumentError(f"{name} must be contiguous in its last dimension (it is written in place)")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
+        raise ArgumentError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
     nheads_k = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"headdim of k_cache ({k_cache.shape[3]}) differs from q's ({head_dim})")
+        raise ArgumentError(f"headdim of k_cache ({k_cache.shape[3]}) differs from q's ({head_dim})")
     check_heads(nheads, nheads_k, head_dim, q.device, "the cache")
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (or neither)")
+        raise ArgumentError("k and v must be given together (or neither)")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             _tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
             if t.dtype != q.dtype or t.device != q.device:
-                raise TypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
+                raise ArgumentTypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
-                raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, "
+                raise ArgumentError(f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, "
                                  f"headdim={head_dim}), got {tuple(t.shape)}")
         if k.shape != v.shape:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+            raise ArgumentError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
         if cache_seqlens is None:
-            raise ValueError("appending k/v needs cache_seqlens (where each sequence's new tokens go)")
+            raise ArgumentError("appending k/v needs cache_seqlens (where each sequence's new tokens go)")
     if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+        raise ArgumentError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
         if k is None:
-            raise ValueError("rotary_cos/rotary_sin need the new k/v: the rotary embedding is applied on append")
+            raise ArgumentError("rotary_cos/rotary_sin need the new k/v: the rotary embedding is applied on append")
         if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
-            raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2), got "
+            raise ArgumentError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2), got "
                              f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
         if 2 * rotary_cos.shape[1] > head_dim:
-            raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds headdim {head_dim}")
+            raise ArgumentError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds headdim {head_dim}")
         if rotary_cos.dtype != q.dtype or rotary_sin.dtype != q.dtype:
-            raise TypeError(f"rotary_cos/rotary_sin must have q's dtype {q.dtype}, got {rotary_cos.dtype}")
+            raise ArgumentTypeError(f"rotary_cos/rotary_sin must have q's dtype {q.dtype}, got {rotary_cos.dtype}")
         if rotary_cos.device != q.device or rotary_sin.device != q.device:
-            raise ValueError("rotary_cos/rotary_sin must be on q's device")
+            raise ArgumentError("rotary_cos/rotary_sin must be on q's device")
     if isinstance(cache_seqlens, torch.Tensor):
         _index_tensor("cache_seqlens", cache_seqlens, (batch,))
     elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or cache_seqlens < 0):
-        raise TypeError(f"cache_seqlens must be an int >= 0 or an int32 ({batch},) tensor, got {cache_seqlens!r}")
+        raise ArgumentTypeError(f"cache_seqlens must be an int >= 0 or an int32 ({batch},) tensor, got {cache_seqlens!r}")
     _index_tensor("cache_batch_idx", cache_batch_idx, (batch,))
     if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
-        raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: give cache_batch_idx, or a "
+        raise ArgumentError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: give cache_batch_idx, or a "
                          "cache with a row per sequence")
     _index_tensor("cache_leftpad", cache_leftpad, (batch,))
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be (batch={batch}, max_blocks), got "
+            raise ArgumentError(f"block_table must be (batch={batch}, max_blocks), got "
                              f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
         _index_tensor("block_table", block_table, block_table.shape)
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if k is not None and k.shape[1] > capacity:
-        raise ValueError(f"seqlen_new={k.shape[1]} new tokens do not fit the cache's "
+        raise ArgumentError(f"seqlen_new={k.shape[1]} new tokens do not fit the cache's "
                          f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
     if paged:
         if cache_batch_idx is not None:
@@ -332,9 +333,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("cache_leftpad", cache_leftpad), ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+            raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
+        raise ArgumentError(f"num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
     check_alibi(alibi_slopes, q, batch)
 
 
@@ -343,13 +344,13 @@ def check_kvcache_seqlen(seqlen: int, capacity: int, seqlen_new: int, rotary_cos
     """cache_seqlens (an int, or the largest of a tensor's values): the append stays inside the
     cache and the rotary table covers the positions rotated."""
     if seqlen < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {seqlen}")
+        raise ArgumentError(f"cache_seqlens must be >= 0, got {seqlen}")
     if seqlen + seqlen_new > capacity:
-        raise ValueError(f"cache_seqlens + seqlen_new reaches {seqlen + seqlen_new}, past the cache's "
+        raise ArgumentError(f"cache_seqlens + seqlen_new reaches {seqlen + seqlen_new}, past the cache's "
                          f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
     rotary_end = seqlen + max(seqlen_new, q_positions)
     if rotary_cos is not None and rotary_end > rotary_cos.shape[0]:
-        raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs {rotary_end}")
+        raise ArgumentError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs {rotary_end}")
 
 
 def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -376,16 +377,16 @@ def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx,
         return
     ends = seqlens.long() + seqlen_new
     if int(seqlens.min()) < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {seqlens.tolist()}")
+        raise ArgumentError(f"cache_seqlens must be >= 0, got {seqlens.tolist()}")
     check_kvcache_seqlen(int(seqlens.max()), capacity, seqlen_new, rotary_cos, q_positions, paged)
     if cache_leftpad is not None:
         pad = host[1]
         if int(pad.min()) < 0 or bool((pad > seqlens.long()).any()):
-            raise ValueError(f"cache_leftpad must be in [0, cache_seqlens], got {pad.tolist()}")
+            raise ArgumentError(f"cache_leftpad must be in [0, cache_seqlens], got {pad.tolist()}")
     if cache_batch_idx is not None:
         idx = host[2]
         if int(idx.min()) < 0 or int(idx.max()) >= k_cache.shape[0]:
-            raise ValueError(f"cache_batch_idx must index the {k_cache.shape[0]} cache rows, got {idx.tolist()}")
+            raise ArgumentError(f"cache_batch_idx must index the {k_cache.shape[0]} cache rows, got {idx.tolist()}")
     if paged:
         page = k_cache.shape[1]
         table = host[3]
@@ -393,7 +394,7 @@ def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx,
         cols = torch.arange(table.shape[1])[None, :]
         live = table[cols < used[:, None]]
         if live.numel() and (int(live.min()) < 0 or int(live.max()) >= k_cache.shape[0]):
-            raise ValueError(f"block_table entries must index the {k_cache.shape[0]} blocks of k_cache, got values "
+            raise ArgumentError(f"block_table entries must index the {k_cache.shape[0]} blocks of k_cache, got values "
                              f"in [{int(live.min())}, {int(live.max())}]")
 
 
@@ -423,24 +424,24 @@ def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     _tensor("v", v_cache, 4, layout)
     for name, t in (("k", k_cache), ("v", v_cache)):
         if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
+            raise ArgumentTypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
+            raise ArgumentError(f"{name} must be contiguous in its last dimension")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} must have one shape")
+        raise ArgumentError(f"k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} must have one shape")
     nheads, head_dim = q.shape[1:]
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"headdim of k ({k_cache.shape[3]}) differs from q's ({head_dim})")
+        raise ArgumentError(f"headdim of k ({k_cache.shape[3]}) differs from q's ({head_dim})")
     check_heads(nheads, k_cache.shape[2], head_dim, q.device, "k/v")
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 with block_table (paged K/V) is not supported: it is forward-only")
     _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     batch = cu_seqlens_q.shape[0] - 1
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be (batch={batch}, max_blocks) int32")
+        raise ArgumentError(f"block_table must be (batch={batch}, max_blocks) int32")
     _index_tensor("block_table", block_table, block_table.shape)
     if block_table.device != q.device:
-        raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
+        raise ArgumentError(f"block_table is on {block_table.device}, q on {q.device}")
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     check_alibi(alibi_slopes, q, batch)
     if torch.compiler.is_compiling():
@@ -450,11 +451,11 @@ def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     _check_cu_values(torch.stack((cu_q, cu_k)), (q.shape[0], batch * capacity), maxes)
     lengths = cu_k[1:] - cu_k[:-1]
     if lengths.numel() and int(lengths.max()) > capacity:
-        raise ValueError(f"a sequence of {int(lengths.max())} keys exceeds the block_table capacity of {capacity}")
+        raise ArgumentError(f"a sequence of {int(lengths.max())} keys exceeds the block_table capacity of {capacity}")
     page = k_cache.shape[1]
     used = (lengths + page - 1) // page
     live = table[torch.arange(table.shape[1])[None, :] < used[:, None]]
     if live.numel() and (int(live.min()) < 0 or int(live.max()) >= k_cache.shape[0]):
-        raise ValueError(f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
+        raise ArgumentError(f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
                          f"[{int(live.min())}, {int(live.max())}]")
     return maxes[0]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from . import _runtime
 
 # bwd_dkdv_atomic: dK/dV adding dQ with atomics; fwd_hopper: the Gluon forward (kernels/fwd_hopper.py);
@@ -43,7 +44,7 @@ class TileConfig:
 
     def __post_init__(self):
         if self.qbuf not in (None, 1, 2):
-            raise ValueError(f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, "
+            raise ArgumentError(f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, "
                              f"got {self.qbuf}")
 
 
@@ -266,7 +267,7 @@ def arch_of(device: torch.device) -> str:
     forced = _forced["arch"]
     if forced is not None:  # a test runs another architecture's tiles and load path
         if forced == "sm90" and arch != "sm90":
-            raise ValueError(f"config.override(arch='sm90') on a {arch} GPU: it has no TMA or PDL")
+            raise ArgumentError(f"config.override(arch='sm90') on a {arch} GPU: it has no TMA or PDL")
         return forced
     return arch
 
@@ -386,7 +387,7 @@ def gluon_persist_constexprs(cfg: TileConfig, head_dim: int, causal: bool) -> di
     """The persistent forward's constexprs beyond the tile: Q buffers per consumer (cfg.qbuf, else
     GLUON_PERSIST_QBUF's), the snake order (causal), and its consumer warpgroups, cfg.num_warps // 4 (2 or 3)."""
     if cfg.num_warps not in (8, 12):
-        raise ValueError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {cfg.num_warps}")
+        raise ArgumentError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {cfg.num_warps}")
     qbuf = GLUON_PERSIST_QBUF[head_dim_bucket(head_dim)] if cfg.qbuf is None else cfg.qbuf
     return dict(QBUF=qbuf, SNAKE=causal, CONSUMERS=cfg.num_warps // 4)
 
@@ -536,14 +537,14 @@ def override(tma: bool | None = None, arch: str | None = None, dq_atomic: bool |
     ignores arch."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
-        raise ValueError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
+        raise ArgumentError(f"override: unknown kernel(s) {sorted(unknown)}; expected {KERNELS}")
     for name, cfg in tiles.items():
         if not isinstance(cfg, TileConfig):
-            raise TypeError(f"override: {name} must be a TileConfig, got {type(cfg).__name__}")
+            raise ArgumentTypeError(f"override: {name} must be a TileConfig, got {type(cfg).__name__}")
         if cfg.qbuf is not None and name != "fwd_hopper_persist":
-            raise ValueError(f"override: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}")
+            raise ArgumentError(f"override: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}")
     if arch is not None and arch not in ARCHS[:-1]:
-        raise ValueError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
+        raise ArgumentError(f"override: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     saved = dict(_overrides), dict(_forced)
     _overrides.update(tiles)
     _forced.update(tma=tma, arch=arch, dq_atomic=dq_atomic, host_desc=host_desc, gluon=gluon, gluon_ws=gluon_ws,
