@@ -201,7 +201,10 @@ def attn_bwd_dkdv_kernel(
 
     m_lo, full_lo, full_hi, m_end = query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                       CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
-    for g in range(0, group_size):
+    # num_stages=1: this loop is never pipelined. Where the inner loops fold away (seqlen_q == 1, which Triton
+    # specializes into a constant) it would be the innermost loop, and the pipeliner cannot predicate the
+    # descriptors made in it (tile_src with USE_TMA: 'ttng.tensormap_create' ... doesn't know how to predicate)
+    for g in tl.range(0, group_size, num_stages=1):
         off_h = off_hk * group_size + g
         q_src = tile_src(Q, off_b, q_start, off_h, stride_qb, stride_qs, stride_qh, seqlen_q, HEAD_DIM, BLOCK_M,
                          BLOCK_D, USE_TMA, HOST_DESC)
