@@ -181,3 +181,54 @@ def test_mha_bad_calls():
     flash = MHA(EMBED, HEADS, use_flash_attn=True, device=DEVICE, dtype=DTYPE)
     with pytest.raises(ValueError, match="key_padding_mask must be bool"):
         flash(x, key_padding_mask=torch.ones(2, 6, device=DEVICE))
+
+
+def test_flash_cross_attention_positional_order():
+    """FlashCrossAttention's positional order is flash_attn's (causal, softmax_scale,
+    attention_dropout, alibi_slopes, window_size, deterministic), unlike FlashSelfAttention's
+    (window_size before alibi_slopes): a positional call puts the slopes into alibi_slopes."""
+    d, h = 32, HEADS
+    q, k, v = (randn(2, 19, h, d, dtype=DTYPE) for _ in range(3))
+    kv = torch.stack((k, v), dim=2)
+    slopes = torch.tensor(get_alibi_slopes(h), device=DEVICE)
+    positional = FlashCrossAttention(True, None, 0.0, slopes)
+    assert positional.alibi_slopes is slopes and positional.window_size == (-1, -1)
+    out = positional(q, kv)
+    torch.testing.assert_close(out, FlashCrossAttention(causal=True, alibi_slopes=slopes)(q, kv), rtol=0, atol=0)
+    ref, _ = attention_ref(q, k, v, causal=True, alibi_slopes=slopes)
+    low, _ = attention_ref(q, k, v, causal=True, alibi_slopes=slopes, upcast=False)
+    assert_close("alibi", out, ref, low, FWD_FACTOR)
+    no_alibi, _ = attention_ref(q, k, v, causal=True)
+    assert (out.float() - no_alibi.float()).abs().max() > 10 * (ref.float() - low.float()).abs().max()
+    # the fifth slot is the window, the sixth deterministic
+    windowed = FlashCrossAttention(False, None, 0.0, None, (3, 0), True)
+    assert windowed.alibi_slopes is None and windowed.window_size == (3, 0) and windowed.deterministic
+    ref, _ = attention_ref(q, k, v, window_size=(3, 0))
+    low, _ = attention_ref(q, k, v, window_size=(3, 0), upcast=False)
+    assert_close("window", windowed(q, kv), ref, low, FWD_FACTOR)
+    # FlashSelfAttention keeps flash_attn's own order: window_size, then alibi_slopes
+    self_attn = FlashSelfAttention(True, None, 0.0, (-1, -1), slopes)
+    assert self_attn.alibi_slopes is slopes and self_attn.window_size == (-1, -1)
+    torch.testing.assert_close(self_attn(torch.stack((q, k, v), dim=2)), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [FlashSelfAttention, FlashCrossAttention])
+def test_flash_attention_modules_argument_types(cls):
+    """Slopes in the window's slot (the other module's order), or a window in the slopes' slot,
+    are caught at construction instead of failing at the first forward."""
+    slopes = torch.tensor(get_alibi_slopes(HEADS), device=DEVICE)
+    with pytest.raises(TypeError, match="window_size"):
+        cls(window_size=slopes)
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        cls(alibi_slopes=(-1, -1))
+
+
+def test_mha_cross_attn_return_residual_is_x():
+    """As flash_attn: with return_residual the residual is the input x, also with x_kv and
+    mixer_subset."""
+    mha = MHA(EMBED, HEADS, cross_attn=True, return_residual=True, use_flash_attn=True, device=DEVICE, dtype=DTYPE)
+    x, x_kv = randn(2, 7, EMBED, dtype=DTYPE), randn(2, 9, EMBED, dtype=DTYPE)
+    for kwargs in (dict(), dict(x_kv=x_kv), dict(x_kv=x_kv, mixer_subset=slice(0, 1))):
+        out, residual = mha(x, **kwargs)
+        assert residual is x
+    assert out.shape == (2, 1, EMBED)

@@ -4,8 +4,9 @@ import torch
 
 from cases import DTYPES, cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
-from flashattn2.layers.rotary import (RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_kv_,
-                                      apply_rotary_emb_qkv_)
+from flashattn2.layers.rotary import (ApplyRotaryEmb, ApplyRotaryEmbKV_, ApplyRotaryEmbQKV_, RotaryEmbedding,
+                                      apply_rotary_emb, apply_rotary_emb_func, apply_rotary_emb_kv_,
+                                      apply_rotary_emb_qkv_, apply_rotary_emb_torch, rotate_half)
 from flashattn2.reference.rotary import rotary_ref
 
 TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
@@ -145,3 +146,81 @@ def test_bad_arguments():
         apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.zeros(3, dtype=torch.int32, device=DEVICE))
     with pytest.raises(NotImplementedError, match="XPos"):
         RotaryEmbedding(32, scale_base=512)
+
+
+def test_rotary_embedding_positional_order():
+    """flash_attn's order (dim, base, interleaved, scale_base, device): the fifth positional
+    argument is the device; pos_idx_in_fp32 (flashattn2's) is keyword-only."""
+    rope = RotaryEmbedding(32, 500.0, True, None, "meta")
+    assert rope.inv_freq.device.type == "meta" and rope.base == 500.0 and rope.interleaved
+    assert rope.pos_idx_in_fp32 is True
+    assert RotaryEmbedding(32, device="meta", pos_idx_in_fp32=False).pos_idx_in_fp32 is False
+    rope = RotaryEmbedding(32, 500.0, True, None, DEVICE)
+    q, kv = randn(2, SEQ, 2, 64, dtype=torch.float32), randn(2, SEQ, 2, 2, 64, dtype=torch.float32)
+    freqs = torch.outer(torch.arange(SEQ, device=DEVICE, dtype=torch.float32),
+                        1.0 / (500.0 ** (torch.arange(0, 32, 2, device=DEVICE, dtype=torch.float32) / 32)))
+    q2, kv2 = rope(q.clone(), kv.clone())
+    close(q2, rotary_ref(q, freqs.cos(), freqs.sin(), True))
+    close(kv2[:, :, 0], rotary_ref(kv[:, :, 0], freqs.cos(), freqs.sin(), True))
+
+
+def test_rotary_embedding_recomputes_low_precision_inv_freq():
+    """After module.half(), the tables come from inv_freq recomputed in fp32 (as flash_attn)."""
+    full, half = RotaryEmbedding(32, device=DEVICE), RotaryEmbedding(32, device=DEVICE).half()
+    assert half.inv_freq.dtype == torch.float16
+    full._update_cos_sin_cache(64, device=torch.device(DEVICE), dtype=torch.float32)
+    half._update_cos_sin_cache(64, device=torch.device(DEVICE), dtype=torch.float32)
+    assert torch.equal(full._cos_cached, half._cos_cached) and torch.equal(full._sin_cached, half._sin_cached)
+
+
+def test_rotate_half():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert torch.equal(rotate_half(x), torch.tensor([-4.0, -5.0, -6.0, 1.0, 2.0, 3.0]))
+    assert torch.equal(rotate_half(x, interleaved=True), torch.tensor([-2.0, 1.0, -4.0, 3.0, -6.0, 5.0]))
+    x2 = x.expand(3, 2, 6)
+    assert torch.equal(rotate_half(x2, True), rotate_half(x, True).expand(3, 2, 6))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim,headdim", [(32, 32), (16, 40)])
+def test_apply_rotary_emb_torch(interleaved, rotary_dim, headdim):
+    """The PyTorch reference against the kernel: cos/sin (seqlen, rotary_dim / 2), and
+    per-sequence tables (batch, seqlen, rotary_dim / 2) against a (batch,) seqlen_offsets."""
+    x = randn(3, SEQ, 2, headdim, dtype=torch.float32)
+    cos, sin = cos_sin(SEQ + 9, rotary_dim, torch.float32)
+    out = apply_rotary_emb_torch(x, cos[:SEQ], sin[:SEQ], interleaved)
+    close(out, apply_rotary_emb(x, cos, sin, interleaved))
+    close(out, rotary_ref(x, cos, sin, interleaved))
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])
+    offsets = torch.tensor([0, 4, 9], device=DEVICE, dtype=torch.int32)
+    rows = offsets[:, None].long() + torch.arange(SEQ, device=DEVICE)[None, :]
+    out = apply_rotary_emb_torch(x, cos[rows], sin[rows], interleaved=interleaved)
+    close(out, apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=offsets))
+    assert apply_rotary_emb_func is apply_rotary_emb
+    with pytest.raises(ValueError, match="rotary_dim"):
+        apply_rotary_emb_torch(x, *cos_sin(SEQ, 2 * headdim, torch.float32))
+
+
+def test_autograd_functions_called_directly():
+    """ApplyRotaryEmb / ApplyRotaryEmbQKV_ / ApplyRotaryEmbKV_.apply with flash_attn's positional
+    arguments and defaults, gradients included."""
+    cos, sin = cos_sin(SEQ, 32, torch.float32)
+    x = randn(2, SEQ, 2, 48, dtype=torch.float32, requires_grad=True)
+    out = ApplyRotaryEmb.apply(x, cos, sin)
+    close(out, rotary_ref(x.detach(), cos, sin))
+    g = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, g)
+    close(dx, rotary_ref(g, cos, sin, conjugate=True))
+    qkv = randn(2, SEQ, 3, 2, 48, dtype=torch.float32, requires_grad=True)
+    cos_k, sin_k = cos_sin(SEQ, 32, torch.float32)
+    out = ApplyRotaryEmbQKV_.apply(qkv.clone(), cos, sin, cos_k * 0.5, sin_k * 0.5, True)
+    close(out[:, :, 0], rotary_ref(qkv[:, :, 0].detach(), cos, sin, True))
+    close(out[:, :, 1], rotary_ref(qkv[:, :, 1].detach(), cos_k * 0.5, sin_k * 0.5, True))
+    g = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, g)
+    close(dqkv[:, :, 1], rotary_ref(g[:, :, 1], cos_k * 0.5, sin_k * 0.5, True, conjugate=True))
+    assert torch.equal(dqkv[:, :, 2], g[:, :, 2])
+    kv = randn(2, SEQ, 2, 2, 48, dtype=torch.float32)
+    k_ref = rotary_ref(kv[:, :, 0], cos, sin, False, 3)
+    assert ApplyRotaryEmbKV_.apply(kv, cos, sin, False, 3) is kv
+    close(kv[:, :, 0], k_ref)

@@ -1,6 +1,7 @@
 """flash_attn.layers.rotary on a Triton kernel: apply_rotary_emb (differentiable, optionally in
-place), apply_rotary_emb_qkv_ / apply_rotary_emb_kv_ (in place on packed tensors) and the
-RotaryEmbedding module, with flash_attn's signatures and layouts.
+place), apply_rotary_emb_qkv_ / apply_rotary_emb_kv_ (in place on packed tensors), their autograd
+Functions, the RotaryEmbedding module, and the plain-PyTorch rotate_half / apply_rotary_emb_torch,
+with flash_attn's signatures and layouts.
 
 cos/sin are (seqlen_ro, rotary_dim / 2); rotary_dim <= headdim, and the features past it are
 left as they are. interleaved=False is GPT-NeoX (halves), True is GPT-J (pairs)."""
@@ -48,34 +49,78 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):
         raise ArgumentError(f"seqlen {x.shape[1]} exceeds the {cos.shape[0]} positions of cos/sin")
 
 
+def rotate_half(x, interleaved=False):
+    """(x1, x2) -> (-x2, x1) over the last dimension: its halves (GPT-NeoX), or its even and odd
+    features when interleaved (GPT-J)."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
+    """The rotary embedding in plain PyTorch, as flash_attn's reference: x (batch, seqlen, nheads,
+    headdim); cos/sin (seqlen, rotary_dim / 2) or (batch, seqlen, rotary_dim / 2), one row per
+    token of x (no offsets: slice or gather the rows first). Returns a new tensor."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim > x.shape[-1]:
+        raise ArgumentError(f"rotary_dim {rotary_dim} (2 * cos.shape[-1]) exceeds headdim {x.shape[-1]}")
+    if interleaved:
+        cos, sin = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
+    else:
+        cos, sin = (torch.cat((t, t), dim=-1) for t in (cos, sin))
+    # (..., seqlen, rotary_dim) -> (..., seqlen, 1, rotary_dim): shared by the heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rot = x[..., :rotary_dim]
+    return torch.cat((rot * cos + rotate_half(rot, interleaved) * sin, x[..., rotary_dim:]), dim=-1)
+
+
+def _save_offsets(ctx, seqlen_offsets, *tensors):
+    """save_for_backward takes tensors only: an int offset goes on ctx."""
+    if isinstance(seqlen_offsets, torch.Tensor):
+        ctx.save_for_backward(*tensors, seqlen_offsets)
+        ctx.seqlen_offsets = None
+    else:
+        ctx.save_for_backward(*tensors)
+        ctx.seqlen_offsets = seqlen_offsets
+
+
+def _saved(ctx):
+    """(saved tensors without the offsets, seqlen_offsets)."""
+    if ctx.seqlen_offsets is None:
+        *tensors, offsets = ctx.saved_tensors
+        return tensors, offsets
+    return list(ctx.saved_tensors), ctx.seqlen_offsets
+
+
+def _dense(grad):
+    # rotated in place: a private dense copy (the incoming gradient may be shared, strided or
+    # expanded with stride 0)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
 class ApplyRotaryEmb(torch.autograd.Function):
+    """apply_rotary_emb's autograd Function; apply() takes its arguments in the same order."""
+
     @staticmethod
-    def forward(ctx, x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
+    def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                max_seqlen=None):
+        _check(x, cos, sin, seqlen_offsets, cu_seqlens)
         out = x if inplace else x.clone()
         _rotary.rotate_(out, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen=max_seqlen)
-        if isinstance(seqlen_offsets, torch.Tensor):
-            ctx.save_for_backward(cos, sin, cu_seqlens, seqlen_offsets)
-            ctx.seqlen_offsets = None
-        else:
-            ctx.save_for_backward(cos, sin, cu_seqlens)
-            ctx.seqlen_offsets = seqlen_offsets
-        ctx.interleaved, ctx.inplace, ctx.max_seqlen = interleaved, inplace, max_seqlen
+        _save_offsets(ctx, seqlen_offsets, cos, sin, cu_seqlens)
+        ctx.interleaved, ctx.max_seqlen = interleaved, max_seqlen
         if inplace:
             ctx.mark_dirty(x)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        if ctx.seqlen_offsets is None:
-            cos, sin, cu_seqlens, offsets = ctx.saved_tensors
-        else:
-            (cos, sin, cu_seqlens), offsets = ctx.saved_tensors, ctx.seqlen_offsets
-        # rotated in place: a private dense copy (the incoming gradient may be shared, strided or
-        # expanded with stride 0)
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        _rotary.rotate_(grad, cos, sin, ctx.interleaved, offsets, cu_seqlens, conjugate=True,
-                        max_seqlen=ctx.max_seqlen)
-        return grad, None, None, None, None, None, None, None
+    def backward(ctx, do):
+        (cos, sin, cu_seqlens), offsets = _saved(ctx)
+        dx = _dense(do)
+        _rotary.rotate_(dx, cos, sin, ctx.interleaved, offsets, cu_seqlens, conjugate=True, max_seqlen=ctx.max_seqlen)
+        return dx, None, None, None, None, None, None, None
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
@@ -85,28 +130,55 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     int or a (batch,) tensor (token i of sequence b is at position i + seqlen_offsets[b], as in
     KV-cache decoding). Returns x with its first rotary_dim features rotated (x itself when
     inplace)."""
-    _check(x, cos, sin, seqlen_offsets, cu_seqlens)
     return ApplyRotaryEmb.apply(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
 
 
-class _RotateInPlace(torch.autograd.Function):
-    """Rotate views of one packed tensor in place (view i with cos[i], sin[i]); the backward
-    rotates the same views of the gradient back."""
+# flash_attn keeps this name for backward compatibility
+apply_rotary_emb_func = apply_rotary_emb
+
+
+def _qk_views(qkv, num_heads_q):
+    """The (q, k) views of a packed qkv: 5-d (batch, seqlen, 3, nheads, headdim), or 4-d
+    (batch, seqlen, nheads_q + 2 * nheads_k, headdim) with num_heads_q."""
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ArgumentError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        return qkv[:, :, 0], qkv[:, :, 1]
+    if qkv.dim() == 4:
+        if num_heads_q is None or (qkv.shape[2] - num_heads_q) % 2 or num_heads_q >= qkv.shape[2]:
+            raise ArgumentError("a 4-d qkv needs num_heads_q with nheads_q + 2 * nheads_k = qkv.shape[2], got "
+                                f"num_heads_q={num_heads_q} and shape {tuple(qkv.shape)}")
+        hk = (qkv.shape[2] - num_heads_q) // 2
+        return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + hk]
+    raise ArgumentError(f"qkv must be 5-d (batch, seqlen, 3, nheads, headdim) or 4-d, got {tuple(qkv.shape)}")
+
+
+class ApplyRotaryEmbQKV_(torch.autograd.Function):
+    """apply_rotary_emb_qkv_'s autograd Function; apply() takes its arguments in the same order."""
 
     @staticmethod
-    def forward(ctx, packed, views, cos, sin, interleaved, seqlen_offsets):
-        for select, c, s in zip(views, cos, sin):
-            _rotary.rotate_(select(packed), c, s, interleaved, seqlen_offsets)
-        ctx.views, ctx.cos, ctx.sin, ctx.interleaved, ctx.seqlen_offsets = views, cos, sin, interleaved, seqlen_offsets
-        ctx.mark_dirty(packed)
-        return packed
+    def forward(ctx, qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
+                num_heads_q=None):
+        cos_k = cos if cos_k is None else cos_k
+        sin_k = sin if sin_k is None else sin_k
+        q, k = _qk_views(qkv, num_heads_q)
+        _check(q, cos, sin, seqlen_offsets, None, "q")
+        _check(k, cos_k, sin_k, seqlen_offsets, None, "k")
+        _rotary.rotate_(q, cos, sin, interleaved, seqlen_offsets)
+        _rotary.rotate_(k, cos_k, sin_k, interleaved, seqlen_offsets)
+        _save_offsets(ctx, seqlen_offsets, cos, sin, cos_k, sin_k)
+        ctx.interleaved, ctx.num_heads_q = interleaved, num_heads_q
+        ctx.mark_dirty(qkv)
+        return qkv
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        for select, c, s in zip(ctx.views, ctx.cos, ctx.sin):
-            _rotary.rotate_(select(grad), c, s, ctx.interleaved, ctx.seqlen_offsets, conjugate=True)
-        return grad, None, None, None, None, None
+    def backward(ctx, dqkv):
+        (cos, sin, cos_k, sin_k), offsets = _saved(ctx)
+        dqkv = _dense(dqkv)
+        dq, dk = _qk_views(dqkv, ctx.num_heads_q)
+        _rotary.rotate_(dq, cos, sin, ctx.interleaved, offsets, conjugate=True)
+        _rotary.rotate_(dk, cos_k, sin_k, ctx.interleaved, offsets, conjugate=True)
+        return dqkv, None, None, None, None, None, None, None
 
 
 def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
@@ -114,41 +186,53 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
     """In place on qkv (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, nheads_q + 2 *
     nheads_k, headdim) with num_heads_q (GQA): rotates q and k (k with cos_k/sin_k when given).
     Returns qkv."""
-    if qkv.dim() == 5:
-        if qkv.shape[2] != 3:
-            raise ArgumentError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
-        views = (lambda t: t[:, :, 0], lambda t: t[:, :, 1])
-    elif qkv.dim() == 4:
-        if num_heads_q is None or (qkv.shape[2] - num_heads_q) % 2 or num_heads_q >= qkv.shape[2]:
-            raise ArgumentError("a 4-d qkv needs num_heads_q with nheads_q + 2 * nheads_k = qkv.shape[2], got "
-                             f"num_heads_q={num_heads_q} and shape {tuple(qkv.shape)}")
-        hq, hk = num_heads_q, (qkv.shape[2] - num_heads_q) // 2
-        views = (lambda t: t[:, :, :hq], lambda t: t[:, :, hq:hq + hk])
-    else:
-        raise ArgumentError(f"qkv must be 5-d (batch, seqlen, 3, nheads, headdim) or 4-d, got {tuple(qkv.shape)}")
-    cos_k = cos if cos_k is None else cos_k
-    sin_k = sin if sin_k is None else sin_k
-    for select, c, s, name in ((views[0], cos, sin, "q"), (views[1], cos_k, sin_k, "k")):
-        _check(select(qkv), c, s, seqlen_offsets, None, name)
-    return _RotateInPlace.apply(qkv, views, (cos, cos_k), (sin, sin_k), interleaved, seqlen_offsets)
+    return ApplyRotaryEmbQKV_.apply(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)
+
+
+def _k_view(kv):
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ArgumentError(f"kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return kv[:, :, 0]
+
+
+class ApplyRotaryEmbKV_(torch.autograd.Function):
+    """apply_rotary_emb_kv_'s autograd Function; apply() takes its arguments in the same order."""
+
+    @staticmethod
+    def forward(ctx, kv, cos, sin, interleaved=False, seqlen_offsets=0):
+        k = _k_view(kv)
+        _check(k, cos, sin, seqlen_offsets, None, "k")
+        _rotary.rotate_(k, cos, sin, interleaved, seqlen_offsets)
+        _save_offsets(ctx, seqlen_offsets, cos, sin)
+        ctx.interleaved = interleaved
+        ctx.mark_dirty(kv)
+        return kv
+
+    @staticmethod
+    def backward(ctx, dkv):
+        (cos, sin), offsets = _saved(ctx)
+        dkv = _dense(dkv)
+        _rotary.rotate_(_k_view(dkv), cos, sin, ctx.interleaved, offsets, conjugate=True)
+        return dkv, None, None, None, None
 
 
 def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
     """In place on kv (batch, seqlen, 2, nheads_k, headdim): rotates k. Returns kv."""
-    if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ArgumentError(f"kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
-    views = (lambda t: t[:, :, 0],)
-    _check(views[0](kv), cos, sin, seqlen_offsets, None, "k")
-    return _RotateInPlace.apply(kv, views, (cos,), (sin,), interleaved, seqlen_offsets)
+    return ApplyRotaryEmbKV_.apply(kv, cos, sin, interleaved, seqlen_offsets)
 
 
 class RotaryEmbedding(torch.nn.Module):
     """Rotary embedding (RoFormer, GPT-NeoX / GPT-J) with cached cos/sin, as flash_attn's module:
     forward(qkv, kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None) rotates q and k in
-    place and returns qkv, or (q, kv) when kv is given. dim is the rotary dimension."""
+    place and returns qkv, or (q, kv) when kv is given. dim is the rotary dimension.
 
-    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True,
-                 device=None):
+    pos_idx_in_fp32 (flashattn2's, keyword-only; flash_attn 2.8 always behaves as True): the
+    tables come from fp32 positions and an fp32 inv_freq (recomputed when the module was cast to
+    fp16/bf16). False builds them in inv_freq's dtype, as older flash_attn releases could, to
+    match models trained in pure bf16."""
+
+    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, device=None, *,
+                 pos_idx_in_fp32=True):
         super().__init__()
         if dim % 2:
             raise ArgumentError(f"rotary dim must be even, got {dim}")
@@ -157,9 +241,10 @@ class RotaryEmbedding(torch.nn.Module):
         self.dim, self.base, self.interleaved = dim, float(base), interleaved
         self.pos_idx_in_fp32 = pos_idx_in_fp32
         self.register_buffer("inv_freq", self._compute_inv_freq(device), persistent=False)
-        self.scale = None
+        self.scale_base = self.scale = None
         self._seq_len_cached = 0
         self._cos_cached = self._sin_cached = None
+        self._cos_k_cached = self._sin_k_cached = None
 
     def _compute_inv_freq(self, device=None):
         return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
@@ -170,7 +255,8 @@ class RotaryEmbedding(torch.nn.Module):
             self._seq_len_cached = seqlen
             if self.pos_idx_in_fp32:
                 t = torch.arange(seqlen, device=device, dtype=torch.float32)
-                inv_freq = self.inv_freq.to(torch.float32) if self.inv_freq.dtype != torch.float32 else self.inv_freq
+                # a module cast to fp16/bf16 holds a rounded inv_freq: recompute it in fp32
+                inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self._compute_inv_freq(device)
             else:
                 t = torch.arange(seqlen, device=device, dtype=self.inv_freq.dtype)
                 inv_freq = self.inv_freq
@@ -183,10 +269,10 @@ class RotaryEmbedding(torch.nn.Module):
         (batch, seqlen, nheads, headdim) when kv (batch, seqlen, 2, nheads_k, headdim) is given.
         seqlen_offset: an int, or a (batch,) tensor with max_seqlen (decoding)."""
         seqlen = qkv.shape[1]
-        if isinstance(seqlen_offset, torch.Tensor):
-            if max_seqlen is None:
-                raise ArgumentError("a tensor seqlen_offset needs max_seqlen (the cos/sin cache length)")
+        if max_seqlen is not None:
             self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)
+        elif isinstance(seqlen_offset, torch.Tensor):
+            raise ArgumentError("a tensor seqlen_offset needs max_seqlen (the cos/sin cache length)")
         else:
             self._update_cos_sin_cache(seqlen + int(seqlen_offset), device=qkv.device, dtype=qkv.dtype)
         cos, sin = self._cos_cached, self._sin_cached
@@ -198,4 +284,6 @@ class RotaryEmbedding(torch.nn.Module):
         return q, kv
 
 
-__all__ = ["apply_rotary_emb", "apply_rotary_emb_qkv_", "apply_rotary_emb_kv_", "RotaryEmbedding"]
+__all__ = ["rotate_half", "apply_rotary_emb_torch", "ApplyRotaryEmb", "apply_rotary_emb", "apply_rotary_emb_func",
+           "ApplyRotaryEmbQKV_", "apply_rotary_emb_qkv_", "ApplyRotaryEmbKV_", "apply_rotary_emb_kv_",
+           "RotaryEmbedding"]

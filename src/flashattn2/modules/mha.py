@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from ..api import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                    flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from ..bert_padding import index_first_axis, pad_input, unpad_input
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -39,18 +39,24 @@ def _dropout_p(module: nn.Module) -> float:
     return module.drop.p if module.training else 0.0
 
 
-class FlashSelfAttention(nn.Module):
-    """softmax(Q K^T * scale) V of packed qkv.
+def _check_window_and_slopes(window_size, alibi_slopes):
+    """Caught at construction: FlashSelfAttention and FlashCrossAttention take these two in
+    opposite positional orders (as flash_attn's do), so a swap is a likely mistake."""
+    # the values are checked by the attention functions
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ArgumentTypeError(f"window_size must be a pair (left, right), -1 for unbounded, got "
+                                f"{type(window_size).__name__}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise ArgumentTypeError(f"alibi_slopes must be None or a (nheads,) or (batch, nheads) tensor, got "
+                                f"{type(alibi_slopes).__name__}")
 
-    forward(qkv, causal=None, cu_seqlens=None, max_seqlen=None):
-        qkv: (batch, seqlen, 3, nheads, headdim), or (total, 3, nheads, headdim) with cu_seqlens
-        ((batch + 1,) int32) and max_seqlen (int). Returns (batch, seqlen, nheads, headdim) or
-        (total, nheads, headdim). causal overrides the constructor's for this call.
-    """
 
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1),
-                 alibi_slopes=None, deterministic=False):
+class _FlashAttention(nn.Module):
+    """What FlashSelfAttention and FlashCrossAttention share: the options and the dropout."""
+
+    def __init__(self, causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic):
         super().__init__()
+        _check_window_and_slopes(window_size, alibi_slopes)
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
@@ -66,6 +72,22 @@ class FlashSelfAttention(nn.Module):
         return dict(softmax_scale=self.softmax_scale, causal=self.causal if causal is None else causal,
                     alibi_slopes=self.slopes(), window_size=self.window_size, deterministic=self.deterministic)
 
+
+class FlashSelfAttention(_FlashAttention):
+    """softmax(Q K^T * scale) V of packed qkv.
+
+    FlashSelfAttention(causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1),
+                       alibi_slopes=None, deterministic=False)
+    forward(qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+        qkv: (batch, seqlen, 3, nheads, headdim), or (total, 3, nheads, headdim) with cu_seqlens
+        ((batch + 1,) int32) and max_seqlen (int). Returns (batch, seqlen, nheads, headdim) or
+        (total, nheads, headdim). causal overrides the constructor's for this call.
+    """
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1),
+                 alibi_slopes=None, deterministic=False):
+        super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
+
     def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
         if cu_seqlens is None:
             return flash_attn_qkvpacked_func(qkv, _dropout_p(self), **self._options(causal))
@@ -74,15 +96,22 @@ class FlashSelfAttention(nn.Module):
         return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, _dropout_p(self), **self._options(causal))
 
 
-class FlashCrossAttention(FlashSelfAttention):
+class FlashCrossAttention(_FlashAttention):
     """softmax(Q K^T * scale) V with K/V packed apart from Q (cross-attention, GQA/MQA).
 
+    FlashCrossAttention(causal=False, softmax_scale=None, attention_dropout=0.0, alibi_slopes=None,
+                        window_size=(-1, -1), deterministic=False): alibi_slopes before
+    window_size, the reverse of FlashSelfAttention's order, as in flash_attn.
     forward(q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
         q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim), nheads
         a multiple of nheads_k. Varlen: q (total_q, ...), kv (total_k, ...) with cu_seqlens /
         max_seqlen for q and cu_seqlens_k / max_seqlen_k for kv (defaulting to q's: self-attention).
         Causal with seqlen_q != seqlen_k is aligned to the bottom-right corner.
     """
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0, alibi_slopes=None,
+                 window_size=(-1, -1), deterministic=False):
+        super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
 
     def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
         if cu_seqlens is None:
@@ -151,13 +180,6 @@ class CrossAttention(SelfAttention):
         k, v = kv.unbind(dim=2)
         return _reference_attention(q, k, v, self.causal if causal is None else causal, self.softmax_scale,
                                     key_padding_mask, self.drop, self_attention=False)
-
-
-class LinearResidual(nn.Linear):
-    """nn.Linear that also returns its input: forward(x) -> (linear(x), x)."""
-
-    def forward(self, x):
-        return super().forward(x), x
 
 
 def _update_kv_cache(kv, inference_params, layer_idx):
@@ -231,16 +253,18 @@ class MHA(nn.Module):
         if rotary_emb_dim > 0:
             self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base, scale_base=rotary_emb_scale_base,
                                               interleaved=rotary_emb_interleaved, device=device)
-        linear = LinearResidual if return_residual else nn.Linear
         kv_dim = 2 * self.head_dim * num_heads_kv
         if cross_attn:
-            self.Wq = linear(embed_dim, embed_dim, bias=qkv_proj_bias, **factory)
+            self.Wq = nn.Linear(embed_dim, embed_dim, bias=qkv_proj_bias, **factory)
             self.Wkv = nn.Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory)
         else:
-            self.Wqkv = linear(embed_dim, embed_dim + kv_dim, bias=qkv_proj_bias, **factory)
+            self.Wqkv = nn.Linear(embed_dim, embed_dim + kv_dim, bias=qkv_proj_bias, **factory)
         if use_flash_attn:
-            self.inner_attn = FlashSelfAttention(causal, softmax_scale, dropout, window_size, alibi_slopes)
-            self.inner_cross_attn = FlashCrossAttention(causal, softmax_scale, dropout, window_size, alibi_slopes)
+            # by keyword: the two modules take window_size and alibi_slopes in opposite orders
+            options = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
+                           window_size=window_size, alibi_slopes=alibi_slopes)
+            self.inner_attn = FlashSelfAttention(**options)
+            self.inner_cross_attn = FlashCrossAttention(**options)
         else:
             self.inner_attn = SelfAttention(causal, softmax_scale, dropout)
             self.inner_cross_attn = CrossAttention(causal, softmax_scale, dropout)
@@ -301,19 +325,14 @@ class MHA(nn.Module):
                 and inference_params is not None and inference_params.seqlen_offset > 0)
 
     def _project(self, x, x_kv, mixer_subset, inference_params):
-        """(q (..., nheads, headdim), kv (..., 2, nheads_kv, headdim), residual), rotary applied
-        (in place, on the projections' outputs) unless the decoding kernel applies it."""
-        residual = x
+        """(q (..., nheads, headdim), kv (..., 2, nheads_kv, headdim)), rotary applied (in place,
+        on the projections' outputs) unless the decoding kernel applies it."""
         if self.cross_attn:
             q = self.Wq(x if mixer_subset is None else x[:, mixer_subset])
-            if self.return_residual:
-                q, residual = q
             q = q.unflatten(-1, (self.num_heads, self.head_dim))
             kv = self.Wkv(x_kv if x_kv is not None else x).unflatten(-1, (2, self.num_heads_kv, self.head_dim))
         else:
             qkv = self.Wqkv(x)
-            if self.return_residual:
-                qkv, residual = qkv
             # one view for all heads: the rotary rotates it in place before q and kv are sliced
             qkv = qkv.unflatten(-1, (self.num_heads + 2 * self.num_heads_kv, self.head_dim))
         if self.rotary_emb_dim > 0 and not self._fused_rotary(inference_params):
@@ -329,7 +348,7 @@ class MHA(nn.Module):
         if not self.cross_attn:
             q = qkv[..., :self.num_heads, :]
             kv = qkv[..., self.num_heads:, :].unflatten(-2, (2, self.num_heads_kv))
-        return q, kv, residual
+        return q, kv
 
     def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
                 inference_params=None, **kwargs):
@@ -353,7 +372,7 @@ class MHA(nn.Module):
             if key_padding_mask.shape != x.shape[:2] or key_padding_mask.dtype != torch.bool:
                 raise ArgumentError(f"MHA: key_padding_mask must be bool of shape {tuple(x.shape[:2])}, got "
                                  f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
-        q, kv, residual = self._project(x, x_kv, mixer_subset, inference_params)
+        q, kv = self._project(x, x_kv, mixer_subset, inference_params)
         if key_padding_mask is not None and self.use_flash_attn:
             # drop the padded tokens, attend varlen, pad again (padded queries' rows come back 0)
             q_unpad, indices, cu_seqlens, max_seqlen, _ = unpad_input(q, key_padding_mask)
@@ -367,8 +386,7 @@ class MHA(nn.Module):
                 kwargs = dict(key_padding_mask=key_padding_mask, **kwargs)
             context = self._attend(q, kv, inference_params, **kwargs)
         out = self.out_proj(context.flatten(-2))
-        return (out, residual) if self.return_residual else out
+        return (out, x) if self.return_residual else out
 
 
-__all__ = ["FlashSelfAttention", "FlashCrossAttention", "SelfAttention", "CrossAttention", "MHA", "get_alibi_slopes",
-           "LinearResidual"]
+__all__ = ["FlashSelfAttention", "FlashCrossAttention", "SelfAttention", "CrossAttention", "MHA", "get_alibi_slopes"]
