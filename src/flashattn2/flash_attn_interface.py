@@ -1,0 +1,369 @@
+"""flash_attn.flash_attn_interface on flashattn2: `from flash_attn.flash_attn_interface import X`
+becomes `from flashattn2.flash_attn_interface import X`.
+
+The public functions are flashattn2.api's. Beside them are the private functions that
+context-parallel libraries (ring-flash-attention, yunchang) call to run one block of attention
+and merge blocks through the logsumexp, with flash_attn 2.8's parameters, order and defaults:
+
+    _flash_attn_forward(...)          -> (out, softmax_lse, S_dmask, rng_state)
+    _flash_attn_varlen_forward(...)   -> (out, softmax_lse, S_dmask, rng_state)
+    _flash_attn_backward(...)         -> softmax_d   (writes dq, dk, dv in place)
+    _flash_attn_varlen_backward(...)  -> softmax_d   (writes dq, dk, dv in place)
+
+and the autograd classes' `.apply` with 2.8's positional arguments. Where flashattn2 differs:
+
+- softmax_lse is flash_attn's: float32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen.
+  The backward accepts it with any strides (ring-flash-attention passes a transposed view).
+- rng_state: int64 (2,) on q's device, as flash_attn's, holding [Philox seed, 0]. flashattn2's
+  dropout stream is a function of the seed and the element's position, so there is no offset.
+  The seed is drawn from torch's generator, so torch.manual_seed makes runs reproducible. Without
+  dropout it is zeros. A backward with dropout_p > 0 needs the forward's rng_state.
+- softmax_d is (1 - dropout_p) * rowsum(dout * out) in float32, flash_attn's value, in softmax_lse's
+  layout: (batch, nheads, seqlen_q), or (nheads, total_q). flash_attn's allocation pads the rows
+  (to a multiple of 128 per sequence); the values callers read are the same.
+- Any head dim up to 256 and float32 inputs are accepted (flash_attn: multiples of 8, fp16/bf16).
+- softmax_scale=None means headdim ** -0.5 (flash_attn's private functions need a float).
+- The private functions are plain Python functions (inspect.getfullargspec reads their
+  parameters, as ring-flash-attention's get_default_args does), not torch.ops.flash_attn ops;
+  under torch.compile they trace through flashattn2's own custom ops.
+- The autograd classes are not torch.autograd.Function subclasses: `.apply` calls the public
+  function, whose autograd.Function is flashattn2's.
+
+Valid arguments flashattn2 cannot serve raise NotImplementedError naming the argument
+(leftpad_k, seqused_k); bad ones raise flashattn2.errors.ArgumentError / ArgumentTypeError.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .api import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+from .errors import ArgumentError, ArgumentTypeError
+from .ops import _runtime, checks
+from .ops import registry
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "FlashAttnFunc",
+    "FlashAttnKVPackedFunc",
+    "FlashAttnQKVPackedFunc",
+    "FlashAttnVarlenFunc",
+    "FlashAttnVarlenKVPackedFunc",
+    "FlashAttnVarlenQKVPackedFunc",
+    "_flash_attn_forward",
+    "_flash_attn_backward",
+    "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_backward",
+]
+
+
+def _options(q, batch, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes):
+    """(dropout_p, scale, left, right, softcap) validated as the public API validates them."""
+    window = (window_size_left, window_size_right)
+    checks.check_options(dropout_p, softmax_scale, window, softcap)
+    checks.check_alibi(alibi_slopes, q, batch)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    return float(dropout_p), scale, int(window_size_left), int(window_size_right), float(softcap)
+
+
+def _new_rng_state(q, dropout_p: float) -> torch.Tensor:
+    """[Philox seed, 0], int64 on q's device (zeros without dropout)."""
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    if dropout_p > 0:
+        rng_state[:1] = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device)
+    return rng_state
+
+
+def _seed(rng_state, q, dropout_p: float) -> torch.Tensor | None:
+    """The seed a backward replays: rng_state[0]."""
+    if dropout_p == 0:
+        return None
+    if rng_state is None:
+        raise ArgumentError("rng_state is None with dropout_p > 0: pass the rng_state the forward returned, "
+                            "or the backward cannot replay its dropout mask")
+    if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() < 1:
+        raise ArgumentTypeError("rng_state must be the int64 tensor the forward returned")
+    if rng_state.device != q.device:
+        raise ArgumentError(f"rng_state is on {rng_state.device}, q on {q.device}")
+    return rng_state.reshape(-1)[:1]
+
+
+def _check_return_softmax(return_softmax, dropout_p: float) -> None:
+    if return_softmax and dropout_p == 0:  # flash_attn's C++ check
+        raise ArgumentError("return_softmax is only supported when dropout_p > 0")
+
+
+def _s_dmask(q, k, return_softmax, options, alibi_slopes) -> torch.Tensor:
+    if not return_softmax:
+        return torch.empty(0, dtype=q.dtype, device=q.device)
+    return registry.dropout_probs(q, k, *options, alibi_slopes)
+
+
+def _like(name: str, t, shape, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ArgumentTypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ArgumentError(f"{name} is on {t.device}, q on {device}")
+
+
+def _grad_buffers(q, k, v, dq, dk, dv):
+    """dq, dk, dv as given (checked: the inputs' shapes and dtype, last dimension contiguous), or
+    allocated where None (flash_attn allows it; the caller then never sees them)."""
+    out = []
+    for name, g, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if g is None:
+            out.append(_runtime.empty_like(like))
+            continue
+        _like(name, g, like.shape, like.dtype, like.device)
+        if g.stride(-1) != 1:
+            raise ArgumentError(f"{name} must be contiguous in its last dimension, got strides {g.stride()}")
+        out.append(g)
+    return out
+
+
+def _check_backward_inputs(dout, out, softmax_lse, q, lse_shape) -> None:
+    _like("dout", dout, q.shape, q.dtype, q.device)
+    _like("out", out, q.shape, q.dtype, q.device)
+    _like("softmax_lse", softmax_lse, lse_shape, torch.float32, q.device)
+
+
+def _softmax_d(dout, out, dropout_p: float, varlen: bool) -> torch.Tensor:
+    """(1 - dropout_p) * rowsum(dout * out), float32, in softmax_lse's layout."""
+    d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen_q, nheads) or (total_q, nheads)
+    if dropout_p > 0:
+        d = d * (1.0 - dropout_p)
+    return (d.transpose(0, 1) if varlen else d.transpose(1, 2)).contiguous()
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                        alibi_slopes, return_softmax):
+    """One attention call on dense inputs, without autograd (flash_attn 2.8's private op).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+        dropout_p, softmax_scale, causal, softcap, alibi_slopes: as flash_attn_func.
+        window_size_left, window_size_right: flash_attn_func's window_size, unpacked.
+        return_softmax: also compute S_dmask (only with dropout_p > 0, as in flash_attn).
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) in q's dtype; softmax_lse (batch, nheads,
+        seqlen_q) float32; S_dmask ((batch, nheads, round128(seqlen_q), round128(seqlen_k)) with
+        return_softmax, else empty); rng_state int64 (2,) for the backward (module docstring).
+    """
+    checks.check_qkv(q, k, v, varlen=False)
+    dropout_p, scale, left, right, softcap = _options(q, q.shape[0], dropout_p, softmax_scale, window_size_left,
+                                                      window_size_right, softcap, alibi_slopes)
+    _check_return_softmax(return_softmax, dropout_p)
+    rng_state = _new_rng_state(q, dropout_p)
+    options = (None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right,
+               softcap)
+    out, lse = registry.run_fwd(q, k, v, *options, alibi_slopes)
+    return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False):
+    """_flash_attn_forward on sequences packed along the first dimension (flash_attn 2.8's op).
+
+    Arguments:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or with block_table
+            pages (num_blocks, page_size, nheads_k, headdim) (forward only, no dropout).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table: as
+            flash_attn_varlen_func.
+        leftpad_k, seqused_k: not supported (NotImplementedError unless None).
+        zero_tensors: True makes softmax_lse -inf (flash_attn's fill) in rows past
+            cu_seqlens_q[-1]; out is 0 there either way.
+        Other arguments as _flash_attn_forward.
+    Returns:
+        (out (total_q, nheads, headdim), softmax_lse (nheads, total_q) float32, S_dmask,
+        rng_state), as _flash_attn_forward.
+    """
+    for name, value in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+        if value is not None:
+            raise NotImplementedError(f"_flash_attn_varlen_forward: {name} is not supported by flashattn2 "
+                                      "(pass None)")
+    if block_table is not None:
+        return _varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                     alibi_slopes, return_softmax, block_table, zero_tensors)
+    checks.check_qkv(q, k, v, varlen=True)
+    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                               max_seqlen_k, q, k)
+    dropout_p, scale, left, right, softcap = _options(q, cu_q.shape[0] - 1, dropout_p, softmax_scale,
+                                                      window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_return_softmax(return_softmax, dropout_p)
+    rng_state = _new_rng_state(q, dropout_p)
+    options = (cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left,
+               right, softcap)
+    out, lse = registry.run_fwd(q, k, v, *options, alibi_slopes)
+    verify()
+    if zero_tensors:
+        _fill_lse_tail(lse, cu_q)
+    return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
+
+
+def _varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                          softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                          return_softmax, block_table, zero_tensors):
+    _check_return_softmax(return_softmax, dropout_p)
+    checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
+    max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                      dropout_p, alibi_slopes)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    out, lse = registry.fwd_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, block_table, scale,
+                                         bool(causal), int(window_size_left), int(window_size_right),
+                                         float(softcap), alibi_slopes)
+    if zero_tensors:
+        _fill_lse_tail(lse, cu_seqlens_q)
+    return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), _new_rng_state(q, 0.0)
+
+
+def _fill_lse_tail(lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+    """zero_tensors=True: -inf in the rows past cu_seqlens_q[-1] (no host read)."""
+    rows = torch.arange(lse.shape[1], device=lse.device)
+    lse.masked_fill_((rows >= cu_seqlens_q[-1])[None, :], float("-inf"))
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    """The gradients of one _flash_attn_forward call, written into dq, dk, dv (flash_attn 2.8's op).
+
+    Arguments:
+        dout: (batch, seqlen_q, nheads, headdim), the gradient of out.
+        q, k, v, out, softmax_lse: the forward's inputs and outputs (softmax_lse may be a merged
+            logsumexp over several key blocks, as ring attention passes; any strides).
+        dq, dk, dv: q's, k's and v's shapes and dtype, last dimension contiguous (views into one
+            packed tensor are fine), overwritten; None allocates a buffer the caller never sees.
+        deterministic: as flash_attn_func. rng_state: the forward's, needed with dropout_p > 0.
+        Other arguments as _flash_attn_forward.
+    Returns:
+        softmax_d (batch, nheads, seqlen_q) float32, (1 - dropout_p) * rowsum(dout * out).
+    """
+    checks.check_qkv(q, k, v, varlen=False)
+    batch, seqlen_q, nheads, _ = q.shape
+    _check_backward_inputs(dout, out, softmax_lse, q, (batch, nheads, seqlen_q))
+    dropout_p, scale, left, right, softcap = _options(q, batch, dropout_p, softmax_scale, window_size_left,
+                                                      window_size_right, softcap, alibi_slopes)
+    seed = _seed(rng_state, q, dropout_p)
+    dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
+    registry.run_bwd(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, None, None, 0, 0, dropout_p, seed, scale,
+                     bool(causal), left, right, softcap, alibi_slopes, bool(deterministic))
+    return _softmax_d(dout, out, dropout_p, varlen=False)
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                zero_tensors=False):
+    """_flash_attn_backward on packed sequences (flash_attn 2.8's op): dout, q, out (total_q,
+    nheads, headdim), k, v (total_k, nheads_k, headdim), softmax_lse (nheads, total_q). Rows past
+    cu_seqlens[-1] get a zero gradient whatever zero_tensors says (flash_attn's zero_tensors=True
+    gives that). Returns softmax_d (nheads, total_q) float32."""
+    checks.check_qkv(q, k, v, varlen=True)
+    _check_backward_inputs(dout, out, softmax_lse, q, (q.shape[1], q.shape[0]))
+    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                               max_seqlen_k, q, k)
+    dropout_p, scale, left, right, softcap = _options(q, cu_q.shape[0] - 1, dropout_p, softmax_scale,
+                                                      window_size_left, window_size_right, softcap, alibi_slopes)
+    seed = _seed(rng_state, q, dropout_p)
+    dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
+    registry.run_bwd(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, seed,
+                     scale, bool(causal), left, right, softcap, alibi_slopes, bool(deterministic))
+    verify()
+    return _softmax_d(dout, out, dropout_p, varlen=True)
+
+
+def _grad_mode(is_grad_enabled):
+    """flash_attn 2.8's Functions take torch.is_grad_enabled() as their last argument and save
+    nothing for the backward when it is False: here that call runs under no_grad."""
+    return torch.no_grad() if is_grad_enabled is not None and not is_grad_enabled else contextlib.nullcontext()
+
+
+class FlashAttnFunc:
+    """flash_attn's FlashAttnFunc: `.apply` takes its positional arguments and runs
+    flash_attn_func. (is_grad_enabled, 2.8's last argument, may be left out as before 2.7.)"""
+
+    @staticmethod
+    def apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_softmax, is_grad_enabled=None):
+        with _grad_mode(is_grad_enabled):
+            return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                   deterministic, return_softmax)
+
+
+class FlashAttnQKVPackedFunc:
+    """flash_attn's FlashAttnQKVPackedFunc: `.apply` runs flash_attn_qkvpacked_func."""
+
+    @staticmethod
+    def apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_softmax, is_grad_enabled=None):
+        with _grad_mode(is_grad_enabled):
+            return flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size, softcap,
+                                             alibi_slopes, deterministic, return_softmax)
+
+
+class FlashAttnKVPackedFunc:
+    """flash_attn's FlashAttnKVPackedFunc: `.apply` runs flash_attn_kvpacked_func."""
+
+    @staticmethod
+    def apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_softmax, is_grad_enabled=None):
+        with _grad_mode(is_grad_enabled):
+            return flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
+                                            alibi_slopes, deterministic, return_softmax)
+
+
+class FlashAttnVarlenFunc:
+    """flash_attn's FlashAttnVarlenFunc: `.apply` runs flash_attn_varlen_func."""
+
+    @staticmethod
+    def apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table, is_grad_enabled=None):
+        with _grad_mode(is_grad_enabled):
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                          deterministic, return_softmax, block_table)
+
+
+class FlashAttnVarlenQKVPackedFunc:
+    """flash_attn's FlashAttnVarlenQKVPackedFunc: `.apply` runs flash_attn_varlen_qkvpacked_func."""
+
+    @staticmethod
+    def apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+              deterministic, return_softmax, is_grad_enabled=None):
+        with _grad_mode(is_grad_enabled):
+            return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                                    window_size, softcap, alibi_slopes, deterministic,
+                                                    return_softmax)
+
+
+class FlashAttnVarlenKVPackedFunc:
+    """flash_attn's FlashAttnVarlenKVPackedFunc: `.apply` runs flash_attn_varlen_kvpacked_func."""
+
+    @staticmethod
+    def apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=None):
+        with _grad_mode(is_grad_enabled):
+            return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   dropout_p, softmax_scale, causal, window_size, softcap,
+                                                   alibi_slopes, deterministic, return_softmax)
