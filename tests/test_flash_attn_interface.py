@@ -15,16 +15,17 @@ from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
 EMPTY = inspect.Parameter.empty
-# flash_attn 2.8's parameters (flash_attn/flash_attn_interface.py), in order, with their defaults
+# flash_attn 2.8's parameters (flash_attn/flash_attn_interface.py), in order, with their defaults; the varlen
+# forward's trailing num_splits is in ../shared/FLASH_ATTN_API.md's signature, not in 2.8.3's (accepted, a speed knob)
 PRIVATE_2_8 = {
     "_flash_attn_forward": (["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left",
                              "window_size_right", "softcap", "alibi_slopes", "return_softmax"], {}),
     "_flash_attn_varlen_forward": (
         ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
          "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes",
-         "return_softmax", "block_table", "leftpad_k", "seqused_k", "zero_tensors"],
+         "return_softmax", "block_table", "leftpad_k", "seqused_k", "zero_tensors", "num_splits"],
         dict(window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-             block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False)),
+             block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0)),
     "_flash_attn_backward": (
         ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p", "softmax_scale", "causal",
          "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state"],
@@ -262,6 +263,17 @@ def test_unsupported_varlen_arguments_raise_not_implemented(arg):
     with pytest.raises(NotImplementedError, match=arg):
         fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False,
                                        **{arg: torch.tensor([8], device=DEVICE, dtype=torch.int32)})
+
+
+def test_varlen_forward_num_splits():
+    """num_splits (a speed knob in flash_attn) leaves the result as it is; a negative one is refused."""
+    q, k, v = (t.flatten(0, 1) for t in qkv((1, 8, 8, 2, 2, 16)))
+    cu = cu_seqlens([8])
+    out, lse, _, _ = fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False)
+    split, split_lse, _, _ = fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False, num_splits=4)
+    assert torch.equal(out, split) and torch.equal(lse, split_lse)
+    with pytest.raises(ArgumentError, match="num_splits"):
+        fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False, num_splits=-1)
 
 
 def test_bad_arguments():

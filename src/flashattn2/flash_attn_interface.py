@@ -182,7 +182,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None, zero_tensors=False):
+                               seqused_k=None, zero_tensors=False, num_splits=0):
     """_flash_attn_forward on sequences packed along the first dimension (flash_attn 2.8's op).
 
     Arguments:
@@ -193,11 +193,15 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         leftpad_k, seqused_k: not supported (NotImplementedError unless None).
         zero_tensors: True makes softmax_lse -inf (flash_attn's fill) in rows past
             cu_seqlens_q[-1]; out is 0 there either way.
+        num_splits: accepted as flash_attn's later 2.8 builds take it (a non-negative int; a
+            speed knob there, the result is the same, so flashattn2 ignores its value).
         Other arguments as _flash_attn_forward.
     Returns:
         (out (total_q, nheads, headdim), softmax_lse (nheads, total_q) float32, S_dmask,
         rng_state), as _flash_attn_forward.
     """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ArgumentError(f"_flash_attn_varlen_forward: num_splits must be an int >= 0, got {num_splits!r}")
     for name, value in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
         if value is not None:
             raise NotImplementedError(f"_flash_attn_varlen_forward: {name} is not supported by flashattn2 "
@@ -255,6 +259,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
         dq, dk, dv: q's, k's and v's shapes and dtype, last dimension contiguous (views into one
             packed tensor are fine), overwritten; None allocates a buffer the caller never sees.
         deterministic: as flash_attn_func. rng_state: the forward's, needed with dropout_p > 0.
+        num_splits: accepted as flash_attn's later 2.8 builds take it (a non-negative int; a
+            speed knob there, the result is the same, so flashattn2 ignores its value).
         Other arguments as _flash_attn_forward.
     Returns:
         softmax_d (batch, nheads, seqlen_q) float32, (1 - dropout_p) * rowsum(dout * out).
