@@ -199,6 +199,28 @@ def test_varlen_under_inference_mode():
             flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 8, 9)
 
 
+def test_paged_forward_with_inputs_requiring_grad():
+    """As flash_attn (its tests run the paged forward on inputs that require grad): the forward
+    runs and equals the no-grad one; only a backward through it raises, naming what is missing."""
+    lengths = [5, 9]
+    q, k, v = make(lengths, lengths)
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=DEVICE)
+    pages = [torch.randn(4, 8, *k.shape[1:], device=DEVICE, dtype=k.dtype).requires_grad_() for _ in range(2)]
+    out, lse, _ = flashattn2.flash_attn_varlen_func(q, *pages, cu(lengths), cu(lengths), 9, 9, causal=True,
+                                                    block_table=table, return_attn_probs=True)
+    assert out.requires_grad
+    with torch.no_grad():
+        expected, expected_lse, _ = flashattn2.flash_attn_varlen_func(q, *pages, cu(lengths), cu(lengths), 9, 9,
+                                                                      causal=True, block_table=table,
+                                                                      return_attn_probs=True)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    with pytest.raises(NotImplementedError, match="block_table is forward-only"):
+        out.sum().backward()
+    with pytest.raises(NotImplementedError, match="block_table is forward-only"):
+        torch.autograd.grad(lse.sum(), q)
+    assert q.grad is None and all(p.grad is None for p in pages)
+
+
 def test_bad_varlen_arguments():
     lengths = [5, 9]
     q, k, v = make(lengths, lengths)
@@ -208,9 +230,6 @@ def test_bad_varlen_arguments():
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="k must have 4 dimensions"):
         flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9, block_table=cu(lengths)[None])
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        flashattn2.flash_attn_varlen_func(q.requires_grad_(), pages, pages, cu(lengths), cu(lengths), 9, 9,
-                                          block_table=table)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flashattn2.flash_attn_varlen_func(q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9, dropout_p=0.1,
                                           block_table=table)

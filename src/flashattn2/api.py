@@ -162,7 +162,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table: int32 (batch, max_blocks) for a paged K/V: k/v are then (num_blocks,
             page_size, nheads_k, headdim), any page size, and sequence b's keys are its first
             cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b]. Forward
-            only (no dropout, inputs must not require grad).
+            only, as flash_attn: no dropout; inputs may require grad, but a backward through the
+            call raises NotImplementedError.
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs also softmax_lse (nheads,
         total_q) float32 and an empty S_dmask.
@@ -185,9 +186,6 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                       dropout_p, alibi_slopes)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
-                                  "call it under torch.no_grad() or with inputs that do not require grad")
     scale = _scale(q, softmax_scale)
     left, right = (int(w) for w in window_size)
     out, lse = _fwd_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, block_table, scale, bool(causal),

@@ -284,3 +284,13 @@ def fwd_varlen_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @fwd_varlen_paged.register_fake
 def _(q, *_):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _paged_backward(ctx, dout, dlse):
+    """The forward runs with inputs that require grad (as flash_attn's); a backward through it
+    does not exist (there neither)."""
+    raise NotImplementedError("flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
+                              "no backward through a paged K/V; detach the output, or call it under torch.no_grad()")
+
+
+fwd_varlen_paged.register_autograd(_paged_backward)
