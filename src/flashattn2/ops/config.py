@@ -261,9 +261,7 @@ def arch_of(device: torch.device) -> str:
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = _ARCH.get(index)
     if arch is None:  # get_device_capability costs ~5 us of host time per call
-        major, minor = torch.cuda.get_device_capability(index)
-        arch = "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
-        _ARCH[index] = arch
+        arch = _ARCH[index] = native_arch(index)
     forced = _forced["arch"]
     if forced is not None:  # a test runs another architecture's tiles and load path
         if forced == "sm90" and arch != "sm90":
@@ -273,6 +271,23 @@ def arch_of(device: torch.device) -> str:
 
 
 _ARCH: dict = {}
+
+
+def native_arch(index: int) -> str:
+    """The table's architecture for CUDA device index, from its compute capability: sm90 for Hopper and
+    Blackwell datacenter parts (TMA), sm80 for A100/Orin (164 KB shared memory), sm86 for the other Ampere and
+    newer GPUs (99 KB). What the kernels were not built for raises NotImplementedError naming the GPU, never a
+    fallback: ROCm devices (their capability reads like sm_9x on MI200/MI300, which would pick the Hopper paths;
+    the tiles, TMA and wgmma are NVIDIA's) and NVIDIA GPUs before Ampere (flash_attn 2 refuses them too)."""
+    name = torch.cuda.get_device_name(index)
+    if torch.version.hip:
+        raise NotImplementedError(f"flashattn2 runs on NVIDIA GPUs (CUDA) only: {name} is a ROCm device "
+                                  f"(torch.version.hip {torch.version.hip}); its kernels and tiles are untested there")
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        raise NotImplementedError(f"flashattn2 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or "
+                                  f"newer, as flash_attn 2): {name} is sm_{major}{minor}")
+    return "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
 
 
 def select(kernel: str, arch: str, head_dim: int, dtype: torch.dtype, causal: bool,
@@ -512,7 +527,8 @@ def wgmma(device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     found = _WGMMA.get(index)
     if found is None:
-        found = _WGMMA[index] = torch.cuda.get_device_capability(index) == (9, 0)
+        # native_arch first: it refuses ROCm devices, whose capability can read (9, 0)
+        found = _WGMMA[index] = native_arch(index) == "sm90" and torch.cuda.get_device_capability(index) == (9, 0)
     return found
 
 

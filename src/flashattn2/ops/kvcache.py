@@ -62,6 +62,8 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     if check is not None and cache.block_table is not None:
         _check_pages_read(cache, seqlen_new, check)
     interp = _runtime.interpreted()
+    if not interp:
+        config.arch_of(k_new.device)  # an unsupported GPU raises before the cache is written
     if rotary is not None:
         cos, sin, interleaved = rotary
         if interp and k_new.dtype != torch.float32:
@@ -267,7 +269,8 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
-    pdl = splits > 1 and _runtime.PDL and not interp and config.arch_of(q.device) == "sm90"
+    arch = "interp" if interp else config.arch_of(q.device)  # an unsupported GPU raises here
+    pdl = splits > 1 and _runtime.PDL and arch == "sm90"
     kernels = _runtime.kernels().decode
     bt = cache.block_table
     k, v = cache.k, cache.v
