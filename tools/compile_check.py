@@ -4,7 +4,7 @@ with the compile time ("seconds": a cold compile when TRITON_CACHE_DIR points at
 directory; Triton's cache serves later processes).
 
 Run in a process without TRITON_INTERPRET (the interpreter's kernels cannot be compiled):
-    python tools/compile_check.py --arch sm90
+    python tools/compile_check.py --arch sm90 [--cases lengths-one]
 """
 import argparse
 import json
@@ -212,6 +212,45 @@ def cases(arch):
                config.TileConfig(8, 8, 4, 1), None)
 
 
+# Triton specializes an integer argument equal to 1 into a constant: a one-token query or key sequence, or
+# MHA's group size of 1, is its own kernel, with loops folded away that the table's cases keep (a pipeliner
+# failure hid there). (max_seqlen_q, max_seqlen_k, group_size); None: an ordinary runtime integer
+LENGTHS_ONE = [(1, None, 1), (1, None, None), (None, 1, None), (1, 1, 1)]
+
+
+def length_one_cases(arch):
+    """The Triton forward and backward kernels with lengths of 1, at a padded head dim (96 in the
+    128 bucket) with the tile a short key sequence selects, on every load path of the arch."""
+    import torch
+
+    head_dim = 96
+    paths = [(True, False), (False, False)] if arch == "sm90" else [(False, False)]
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        for seqlen_q, seqlen_k, group in LENGTHS_ONE:
+            cfg = config.select(kernel, arch, head_dim, torch.float16, False, max_seqlen_k=seqlen_k or 97)
+            ints = {n: v for n, v in (("max_seqlen_q", seqlen_q), ("max_seqlen_k", seqlen_k), ("group_size", group))
+                    if v is not None}
+            # dense without options (the case that failed: causal masking keeps the loops) for every
+            # combination; causal, and all options at once (varlen), for a one-token query with GQA (CI time:
+            # the varlen variant compiles 3x slower)
+            variants = {"full": dict(VARIANTS["causal"], CAUSAL=False)}
+            if (seqlen_q, seqlen_k, group) == (1, None, None):
+                variants.update(VARIANTS)
+            for use_tma, _ in paths:
+                for variant, flags in variants.items():
+                    constexprs = dict(**flags, **ints, USE_TMA=use_tma, HOST_DESC=False, UPCAST=False,
+                                      DOT_PRECISION="tf32", HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+                                      BLOCK_N=cfg.block_n, BLOCK_D=config.head_dim_bucket(head_dim))
+                    if kernel == "bwd_dkdv":
+                        constexprs.update(DQ_ATOMIC=False, DQ_BULK=False)
+                    lengths = "-".join(f"{n.removeprefix('max_')}1" for n in ints)
+                    yield (f"{arch}-d{head_dim}-fp16-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}-{lengths}",
+                           KERNELS[kernel], 2, constexprs, cfg, None)
+    pre = dict(HAS_DLSE=False, IS_VARLEN=False, PADDED=False, COPY_LSE=False, HEAD_DIM=head_dim, BLOCK_M=32,
+               BLOCK_D=config.head_dim_bucket(head_dim), max_seqlen_q=1)
+    yield f"{arch}-preprocess-seqlen_q1", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
+
+
 def case_id(name: str, cfg) -> str:
     """A configuration's id with its tile, e.g. 'sm90-d64-fp16-fwd_hopper_persist-causal 64x64w12s4':
     cases() names repeat across a kernel's tiles (the short-sequence tiles, causal-only entries)."""
@@ -227,12 +266,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", choices=sorted(SHARED_LIMIT), required=True)
     ap.add_argument("--match", default="", help="only the configurations whose id contains this")
+    ap.add_argument("--cases", choices=("table", "lengths-one"), default="table",
+                    help="the table's entries (default), or the kernels with lengths of 1 (length_one_cases)")
     args = ap.parse_args()
     failures = 0
     # sm80 and sm86 share most configurations; sm86's lower shared-memory limit is the binding
     # one, so sm80 compiles only those sm86 does not (its own table's larger tiles)
     skip = {_key(case) for case in cases("sm86")} if args.arch == "sm80" else set()
-    for case in cases(args.arch):
+    for case in (cases if args.cases == "table" else length_one_cases)(args.arch):
         name, fn, elem_bytes, constexprs, cfg, *types = case
         if args.match not in name or _key(case) in skip:
             continue
