@@ -26,11 +26,56 @@ def qkv(b=1, sq=16, sk=16, h=2, hk=2, d=32, dtype=f16):
     pytest.param(lambda: (qkv()[0], qkv(sk=9)[1], qkv()[2]), ValueError, "same shape", id="kv-shape"),
     pytest.param(lambda: qkv(h=6, hk=4), ValueError, "multiple of nheads", id="gqa-ratio"),
     pytest.param(lambda: qkv(d=264), NotImplementedError, "headdim 264", id="headdim-264"),
-    pytest.param(lambda: qkv(sk=0), ValueError, ">= 1", id="empty-seqlen"),
+    pytest.param(lambda: qkv(h=0, hk=0), ValueError, ">= 1", id="no-heads"),
 ])
 def test_bad_inputs(case, exc, match):
     with pytest.raises(exc, match=match):
         flashattn2.flash_attn_func(*case())
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(5, 0), (0, 7), (0, 0)])
+def test_empty_sequences_as_flash_attn(seqlen_q, seqlen_k):
+    """flash_attn accepts a dense seqlen of 0: out zeros, lse +inf, gradients zeros; packed too."""
+    q, k, v = (t.requires_grad_() for t in qkv(b=2, sq=seqlen_q, sk=seqlen_k, h=4, hk=2))
+    out, lse, s_dmask = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, seqlen_q) and s_dmask.numel() == 0
+    assert torch.all(out == 0) and torch.all(lse == float("inf"))
+    grads = torch.autograd.grad((out.float() + 1).sum() + lse.nan_to_num(posinf=0).sum(), (q, k, v), allow_unused=True)
+    for t, g in zip((q, k, v), grads):
+        assert g.shape == t.shape and torch.all(g == 0)
+    _, _, s_dmask = flashattn2.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
+    assert s_dmask.shape == (2, 4, 128 * bool(seqlen_q), 128 * bool(seqlen_k))
+    kv = torch.stack((k, v), dim=2).detach().requires_grad_()
+    out = flashattn2.flash_attn_kvpacked_func(q, kv)
+    assert out.shape == q.shape and torch.all(out == 0)
+    (dkv,) = torch.autograd.grad(out.sum(), kv)
+    assert dkv.shape == kv.shape
+    if seqlen_q == seqlen_k:
+        qkv_packed = randn(2, seqlen_q, 3, 4, 32, dtype=f16, requires_grad=True)
+        out = flashattn2.flash_attn_qkvpacked_func(qkv_packed)
+        assert out.shape == q.shape and torch.autograd.grad(out.sum(), qkv_packed)[0].shape == qkv_packed.shape
+
+
+def test_argument_errors_are_runtime_errors_too():
+    """flash_attn reports bad arguments from C++ as RuntimeError and code written for it catches
+    RuntimeError: flashattn2's are ArgumentError (ValueError + RuntimeError) and ArgumentTypeError
+    (TypeError + RuntimeError); NotImplementedError is a RuntimeError already."""
+    from flashattn2 import ArgumentError, ArgumentTypeError
+    assert issubclass(ArgumentError, ValueError) and issubclass(ArgumentError, RuntimeError)
+    assert issubclass(ArgumentTypeError, TypeError) and issubclass(ArgumentTypeError, RuntimeError)
+    q, k, v = qkv()
+    for call, exc in ((lambda: flashattn2.flash_attn_func(q, k[:, :3], v), ArgumentError),
+                      (lambda: flashattn2.flash_attn_func(q.tolist(), k, v), ArgumentTypeError),
+                      (lambda: flashattn2.flash_attn_func(q, k, v, dropout_p=0.1, softcap=5.0), NotImplementedError)):
+        for caught in (RuntimeError, exc):
+            with pytest.raises(caught):
+                call()
+    # what flash_attn's own tests catch: a block_table too short for cache_seqlens + seqlen_new
+    k_cache = torch.zeros(2, 16, 2, 32, device=DEVICE, dtype=f16)
+    table = torch.tensor([[0]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flashattn2.flash_attn_with_kvcache(q[:, :1], k_cache, k_cache, k[:, :1], v[:, :1], cache_seqlens=16,
+                                           block_table=table)
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [

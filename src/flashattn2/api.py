@@ -4,7 +4,8 @@ Layout is (batch, seqlen, nheads, headdim), only the last dimension needs to be 
 Causal masking is aligned to the bottom-right corner of the score matrix: with
 seqlen_q != seqlen_k, query i sees keys j <= i + seqlen_k - seqlen_q, so for seqlen_q=2,
 seqlen_k=5 the mask rows are 1 1 1 1 0 / 1 1 1 1 1. A query row that sees no key (possible when
-seqlen_q > seqlen_k) outputs zeros and has logsumexp +inf.
+seqlen_q > seqlen_k, or with seqlen_k 0, which the dense calls accept as flash_attn does) outputs zeros
+and has logsumexp +inf.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from .errors import ArgumentError, ArgumentTypeError
 from .ops import _runtime, checks
 from .ops.kvcache import Check
-from .ops.registry import Attention, PackedAttention, run_fwd
+from .ops.registry import Attention, EmptyAttention, PackedAttention, run_fwd
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
 from .ops.registry import run_fwd_kvcache as _fwd_kvcache_op
@@ -30,7 +31,7 @@ def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal, window_left,
     window_right, softcap). With dropout, the Philox seed is drawn from torch's generator for q's
     device, so torch.manual_seed makes runs reproducible; the backward reuses it."""
-    checks.check_qkv(q, k, v, varlen=False)
+    checks.check_qkv(q, k, v, varlen=False, empty_ok=True)
     return _options(q, _DENSE, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
@@ -70,6 +71,11 @@ def _attention(q, k, v, options, alibi_slopes, deterministic):
     return run_fwd(q, k, v, *options, alibi_slopes)
 
 
+def _empty(q, k) -> bool:
+    """A dense call with seqlen_q or seqlen_k 0 (flash_attn accepts it): EmptyAttention, no kernel."""
+    return q.shape[1] == 0 or k.shape[1] == 0
+
+
 def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slopes=None):
     if not return_attn_probs:
         return out
@@ -77,6 +83,10 @@ def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slo
     if dropout_p == 0:
         # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
         return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+    if options[0] is None and _empty(q, k):
+        rounded = lambda n: -(-n // 128) * 128
+        shape = (q.shape[0], q.shape[2], rounded(q.shape[1]), rounded(k.shape[1]))
+        return out, lse, torch.zeros(shape, dtype=out.dtype, device=out.device)
     with torch.no_grad():
         s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options, alibi_slopes)
     return out, lse, s_dmask
@@ -117,7 +127,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             visible region), a testing aid computed by a second pass.
     """
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
+    if _empty(q, k):
+        out, lse = EmptyAttention.apply(q, k, v)
+    else:
+        out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -130,7 +143,10 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), *options)
+    if _empty(q, k):
+        out, lse = EmptyAttention.apply(q, k, v)
+    else:
+        out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), *options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -141,7 +157,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
     options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), *options)
+    if _empty(q, k):
+        out, lse = EmptyAttention.apply(q, k, v)
+    else:
+        out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), *options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 

@@ -21,9 +21,10 @@ def _tensor(name: str, t, ndim: int, layout: str) -> None:
         raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16 and float32")
 
 
-def check_qkv(q, k, v, varlen: bool = False) -> None:
+def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False) -> None:
     """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim); in varlen
-    q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim)."""
+    q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim). empty_ok: a dense seqlen of 0
+    is accepted (the caller runs no kernel then)."""
     ndim = 3 if varlen else 4
     prefix = "(total_q, " if varlen else "(batch, seqlen_q, "
     prefix_k = "(total_k, " if varlen else "(batch, seqlen_k, "
@@ -43,7 +44,8 @@ def check_qkv(q, k, v, varlen: bool = False) -> None:
         raise ArgumentError(f"batch size of k/v ({k.shape[0]}) differs from q's ({q.shape[0]})")
     if head_dim_k != head_dim:
         raise ArgumentError(f"headdim of k/v ({head_dim_k}) differs from q's ({head_dim})")
-    if head_dim < 1 or nheads < 1 or nheads_k < 1 or (not varlen and min(q.shape[1], k.shape[1]) < 1):
+    empty = not varlen and not empty_ok and min(q.shape[1], k.shape[1]) < 1
+    if head_dim < 1 or nheads < 1 or nheads_k < 1 or empty:
         raise ArgumentError(f"seqlens, nheads and headdim must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
     check_heads(nheads, nheads_k, head_dim, q.device, "k/v")
 

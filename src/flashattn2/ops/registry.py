@@ -172,6 +172,22 @@ class Attention(torch.autograd.Function):
         return dq, dk, dv, None, *nones
 
 
+class EmptyAttention(torch.autograd.Function):
+    """Dense attention with no query or no key position (seqlen_q or seqlen_k 0), which flash_attn
+    accepts: out zeros, lse +inf (rows that see no key), gradients zeros. No kernel runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        ctx.set_materialize_grads(False)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("inf"), dtype=torch.float32, device=q.device)
+        return q.new_zeros(q.shape), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return tuple(torch.zeros_like(t) for t in ctx.saved_tensors)
+
+
 class PackedAttention(torch.autograd.Function):
     """Attention over packed inputs whose backward writes one packed gradient (no concat).
 
