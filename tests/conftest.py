@@ -21,7 +21,7 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     """The compile checks first (a subprocess each, minutes on CI's two cores): pytest-xdist hands the first tests
     out in turn, so both workers start on them at once instead of one worker running them alone at the end (CI,
-    2026-12-02: 27 minutes with them last, one core idle for the last ten)."""
+    27 minutes with them last, one core idle for the last ten)."""
     items.sort(key=lambda item: item.path.name != "test_compile_targets.py")  # stable: the rest keep their order
 
 

@@ -105,7 +105,7 @@ def ensure_tma_allocator() -> None:
 # it would have launched (without launching) and fails if it is not the remembered one.
 # On sm90 the split-KV combine kernel is launched as a programmatic dependent launch of the
 # decode kernel, so its launch overlaps the decode kernel's tail instead of following it.
-# H200, CUDA-graph GB/s, median of 5 interleaved rounds (2026-11-29, git 887355e): GQA-8 1 x 1k
+# H200, CUDA-graph GB/s, median of 5 interleaved rounds: GQA-8 1 x 1k
 # 341 -> 359, MHA 1 x 1k 1020 -> 1044, GQA-8 1 x 8k 1394 -> 1404; ties at 1 x 32k and 8 x 8k.
 # FLASHATTN2_PDL=0 turns it off.
 PDL = env_flag("FLASHATTN2_PDL") is not False

@@ -242,7 +242,7 @@ def _gluon_kernels(arch: str, flags: dict, geo: _Geometry, direction: str, q: to
 class _ForwardPlan:
     """The Gluon forward's choices for one call signature (_forward_key): kernel, tile, constexprs,
     grid size. A training or serving loop repeats a few signatures, and on the H200's host making
-    these choices cost about a third of a forward's host time (session 13)."""
+    these choices cost about a third of a forward's host time."""
     __slots__ = ("kernel", "rows", "lse_shape", "tiles", "persist", "ints", "kwargs")
 
     def __init__(self, kernel, rows, lse_shape, tiles, persist, ints, kwargs):

@@ -63,7 +63,7 @@ def parse_tile(text: str) -> TileConfig | None:
 # (arch, head-dim bucket, bytes per element, kernel) -> TileConfig; causal shares the entry
 # unless _TABLE_CAUSAL overrides it.
 _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
-    # H200, 2026-11-29, fp16, 16k tokens, TMA loads (tools/sweep.py; docs/notes.md has the table).
+    # H200, fp16, 16k tokens, TMA loads (tools/sweep.py; docs/notes.md has the table).
     # d64 fwd: 419/403 at 16k (full/causal), 375/272 at 2k; 128x64 w4 s3: 404/389/368/281
     ("sm90", 64, 2, "fwd"):        TileConfig(128, 128, 4, 3),
     # d128 fwd: 527/488 TFLOP/s at 16k (full/causal), 470/358 at 2k; next best 128x128 w8 s3: 486/467
@@ -71,8 +71,7 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # d256 fwd: 516/506 at 16k, 465/361 at 2k (SDPA flash 320/292, 305/262); 64x64 w4 s1: 446/445
     ("sm90", 256, 2, "fwd"):       TileConfig(128, 64, 8, 2),
     # The Gluon forward (sm_90 exactly: wgmma; dense inputs without softcap/ALiBi/window/dropout).
-    # H200, 2026-11-30, fp16, 16k tokens, one run beside SDPA cuDNN (docs/notes.md, session 8; the
-    # prototype of the kernel, same schedule, 2-D descriptors):
+    # H200, fp16, one run beside SDPA cuDNN (the prototype of the kernel, same schedule, 2-D descriptors):
     # d64 non-causal 128x64 w8 s2: 366/405/419 at 512/2k/16k (cuDNN 386/438/440; w4 356/393/409);
     # causal w4 (_TABLE_CAUSAL): 245/361/417 (cuDNN 257/374/423; w8 239/352/398).
     ("sm90", 64, 2, "fwd_hopper"):  TileConfig(128, 64, 8, 2),
@@ -83,9 +82,8 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 256, 2, "fwd_hopper"): TileConfig(128, 64, 8, 2),
     # The warp-specialized Gluon forward (ops.attention._hopper_forward: GLUON_WS_ABOVE_SEQLEN_K,
     # where the persistent kernel below is not taken: headdim 256, or gluon_persist turned off).
-    # H200, 2026-11-30, fp16, 16k tokens, interleaved A/B in one process through the library
-    # (.devout/ws_ab.py, docs/notes.md session 9), one-warpgroup kernel / this, ping-pong off, at
-    # 512/1k/2k/4k/8k/16k (cuDNN in the same run):
+    # H200, fp16, interleaved A/B in one process through the library, one-warpgroup kernel -> this,
+    # ping-pong off, at 512/1k/2k/4k/8k/16k (cuDNN in the same run):
     # d128 64(x2)x128 s2: 445/498/562/531/529/528 -> 401/489/572/597/610/607 (cuDNN 503/560/596/
     # 597/603/604); causal 265/347/414/442/480/502 -> 221/347/398/499/570/620 (cuDNN 330/416/445/
     # 463/479/511). Ping-pong on: 0.93-0.97x of off from 2k on. Prototype run: 64x2x64 s4
@@ -96,8 +94,8 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # 477/503/528). Ping-pong on: 0.88-0.99x of off.
     ("sm90", 256, 2, "fwd_hopper_ws"): TileConfig(64, 64, 4, 2),
     # The persistent warp-specialized Gluon forward (grid = #SMs; GLUON_PERSIST_QBUF), taken at
-    # every length where it has an entry (gluon_persist). H200, 2026-11-30 (session 10), fp16, 16k
-    # tokens, its prototype (.devout/gluon/gluon_fwd_persist.py, the same kernel), one run beside
+    # every length where it has an entry (gluon_persist). H200, fp16, its prototype (the same
+    # kernel), one run beside
     # the library as routed then (ship: one warpgroup up to 2k keys at d128, warp-specialized past
     # it; one warpgroup at d64) and cuDNN, at 512/1k/2k/4k/8k/16k (d64: 512/1k/2k/4k/16k):
     # d128 64(x2)x128 s2, 2 Q buffers: 513/574/630/623/636/625 (ship 456/484/528/583/596/614,
@@ -105,20 +103,20 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     # cuDNN 325/417/502/527/558/618). 1 Q buffer: 0.84-0.99x of 2.
     ("sm90", 128, 2, "fwd_hopper_persist"): TileConfig(64, 128, 8, 2),
     # d64: three consumer warpgroups of 64 rows, 128 keys per block (FlashAttention-3's 192x128 at
-    # this head dim), 3 stages; shorter key sequences take _TABLE_SHORT's tiles. H200, 2026-12-02
-    # (session 12), fp16, 16k tokens, bench ab (bench/results/ab-nvidia-h200.csv), at 512/1k/2k/4k/
+    # this head dim), 3 stages; shorter key sequences take _TABLE_SHORT's tiles. H200, fp16, bench ab
+    # (bench/results/ab-nvidia-h200.csv), at 512/1k/2k/4k/
     # 8k/16k against the table of the time (128(x2)x64 s2 up to 2k keys, the Triton forward past it)
     # and cuDNN in the same rounds: 326/387/426/437/463/467 (then 365/383/394/416/424/428, cuDNN 378/
     # 419/428/442/442/446); causal 183/257/328/371/396/428 (220/293/331/351/386/412, cuDNN 259/329/364/
     # 397/409/428). 64(x3)x128 s2: 0.98-1.01x of s3 from 2k; 64(x2)x128 s2 0.89-1.04x of the old table.
-    # Session 10's 128(x2)x64 s2 (2 Q buffers): 358/399/407/401/401 at 512/1k/2k/4k/16k, causal
+    # The earlier 128(x2)x64 s2 (2 Q buffers): 358/399/407/401/401 at 512/1k/2k/4k/16k, causal
     # 219/296/348/368/398 (cuDNN 388/434/458/483/492, 257/333/387/431/464).
     ("sm90", 64, 2, "fwd_hopper_persist"): TileConfig(64, 128, 12, 3),
     # d256 (64(x2)x64 s2, 1 Q buffer) measured 0.87-1.02x of the warp-specialized kernel: no entry.
     # The warp-specialized Gluon backward (deterministic=False; ops.attention._hopper_backward):
     # producer warp, two MMA warpgroups, dQ-writer warp; dQ by TMA reduce-add through
-    # GLUON_BWD_DQ_STAGES staging tiles. H200, 2026-11-30 (session 10), fp16, 16k tokens, its
-    # prototype (.devout/gluon/gluon_bwd_ws.py), zero of the dQ accumulator + kernel, beside the
+    # GLUON_BWD_DQ_STAGES staging tiles. H200, fp16, 16k tokens, its
+    # prototype, zero of the dQ accumulator + kernel, beside the
     # library's backward of the time ("ours": the whole call, the Triton or the one-partition Gluon
     # backward) and cuDNN, in one run; at 512/2k/8k/16k for d64, 512/2k/16k d256, 512/1k/2k/4k/8k/
     # 16k d128 (the same-run A/B of whole calls: ab-gluon-nvidia-h200.md and GLUON_BWD below):
@@ -131,7 +129,7 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm90", 128, 2, "bwd_hopper"): TileConfig(64, 128, 8, 2),
     # d256 64x64 s1 (1 dQ tile): 249/289/297, causal 200/275/309 (s2 with atomics instead of the
     # writer: 240/273/283, 193/259/295; ours 213/263/283, 108/240/290; cuDNN 240/361/349, 179/319/387).
-    # The one-partition Gluon backward of session 9 had 128x128 w8 s2 at d64, 64x128 w8 s2 at d128,
+    # The one-partition Gluon backward measured earlier had 128x128 w8 s2 at d64, 64x128 w8 s2 at d128,
     # 64x64 w8 s2 (dQ by atomics) at d256.
     ("sm90", 256, 2, "bwd_hopper"): TileConfig(64, 64, 8, 1),
     # The split-ring variant of the Gluon backward (GLUON_BWD_SPLIT, config.gluon_bwd_split): dO has a ring of its
@@ -181,7 +179,7 @@ _TABLE: dict[tuple[str, int, int, str], TileConfig] = {
     ("sm86", 256, 2, "bwd_dq"):    TileConfig(32, 32, 4, 1),
 }
 # The dK/dV kernel that also adds dQ with atomics (deterministic=False where _DQ_ATOMIC allows):
-# the dK/dV tile where it fits (H200, 2026-11-30: 64x128 w8 s2, 128x128 (too much shared memory)
+# the dK/dV tile where it fits (H200: 64x128 w8 s2, 128x128 (too much shared memory)
 # and 64x64 w4 s3 were no better). sm90 headdim 256: 64x64 w8 s2 needs 263 KB of shared memory
 # with the extra dS K product (compile_check), so one stage.
 for (_arch, _bucket, _bytes, _kernel), _cfg in list(_TABLE.items()):
@@ -205,28 +203,28 @@ _TABLE_CAUSAL: dict[tuple[str, int, int, str], TileConfig] = {
 }
 # (arch, head-dim bucket, bytes per element, kernel, causal) -> ((longest key sequence, tile), ...):
 # tiles for short key sequences, the first whose length bound max_seqlen_k does not pass, before
-# _TABLE_CAUSAL / _TABLE. H200, 2026-12-02 (session 12), fp16, 16k tokens, bench ab against the
+# _TABLE_CAUSAL / _TABLE. H200, fp16, 16k tokens, bench ab against the
 # entries above and cuDNN in the same rounds (bench/results/ab-nvidia-h200.csv):
 _TABLE_SHORT: dict[tuple[str, int, int, str, bool], tuple[tuple[int, TileConfig], ...]] = {
     # d64 64(x2)x128 s2 at 512/1k: 373/391 (64(x3)x128 s3 326/387; cuDNN 378/419)
     ("sm90", 64, 2, "fwd_hopper_persist", False): ((1024, TileConfig(64, 128, 8, 2)),),
     # d64 causal 128(x2)x64 s2 at 512/1k/2k: 220/293/331 (64(x3)x128 s3 183/257/328; cuDNN 259/329/364).
-    # Session 13 (K and V of a step in one ring unit, git 46cdfb0): s3 223/294/335 against s2's 218/290/332
+    # Earlier (K and V of a step in one ring unit): s3 223/294/335 against s2's 218/290/332
     # (cuDNN 258/334/386)
-    # Session 16 (masked blocks of one compare and one select, causal tiles aligned to the last row; git b90f4bd;
+    # Earlier (masked blocks of one compare and one select, causal tiles aligned to the last row;
     # 4 rounds, alternating order): 64(x3)x64 s4 at 512/1k/2k/4k/8k/16k 238/308/347/371/401/425 fp16,
     # 244/314/358/386/413/434 bf16, against this entry (then 128(x2)x64 s3 up to 2k, 64(x3)x128 s3 past it)
     # 232/295/334/378/418/449 and 234/303/344/392/432/469 (cuDNN 257/323/374/402/419/431, 260/329/381/415/432/441);
     # s3 238/304/343/364/400/423 and 241/311/354/376/414/435
     ("sm90", 64, 2, "fwd_hopper_persist", True): ((2048, TileConfig(64, 64, 12, 4)),),
     # d128 causal 64(x3)x64 s2 at 512/1k/2k/4k: 281/349/429/471 (the 64(x2)x128 entry 242/342/416/502;
-    # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472). Session 13 (ring units, git 46cdfb0): s3 at
+    # 64(x2)x64 273/348/381/437; cuDNN 324/398/439/472). Earlier (ring units): s3 at
     # 512/1k/2k 285/364/447 against s2's 275/352/472 (cuDNN 327/411/443)
-    # Session 16 (git 496c28a; 4 rounds, alternating order): one Q buffer per consumer instead of two at 512/1k/2k
+    # Earlier (4 rounds, alternating order): one Q buffer per consumer instead of two at 512/1k/2k
     # 305/387/450 fp16, 308/402/466 bf16 against 292/397/450 and 296/413/472 (cuDNN 322/408/476, 332/424/480);
     # one Q buffer with 5 stages (4 at 2k) 290/376/444, 294/392/467; two Q buffers with 4 stages 292/395/452,
     # 294/415/480. One Q buffer: 144 KB of shared memory instead of 192. In isolation (ncu, one call, caches
-    # flushed) it read 3% slower at 512 (docs/notes.md, session 16): the bench's gain is not explained yet
+    # flushed) it read 3% slower at 512 (docs/notes.md): the bench's gain is not explained yet
     ("sm90", 128, 2, "fwd_hopper_persist", True): ((512, TileConfig(64, 64, 12, 3, qbuf=1)),
                                                    (1024, TileConfig(64, 64, 12, 3)),
                                                    (2048, TileConfig(64, 64, 12, 2))),
@@ -236,7 +234,7 @@ _INTERP = TileConfig(64, 64, 4, 1)
 
 # (arch, head-dim bucket) -> True where deterministic=False adds dQ with atomics inside the dK/dV
 # kernel (5 matmuls per block pair instead of 7, flash_attn's own non-deterministic default).
-# Off everywhere: on the H200 (2026-11-30, fp16, 16k and 2k tokens) it made the backward slower at
+# Off everywhere: on the H200 (fp16, 16k and 2k tokens) it made the backward slower at
 # every head dim (TMA bulk reduce: d128 386 -> 344 TFLOP/s, d64 causal 329 -> 320, d256 about
 # half; scalar atomics 0.45-0.66x), so every backward is the deterministic two-pass one.
 # FLASHATTN2_DQ_ATOMIC=1 or override(dq_atomic=True) turns it on for deterministic=False calls;
@@ -359,10 +357,10 @@ def tma_forced() -> bool | None:
 # two, the launchers build the descriptors of Q, K, V, O (and dO, dQ, dK, dV) once on the host
 # over (batch, seqlen, heads * headdim) and pass them to the kernels, instead of every program
 # writing its own (kernels.common.tile_src). H200, fp16, 16k tokens, interleaved A/B in one
-# process, outputs bitwise equal (docs/notes.md): 2026-11-30 (session 8), backward 1.04-1.41x at
+# process, outputs bitwise equal (docs/notes.md): backward 1.04-1.41x at
 # 512 and 2k tokens for every head dim, the Triton forward 1.0-1.33x except headdim 256 at 512
-# tokens (0.92-0.94x); session 7: 1.0-1.03x at 16k. On by default; the GPU suite ran with it
-# (session 8: no failure in ~1130 tests before its time limit).
+# tokens (0.92-0.94x); earlier: 1.0-1.03x at 16k. On by default; the GPU suite ran with it
+# (no failure in ~1130 tests before its time limit).
 # FLASHATTN2_HOST_DESC=0 or override(host_desc=False) turns it off.
 def host_desc() -> bool:
     """Whether the TMA path may use host-built descriptors (see above)."""
@@ -370,8 +368,8 @@ def host_desc() -> bool:
 
 
 # The Gluon forward (kernels/fwd_hopper.py) where it applies (ops.attention._hopper_forward): on by
-# default on sm_90 (it uses wgmma, which sm_100 lacks). H200, 2026-11-30, interleaved A/B against
-# the Triton forward (docs/notes.md, session 8) at 512 / 2k / 16k tokens: headdim 128 1.42-1.51x /
+# default on sm_90 (it uses wgmma, which sm_100 lacks). H200, interleaved A/B against
+# the Triton forward (docs/notes.md) at 512 / 2k / 16k tokens: headdim 128 1.42-1.51x /
 # 1.11-1.19x / 1.09-1.12x, 256 1.00-1.31x / 1.30-1.34x / 1.34-1.39x; headdim 64: the fwd_hopper_persist entry.
 # FLASHATTN2_GLUON=0 or override(gluon=False) turns it off.
 def gluon() -> bool:
@@ -383,7 +381,7 @@ def gluon() -> bool:
 # chosen when the longest key sequence is longer than this (absent: never). Its two consumer
 # warpgroups need 240 registers per thread: one program per SM, so its prologue and epilogue are
 # not hidden by a second program's work, and short sequences run faster on the one-warpgroup
-# kernel (H200, 2026-11-30, the fwd_hopper_ws entries): headdim 128 0.90x/0.83x at 512 keys
+# kernel (H200, the fwd_hopper_ws entries): headdim 128 0.90x/0.83x at 512 keys
 # (non-causal/causal), 0.98x/1.00x at 1k, 1.02x/0.96x at 2k, 1.12-1.23x from 4k on; headdim 256
 # 1.09-1.23x from 512 on; headdim 64 (prototype, 128x2x64) 0.71-0.97x everywhere.
 # (Headdim 128 takes the persistent kernel by default, config.gluon_persist: this rule applies there
@@ -460,8 +458,8 @@ def gluon_ws(head_dim: int, max_seqlen_k: int) -> bool:
 
 # The Gluon backward (kernels/bwd_hopper.py) for every deterministic=False call where it applies
 # (ops.attention._hopper_backward): 5 matmuls per block pair, dQ added in any order into an fp32
-# accumulator that is zeroed before and cast into dq after. H200, 2026-11-30, fp16, 16k tokens,
-# interleaved A/B of whole backward calls through the library (.devout/bwd_ab3.py, median of 3;
+# accumulator that is zeroed before and cast into dq after. H200, fp16, 16k tokens,
+# interleaved A/B of whole backward calls through the library (median of 3;
 # bench/results/ab-gluon-nvidia-h200.md): it is faster than the Triton backward at every point of
 # the fp16 grid, 1.02x (d64 causal, 512 tokens) to 1.43x (d128 causal, 8k), so there is no length
 # rule (the bf16 grid, bench/results/kernels-nvidia-h200.md, shows the same ratios to SDPA).
@@ -472,13 +470,12 @@ def gluon_bwd() -> bool:
     return _forced_or_env("gluon_bwd", _ENV_GLUON_BWD) is not False
 
 
-# head-dim buckets where the Gluon backward takes its split-ring variant by default. H200,
-# 2026-12-01 (session 11), fp16, 16k tokens, `bench ab` (median of 3 alternated rounds, cuDNN in the
+# head-dim buckets where the Gluon backward takes its split-ring variant by default. H200, fp16, 16k tokens, `bench ab` (median of 3 alternated rounds, cuDNN in the
 # same run), split / shipped at 512/2k/8k/16k: d256 1.19/1.26/1.26/1.26, causal 1.11/1.17/1.22/1.22
 # (to 0.92-1.10x cuDNN, from 0.75-0.92x); d128 0.97-1.01, d64 0.99-1.01 (dO's early release alone
-# buys nothing there): headdim 256 only. Since session 14 (2026-12-02, git 0675b27) the second dQ half is
-# staged by the next position (kernels/bwd_hopper.py): bench ab against ded92fb, fp16/bf16, 1k-16k keys,
-# 1.05-1.10x (d256 bwd 330-404 TFLOP/s, 0.94-1.17x cuDNN in the grid at d2afc11, 22 of 24 points >= 1.0x).
+# buys nothing there): headdim 256 only. The second dQ half staged by the next position
+# (kernels/bwd_hopper.py): bench ab against the kernel before it, fp16/bf16, 1k-16k keys, 1.05-1.10x (d256 bwd
+# 330-404 TFLOP/s, 0.94-1.17x cuDNN in the grid, 22 of 24 points >= 1.0x).
 GLUON_BWD_SPLIT_DEFAULT = frozenset({256})
 
 
@@ -502,8 +499,8 @@ def gluon_bwd_split(head_dim: int) -> bool:
 # groups of heads, each group key block by key block (heaviest first: the longest-first rule), every group whole:
 # 0.98-1.0 in the model. A group's heads' Q and dO, which the programs running at once read, are sized to stay in L2 (50
 # MB on the H200): GLUON_BWD_L2_BYTES of them. Non-causal programs are alike and keep the head-major order (unless
-# _bwd_grid must group heads to stay within CUDA's 65535 on the grid's third axis). H200, 2026-12-02 (session 17, git
-# 5ef6cd1), fp16, 16k tokens, bench ab (bench/results/ab-gluon-nvidia-h200.md), grouped / head-major, causal, at
+# _bwd_grid must group heads to stay within CUDA's 65535 on the grid's third axis). H200,
+# fp16, 16k tokens, bench ab (bench/results/ab-gluon-nvidia-h200.md), grouped / head-major, causal, at
 # 512/1k/2k/4k/8k/16k: d256 1.11/1.03/1.03/1.03/1.01/1.00, d128 1.01/1.02/1.04/1.06/1.04/1.01, d64
 # 0.96/0.88/1.02/1.03/1.02/1.00 (3 rounds); a second run at 512/1k/2k/4k (where, non-causal, the same kernel under other
 # names read 0.96-1.00x of itself): d256 0.98/1.04/1.03/1.03, d128 0.98/1.02/1.04/1.04, d64 0.98/0.99/1.02/1.02, and the

@@ -129,7 +129,7 @@ def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Te
 # (path, split) -> (BLOCK_N, num_warps, num_stages) at headdim 128 in 16-bit types. Paths:
 # "contiguous" (a cache row per sequence), "page-block" (pages a multiple of BLOCK_N, no left
 # padding: a key block lies in one page), "page-row" (a page per key row: small pages). Chosen
-# by a sweep of 12 tiles on the H200 (2026-11-29, git d112cf6, CUDA-graph GB/s of K/V read at
+# by a sweep of 12 tiles on the H200 (CUDA-graph GB/s of K/V read at
 # bf16, 32 query heads, MHA and GQA-8, batch 1/8/64, cache 1k-128k); the numbers name points
 # where the entry won or came within 2%:
 DECODE_TILES = {
@@ -140,7 +140,7 @@ DECODE_TILES = {
     ("page-row", True): (128, 4, 2),     # page 16: MHA 1x128k 4000; GQA 8x32k 4000
     ("page-row", False): (128, 8, 2),    # page 16: MHA 8x8k 4043, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317
     #                                      (64/4/3 wins at batch 64, 4513 and 4509, but loses 20% at batch 8)
-    # Contiguous refinements, H200 sweep of 9 and 5 tiles (2026-11-29, git e6c2dc8, CUDA-graph GB/s,
+    # Contiguous refinements, H200 sweep of 9 and 5 tiles (CUDA-graph GB/s,
     # median of 3 interleaved rounds, two runs for the non-split points):
     ("contiguous-short", True): (64, 4, 3),    # splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 (128/4/2:
     #   2610), 1x8k 1444 (1389); MHA 1x8k 2769 (2685). Longer splits keep 128/4/2: GQA 8x32k (8k keys a
@@ -185,7 +185,7 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
     """num_splits > 0: that many (at most MAX_SPLITS and one per key block). 0: when the batch
     alone does not fill the GPU, as many splits as keep the programs at or below two per SM, and
     at least one key block per split. Rounding up instead cost 5-12% wherever it pushed the
-    programs past 2 x SMs (H200, CUDA-graph GB/s, median of 3, 2026-11-29: MHA 1 x 128k 9
+    programs past 2 x SMs (H200, CUDA-graph GB/s, median of 3: MHA 1 x 128k 9
     splits 4159 vs 8 splits 4423; GQA-8 batch 8 x 128k 5 splits 4279 vs 4 splits 4529); it tied
     or won at all 11 points swept (batch 1-8, cache 8k-128k, MHA and GQA-8). Short caches gain
     from splits of a single block: at 1k keys 8 splits against the former floor of four blocks
