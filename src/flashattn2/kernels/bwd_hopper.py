@@ -13,7 +13,7 @@ not transposed, P and dS through shared memory):
 dQ_i is added by TMA bulk reduce-add (Gluon 3.6 has the builder call only, wrapped below as
 `tma_reduce_add`) into an fp32 accumulator (batch, seqlen_q_pad, nheads, headdim), which the delta
 preprocess zeroes and the host casts into dq afterwards. The adds arrive in any order:
-ops.attention takes this kernel for deterministic=False only (flash_attn's default). The softmax
+The plan (ops/planning.py) takes this kernel for deterministic=False only (flash_attn's default). The softmax
 scale is folded into dS, so dK and dQ need no scaling.
 
 The program is split with gl.warp_specialize into three partitions:
@@ -39,7 +39,10 @@ Barriers count one arrival: ready barriers the producer's expect-tx; q_empty and
 partition's mbarrier.arrive, which a multi-warp partition lowers to `bar.sync 0, 256` + one
 thread's arrive (one arrival stands for all 256 threads' wgmma waits and smem stores before it);
 dq_empty the writer's. Every partition walks the same flat positions (_ws_program, _ws_advance):
-position t uses Q / dO stage t % STAGES with phase (t // STAGES) & 1 and dQ tile t % DQ_STAGES.
+position t uses Q / dO stage t % STAGES with phase (t // STAGES) & 1 and dQ tile t % DQ_STAGES (kernels/pipeline.py's
+Ring: the Q ring (q_ready, q_empty), the dO ring (do_ready with do_empty, or q_empty without SPLIT_RING), the dQ
+staging ring (dq_full as its ready, dq_empty)). The MMA partition's step (_ws_step) takes its layouts as one
+BwdConfig, its buffers and rings as one BwdBuffers and the score arithmetic's inputs as one BwdScores.
 Registers: 8 + 1 + 1 warps are padded to 12 (384 threads, .maxnreg 168); setmaxnreg gives the
 workers 24 and the MMA warps (65536 - 128 * 24) / 256 -> 240 (headdim 128 causal + GQA spills 40
 bytes). The causal mask is a per-row limit with no branch (past the block when it does not cross
@@ -54,7 +57,7 @@ dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores, as long
 stores). GQA / MQA: one flat loop over (query head, query block) whose ring runs on across heads;
 dK/dV accumulate over the group in registers. Causal is bottom-right aligned.
 
-The split-ring variant (SPLIT_RING, DQ_SPLIT; config.gluon_bwd_split, the default at headdim 256): dO has
+The split-ring variant (SPLIT_RING, DQ_SPLIT: the headdim-256 row of ops/planning.py): dO has
 a ring of its own (DO_STAGES deep, ready barriers do_ready, released by do_empty) that the MMA warps
 release as soon as dV (dO's last reader) is waited, so the next dO loads while dQ_i and dK run; Q
 keeps its STAGES-deep ring, released after dK. DQ_SPLIT 2 computes dQ_i as two column halves
@@ -85,6 +88,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+from .pipeline import Ring, Scalar, aggregate, unwrap
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -101,7 +106,7 @@ def _mma_layout(rows, cols, num_warps):
     """wgmma accumulator layout for a [rows, cols] tile: warps stacked along the rows (16 each) as far as they go,
     the remaining warpgroups splitting the columns. (Called from a warp_specialize partition, its arguments arrive
     as constexpr wrappers: unwrapped first.)"""
-    rows, cols, num_warps = (getattr(x, "value", x) for x in (rows, cols, num_warps))
+    rows, cols, num_warps = unwrap(rows), unwrap(cols), unwrap(num_warps)
     wm = min(num_warps, rows // 16)
     wn = num_warps // wm
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, cols // wn, 16])
@@ -123,7 +128,7 @@ def _ws_program(seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOC
     guarantee), so the heads go in groups of G, one group after the other, and within a group key block 0 of every
     head first, then key block 1, ...: under a causal mask key block 0 sees the most query blocks, so each group
     runs heaviest first (the longest-first rule, which keeps the last wave short), while the programs running at
-    once read the Q and dO of G heads only (ops.attention._bwd_grid sizes G for L2 and CUDA's grid limits). G = 1 is
+    once read the Q and dO of G heads only (ops.launch_gluon.bwd_grid sizes G for L2 and CUDA's grid limits). G = 1 is
     the head-major order (one head's key blocks after the other's). The ids come from special registers, which the
     compiler reads again rather than keep in registers through the loop (an order computed with divisions spilled,
     compiled for sm_90). Query heads h0 .. h0 + group - 1 share the kv head. Query blocks [i_first, i_end) of each
@@ -158,6 +163,95 @@ def _ws_advance(i, hq, i_first, i_end):
     return gl.where(wrap, i_first, i), gl.where(wrap, hq + 1, hq)
 
 
+@aggregate
+class BwdConfig:
+    """The MMA partition's tile shape and layouts (8 warps, two warpgroups; _mma_layout): S / dP [BLOCK_M, BLOCK_N],
+    dK / dV [BLOCK_N, HEAD_DIM], dQ_i [BLOCK_M, HEAD_DIM // DQ_SPLIT] accumulators; the NVMMA shared layouts of a
+    Q / dO tile, a K / V block and a staged fp32 dQ tile."""
+    CAUSAL: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    DQ_SPLIT: gl.constexpr
+    s_layout: gl.constexpr
+    kv_layout: gl.constexpr
+    dq_layout: gl.constexpr
+    q_tile: gl.constexpr
+    kv_tile: gl.constexpr
+    dq_tile: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps):
+        dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps = map(
+            unwrap, (dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps))
+        self.CAUSAL = gl.constexpr(unwrap(CAUSAL))
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.DQ_SPLIT = gl.constexpr(DQ_SPLIT)
+        self.s_layout = gl.constexpr(_mma_layout(BLOCK_M, BLOCK_N, num_warps))
+        self.kv_layout = gl.constexpr(_mma_layout(BLOCK_N, HEAD_DIM, num_warps))
+        self.dq_layout = gl.constexpr(_mma_layout(BLOCK_M, HEAD_DIM // DQ_SPLIT, num_warps))
+        self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
+        self.kv_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype))
+        self.dq_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32))
+
+
+@aggregate
+class BwdBuffers:
+    """The MMA partition's shared memory and rings: K, V (one block each), the Q ring and the dO ring (SPLIT_RING:
+    a ring of its own, DO_STAGES deep, released after dV; else Q's stages, with do_ready its own ready barriers and
+    q_empty their release), P and dS, and the dQ staging ring (ready: dq_full, empty: dq_empty)."""
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    p_smem: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    q_ring: Ring
+    do_ring: Ring
+    dq_ring: Ring
+    SPLIT_RING: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, q_ring, do_ring, dq_ring,
+                 SPLIT_RING):
+        self.k_smem = k_smem
+        self.v_smem = v_smem
+        self.q_smem = q_smem
+        self.do_smem = do_smem
+        self.p_smem = p_smem
+        self.ds_smem = ds_smem
+        self.dq_smem = dq_smem
+        self.q_ring = q_ring
+        self.do_ring = do_ring
+        self.dq_ring = dq_ring
+        self.SPLIT_RING = gl.constexpr(unwrap(SPLIT_RING))
+
+
+@aggregate
+class BwdScores:
+    """The score arithmetic's inputs of the program's key block: lse (natural log) and delta, (batch, nheads,
+    seqlen_q_pad) fp32 with one offset for both; the scale (sm_scale, and qk_scale = sm_scale * log2 e); the causal
+    diagonal and the key block's first column. A per-score option is a field here and a line in _ws_step."""
+    Lse: gl.tensor
+    Delta: gl.tensor
+    qk_scale: gl.tensor
+    sm_scale: gl.tensor
+    diag: Scalar
+    start_n: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, Lse, Delta, qk_scale, sm_scale, diag, start_n):
+        self.Lse = Lse
+        self.Delta = Delta
+        self.qk_scale = qk_scale
+        self.sm_scale = sm_scale
+        self.diag = gl.constexpr(diag) if isinstance(diag, int) else diag
+        self.start_n = start_n
+
+
 @gluon.jit
 def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
                  seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -168,6 +262,11 @@ def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, 
     stage and its release (q_empty)."""
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
                                                                             CAUSAL, BLOCK_M, BLOCK_N)
+    q_ring = Ring(q_ready, q_empty, STAGES)
+    if SPLIT_RING:
+        do_ring = Ring(do_ready, do_empty, DO_STAGES)
+    else:
+        do_ring = Ring(do_ready, q_empty, STAGES)
     col_k = off_hk * HEAD_DIM
     mbarrier.expect(kv_bar, 2 * K.block_type.nbytes)
     tma.async_copy_global_to_shared(K, [off_b, start_n, col_k], kv_bar, k_smem.index(0))
@@ -175,17 +274,15 @@ def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, 
     i = i_first
     hq = h0
     for t in range(total):
-        stage = t % STAGES
-        mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(stage), Q.block_type.nbytes)
-        tma.async_copy_global_to_shared(Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ready.index(stage),
-                                        q_smem.index(stage))
+        q_ring.wait_empty(t)
+        mbarrier.expect(q_ring.ready_bar(t), Q.block_type.nbytes)
+        tma.async_copy_global_to_shared(Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ring.ready_bar(t),
+                                        q_smem.index(q_ring.slot(t)))
         if SPLIT_RING:
-            stage = t % DO_STAGES
-            mbarrier.wait(do_empty.index(stage), ((t // DO_STAGES) & 1) ^ 1)
-        mbarrier.expect(do_ready.index(stage), DO.block_type.nbytes)
-        tma.async_copy_global_to_shared(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ready.index(stage),
-                                        do_smem.index(stage))
+            do_ring.wait_empty(t)
+        mbarrier.expect(do_ring.ready_bar(t), DO.block_type.nbytes)
+        tma.async_copy_global_to_shared(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ring.ready_bar(t),
+                                        do_smem.index(do_ring.slot(t)))
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
 
@@ -198,52 +295,48 @@ def _ws_dq_writer(DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nh
     as two column halves, staged one after the other (tile u = 2 t + half)."""
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
                                                                             CAUSAL, BLOCK_M, BLOCK_N)
+    dq_ring = Ring(dq_full, dq_empty, DQ_STAGES)
     i = i_first
     hq = h0
     for t in range(total):
         for half in gl.static_range(DQ_SPLIT):
             u = t * DQ_SPLIT + half
-            db = u % DQ_STAGES
-            mbarrier.wait(dq_full.index(db), (u // DQ_STAGES) & 1)
-            tma_reduce_add(DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)], dq_smem.index(db))
+            dq_ring.wait_ready(u)
+            tma_reduce_add(DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)],
+                           dq_smem.index(dq_ring.slot(u)))
             tma.store_wait(pendings=0)
-            mbarrier.arrive(dq_empty.index(db))
+            dq_ring.release(u)
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
 
 @gluon.jit
-def _stage_dq(dq, u, dq_smem, dq_full, dq_empty, DQ_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, COLS: gl.constexpr,
-              dq_tile: gl.constexpr):
-    """dQ tile u ([BLOCK_M, COLS] fp32: a whole dQ_i, or one of its halves) into staging buffer u % DQ_STAGES once
-    the writer has finished reading that buffer's last tile, then to the writer."""
-    db = u % DQ_STAGES
-    mbarrier.wait(dq_empty.index(db), ((u // DQ_STAGES) & 1) ^ 1)
-    dq_smem.index(db)._reinterpret(gl.float32, [BLOCK_M, COLS], dq_tile).store(dq)
+def _stage_dq(dq, u, bufs, cfg):
+    """dQ tile u ([BLOCK_M, HEAD_DIM // DQ_SPLIT] fp32: a whole dQ_i, or one of its halves) into staging buffer
+    u % DQ_STAGES once the writer has finished reading that buffer's last tile, then to the writer."""
+    bufs.dq_ring.wait_empty(u)
+    bufs.dq_smem.index(bufs.dq_ring.slot(u))._reinterpret(
+        gl.float32, [cfg.BLOCK_M, cfg.HEAD_DIM // cfg.DQ_SPLIT], cfg.dq_tile).store(dq)
     fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
-    mbarrier.arrive(dq_full.index(db))
+    bufs.dq_ring.arrive_ready(u)
 
 
 @gluon.jit
-def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty, p_smem,
-             ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta, off_lse, start_n, diag, qk_scale, sm_scale, masked,
-             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, SPLIT_RING: gl.constexpr, DO_STAGES: gl.constexpr,
-             DQ_SPLIT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr, q_tile: gl.constexpr,
-             kv_tile: gl.constexpr, dq_tile: gl.constexpr):
-    """Flat position it (ring stage it % STAGES) = query block i of the current query head against this program's
-    key block; returns (dk, dv, dq_prev). dq_tile: the layout of a staged dQ tile, [BLOCK_M, HEAD_DIM // DQ_SPLIT]
-    fp32. DQ_SPLIT 2: dq_prev (in) is the previous position's second dQ half, staged here once this position's S and
-    dP are issued; dq_prev (out) is this position's, kept in registers for the next position (or the loop's end).
-    DQ_SPLIT 1: dq_prev is passed through untouched."""
-    dtype: gl.constexpr = k_smem.dtype
-    stage = it % STAGES
-    phase = (it // STAGES) & 1
-    if SPLIT_RING:
-        do_stage = it % DO_STAGES
-        do_phase = (it // DO_STAGES) & 1
-    else:
-        do_stage = stage
-        do_phase = phase
+def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
+    """Flat position it (Q ring position it, dO ring position it) = query block i of the current query head
+    against this program's key block (its lse / delta at off_lse; masked: the block crosses the causal diagonal);
+    returns (dk, dv, dq_prev). DQ_SPLIT 2: dq_prev (in) is the previous position's second dQ half, staged here once
+    this position's S and dP are issued; dq_prev (out) is this position's, kept in registers for the next position
+    (or the loop's end). DQ_SPLIT 1: dq_prev is passed through untouched."""
+    dtype: gl.constexpr = bufs.k_smem.dtype
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    DQ_SPLIT: gl.constexpr = cfg.DQ_SPLIT
+    s_layout: gl.constexpr = cfg.s_layout
+    q_ring = bufs.q_ring
+    do_ring = bufs.do_ring
+    stage = q_ring.slot(it)
+    do_stage = do_ring.slot(it)
     start_m = i * BLOCK_M
 
     # lse (natural log) and delta of the BLOCK_M query rows; in flight during the waits. Rows past seqlen_q (the
@@ -251,22 +344,22 @@ def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, d
     # BLOCK_M -> P = 0 -> dS = 0, no contribution anywhere
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_l)
-    lse2 = gl.load(Lse + off_lse + offs_m) * LOG2E
-    delta_s = gl.load(Delta + off_lse + offs_m) * sm_scale
+    lse2 = gl.load(sc.Lse + off_lse + offs_m) * LOG2E
+    delta_s = gl.load(sc.Delta + off_lse + offs_m) * sc.sm_scale
     # K and V viewed through an index the compiler cannot fold (0, from inline asm on the loop counter): otherwise
     # LLVM hoists the ~24 loop-invariant 64-bit wgmma smem descriptors of K and V out of the loop into registers,
     # which spills at headdim 128
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_op = k_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    v_op = v_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    k_op = bufs.k_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
+    v_op = bufs.v_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
 
     # S = Q K^T as soon as Q is there; dP = dO V^T once dO is
-    mbarrier.wait(q_ready.index(stage), phase)
-    q_op = q_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    q_ring.wait_ready(it)
+    q_op = bufs.q_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(do_ready.index(do_stage), do_phase)
-    do_op = do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
+    do_ring.wait_ready(it)
+    do_op = bufs.do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
     dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     # DQ_SPLIT 2: the previous position's second half into the staging tile once S and dP are issued (ptxas makes
     # the stores wait for them: C7517). Staged at the end of its own position, it waited there for the writer to
@@ -274,7 +367,7 @@ def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, d
     # 4k keys) with the tensor cores idle
     if DQ_SPLIT == 2:
         if it > 0:
-            _stage_dq(dq_prev, it * 2 - 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HEAD_DIM // 2, dq_tile)
+            _stage_dq(dq_prev, it * 2 - 1, bufs, cfg)
 
     # S ready (dP may still run): P -> smem, then dV += P^T dO issued (A = P^T, a permuted view: MN-major A).
     # Keys past seqlen_k (zero-filled K / V rows of the last key block) are not masked: S = 0 there, dP = 0 and
@@ -282,45 +375,45 @@ def _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, d
     # P stays finite: exp(0 - lse) overflows for a row with lse < -88 and inf * 0 would put NaN into dQ. Hence the
     # exponent is capped at 0 (P <= 1, which the visible keys satisfy up to rounding) instead of a mask (spills).
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    p = gl.exp2(gl.minimum(s * qk_scale - lse2[:, None], 0.0))
-    if CAUSAL:  # no branch: a per-row limit, past every key of the block when it does not cross the diagonal
-        lim = gl.where(masked, offs_m + diag, start_n + BLOCK_N)
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    p = gl.exp2(gl.minimum(s * sc.qk_scale - lse2[:, None], 0.0))
+    if cfg.CAUSAL:  # no branch: a per-row limit, past every key of the block when it does not cross the diagonal
+        lim = gl.where(masked, offs_m + sc.diag, sc.start_n + BLOCK_N)
+        offs_n = sc.start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p = gl.where(offs_n[None, :] <= lim[:, None], p, 0.0)
-    p_smem.store(p.to(dtype))
+    bufs.p_smem.store(p.to(dtype))
     fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads
-    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_op, dv, is_async=True)
+    dv_tok = warpgroup_mma(bufs.p_smem.permute((1, 0)), do_op, dv, is_async=True)
 
     # dS = P * (dP * scale - delta * scale) -> smem; dQ_i = dS K (A = dS, B = K: MN-major B) first, so that it
     # completes before dK += dS^T Q. DQ_SPLIT 2: dQ_i in two column halves (B = the halves of K), the second issued
     # after dK, so only one half is in registers and staged at a time
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))
-    ds = p * (dp * sm_scale - delta_s[:, None])
-    ds_smem.store(ds.to(dtype))
+    ds = p * (dp * sc.sm_scale - delta_s[:, None])
+    bufs.ds_smem.store(ds.to(dtype))
     fence_async_shared()
     HALF: gl.constexpr = HEAD_DIM // DQ_SPLIT
-    dq_zero = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    dq_zero = gl.zeros([BLOCK_M, HALF], gl.float32, cfg.dq_layout)
     k_dq = k_op if DQ_SPLIT == 1 else k_op.slice(0, HALF, dim=1)
-    dq_tok = warpgroup_mma(ds_smem, k_dq, dq_zero, use_acc=False, is_async=True)
-    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_op, dk, is_async=True)
+    dq_tok = warpgroup_mma(bufs.ds_smem, k_dq, dq_zero, use_acc=False, is_async=True)
+    dk_tok = warpgroup_mma(bufs.ds_smem.permute((1, 0)), q_op, dk, is_async=True)
 
     # dV, dQ_i (its first half) ready (dK may still run): dO has no reader left (SPLIT_RING: back to the producer);
     # dQ_i into a staging buffer the writer has finished reading, to the writer
     dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok))
-    if SPLIT_RING:
-        mbarrier.arrive(do_empty.index(do_stage))
-    _stage_dq(dq, it * DQ_SPLIT, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HALF, dq_tile)
+    if bufs.SPLIT_RING:
+        do_ring.release(it)
+    _stage_dq(dq, it * DQ_SPLIT, bufs, cfg)
     if DQ_SPLIT == 2:
-        dq_tok = warpgroup_mma(ds_smem, k_op.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(bufs.ds_smem, k_op.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
         # dK ready (the second half may still run): no wgmma reads this Q stage any more
         dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok, ))
-        mbarrier.arrive(q_empty.index(stage))
+        q_ring.release(it)
         # staged by the next position (or after the loop): tile it * 2 + 1
         dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     else:
         # dK ready: no wgmma reads this Q (/ dO) stage any more: back to the producer
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-        mbarrier.arrive(q_empty.index(stage))
+        q_ring.release(it)
     return dk, dv, dq_prev
 
 
@@ -330,18 +423,20 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
             stride_lh, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, GQA: gl.constexpr, SPLIT_RING: gl.constexpr,
             DO_STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
-    """The default partition (8 warps: two MMA warpgroups): the loop over flat positions and the epilogue. Layouts:
-    S / dP [BLOCK_M, BLOCK_N] with BLOCK_M = 64: warps_per_cta [4, 2], each warpgroup all query rows and half of the
-    keys; dK / dV [BLOCK_N, D]: warps stacked along the keys (each warpgroup the same half of the keys as in S);
-    dQ_i [BLOCK_M, D // DQ_SPLIT]: [4, 2], the warpgroups split its columns."""
+    """The default partition (8 warps: two MMA warpgroups): the loop over flat positions and the epilogue. Layouts
+    (BwdConfig): S / dP [BLOCK_M, BLOCK_N] with BLOCK_M = 64: warps_per_cta [4, 2], each warpgroup all query rows
+    and half of the keys; dK / dV [BLOCK_N, D]: warps stacked along the keys (each warpgroup the same half of the
+    keys as in S); dQ_i [BLOCK_M, D // DQ_SPLIT]: [4, 2], the warpgroups split its columns."""
     dtype: gl.constexpr = k_smem.dtype
-    NW: gl.constexpr = 8  # (gl.num_warps() is not the partition's inside a partition)
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, NW)
-    kv_layout: gl.constexpr = _mma_layout(BLOCK_N, HEAD_DIM, NW)
-    dq_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM // DQ_SPLIT, NW)
-    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    dq_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32)
+    # (gl.num_warps() is not the partition's inside a partition)
+    cfg = BwdConfig(dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, 8)
+    q_ring = Ring(q_ready, q_empty, STAGES)
+    if SPLIT_RING:
+        do_ring = Ring(do_ready, do_empty, DO_STAGES)
+    else:
+        do_ring = Ring(do_ready, q_empty, STAGES)
+    bufs = BwdBuffers(k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, q_ring, do_ring,
+                      Ring(dq_full, dq_empty, DQ_STAGES), SPLIT_RING)
 
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
                                                                             CAUSAL, BLOCK_M, BLOCK_N)
@@ -349,10 +444,11 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
     qk_scale = sm_scale * LOG2E
     diag = seqlen_k - seqlen_q
     off_lse = off_b.to(gl.int64) * stride_lb + h0.to(gl.int64) * stride_lh
+    sc = BwdScores(Lse, Delta, qk_scale, sm_scale, diag, start_n)
 
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dq_prev = gl.zeros([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32, dq_layout)  # (DQ_SPLIT 2: see _ws_step)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, cfg.kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, cfg.kv_layout)
+    dq_prev = gl.zeros([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32, cfg.dq_layout)  # (DQ_SPLIT 2: see _ws_step)
     mbarrier.wait(kv_bar, 0)
     # lse, delta: (batch, nheads, seqlen_q_pad) fp32 with the same strides, seqlen stride 1: one offset for both.
     # GQA / MQA: one flat loop over (query head, query block), head-major: the ring's stage / phase run on across
@@ -360,31 +456,23 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
     if GQA:
         i = i_first
         for it in range(0, total):
-            dk, dv, dq_prev = _ws_step(it, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready, do_ready,
-                                       q_empty, do_empty, p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse, Delta,
-                                       off_lse, start_n, diag, qk_scale, sm_scale, i < i_full, CAUSAL, HEAD_DIM,
-                                       BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, s_layout,
-                                       dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv, dq_prev = _ws_step(it, i, dk, dv, dq_prev, off_lse, i < i_full, bufs, sc, cfg)
             i += 1
             wrap = i == i_end
             i = gl.where(wrap, i_first, i)
             off_lse = gl.where(wrap, off_lse + stride_lh, off_lse)
     else:
         for i in range(i_first, i_end):
-            dk, dv, dq_prev = _ws_step(i - i_first, i, dk, dv, dq_prev, k_smem, v_smem, q_smem, do_smem, q_ready,
-                                       do_ready, q_empty, do_empty, p_smem, ds_smem, dq_smem, dq_full, dq_empty, Lse,
-                                       Delta, off_lse, start_n, diag, qk_scale, sm_scale, i < i_full, CAUSAL,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT,
-                                       s_layout, dq_layout, q_tile, kv_tile, dq_tile)
+            dk, dv, dq_prev = _ws_step(i - i_first, i, dk, dv, dq_prev, off_lse, i < i_full, bufs, sc, cfg)
 
     # DQ_SPLIT 2: the last position's second dQ half (tile 2 * total - 1)
     if DQ_SPLIT == 2:
         if total > 0:
-            _stage_dq(dq_prev, total * 2 - 1, dq_smem, dq_full, dq_empty, DQ_STAGES, BLOCK_M, HEAD_DIM // 2, dq_tile)
+            _stage_dq(dq_prev, total * 2 - 1, bufs, cfg)
 
     # dK, dV through the K / V buffers (every wgmma reading them was waited), clipped TMA stores
-    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    v_op = v_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
+    v_op = v_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
     k_op.store(dk.to(dtype))
     v_op.store(dv.to(dtype))
     fence_async_shared()

@@ -9,14 +9,16 @@ cores (FlashAttention-3's intra-warpgroup pipelining). K and V arrive by TMA int
 shared-memory rings, one mbarrier per stage; a stage is refilled as soon as the wgmma that read it
 has been waited for.
 
-Three kernels: attn_fwd_hopper_kernel, one program = one query block run by its warps (one or two
-warpgroups); attn_fwd_ws_kernel (below), warp-specialized: a producer warp loads, two consumer
-warpgroups compute one query block each (FlashAttention-3's arrangement); attn_fwd_persist_kernel
-(last), the warp-specialized kernel made persistent. ops.attention takes the persistent kernel at
-headdim 64 and 128 (config.gluon_persist) and the warp-specialized one at headdim 256
-(config.gluon_ws); the others where overrides ask for them.
+Two kernels: attn_fwd_ws_kernel, warp-specialized: a producer warp loads, two consumer warpgroups
+compute one query block each (FlashAttention-3's arrangement); attn_fwd_persist_kernel (last), the
+warp-specialized kernel made persistent. The plan takes the persistent kernel at headdim 64 and 128
+and the warp-specialized one at headdim 256. Both run one consumer pipeline (_attn_tile: block 0's
+QK^T, the steps _attn_step, the last PV) with one layout preamble (FwdConfig) and one softmax
+(OnlineSoftmax: every per-score option goes there); they differ only in how a consumer waits for and
+releases its key and value blocks (_WsLoads, _PersistLoads: the same four methods). The ring
+bookkeeping (stage i % STAGES, phase (i // STAGES) & 1) is kernels/pipeline.py's Ring.
 
-attn_fwd_persist_kernel: the same partitions and numerics as attn_fwd_ws_kernel (no ping-pong), with
+attn_fwd_persist_kernel: the same partitions and numerics as attn_fwd_ws_kernel, with
 CONSUMERS (2 or 3) consumer warpgroups, and a grid of min(#SMs, #tiles) CTAs (a tile: batch entry,
 head, CONSUMERS * BLOCK_M query rows), each
 looping over tiles pid, pid + G, pid + 2G, ... (G CTAs), so a tile's prologue and epilogue overlap
@@ -54,7 +56,7 @@ kernel and has no table entry.)
 
 Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
 [1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.
-No softcap, ALiBi, window or dropout (ops.attention sends those to kernels/fwd.py). Causal is
+No softcap, ALiBi, window or dropout (the plan, ops/planning.py, sends those to kernels/fwd.py). Causal is
 bottom-right aligned (row i sees keys j <= i + seqlen_k - seqlen_q); a query block that sees no key
 gets output 0 and logsumexp +inf, as in kernels/fwd.py.
 """
@@ -63,6 +65,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+from .pipeline import Ring, Scalar, aggregate, ring_phase, unwrap
+
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -70,36 +74,49 @@ LN2 = gl.constexpr(0.6931471805599453)
 @gluon.constexpr_function
 def _acc_layout(cols, num_warps):
     """wgmma accumulator layout of a [rows, cols] tile whose warps each own 16 rows (S: cols =
-    BLOCK_N, O: cols = HEAD_DIM). (Called from a warp_specialize partition, its arguments arrive as
-    constexpr wrappers: unwrapped first.)"""
-    cols, num_warps = (getattr(x, "value", x) for x in (cols, num_warps))
+    BLOCK_N, O: cols = HEAD_DIM)."""
+    cols, num_warps = unwrap(cols), unwrap(num_warps)
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
 
 
-@gluon.jit
-def _load(desc, off_b, row, col, bars, bufs, stage, pred):
-    """TMA of rows [row, row + BLOCK) of batch entry off_b, columns [col, col + HEAD_DIM), into ring
-    stage `stage`; its mbarrier expects the tile's bytes."""
-    bar = bars.index(stage)
-    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [off_b, row, col], bar, bufs.index(stage), pred=pred)
+@aggregate
+class FwdConfig:
+    """A consumer warpgroup's tile shape and layouts (the one layout preamble): S = Q K^T [BLOCK_M, BLOCK_N] and
+    O [BLOCK_M, HEAD_DIM] wgmma accumulators, each warp 16 rows; P as the register A operand of PV; the row
+    vectors of S and O; the NVMMA shared layouts of a Q tile and a K / V block viewed 2-D."""
+    CAUSAL: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    s_layout: gl.constexpr
+    o_layout: gl.constexpr
+    p_layout: gl.constexpr
+    row_s: gl.constexpr
+    row_o: gl.constexpr
+    q_tile: gl.constexpr
+    kv_tile: gl.constexpr
 
+    @gluon.constexpr_function
+    def __init__(self, dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps):
+        dtype, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps = map(unwrap, (dtype, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps))
+        self.CAUSAL = gl.constexpr(unwrap(CAUSAL))
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        s_layout = _acc_layout(BLOCK_N, num_warps)
+        o_layout = _acc_layout(HEAD_DIM, num_warps)
+        self.s_layout = gl.constexpr(s_layout)
+        self.o_layout = gl.constexpr(o_layout)
+        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        self.row_s = gl.constexpr(gl.SliceLayout(1, s_layout))
+        self.row_o = gl.constexpr(gl.SliceLayout(1, o_layout))
+        self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
+        self.kv_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype))
 
-@gluon.jit
-def _program_tile(batch, nheads, seqlen_q, CAUSAL: gl.constexpr, CTA_M: gl.constexpr):
-    """The grid's order (kernels.common.query_block_program) on programs of CTA_M query rows:
-    (batch entry, head, first row). Query blocks of one head together; causal heaviest first,
-    those of all heads first when a head has more than 8."""
-    num_m = (seqlen_q + CTA_M - 1) // CTA_M
-    pid = gl.program_id(0)
-    pid_m = pid % num_m
-    off_bh = pid // num_m
-    if CAUSAL:
-        if num_m > 8:
-            pid_m = pid // (batch * nheads)
-            off_bh = pid % (batch * nheads)
-        pid_m = num_m - 1 - pid_m
-    return off_bh // nheads, off_bh % nheads, pid_m * CTA_M
+    @gluon.jit
+    def kv_view(self, smem, stage):
+        """Stage `stage` of a K or V ring ([STAGES, 1, BLOCK_N, HEAD_DIM]) as a 2-D wgmma operand."""
+        return smem.index(stage)._reinterpret(smem.dtype, [self.BLOCK_N, self.HEAD_DIM], self.kv_tile)
 
 
 @gluon.jit
@@ -122,195 +139,164 @@ def _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf,
-              BLOCK_M: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, WAIT: gl.constexpr):
-    """The logsumexp (natural log) and O = acc / l, through the Q tile's buffer (every wgmma that
-    read Q has been waited for) and a TMA store that clips rows past seqlen_q, waited for if WAIT
-    (the persistent kernel hands the buffer back later). A row that sees no key: output 0 and
-    logsumexp +inf (flash-attn 2's convention)."""
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
-    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
-    o = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-    q_op.store(o.to(q_op.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(Out, [off_b, start_m, q_col], q_buf)
-    if WAIT:
-        tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _qk_scale(sm_scale):
     """The scores' scale in base 2, at least 1e-30: softmax_scale 0 (allowed, >= 0 is checked) would
-    make a masked score's -inf * 0 a NaN in _softmax's folded FMA; at 1e-30 every exp2 still rounds
+    make a masked score's -inf * 0 a NaN in the softmax's folded FMA; at 1e-30 every exp2 still rounds
     to 1 in fp32 and the logsumexp moves by under 1e-24, i.e. softmax_scale 0's results."""
     return gl.maximum(sm_scale * LOG2E, 1e-30)
 
 
-@gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, start_m, start_n, seqlen_k, diag, masked, CAUSAL: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """One online-softmax step on raw scores s: (p, alpha, m, l); qk_scale > 0 (_qk_scale). In
-    both paths the scale is folded into one FMA and the max taken before scaling. `masked`
-    (constexpr, or a runtime flag for block 0): the block crosses the causal diagonal or the end of
-    the keys; its invisible scores become -inf (one compare of the column against a per-row limit
-    and one select per score) and a row that has seen no key yet keeps m = -inf, shifted by 0 so
-    that exp2 gives 0, not NaN."""
-    if masked:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if CAUSAL:  # the last visible column of each row, relative to the block
-            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            last = gl.minimum(rows + diag, seqlen_k - 1) - start_n
-            visible = cols[None, :] <= last[:, None]
+@aggregate
+class OnlineSoftmax:
+    """The score arithmetic of one consumer's query tile (rows start_m ..): the online-softmax step on each block of
+    raw scores, and the logsumexp at the end. A per-score option (a score modification, an extra logit in the
+    denominator such as an attention sink) is a field here and a line in step / finish; the pipeline does not
+    change."""
+    qk_scale: gl.tensor  # > 0: _qk_scale
+    start_m: Scalar
+    seqlen_k: Scalar
+    diag: Scalar  # seqlen_k - seqlen_q: row i sees keys j <= i + diag (causal, bottom-right aligned)
+    cfg: FwdConfig
+
+    @gluon.constexpr_function
+    def __init__(self, qk_scale, start_m, seqlen_k, diag, cfg):
+        self.qk_scale = qk_scale
+        self.start_m = gl.constexpr(start_m) if isinstance(start_m, int) else start_m
+        self.seqlen_k = gl.constexpr(seqlen_k) if isinstance(seqlen_k, int) else seqlen_k
+        self.diag = gl.constexpr(diag) if isinstance(diag, int) else diag
+        self.cfg = cfg
+
+    @gluon.jit
+    def step(self, s, m_i, l_i, start_n, masked):
+        """One online-softmax step on the raw scores s of the key block at start_n: (p, alpha, m, l). In both
+        paths the scale is folded into one FMA and the max taken before scaling. `masked` (constexpr, or a runtime
+        flag for block 0): the block crosses the causal diagonal or the end of the keys; its invisible scores
+        become -inf (one compare of the column against a per-row limit and one select per score) and a row that
+        has seen no key yet keeps m = -inf, shifted by 0 so that exp2 gives 0, not NaN."""
+        qk_scale = self.qk_scale
+        s_layout: gl.constexpr = self.cfg.s_layout
+        if masked:
+            cols = gl.arange(0, self.cfg.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if self.cfg.CAUSAL:  # the last visible column of each row, relative to the block
+                rows = self.start_m + gl.arange(0, self.cfg.BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                last = gl.minimum(rows + self.diag, self.seqlen_k - 1) - start_n
+                visible = cols[None, :] <= last[:, None]
+            else:
+                visible = cols[None, :] < self.seqlen_k - start_n
+            s = gl.where(visible, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # -inf * qk_scale = -inf: qk_scale > 0
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - m_shift[:, None])
+            alpha = gl.exp2(m_i - m_shift)
         else:
-            visible = cols[None, :] < seqlen_k - start_n
-        s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # -inf * qk_scale = -inf: qk_scale > 0
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - m_shift[:, None])
-        alpha = gl.exp2(m_i - m_shift)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_new
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def finish(self, m_i, l_i):
+        """The logsumexp (natural log) and the divisor of O: (lse, l). A row that saw no key: logsumexp +inf and
+        divisor 1, so O = 0 (flash-attn 2's convention)."""
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+        return lse, l_safe
 
 
 @gluon.jit
-def _step(acc, p_op, m_i, l_i, q_op, K, V, k_smem, v_smem, k_bars, v_bars, s_zero, j, n_blocks, off_b, kv_col,
-          qk_scale, start_m, seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-          p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
-    """Key block j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; wait for S_j only and run its
-    softmax while PV is on the tensor cores; then wait for PV, refill the two freed ring stages and
-    rescale O to the new row max. Returns (acc, P_j as the next PV's operand, m, l)."""
-    dtype: gl.constexpr = q_op.dtype
-    ks = j % STAGES
-    mbarrier.wait(k_bars.index(ks), (j // STAGES) & 1)
-    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+def _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_op, q_buf, WAIT: gl.constexpr):
+    """The logsumexp and O = acc / l (OnlineSoftmax.finish), through the Q tile's buffer (every wgmma that read Q
+    has been waited for) and a TMA store that clips rows past seqlen_q, waited for if WAIT (the persistent kernel
+    hands the buffer back later)."""
+    lse, l_safe = sm.finish(m_i, l_i)
+    offs_m = sm.start_m + gl.arange(0, sm.cfg.BLOCK_M, layout=sm.cfg.row_s)
+    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
+    o = acc * gl.convert_layout(1.0 / l_safe, sm.cfg.row_o)[:, None]
+    q_op.store(o.to(q_op.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(Out, [off_b, sm.start_m, q_col], q_buf)
+    if WAIT:
+        tma.store_wait(pendings=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The consumer pipeline, shared by both kernels. A consumer warpgroup owns one BLOCK_M-row query
+# tile: S_0 = Q K_0^T, waited, its softmax; then for each key block j >= 1 S_j = Q K_j^T and
+# O += P_{j-1} V_{j-1} issued together as async wgmmas, the softmax of S_j overlapping PV(j-1)
+# (the blocks that need no mask first, then those that do: no branch in the hot loop); then the
+# last PV. `loads` (_WsLoads, _PersistLoads) says where K_j and V_{j-1} are and when their buffers
+# go back, with four methods, and first_issued(), a hook run once block 0's QK^T is issued:
+#   k_wait(j) -> K_j's view, once it landed;   v_wait(j, AFTER_K) -> V_{j-1}'s view, once it landed;
+#   k_done(j, ALONE): S_j was waited for;      v_done(j): PV_{j-1} was waited for.
+# ALONE: block 0's K (no PV alongside); AFTER_K: V_{j-1} was waited for with K_j (one ring unit).
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, MASKED: gl.constexpr):
+    """Key block j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; wait for S_j only and run its softmax while
+    PV is on the tensor cores; then wait for PV and rescale O to the new row max. Returns (acc, P_j as the next
+    PV's operand, m, l)."""
+    k_op = loads.k_wait(j)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    vs = (j - 1) % STAGES
-    mbarrier.wait(v_bars.index(vs), ((j - 1) // STAGES) & 1)
-    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    v_op = loads.v_wait(j, True)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
-    _load(K, off_b, (j + STAGES) * BLOCK_N, kv_col, k_bars, k_smem, ks, j + STAGES < n_blocks)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout)
-    p_next = gl.convert_layout(p.to(dtype), p_layout)
+    loads.k_done(j, False)
+    p, alpha, m_i, l_i = sm.step(s, m_i, l_i, j * sm.cfg.BLOCK_N, MASKED)
+    p_next = gl.convert_layout(p.to(q_op.dtype), sm.cfg.p_layout)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _load(V, off_b, (j - 1 + STAGES) * BLOCK_N, kv_col, v_bars, v_smem, vs, j - 1 + STAGES < n_blocks)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    loads.v_done(j)
+    acc = acc * gl.convert_layout(alpha, sm.cfg.row_o)[:, None]
     return acc, p_next, m_i, l_i
 
 
 @gluon.jit
-def attn_fwd_hopper_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k,
-                           group_size, sm_scale,
-                           CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    dtype: gl.constexpr = Q.dtype
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    # wgmma accumulators: S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM]; each warp owns 16 rows
-    s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
-    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, NUM_WARPS)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-
-    off_b, off_h, start_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, BLOCK_M)
-    q_col = off_h * HEAD_DIM
-    kv_col = (off_h // group_size) * HEAD_DIM
-    qk_scale = _qk_scale(sm_scale)
-    diag = seqlen_k - seqlen_q
-    n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-
-    # shared memory: the Q tile (reused for O), K and V rings, one mbarrier per buffer
-    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    fence_async_shared()  # the barriers' initialisation, visible to TMA
-
-    mbarrier.expect(q_bar, Q.block_type.nbytes)
-    tma.async_copy_global_to_shared(Q, [off_b, start_m, q_col], q_bar, q_smem)
-    for i in gl.static_range(STAGES):
-        _load(K, off_b, i * BLOCK_N, kv_col, k_bars, k_smem, i, i < n_blocks)
-        _load(V, off_b, i * BLOCK_N, kv_col, v_bars, v_smem, i, i < n_blocks)
-    q_op = q_smem._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
-
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
+    """One consumer warpgroup's query tile against key blocks 0 .. n_blocks - 1 (n_blocks >= 1; blocks from
+    mask_from on masked), its Q waited for: (acc, m, l), every wgmma waited for."""
+    cfg = sm.cfg
+    s_zero = gl.zeros([cfg.BLOCK_M, cfg.BLOCK_N], gl.float32, cfg.s_layout)
+    acc = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+    m_i = gl.full([cfg.BLOCK_M], float("-inf"), gl.float32, cfg.row_s)
+    l_i = gl.zeros([cfg.BLOCK_M], gl.float32, cfg.row_s)
 
     # block 0: S = Q K_0^T, waited; its softmax
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    k_op = loads.k_wait(0)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    loads.first_issued()
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    _load(K, off_b, STAGES * BLOCK_N, kv_col, k_bars, k_smem, 0, STAGES < n_blocks)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    loads.k_done(0, True)
+    p, alpha, m_i, l_i = sm.step(s, m_i, l_i, 0, mask_from == 0)
+    p_op = gl.convert_layout(p.to(q_op.dtype), cfg.p_layout)
 
-    # block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j overlaps
-    # PV; the blocks that need no mask first, then those that do (no branch in the hot loop)
     for j in range(1, gl.maximum(mask_from, 1)):
-        acc, p_op, m_i, l_i = _step(acc, p_op, m_i, l_i, q_op, K, V, k_smem, v_smem, k_bars, v_bars, s_zero, j,
-                                    n_blocks, off_b, kv_col, qk_scale, start_m, seqlen_k, diag, False, CAUSAL,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+        acc, p_op, m_i, l_i = _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, False)
     for j in range(gl.maximum(mask_from, 1), n_blocks):
-        acc, p_op, m_i, l_i = _step(acc, p_op, m_i, l_i, q_op, K, V, k_smem, v_smem, k_bars, v_bars, s_zero, j,
-                                    n_blocks, off_b, kv_col, qk_scale, start_m, seqlen_k, diag, True, CAUSAL,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+        acc, p_op, m_i, l_i = _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, True)
 
     # the last block's PV
-    vs = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_bars.index(vs), ((n_blocks - 1) // STAGES) & 1)
-    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    v_op = loads.v_wait(n_blocks, False)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
-    _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_smem, BLOCK_M, row_s,
-              row_o, True)
+    loads.v_done(n_blocks)
+    return acc, m_i, l_i
 
 
 # ---------------------------------------------------------------------------------------------
 # The warp-specialized forward (FlashAttention-3's producer/consumer split). One program covers
 # 2 * BLOCK_M query rows with three partitions:
 #   * two consumer warpgroups (the default partition and worker 0), each owning one BLOCK_M-row
-#     query tile and running the loop above (QK^T of block j and PV of block j-1 as async wgmmas,
-#     the softmax of j overlapping PV(j-1)), with the same unmasked-then-masked split;
+#     query tile and running the consumer pipeline (_attn_tile);
 #   * one producer warp (worker 1, few registers): TMA of both Q tiles, then K_0, K_1, V_0, K_2,
-#     V_1, ... into STAGES-deep K and V rings. Each stage has a "ready" mbarrier (the producer's
-#     expect-tx) and an "empty" one counting one arrival per consumer, made after the wgmma that
-#     read the stage was waited for; block j uses stage j % STAGES, phase j // STAGES.
+#     V_1, ... into STAGES-deep K and V rings (pipeline.Ring: a "ready" mbarrier per stage, the
+#     producer's expect-tx, and an "empty" one counting one arrival per consumer, made after the
+#     wgmma that read the stage was waited for; block j is ring position j).
 # The tiles may need different numbers of key blocks (causal: tile 0 sees fewer keys; a tile past
 # seqlen_q needs none): the consumer with more arrives twice (for itself and its partner) on the
 # blocks its partner does not use, so every phase of an empty barrier gets its two arrivals.
-# PINGPONG: the consumers' GEMM issues alternate through two "turn" mbarriers (Gluon 3.6 has no
-# named barriers): consumer 0 issues its slot i (slot 0 = QK_0, slot j = QK_j + PV_{j-1}, slot n =
-# PV_{n-1}) after consumer 1 issued slot i-1, consumer 1 its slot i after consumer 0 issued slot i,
-# while the partner still has that slot (unequal slot counts stop the alternation, never hang).
+# (A ping-pong of the consumers' GEMM issues through two "turn" mbarriers measured slower at both
+# head dims and was removed.)
 # Registers: the producer is given 24 per thread, each consumer 240 (setmaxnreg).
 # ---------------------------------------------------------------------------------------------
 NUM_CONSUMERS = gl.constexpr(2)
@@ -324,149 +310,102 @@ _PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _release(empty_bars, stage, blk, n_other):
-    """This consumer is done with ring stage `stage` (key block blk); it also arrives for its
-    partner when the partner does not use block blk (blk >= n_other)."""
-    bar = empty_bars.index(stage)
-    mbarrier.arrive(bar)
-    mbarrier.arrive(bar, pred=blk >= n_other)
+def _program_tile(batch, nheads, seqlen_q, CAUSAL: gl.constexpr, CTA_M: gl.constexpr):
+    """The grid's order (kernels.common.query_block_program) on programs of CTA_M query rows:
+    (batch entry, head, first row). Query blocks of one head together; causal heaviest first,
+    those of all heads first when a head has more than 8."""
+    num_m = (seqlen_q + CTA_M - 1) // CTA_M
+    pid = gl.program_id(0)
+    pid_m = pid % num_m
+    off_bh = pid // num_m
+    if CAUSAL:
+        if num_m > 8:
+            pid_m = pid // (batch * nheads)
+            off_bh = pid % (batch * nheads)
+        pid_m = num_m - 1 - pid_m
+    return off_bh // nheads, off_bh % nheads, pid_m * CTA_M
+
+
+@aggregate
+class _WsLoads:
+    """attn_fwd_ws_kernel's consumer side of the loads: K and V in rings of their own, block j at position j; each
+    release also arrives for the partner when the partner's tile has no block there (blk >= n_other)."""
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    k_ring: Ring
+    v_ring: Ring
+    n_other: Scalar
+    cfg: FwdConfig
+
+    @gluon.constexpr_function
+    def __init__(self, k_smem, v_smem, k_ring, v_ring, n_other, cfg):
+        self.k_smem = k_smem
+        self.v_smem = v_smem
+        self.k_ring = k_ring
+        self.v_ring = v_ring
+        self.n_other = gl.constexpr(n_other) if isinstance(n_other, int) else n_other
+        self.cfg = cfg
+
+    @gluon.jit
+    def _release(self, ring, blk):
+        bar = ring.empty.index(ring.slot(blk))
+        mbarrier.arrive(bar)
+        mbarrier.arrive(bar, pred=blk >= self.n_other)
+
+    @gluon.jit
+    def k_wait(self, j):
+        self.k_ring.wait_ready(j)
+        return self.cfg.kv_view(self.k_smem, self.k_ring.slot(j))
+
+    @gluon.jit
+    def v_wait(self, j, AFTER_K: gl.constexpr):
+        self.v_ring.wait_ready(j - 1)
+        return self.cfg.kv_view(self.v_smem, self.v_ring.slot(j - 1))
+
+    @gluon.jit
+    def first_issued(self):
+        pass
+
+    @gluon.jit
+    def k_done(self, j, ALONE: gl.constexpr):
+        self._release(self.k_ring, j)
+
+    @gluon.jit
+    def v_done(self, j):
+        self._release(self.v_ring, j - 1)
 
 
 @gluon.jit
-def _pp_wait(turn_bars, slot, slots_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: before GEMM slot `slot`, wait until the partner issued its slot slot-1
-    (consumer 0) or slot (consumer 1), if it has that slot; partner slot k completes phase k of
-    turn_bars[ME]."""
-    if PINGPONG:
-        need = slot - 1 + ME
-        mbarrier.wait(turn_bars.index(ME), need & 1, pred=(need >= 0) & (need < slots_other))
-
-
-@gluon.jit
-def _pp_arrive(turn_bars, slot, slots_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: slot `slot` issued; signal the partner if it will wait for it."""
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - ME), pred=slot + ME < slots_other)
-
-
-@gluon.jit
-def _ws_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, s_zero, j,
-             n_other, slots_other, qk_scale, start_m, seqlen_k, diag, ME: gl.constexpr, PINGPONG: gl.constexpr,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-             row_o: gl.constexpr, kv_tile: gl.constexpr):
-    """_step with ready/empty rings (the producer refills): key block j >= 1, GEMM slot j."""
-    dtype: gl.constexpr = q_op.dtype
-    ks = j % STAGES
-    mbarrier.wait(k_ready.index(ks), (j // STAGES) & 1)
-    k_op = k_smem.index(ks)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    _pp_wait(turn_bars, j, slots_other, ME, PINGPONG)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    vs = (j - 1) % STAGES
-    mbarrier.wait(v_ready.index(vs), ((j - 1) // STAGES) & 1)
-    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
-    _pp_arrive(turn_bars, j, slots_other, ME, PINGPONG)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
-    _release(k_empty, ks, j, n_other)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout)
-    p_next = gl.convert_layout(p.to(dtype), p_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _release(v_empty, vs, j - 1, n_other)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    return acc, p_next, m_i, l_i
-
-
-@gluon.jit
-def _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, lse_row0,
-             off_b, q_col, start_m, n_blocks, mask_from, n_other, slots_other, qk_scale, seqlen_q, seqlen_k,
-             ME: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One consumer warpgroup's query tile (n_blocks >= 1)."""
-    dtype: gl.constexpr = q_smem.dtype
-    NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
-    s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
-    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, NUM_WARPS)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    diag = seqlen_k - seqlen_q
-
-    q_buf = q_smem.index(ME)
-    q_op = q_buf._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-
-    # slot 0: S = Q K_0^T, waited; its softmax
-    mbarrier.wait(q_bars.index(ME), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    _pp_wait(turn_bars, 0, slots_other, ME, PINGPONG)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _pp_arrive(turn_bars, 0, slots_other, ME, PINGPONG)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    _release(k_empty, 0, 0, n_other)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-    for j in range(1, gl.maximum(mask_from, 1)):
-        acc, p_op, m_i, l_i = _ws_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, turn_bars, s_zero, j, n_other, slots_other, qk_scale, start_m,
-                                       seqlen_k, diag, ME, PINGPONG, False, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       STAGES, s_layout, p_layout, row_o, kv_tile)
-    for j in range(gl.maximum(mask_from, 1), n_blocks):
-        acc, p_op, m_i, l_i = _ws_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, turn_bars, s_zero, j, n_other, slots_other, qk_scale, start_m,
-                                       seqlen_k, diag, ME, PINGPONG, True, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       STAGES, s_layout, p_layout, row_o, kv_tile)
-
-    # slot n_blocks: the last block's PV
-    vs = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(vs), ((n_blocks - 1) // STAGES) & 1)
-    v_op = v_smem.index(vs)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    _pp_wait(turn_bars, n_blocks, slots_other, ME, PINGPONG)
-    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
-    _pp_arrive(turn_bars, n_blocks, slots_other, ME, PINGPONG)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _release(v_empty, vs, n_blocks - 1, n_other)
-    _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf, BLOCK_M, row_s,
-              row_o, True)
-
-
-@gluon.jit
-def _consumer(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+def _consumer(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
               stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-              ME: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              ME: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer warpgroup ME (0: the default partition, 1: worker 0): query tile ME of the program."""
+    cfg = FwdConfig(q_smem.dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, gl.num_warps())  # the partition's: 4 warps
     off_b, off_h, cta_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, NUM_CONSUMERS * BLOCK_M)
     start_m = cta_m + ME * BLOCK_M
     n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     n_other, _ = _tile_blocks(cta_m + (1 - ME) * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    slots_other = gl.where(n_other > 0, n_other + 1, 0)
     lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
     if n_blocks > 0:
-        _consume(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, lse_row0,
-                 off_b, off_h * HEAD_DIM, start_m, n_blocks, mask_from, n_other, slots_other, _qk_scale(sm_scale),
-                 seqlen_q, seqlen_k, ME, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)
+        q_col = off_h * HEAD_DIM
+        sm = OnlineSoftmax(_qk_scale(sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, cfg)
+        loads = _WsLoads(k_smem, v_smem, Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES), n_other,
+                         cfg)
+        q_buf = q_smem.index(ME)
+        q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
+        mbarrier.wait(q_bars.index(ME), 0)
+        acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
+        _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_op, q_buf, True)
 
 
 @gluon.jit
-def _produce(desc, ready, empty, smem, blk, off_b, kv_col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Block blk of a ring: wait until both consumers released the stage's previous block (block
-    blk - STAGES, phase blk // STAGES - 1 of the empty barrier; a fresh barrier passes a wait on
-    parity 1), then TMA it."""
-    stage = blk % STAGES
-    mbarrier.wait(empty.index(stage), ((blk // STAGES) & 1) ^ 1)
-    bar = ready.index(stage)
+def _produce(desc, ring, smem, blk, off_b, kv_col, BLOCK_N: gl.constexpr):
+    """Block blk of a ring: wait until both consumers released the stage's previous block, then TMA it."""
+    ring.wait_empty(blk)
+    bar = ring.ready_bar(blk)
     mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [off_b, blk * BLOCK_N, kv_col], bar, smem.index(stage))
+    tma.async_copy_global_to_shared(desc, [off_b, blk * BLOCK_N, kv_col], bar, smem.index(ring.slot(blk)))
 
 
 @gluon.jit
@@ -481,22 +420,24 @@ def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty
     n_max = gl.maximum(n0, n1)
     q_col = off_h * HEAD_DIM
     kv_col = (off_h // group_size) * HEAD_DIM
+    k_ring = Ring(k_ready, k_empty, STAGES)
+    v_ring = Ring(v_ready, v_empty, STAGES)
     for t in gl.static_range(NUM_CONSUMERS):
         bar = q_bars.index(t)
         valid = cta_m + t * BLOCK_M < seqlen_q
         mbarrier.expect(bar, Q.block_type.nbytes, pred=valid)
         tma.async_copy_global_to_shared(Q, [off_b, cta_m + t * BLOCK_M, q_col], bar, q_smem.index(t), pred=valid)
-    _produce(K, k_ready, k_empty, k_smem, 0, off_b, kv_col, BLOCK_N, STAGES)  # tile 0 is valid: n_max >= 1
+    _produce(K, k_ring, k_smem, 0, off_b, kv_col, BLOCK_N)  # tile 0 is valid: n_max >= 1
     for j in range(1, n_max):
-        _produce(K, k_ready, k_empty, k_smem, j, off_b, kv_col, BLOCK_N, STAGES)
-        _produce(V, v_ready, v_empty, v_smem, j - 1, off_b, kv_col, BLOCK_N, STAGES)
-    _produce(V, v_ready, v_empty, v_smem, n_max - 1, off_b, kv_col, BLOCK_N, STAGES)
+        _produce(K, k_ring, k_smem, j, off_b, kv_col, BLOCK_N)
+        _produce(V, v_ring, v_smem, j - 1, off_b, kv_col, BLOCK_N)
+    _produce(V, v_ring, v_smem, n_max - 1, off_b, kv_col, BLOCK_N)
 
 
 @gluon.jit
 def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, group_size,
                        sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Grid: cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads programs; launched with num_warps=4 (the
     default partition; the compiler adds the workers' warps)."""
     dtype: gl.constexpr = Q.dtype
@@ -508,10 +449,8 @@ def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nhe
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bars.index(t), count=1)
-        mbarrier.init(turn_bars.index(t), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -520,12 +459,12 @@ def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nhe
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
     gl.warp_specialize([
-        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                      stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                     _CONSUMER0, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                     _CONSUMER0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                      stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                     _CONSUMER1, PINGPONG, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+                     _CONSUMER1, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch, nheads,
                      seqlen_q, seqlen_k, group_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
@@ -587,30 +526,23 @@ def _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: g
     return n_max
 
 
-@gluon.jit
-def _unit_wait(ready, u, STAGES: gl.constexpr):
-    """Wait until ring unit u (its K block and/or V block) has landed in stage u % STAGES."""
-    mbarrier.wait(ready.index(u % STAGES), (u // STAGES) & 1)
-
 
 @gluon.jit
-def _persist_release(empty, u, STAGES: gl.constexpr):
-    """Done reading ring unit u (both its blocks): one arrival (after this warpgroup's wgmma wait);
-    the stage's empty barrier completes its phase when every consumer arrived -- never for a
-    partner (_skip_units)."""
-    mbarrier.arrive(empty.index(u % STAGES))
-
-
-@gluon.jit
-def _skip_units(ready, empty, g, j0, j1, STAGES: gl.constexpr):
+def _skip_units(ring, g, j0, j1):
     """Ring units g + j0 .. g + j1 - 1: the partners', not this consumer's (causal: a partner's part
     sees more keys; or this part is empty: past seqlen_q or before row 0). Wait until each is loaded, then give this
-    consumer's arrival. Not a partner arriving twice instead (attn_fwd_ws_kernel's _release): this
+    consumer's arrival. Not a partner arriving twice instead (attn_fwd_ws_kernel's _WsLoads): this
     consumer would go on to its next tile and wait on ring units more than STAGES ahead of the fill,
     where a parity wait passes two phases early."""
     for j in range(j0, j1):
-        _unit_wait(ready, g + j, STAGES)
-        _persist_release(empty, g + j, STAGES)
+        ring.wait_ready(g + j)
+        ring.release(g + j)
+
+
+@gluon.jit
+def _q_buffer(k, part, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The Q buffer of part `part` of a CTA's k-th tile (its phase: ring_phase(k, QBUF))."""
+    return (k % QBUF) * CONSUMERS + part
 
 
 @gluon.jit
@@ -623,92 +555,61 @@ def _q_release(q_empty, idx, pred):
     mbarrier.arrive(q_empty.index(idx), pred=pred)
 
 
-@gluon.jit
-def _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, ready, empty, s_zero, g, j, qk_scale, start_m,
-                  seqlen_k, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-                  p_layout: gl.constexpr, row_o: gl.constexpr, kv_tile: gl.constexpr):
-    """_ws_step (without ping-pong) on the running ring: the tile's key block j >= 1 and value block
-    j - 1 are ring unit g + j, waited for once and released once, after both wgmmas."""
-    dtype: gl.constexpr = q_op.dtype
-    u = g + j
-    st = u % STAGES
-    _unit_wait(ready, u, STAGES)
-    k_op = k_smem.index(st)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    v_op = v_smem.index(st)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, seqlen_k, diag, MASKED, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout)
-    p_next = gl.convert_layout(p.to(dtype), p_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _persist_release(empty, u, STAGES)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    return acc, p_next, m_i, l_i
+@aggregate
+class _PersistLoads:
+    """attn_fwd_persist_kernel's consumer side of the loads for one tile: the tile's key block j and value block
+    j - 1 are ring unit g + j (one stage of the K and V buffers behind one ready barrier), waited for once and
+    released once per unit (one arrival per consumer, never for a partner: _skip_units). QBUF 2: the previous
+    tile's Q buffer (prev_qi) goes back once this tile's first QK^T is issued."""
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    ring: Ring
+    g: gl.tensor
+    q_empty: gl.shared_memory_descriptor
+    prev_qi: gl.tensor
+    has_prev: gl.tensor
+    QBUF: gl.constexpr
+    cfg: FwdConfig
 
+    @gluon.constexpr_function
+    def __init__(self, k_smem, v_smem, ring, g, q_empty, prev_qi, has_prev, QBUF, cfg):
+        self.k_smem = k_smem
+        self.v_smem = v_smem
+        self.ring = ring
+        self.g = g
+        self.q_empty = q_empty
+        self.prev_qi = prev_qi
+        self.has_prev = has_prev
+        self.QBUF = gl.constexpr(QBUF)
+        self.cfg = cfg
 
-@gluon.jit
-def _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_row0, off_b, q_col, start_m,
-                  n_blocks, mask_from, g, qi, prev_qi, has_prev, qk_scale, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  QBUF: gl.constexpr):
-    """One consumer warpgroup's query tile (n_blocks >= 1, its Q in buffer qi already waited for):
-    ring units g .. g + n_blocks, then the epilogue, whose O store is left in flight."""
-    dtype: gl.constexpr = q_smem.dtype
-    NUM_WARPS: gl.constexpr = gl.num_warps()  # the partition's: 4
-    s_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
-    o_layout: gl.constexpr = _acc_layout(HEAD_DIM, NUM_WARPS)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    diag = seqlen_k - seqlen_q
+    @gluon.jit
+    def k_wait(self, j):
+        u = self.g + j
+        self.ring.wait_ready(u)
+        return self.cfg.kv_view(self.k_smem, self.ring.slot(u))
 
-    q_buf = q_smem.index(qi)
-    q_op = q_buf._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q_tile)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    @gluon.jit
+    def v_wait(self, j, AFTER_K: gl.constexpr):
+        u = self.g + j
+        if not AFTER_K:  # the last unit: V_{n-1} alone (its K block, if any, is a partner's)
+            self.ring.wait_ready(u)
+        return self.cfg.kv_view(self.v_smem, self.ring.slot(u))
 
-    # block 0 (ring unit g, K_0 alone): S = Q K_0^T; QBUF 2: the previous tile's Q buffer goes back
-    # while it runs, so waiting for that tile's O store costs nothing
-    _unit_wait(ready, g, STAGES)
-    k_op = k_smem.index(g % STAGES)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if QBUF == 2:
-        _q_release(q_empty, prev_qi, has_prev)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    _persist_release(empty, g, STAGES)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, start_m, 0, seqlen_k, diag, mask_from == 0, CAUSAL,
-                                  BLOCK_M, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    @gluon.jit
+    def first_issued(self):
+        # QBUF 2: waiting for the previous tile's O store costs nothing while S_0 runs
+        if self.QBUF == 2:
+            _q_release(self.q_empty, self.prev_qi, self.has_prev)
 
-    for j in range(1, gl.maximum(mask_from, 1)):
-        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, ready, empty, s_zero, g, j,
-                                            qk_scale, start_m, seqlen_k, diag, False, CAUSAL, HEAD_DIM, BLOCK_M,
-                                            BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
-    for j in range(gl.maximum(mask_from, 1), n_blocks):
-        acc, p_op, m_i, l_i = _persist_step(acc, p_op, m_i, l_i, q_op, k_smem, v_smem, ready, empty, s_zero, g, j,
-                                            qk_scale, start_m, seqlen_k, diag, True, CAUSAL, HEAD_DIM, BLOCK_M,
-                                            BLOCK_N, STAGES, s_layout, p_layout, row_o, kv_tile)
+    @gluon.jit
+    def k_done(self, j, ALONE: gl.constexpr):
+        if ALONE:  # unit g: K_0 alone
+            self.ring.release(self.g + j)
 
-    # the last block's PV: ring unit g + n_blocks (its K block, if any, is a partner's)
-    u = g + n_blocks
-    _unit_wait(ready, u, STAGES)
-    v_op = v_smem.index(u % STAGES)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-    _persist_release(empty, u, STAGES)
-
-    # O through this tile's Q buffer, the store not waited for here
-    _epilogue(acc, m_i, l_i, Out, Lse, lse_row0, off_b, q_col, start_m, seqlen_q, q_op, q_buf, BLOCK_M, row_s,
-              row_o, False)
-    if QBUF == 1:
-        _q_release(q_empty, qi, True)
-    # QBUF 2: not waited for here; released during the next tile (or waited for at the very end)
+    @gluon.jit
+    def v_done(self, j):
+        self.ring.release(self.g + j)
 
 
 @gluon.jit
@@ -717,9 +618,12 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
                       CONSUMERS: gl.constexpr):
     """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part ME
     of each of this CTA's tiles. The k-th tile's Q is in buffer (k % QBUF) * CONSUMERS + ME, phase
-    (k // QBUF) & 1."""
+    ring_phase(k, QBUF); the tile's K/V ring units g .. g + n_blocks, then the epilogue, whose O store
+    is left in flight (QBUF 2: its buffer goes back during the next tile, or is waited for at the very end)."""
     (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h, batch, nheads,
      seqlen_q, seqlen_k, sm_scale) = args
+    cfg = FwdConfig(q_smem.dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, gl.num_warps())  # the partition's: 4 warps
+    ring = Ring(ready, empty, STAGES)
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
@@ -733,34 +637,40 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
         start_m = cta_m + ME * BLOCK_M
         n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
-        qi = (it % QBUF) * CONSUMERS + ME
-        prev_qi = ((it + 1) % QBUF) * CONSUMERS + ME  # QBUF 2: the previous tile's buffer
-        mbarrier.wait(q_ready.index(qi), (it // QBUF) & 1)
+        qi = _q_buffer(it, ME, QBUF, CONSUMERS)
+        prev_qi = _q_buffer(it + 1, ME, QBUF, CONSUMERS)  # QBUF 2: the previous tile's buffer
+        mbarrier.wait(q_ready.index(qi), ring_phase(it, QBUF))
         if n_blocks > 0:
             lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
-            _consume_tile(Out, Lse, q_smem, k_smem, v_smem, q_empty, ready, empty, lse_row0, off_b,
-                          off_h * HEAD_DIM, start_m, n_blocks, mask_from, g, qi, prev_qi, it > 0, qk_scale,
-                          seqlen_q, seqlen_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF)
+            q_col = off_h * HEAD_DIM
+            loads = _PersistLoads(k_smem, v_smem, ring, g, q_empty, prev_qi, it > 0, QBUF, cfg)
+            sm = OnlineSoftmax(qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, cfg)
+            q_buf = q_smem.index(qi)
+            q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
+            acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
+            # O through this tile's Q buffer, the store not waited for here
+            _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_op, q_buf, False)
+            if QBUF == 1:
+                _q_release(q_empty, qi, True)
         else:  # this part lies past seqlen_q or before row 0: nothing to compute, nothing stored
             if QBUF == 2:
                 _q_release(q_empty, prev_qi, it > 0)
             else:
                 mbarrier.arrive(q_empty.index(qi))
         # after the epilogue: the units past this part's last (unit n_blocks, or none when it has no block)
-        _skip_units(ready, empty, g, n_blocks + (n_blocks > 0).to(gl.int32), n_max + 1, STAGES)
+        _skip_units(ring, g, n_blocks + (n_blocks > 0).to(gl.int32), n_max + 1)
         g += n_max + 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _persist_produce(K, V, ready, empty, k_smem, v_smem, u, j, n_max, off_b, kv_col, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
+def _persist_produce(K, V, ring, k_smem, v_smem, u, j, n_max, off_b, kv_col, BLOCK_N: gl.constexpr):
     """Ring unit u, the tile's j-th (0 <= j <= n_max): K_j unless j == n_max, V_{j-1} unless j == 0.
-    Wait until every consumer released the stage's previous unit (u - STAGES; a fresh barrier passes
-    a wait on parity 1), then TMA both blocks onto the stage's one ready barrier."""
-    stage = u % STAGES
-    mbarrier.wait(empty.index(stage), ((u // STAGES) & 1) ^ 1)
-    bar = ready.index(stage)
+    Wait until every consumer released the stage's previous unit (u - STAGES), then TMA both blocks
+    onto the stage's one ready barrier."""
+    ring.wait_empty(u)
+    stage = ring.slot(u)
+    bar = ring.ready_bar(u)
     has_k = j < n_max
     has_v = j > 0
     one = (j == 0) | (j == n_max)  # n_max >= 1: never neither
@@ -779,6 +689,7 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
     args: the kernel's `producer` tuple (its runtime values; a tuple drops constexprs)."""
     (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k,
      group_size) = args
+    ring = Ring(ready, empty, STAGES)
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
     pid = gl.program_id(0)
@@ -794,10 +705,10 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
         kv_col = (off_h // group_size) * HEAD_DIM
         # K_0 first: its stage held a block of an earlier tile, so this wait never needs this tile's
         # Q (no deadlock), and with QBUF 1 only the Q load's latency is exposed per tile
-        _persist_produce(K, V, ready, empty, k_smem, v_smem, g, 0, n_max, off_b, kv_col, BLOCK_N, STAGES)
+        _persist_produce(K, V, ring, k_smem, v_smem, g, 0, n_max, off_b, kv_col, BLOCK_N)
         for t in gl.static_range(CONSUMERS):
-            qi = (it % QBUF) * CONSUMERS + t
-            mbarrier.wait(q_empty.index(qi), ((it // QBUF) & 1) ^ 1)
+            qi = _q_buffer(it, t, QBUF, CONSUMERS)
+            mbarrier.wait(q_empty.index(qi), ring_phase(it, QBUF) ^ 1)
             bar = q_ready.index(qi)
             row = cta_m + t * BLOCK_M
             valid = (row >= 0) & (row < seqlen_q)
@@ -806,7 +717,7 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
             # an empty part: its consumer only waits and hands back
             mbarrier.arrive(bar, pred=(row < 0) | (row >= seqlen_q))
         for j in range(1, n_max + 1):
-            _persist_produce(K, V, ready, empty, k_smem, v_smem, g + j, j, n_max, off_b, kv_col, BLOCK_N, STAGES)
+            _persist_produce(K, V, ring, k_smem, v_smem, g + j, j, n_max, off_b, kv_col, BLOCK_N)
         g += n_max + 1
 
 
