@@ -9,7 +9,7 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from flashattn2.ops import _runtime  # noqa: E402  (after TRITON_INTERPRET is settled)
+from flashattn2.ops import _runtime, launcher  # noqa: E402  (after TRITON_INTERPRET is settled)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -35,11 +35,11 @@ def poison_outputs():
 
 @pytest.fixture(autouse=True)
 def verify_launches():
-    """On the GPU every direct relaunch of a remembered kernel (ops._runtime.launch) is checked
+    """On the GPU every direct relaunch of a remembered kernel (ops.launcher.launch) is checked
     against the kernel Triton itself would choose for the same arguments."""
-    _runtime.VERIFY_LAUNCH = ON_GPU
+    launcher.VERIFY_LAUNCH = ON_GPU
     yield
-    _runtime.VERIFY_LAUNCH = False
+    launcher.VERIFY_LAUNCH = False
 
 
 @pytest.fixture(autouse=True)

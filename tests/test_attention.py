@@ -5,24 +5,24 @@ import torch
 import flashattn2
 from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn, shape_id
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import _runtime, config
+from flashattn2.ops import _runtime, launch_gluon, launcher, planning
+from flashattn2.ops.options import ScoreMods
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
-T = config.TileConfig
+T = planning.TileConfig
+force = planning.force
 # Kernel paths: on CUDA the table's choice (on an H200: the Gluon forward where it applies, its
-# persistent kernel at head dim 64/128, the Gluon backward, TMA with host-built descriptors where
-# the inputs allow them), the warp-specialized Gluon forward forced, its one-warpgroup kernel
-# forced, the Triton kernels instead of the Gluon ones, descriptors made in each program, the
-# forced pointer (non-TMA) path, and the other architectures' table entries and load path (on an
-# H200: what an A100 or an RTX card runs); on the CPU, both load paths (TMA: host-built
-# descriptors for power-of-two head dims) with tiles where BLOCK_M != BLOCK_N so masked-block
+# persistent kernel at head dim 64/128 and its warp-specialized one at 256, the Gluon backward, TMA with
+# host-built descriptors where the inputs allow them), the Triton kernels instead of the Gluon ones,
+# descriptors made in each program, the forced pointer (non-TMA) path, and the other architectures'
+# rows and load path (on an H200: what an A100 or an RTX card runs); on the CPU, both load paths (TMA:
+# host-built descriptors for power-of-two head dims) with tiles where BLOCK_M != BLOCK_N so masked-block
 # ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"), pytest.param({"gluon_ws": True}, id="gluon-ws"),
-             pytest.param({"gluon_ws": False}, id="gluon-one-wg"),
-             pytest.param({"gluon": False, "gluon_bwd": False}, id="triton"),
-             pytest.param({"gluon": False, "gluon_bwd": False, "host_desc": False}, id="kernel-desc"),
+    PATHS = [pytest.param({}, id="table"),
+             pytest.param({"hopper": False}, id="triton"),
+             pytest.param({"hopper": False, "host_desc": False}, id="kernel-desc"),
              pytest.param({"tma": False}, id="no-tma"),
              pytest.param({"arch": "sm80"}, id="sm80"), pytest.param({"arch": "sm86"}, id="sm86")]
 else:
@@ -59,7 +59,7 @@ def check_against_reference(q, k, v, out, lse, grads, do, causal, dlse=None):
 @pytest.mark.parametrize("shape", SHAPE_PARAMS)
 def test_forward_backward(shape, dtype, causal, path):
     q, k, v = make_qkv(shape, dtype)
-    with config.override(**path):
+    with force(**path):
         out, lse, s_dmask = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
@@ -69,11 +69,11 @@ def test_forward_backward(shape, dtype, causal, path):
 
 
 def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -> list:
-    """The names of the kernels _runtime.launch runs from now on (in this test), in order; with
+    """The names of the kernels launcher.launch runs from now on (in this test), in order; with
     kernel_name, the values of the keyword arguments kwargs_of of each launch of that kernel ("grid":
     the grid it is launched on)."""
     launched = []
-    real = _runtime.launch
+    real = launcher.launch
 
     def spy(kernel, grid, *args, **kwargs):
         if kernel_name is None:
@@ -82,51 +82,50 @@ def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -
             launched.append(tuple(tuple(grid) if k == "grid" else kwargs[k] for k in kwargs_of))
         return real(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(_runtime, "launch", spy)
+    monkeypatch.setattr(launcher, "launch", spy)
     return launched
 
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and _runtime.hopper_kernels() is not None
+GLUON_FWD = planning.Features(gluon=True)
+GLUON_BWD = planning.Features(gluon=True, deterministic=False)
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Empty plan caches (planning's and the Gluon launches'), before and after: for a test that patches what
+    the plans read."""
+    planning._plan.cache_clear()
+    monkeypatch.setattr(launch_gluon, "FWD_PLANS", {})
+    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
+    yield
+    planning._plan.cache_clear()
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",
-                                  "fp32", "gluon-off", "sm80", "varlen", "d64-long", "d128-short", "d128-long",
-                                  "d128-ws-forced", "d128-one-wg-forced", "d128-persist-off", "d256-ws-off",
-                                  "d64-ws-forced"])
+                                  "fp32", "hopper-off", "sm80", "varlen", "d64-long", "d128-short", "d128-long"])
 def test_forward_kernel_choice(case, monkeypatch):
     """The Gluon forward runs on sm_90 exactly for dense fp16/bf16 inputs, head dim 64/128/256,
-    causal or not and nothing else; everything else (and the CPU) takes the Triton kernel. At head
-    dim 64 and 128 it is the persistent kernel, unless override(gluon_persist=False) or forcing
-    gluon_ws asks otherwise; then (and at head dim 256) the warp-specialized kernel runs past
-    config.GLUON_WS_ABOVE_SEQLEN_K keys, or where override(gluon_ws=True) forces it (never at head
-    dim 64: no table entry), else the one-warpgroup kernel."""
+    causal or not and nothing else, unless force(hopper=False) turns it off; everything else (and the CPU) takes
+    the Triton kernel. At head dim 64 and 128 it is the persistent kernel, at 256 the warp-specialized one."""
     launched = spy_launches(monkeypatch)
-    d = {"d256": 256, "d96": 96, "d256-ws-off": 256}.get(case, 128 if case.startswith("d128") else 64)
+    d = {"d256": 256, "d96": 96}.get(case, 128 if case.startswith("d128") else 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
-    seqlen_k = {"d64-long": 2049,  # past _TABLE_SHORT's d64 tiles (and the length limit the Gluon forward had there)
-                "d128-long": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1,
-                "d128-persist-off": config.GLUON_WS_ABOVE_SEQLEN_K[128] + 1}.get(case, 130)
+    seqlen_k = {"d64-long": 2049, "d128-long": 4097}.get(case, 130)  # past the short-key rows
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
     kwargs = dict(causal=case == "causal", softcap=5.0 if case == "softcap" else 0.0,
                   window_size=(16, 3) if case == "window" else (-1, -1),
                   alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None)
-    ws_forced = {"d128-ws-forced": True, "d64-ws-forced": True, "d256-ws-off": False,
-                 "d128-one-wg-forced": False}.get(case)
-    with config.override(gluon=False if case == "gluon-off" else None, arch="sm80" if case == "sm80" else None,
-                         gluon_ws=ws_forced, gluon_persist=False if case == "d128-persist-off" else None):
+    with force(hopper=False if case == "hopper-off" else None, arch="sm80" if case == "sm80" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
             flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1),
                                               cu, cu, 100, 100)
         else:
             flashattn2.flash_attn_func(q, k, v, **kwargs)
-    gluon = HOPPER and case in ("plain", "causal", "gqa-bf16", "d256", "d64-long", "d128-short", "d128-long",
-                                "d128-ws-forced", "d128-one-wg-forced", "d128-persist-off", "d256-ws-off",
-                                "d64-ws-forced")
-    persist = gluon and case in ("plain", "causal", "gqa-bf16", "d64-long", "d128-short", "d128-long")
-    ws = gluon and case in ("d256", "d128-ws-forced", "d128-persist-off")
-    expected = ("attn_fwd_persist_kernel" if persist else "attn_fwd_ws_kernel" if ws
-                else "attn_fwd_hopper_kernel" if gluon else "attn_fwd_kernel")
+    persist = HOPPER and case in ("plain", "causal", "gqa-bf16", "d64-long", "d128-short", "d128-long")
+    ws = HOPPER and case == "d256"
+    expected = "attn_fwd_persist_kernel" if persist else "attn_fwd_ws_kernel" if ws else "attn_fwd_kernel"
     assert launched[0] == expected, launched
 
 
@@ -136,16 +135,13 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
     """batch * nheads_k past 65535 (CUDA's limit on a grid's second and third axes; the Gluon backward had (batch,
     kv head) on one of them until its grid grouped the heads) runs the Gluon backward on a grid whose groups of
     heads bring the third axis under it, and its gradients are right."""
-    from flashattn2.ops import attention
-
-    monkeypatch.setattr(attention, "_BWD_PLANS", {})
+    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
     launched = spy_launches(monkeypatch)
     grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)
-    with config.override(gluon_bwd=True):
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-        do = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), do)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
     assert "attn_bwd_ws_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, launched
     # 65540 heads = 4 * 16385: causal, as many per group as 24 MB of Q and dO hold (a divisor); else raised from 1 to 2
     assert grids == [((16385, 1, 4) if causal else (2, 1, 32770),)], grids
@@ -153,13 +149,10 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
-def test_gluon_backward_key_blocks_limit(monkeypatch):
+def test_gluon_backward_key_blocks_limit(monkeypatch, fresh_plans):
     """More key blocks than CUDA's 65535 on the Gluon backward's second grid axis (lowered here to 4, so that 300
     keys are past it) take the Triton backward, and its gradients are right."""
-    from flashattn2.ops import attention
-
-    monkeypatch.setattr(attention, "_BWD_PLANS", {})
-    monkeypatch.setattr(attention, "_GRID_YZ", 4)
+    monkeypatch.setattr(planning, "_GRID_YZ", 4)
     launched = spy_launches(monkeypatch)
     q, k, v = make_qkv((2, 200, 300, 4, 2, 128), torch.float16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
@@ -173,53 +166,54 @@ def test_gluon_backward_key_blocks_limit(monkeypatch):
 @pytest.mark.parametrize("groups", ["head-major", "3", "all"])
 @pytest.mark.parametrize("shape", [(3, 700, 700, 6, 2, 128), (3, 1000, 1000, 5, 5, 256), (4, 333, 900, 3, 3, 64),
                                    (6, 640, 512, 4, 4, 128)], ids=shape_id)
-def test_gluon_backward_grid_order(shape, groups, monkeypatch):
+def test_gluon_backward_grid_order(shape, groups, monkeypatch, fresh_plans):
     """The Gluon backward's grid (G, key blocks, heads / G), whose shape is the programs' order (kernels/bwd_hopper
-    ._ws_program), with G = 1 (override(gluon_bwd_grouped=False), where the L2 budget would give 3), 3 and every head
+    ._ws_program), with G = 1 (force(bwd_order="head-major"), where the L2 budget would give 3), 3 and every head
     in one group, causal (bottom-right aligned where seqlen_q != seqlen_k): every (key block, head) pair runs once,
     so the gradients match the reference; the launch took the grid asked for. (That CUDA starts the programs in the
     order the grouping intends is not tested: a transposed mapping would cover the pairs too.)"""
-    from flashattn2.ops import attention
-
-    monkeypatch.setattr(attention, "_BWD_PLANS", {})
     batch, seqlen_q, seqlen_k, nheads, nheads_k, d = shape
     head_bytes = 2 * seqlen_q * d * 2 * (nheads // nheads_k)
     n_bh = batch * nheads_k
     want = {"head-major": 1, "3": 3, "all": n_bh}[groups]
-    monkeypatch.setattr(config, "GLUON_BWD_L2_BYTES", max(want, 3) * head_bytes + 1)
+    monkeypatch.setattr(planning, "L2_GROUP_BYTES", max(want, 3) * head_bytes + 1)
     grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv(shape, torch.bfloat16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     do = torch.randn_like(out)
-    with config.override(gluon_bwd_grouped=False if groups == "head-major" else None):
+    with force(bwd_order="head-major" if groups == "head-major" else None):
         grads = torch.autograd.grad(out, (q, k, v), do)
-    block_n = config.select("bwd_hopper_split" if d == 256 else "bwd_hopper", "sm90", d, q.dtype, True).block_n
+    block_n = planning.plan("sm90", q.dtype, d, True, seqlen_k, GLUON_BWD, "bwd").tile.block_n
     assert grids == [((want, -(-seqlen_k // block_n), n_bh // want),)], grids
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
 def test_gluon_backward_grid_rule():
-    """config.gluon_bwd_l2_heads: 1 (head-major) for non-causal calls or where turned off; else as many heads as
-    GLUON_BWD_L2_BYTES holds, at least 1 and at most all. attention._bwd_grid: the largest divisor of the heads not
-    above that (whole groups), raised where the third axis would pass 65535."""
-    from flashattn2.ops import attention
-
-    budget = config.GLUON_BWD_L2_BYTES
-    assert config.gluon_bwd_l2_heads(False, 64, 1024) == 1
-    assert config.gluon_bwd_l2_heads(True, 64, budget // 6) == 6
-    assert config.gluon_bwd_l2_heads(True, 4, budget // 6) == 4
-    assert config.gluon_bwd_l2_heads(True, 64, budget * 2) == 1
-    with config.override(gluon_bwd_grouped=False):
-        assert config.gluon_bwd_l2_heads(True, 64, budget // 6) == 1
-    assert attention._divisors(1) == [1] and attention._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
-    assert attention._divisors(65540) == [d for d in range(1, 65541) if 65540 % d == 0]
-    assert attention._bwd_grid(64, 32, 6) == (4, 64, 8)
-    assert attention._bwd_grid(64, 32, 1) == (1, 64, 32)
-    assert attention._bwd_grid(3, 7, 6) == (1, 3, 7)  # a prime count of heads: head-major
-    assert attention._bwd_grid(3, 12, 100) == (12, 3, 1)
-    assert attention._bwd_grid(1, 65540, 1) == (2, 1, 32770)  # the third axis within 65535
-    assert attention._bwd_grid(1, 2 * 65537, 1) == (65537, 1, 2)
-    assert attention._bwd_grid(1, 65537, 1) == (65537, 1, 1)  # prime: every head in one group
+    """The Gluon backward's program order: causal plans group heads within planning.L2_GROUP_BYTES, non-causal
+    ones are head-major (0), unless force(bwd_order=...) says otherwise. launch_gluon.l2_heads: 1 for a budget of
+    0, else as many heads as the budget holds, at least 1 and at most all. launch_gluon.bwd_grid: the largest
+    divisor of the heads not above that (whole groups), raised where the third axis would pass 65535."""
+    order = lambda causal: planning.plan("sm90", torch.float16, 128, causal, 4096, GLUON_BWD, "bwd").l2_group_bytes
+    budget = planning.L2_GROUP_BYTES
+    assert (order(True), order(False)) == (budget, 0)
+    with force(bwd_order="head-major"):
+        assert (order(True), order(False)) == (0, 0)
+    with force(bwd_order="grouped"):
+        assert (order(True), order(False)) == (budget, budget)
+    l2_heads, bwd_grid, divisors = launch_gluon.l2_heads, launch_gluon.bwd_grid, launch_gluon._divisors
+    assert l2_heads(0, 64, 1024) == 1
+    assert l2_heads(budget, 64, budget // 6) == 6
+    assert l2_heads(budget, 4, budget // 6) == 4
+    assert l2_heads(budget, 64, budget * 2) == 1
+    assert divisors(1) == [1] and divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert divisors(65540) == [d for d in range(1, 65541) if 65540 % d == 0]
+    assert bwd_grid(64, 32, 6) == (4, 64, 8)
+    assert bwd_grid(64, 32, 1) == (1, 64, 32)
+    assert bwd_grid(3, 7, 6) == (1, 3, 7)  # a prime count of heads: head-major
+    assert bwd_grid(3, 12, 100) == (12, 3, 1)
+    assert bwd_grid(1, 65540, 1) == (2, 1, 32770)  # the third axis within 65535
+    assert bwd_grid(1, 2 * 65537, 1) == (65537, 1, 2)
+    assert bwd_grid(1, 65537, 1) == (65537, 1, 1)  # prime: every head in one group
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
@@ -228,55 +222,71 @@ def test_gluon_backward_grid_rule():
                                    (1, 2048, 2048, 4, 4, 128), (1, 999, 1300, 8, 2, 128), (2, 700, 900, 4, 4, 64)],
                          ids=shape_id)
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("forced", [True, False], ids=["split", "one-ring"])
-def test_gluon_backward_split_ring(shape, dtype, causal, forced, monkeypatch):
-    """The Gluon backward's split-ring variant (dO in a ring of its own released after dV; at
-    headdim 256, its default there, two Q stages and dQ_i staged in column halves) and the one-ring
-    kernel, each forced (override(gluon_bwd_split=...)), against the reference: tails of both
-    lengths, GQA and MQA, seqlen_q != seqlen_k, causal or not."""
+def test_gluon_backward_rings(shape, dtype, causal, monkeypatch):
+    """The Gluon backward's two ring layouts, as the table gives them: at headdim 256 the split ring (dO in a ring
+    of its own released after dV, two Q stages, dQ_i staged in column halves), elsewhere one ring; against the
+    reference: tails of both lengths, GQA and MQA, seqlen_q != seqlen_k, causal or not."""
     q, k, v = make_qkv(shape, dtype)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     do = torch.randn_like(out)
     split = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "SPLIT_RING", "DQ_SPLIT")
-    with config.override(gluon_bwd_split=forced):
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    assert split == [(forced, 2 if forced and shape[-1] == 256 else 1)], split
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert split == [(shape[-1] == 256, 2 if shape[-1] == 256 else 1)], split
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
-def test_gluon_backward_split_rule(monkeypatch):
-    """config.gluon_bwd_split: by default at headdim 256 only (GLUON_BWD_SPLIT_DEFAULT), elsewhere
-    where asked (override before the environment) and the head dim has an entry."""
-    monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", None)
-    assert [config.gluon_bwd_split(d) for d in (64, 128, 256, 200)] == [False, False, True, True]
-    with config.override(gluon_bwd_split=True):
-        assert all(config.gluon_bwd_split(d) for d in (64, 128, 256, 200))
-    monkeypatch.setattr(config, "_ENV_GLUON_BWD_SPLIT", True)
-    assert config.gluon_bwd_split(256)
-    with config.override(gluon_bwd_split=False):
-        assert not config.gluon_bwd_split(256)
+def test_plan_rule(monkeypatch, fresh_plans):
+    """planning.plan: where the Gluon kernels can run (Features.gluon), the persistent forward at head dims 64 and
+    128 (exactly: 59 takes the Triton kernel), the warp-specialized one at 256, the Gluon backward (split ring at 256 only) for
+    deterministic=False; the Triton kernels for anything else (another head dim, fp32, varlen, a score
+    modifier, deterministic=True, no Gluon), and under force(hopper=False) or FLASHATTN2_HOPPER=0, which
+    force(hopper=True) overrides."""
+    fwd = lambda d, dtype=torch.float16, f=GLUON_FWD: planning.plan("sm90", dtype, d, False, 4096, f, "fwd").kernel
+    bwd = lambda d, f=GLUON_BWD: planning.plan("sm90", torch.bfloat16, d, True, 4096, f, "bwd")
+    assert [fwd(d) for d in (64, 128, 256, 59, 96)] == ["fwd_hopper_persist"] * 2 + ["fwd_hopper_ws", "fwd", "fwd"]
+    assert fwd(128, torch.float32) == fwd(128, f=planning.Features()) == "fwd"
+    assert fwd(128, f=planning.Features(gluon=True, varlen=True)) == "fwd"
+    assert fwd(128, f=planning.Features(gluon=True, score_mods=True)) == "fwd"
+    assert [bwd(d).kernel for d in (64, 128, 256, 96)] == ["bwd_hopper"] * 3 + ["bwd_dkdv"]
+    assert [dict(bwd(d).constexprs)["SPLIT_RING"] for d in (64, 128, 256)] == [False, False, True]
+    assert bwd(128, planning.Features(gluon=True)).kernel == "bwd_dkdv"  # deterministic
+    assert bwd(128).dq_tile is None and bwd(96).dq_tile is not None
+    with force(hopper=False):
+        assert fwd(128) == "fwd" and bwd(128).kernel == "bwd_dkdv"
+    monkeypatch.setattr(planning, "_ENV_HOPPER", False)
+    planning._plan.cache_clear()
+    assert fwd(128) == "fwd"
+    with force(hopper=True):
+        assert fwd(128) == "fwd_hopper_persist"
+    # the interpreter: its one tile for every kernel, forced tiles before it
+    interp = planning.plan("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd")
+    assert (interp.kernel, interp.tile, interp.dq_tile) == ("bwd_dkdv", planning.INTERP, planning.INTERP)
+    with force(bwd_dq=T(16, 16, 4, 1)):
+        assert planning.plan("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd").dq_tile == T(16, 16, 4, 1)
 
 
-def test_gluon_forward_rule(monkeypatch):
-    """config.gluon_persist / gluon_ws: the persistent kernel wherever it has a table entry (head
-    dim 64, 128), overrides before the environment, and forcing gluon_ws either way turns it off."""
-    monkeypatch.setattr(config, "_ENV_GLUON_PERSIST", None)  # whatever this process's environment says
-    monkeypatch.setattr(config, "_ENV_GLUON_WS", None)
-    assert config.gluon_persist(128) and config.gluon_persist(59) and not config.gluon_persist(256)
-    with config.override(gluon_persist=False):
-        assert not config.gluon_persist(128)
-        assert config.gluon_ws(128, 4096) and not config.gluon_ws(128, 2048)  # then by length
-    for ws in (True, False):
-        with config.override(gluon_ws=ws):
-            assert not config.gluon_persist(128) and config.gluon_ws(128, 1) == ws
-        with config.override(gluon_ws=ws, gluon_persist=True):
-            assert config.gluon_persist(128)
-    monkeypatch.setattr(config, "_ENV_GLUON_PERSIST", True)
-    with config.override(gluon_ws=False):  # an override beats the environment
-        assert not config.gluon_persist(128)
-    monkeypatch.setattr(config, "_ENV_GLUON_PERSIST", None)
-    monkeypatch.setattr(config, "_ENV_GLUON_WS", True)
-    assert not config.gluon_persist(128) and config.gluon_ws(128, 1)
+def test_force_is_per_thread_and_nests():
+    """force() holds its settings in a context variable: another thread sees none of them; an inner force()
+    keeps what the outer one set unless it sets it again; leaving restores."""
+    import threading
+
+    seen = []
+    with force(hopper=False, fwd=T(32, 32, 4, 1)):
+        thread = threading.Thread(target=lambda: seen.append(planning.forced()))
+        thread.start(), thread.join()
+        with force(tma=True, fwd=T(16, 16, 4, 1)):
+            inner = planning.forced()
+        outer = planning.forced()
+    assert seen == [planning.Forced()]
+    assert (inner.hopper, inner.tma, inner.tile("fwd")) == (False, True, T(16, 16, 4, 1))
+    assert (outer.hopper, outer.tma, outer.tile("fwd")) == (False, None, T(32, 32, 4, 1))
+    assert planning.forced() == planning.Forced()
+    with pytest.raises(ValueError, match="bwd_order must be one of"):
+        with force(bwd_order="sideways"):
+            pass
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with force(fwd_hopper=T(64, 64, 4, 2)):
+            pass
 
 
 @pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
@@ -330,81 +340,101 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
                          (torch.float16, (1, 64, 1000, 6, 3, d)), (torch.float16, (1, 2400, 2400, 3, 1, d)),
                          (torch.float16, (2, 200, 40, 4, 2, d))):
         q, k, v = make_qkv(shape, dtype)
-        with config.override(fwd_hopper_persist=tile):
+        with force(fwd_hopper_persist=tile):
             out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_against_reference(q, k, v, out, lse, None, None, causal)
-    qbuf = config.GLUON_PERSIST_QBUF[d] if tile.qbuf is None else tile.qbuf  # the tile's Q buffers where it names them
+    qbuf = tile.qbuf or 2  # the tile's Q buffers where it names them
     assert launched == [(tile.num_warps // 4, tile.block_n, qbuf)] * 5, launched
 
 
 @pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
 @pytest.mark.parametrize("d, seqlen_k", [(128, 130), (128, 700), (64, 130), (64, 2049)])
 def test_short_tile_launch(d, seqlen_k, monkeypatch):
-    """A causal call launches the tile config.select gives for its key length, with that tile's Q buffers (d128 up
-    to 512 keys: one per consumer, from the tile; past it the head dim's), and is right."""
+    """A causal call launches the tile planning.plan gives for its key length, with that tile's Q buffers (d128 up
+    to 512 keys: one per consumer; past it two), and is right."""
     launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "BLOCK_M", "BLOCK_N", "STAGES", "QBUF", "CONSUMERS")
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2, d), torch.float16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     check_against_reference(q, k, v, out, lse, None, None, True)
-    tile = config.select("fwd_hopper_persist", "sm90", d, torch.float16, True, seqlen_k)
-    extra = config.gluon_persist_constexprs(tile, d, True)
+    plan = planning.plan("sm90", torch.float16, d, True, seqlen_k, GLUON_FWD, "fwd")
+    tile, extra = plan.tile, dict(plan.constexprs)
     assert launched == [(tile.block_m, tile.block_n, tile.num_stages, extra["QBUF"], extra["CONSUMERS"])], launched
     assert extra["QBUF"] == (1 if (d, seqlen_k) == (128, 130) else 2)
 
 
 def test_short_tiles():
-    """config.select with the longest key sequence: _TABLE_SHORT's tile up to its bound (causal and
-    not apart), the table entry past it or without a length; an override beats both."""
-    sel = lambda d, causal, n: config.select("fwd_hopper_persist", "sm90", d, torch.float16, causal, n)
-    for (arch, d, _, kernel, causal), tiles in config._TABLE_SHORT.items():
-        base = config.select(kernel, arch, d, torch.float16, causal)
-        shorter = 0  # the bound of the tile before: the next one starts past it
-        for longest, tile in tiles:
-            assert sel(d, causal, shorter + 1) == sel(d, causal, longest) == tile != base
-            shorter = longest
-        assert sel(d, causal, tiles[-1][0] + 1) == base
-    assert sel(128, False, 512) == config._TABLE[("sm90", 128, 2, "fwd_hopper_persist")]  # no short tile there
-    with config.override(fwd_hopper_persist=T(64, 64, 8, 2)):
-        assert sel(64, True, 512) == sel(64, False, 99999) == T(64, 64, 8, 2)
+    """Rows with a key-length bound: each one's tile from the bound before it (exclusive) up to its own, the next
+    row's past it; the causal flag apart; a forced tile beats every row."""
+    kernel_of = lambda d, causal, n: planning.plan("sm90", torch.float16, d, causal, n, GLUON_FWD, "fwd")
+    bounded = [r for r in planning.TABLE if r.max_seqlen_k is not None]
+    assert bounded
+    for row in bounded:
+        same = [r for r in planning.TABLE if (r.direction, r.arch, r.head_dim, r.elem_bytes, r.kernel) ==
+                (row.direction, row.arch, row.head_dim, row.elem_bytes, row.kernel) and r.causal in (None, row.causal)]
+        before = [r.max_seqlen_k for r in same[:same.index(row)] if r.max_seqlen_k is not None]
+        shorter = max(before, default=0)
+        assert kernel_of(row.head_dim, row.causal, shorter + 1).tile == row.tile
+        assert kernel_of(row.head_dim, row.causal, row.max_seqlen_k).tile == row.tile
+        assert kernel_of(row.head_dim, row.causal, row.max_seqlen_k + 1).tile != row.tile
+    assert kernel_of(128, False, 512).tile == kernel_of(128, False, 16384).tile  # no short row there
+    with force(fwd_hopper_persist=T(64, 64, 8, 2)):
+        assert kernel_of(64, True, 512).tile == kernel_of(64, False, 99999).tile == T(64, 64, 8, 2)
+
+
+def test_table_rows():
+    """Every row names a kernel and a direction it belongs to, says why in one line, and each (direction, arch,
+    head-dim bucket, bytes) ends in a Triton row without bounds (so every call has a plan)."""
+    fwd_kernels = {"fwd", "fwd_hopper_persist", "fwd_hopper_ws"}
+    groups = {}
+    for row in planning.TABLE:
+        assert row.kernel in planning.KERNELS and (row.kernel in fwd_kernels) == (row.direction == "fwd"), row
+        assert row.why and "\n" not in row.why and len(row.why) < 120, row
+        assert (row.dq_tile is not None) == (row.kernel == "bwd_dkdv"), row
+        groups.setdefault((row.direction, row.arch, row.head_dim, row.elem_bytes), []).append(row)
+    for key, rows in groups.items():
+        last = rows[-1]
+        assert last.kernel in ("fwd", "bwd_dkdv") and last.causal is None and last.max_seqlen_k is None, key
+    for arch in planning.ARCHS[:3]:
+        for d in planning.HEAD_DIM_BUCKETS:
+            for elem_bytes in (2, 4):
+                for direction in planning.DIRECTIONS:
+                    assert (direction, arch, d, elem_bytes) in groups
 
 
 def test_plan_keys():
-    """The keys under which ops.attention remembers the Gluon paths' choices: they change with an
-    override (tile or switch), the dtype, the strides and the causal flag, and are None where a
+    """The keys under which ops.launch_gluon remembers the Gluon paths' choices: they change with what force()
+    holds (tile or switch), the dtype, the strides and the causal flag, and are None where a
     call is not remembered (ALiBi, dropout)."""
-    from flashattn2.ops import attention
-
+    forward_key, backward_key = launch_gluon.forward_key, launch_gluon.backward_key
     q, k, v = make_qkv((2, 64, 64, 4, 2, 64), torch.float16, requires_grad=False)
-    mods = attention.ScoreMods(causal=True)
-    key = attention._forward_key(q, k, v, mods)
-    assert key == attention._forward_key(q.clone(), k.clone(), v.clone(), mods)
-    with config.override(fwd_hopper_persist=T(64, 64, 8, 2)):
-        assert attention._forward_key(q, k, v, mods) != key
-    with config.override(gluon_persist=False):
-        assert attention._forward_key(q, k, v, mods) != key
-    assert attention._forward_key(q, k, v, attention.ScoreMods(causal=False)) != key
-    assert attention._forward_key(q.bfloat16(), k.bfloat16(), v.bfloat16(), mods) != key
-    assert attention._forward_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mods) != key
+    mods = ScoreMods(causal=True)
+    key = forward_key(q, k, v, mods)
+    assert key == forward_key(q.clone(), k.clone(), v.clone(), mods)
+    with force(fwd_hopper_persist=T(64, 64, 8, 2)):
+        assert forward_key(q, k, v, mods) != key
+    with force(hopper=False):
+        assert forward_key(q, k, v, mods) != key
+    assert forward_key(q, k, v, ScoreMods(causal=False)) != key
+    assert forward_key(q.bfloat16(), k.bfloat16(), v.bfloat16(), mods) != key
+    assert forward_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mods) != key
     alibi = torch.rand(4, device=q.device)
-    assert attention._forward_key(q, k, v, attention.ScoreMods(causal=True, alibi_slopes=alibi)) is None
+    assert forward_key(q, k, v, ScoreMods(causal=True, alibi_slopes=alibi)) is None
     out = torch.randn_like(q)
-    bkey = attention._backward_key(out, q, k, v, out, None, mods)
-    assert bkey == attention._backward_key(out.clone(), q, k, v, out.clone(), None, mods)
-    assert bkey != attention._backward_key(out, q, k, v, out, torch.zeros(2, 4, 64, device=q.device), mods)
-    with config.override(gluon_bwd_split=True):
-        assert attention._backward_key(out, q, k, v, out, None, mods) != bkey
+    bkey = backward_key(out, q, k, v, out, None, mods)
+    assert bkey == backward_key(out.clone(), q, k, v, out.clone(), None, mods)
+    assert bkey != backward_key(out, q, k, v, out, torch.zeros(2, 4, 64, device=q.device), mods)
+    with force(bwd_order="head-major"):
+        assert backward_key(out, q, k, v, out, None, mods) != bkey
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon paths (whose choices are remembered) run on an H100/H200 only")
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_plans_repeated_signature(causal, monkeypatch):
-    """A call signature seen before runs from its remembered choices (attention._FWD_PLANS /
-    _BWD_PLANS): new inputs of the same shapes, NaN-filled outputs, against the reference; an
-    override between the calls is seen (another tile launches)."""
-    from flashattn2.ops import attention
-
-    monkeypatch.setattr(attention, "_FWD_PLANS", {})
-    monkeypatch.setattr(attention, "_BWD_PLANS", {})
+    """A call signature seen before runs from its remembered choices (launch_gluon.FWD_PLANS /
+    BWD_PLANS): new inputs of the same shapes, NaN-filled outputs, against the reference; a
+    force() between the calls is seen (another tile launches)."""
+    monkeypatch.setattr(launch_gluon, "FWD_PLANS", {})
+    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
     launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "BLOCK_M", "BLOCK_N", "STAGES")
     shape = (2, 300, 300, 8, 2, 128)  # a ragged last tile: the backward pads lse
     for _ in range(2):
@@ -413,63 +443,64 @@ def test_plans_repeated_signature(causal, monkeypatch):
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
         check_against_reference(q, k, v, out, lse, grads, do, causal)
-        assert len(attention._FWD_PLANS) == len(attention._BWD_PLANS) == 1
+        assert len(launch_gluon.FWD_PLANS) == len(launch_gluon.BWD_PLANS) == 1
     tile = T(64, 64, 8, 2)
-    with config.override(fwd_hopper_persist=tile):
+    with force(fwd_hopper_persist=tile):
         q, k, v = make_qkv(shape, torch.float16)
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     check_against_reference(q, k, v, out, lse, None, None, causal)
-    assert len(attention._FWD_PLANS) == 2 and launched[0] == launched[1] != launched[2] == (64, 64, 2), launched
+    assert len(launch_gluon.FWD_PLANS) == 2 and launched[0] == launched[1] != launched[2] == (64, 64, 2), launched
 
 
 def test_persistent_constexprs():
-    """The persistent forward's num_warps counts its consumer warps: 8 or 12, nothing else."""
-    assert config.gluon_persist_constexprs(T(64, 128, 12, 2), 64, True) == dict(QBUF=2, SNAKE=True, CONSUMERS=3)
-    assert config.gluon_persist_constexprs(T(64, 128, 8, 2), 128, False)["CONSUMERS"] == 2
+    """The persistent forward's num_warps counts its consumer warps: 8 or 12, nothing else; its Q buffers are the
+    tile's where it names them, else 2; the snake order under a causal mask."""
+    def plan(tile, d=64, causal=True):
+        with force(fwd_hopper_persist=tile):
+            return planning.plan("sm90", torch.float16, d, causal, 4096, GLUON_FWD, "fwd")
+
+    assert dict(plan(T(64, 128, 12, 2)).constexprs) == dict(QBUF=2, SNAKE=True, CONSUMERS=3)
+    assert dict(plan(T(64, 128, 8, 2), 128, False).constexprs) == dict(QBUF=2, SNAKE=False, CONSUMERS=2)
+    assert plan(T(64, 128, 12, 2)).num_warps == 4 and plan(T(64, 128, 12, 2)).rows == 192
     for warps in (4, 16):
         with pytest.raises(ValueError, match="num_warps"):
-            config.gluon_persist_constexprs(T(64, 128, warps, 2), 64, False)
-    # Q buffers per consumer: the tile's where it names them, else the head dim's
-    assert config.gluon_persist_constexprs(T(64, 64, 12, 3, qbuf=1), 128, True)["QBUF"] == 1
-    assert config.gluon_persist_constexprs(T(64, 64, 12, 3), 128, True)["QBUF"] == config.GLUON_PERSIST_QBUF[128]
+            plan(T(64, 128, warps, 2))
+    assert dict(plan(T(64, 64, 12, 3, qbuf=1), 128).constexprs)["QBUF"] == 1
     for qbuf in (0, 3):
         with pytest.raises(ValueError, match="qbuf"):
-            config.gluon_persist_constexprs(T(64, 64, 12, 3, qbuf=qbuf), 128, True)
+            T(64, 64, 12, 3, qbuf=qbuf)
     with pytest.raises(ValueError, match="qbuf.*fwd_hopper_persist.*fwd_hopper_ws"):
-        with config.override(fwd_hopper_ws=T(64, 128, 4, 2, qbuf=1)):
-            pass
-    with pytest.raises(ValueError, match="qbuf.*1 or 2, got 3"):  # refused where the tile is made
-        with config.override(fwd_hopper_persist=T(64, 64, 12, 3, qbuf=3)):
+        with force(fwd_hopper_ws=T(64, 128, 4, 2, qbuf=1)):
             pass
     with pytest.raises(TypeError, match="fwd_hopper_persist must be a TileConfig"):
-        with config.override(fwd_hopper_persist=(64, 64, 12, 3)):
+        with force(fwd_hopper_persist=(64, 64, 12, 3)):
             pass
 
 
 def test_tile_text():
     """A tile as bench ab and the tools write and read it: 'MxNwWsS', 'q' and the Q buffers after it where set."""
     for tile in (T(64, 128, 12, 3), T(64, 64, 12, 3, qbuf=1), T(128, 32, 4, 2)):
-        assert config.parse_tile(str(tile)) == tile
+        assert planning.parse_tile(str(tile)) == tile
     assert str(T(64, 64, 12, 3, qbuf=1)) == "64x64w12s3q1" and str(T(64, 64, 12, 3)) == "64x64w12s3"
-    # a different tile for the plan keys and config.state()
+    # a different tile for the plan keys and planning.forced()
     assert T(64, 64, 12, 3, qbuf=1) != T(64, 64, 12, 3) and hash(T(64, 64, 12, 3, qbuf=1)) != hash(T(64, 64, 12, 3))
     for text in ("64x64w12", "64x64w12s3q", "default", "64x64w12s3q1x"):
-        assert config.parse_tile(text) is None
+        assert planning.parse_tile(text) is None
 
 
-@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "gluon-bwd-off",
+@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "hopper-off",
                                   "softcap", "dropout", "d96", "varlen", "sm80"])
 def test_backward_kernel_choice(case, monkeypatch):
     """The Gluon backward (warp-specialized) runs on sm_90 exactly for deterministic=False
     (flash_attn's default), dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing
-    else, unless override(gluon_bwd=False) turns it off; everything else (and the CPU) takes the
+    else, unless force(hopper=False) turns it off; everything else (and the CPU) takes the
     Triton dK/dV and dQ kernels."""
     d = {"d256-bf16": 256, "d96": 96, "d128": 128}.get(case, 64)
     dtype = torch.bfloat16 if case == "d256-bf16" else torch.float16
     q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "causal-gqa" else 4, d), dtype)
     kwargs = dict(causal=case == "causal-gqa", softcap=5.0 if case == "softcap" else 0.0,
                   dropout_p=0.1 if case == "dropout" else 0.0, deterministic=case == "deterministic")
-    with config.override(gluon_bwd=False if case == "gluon-bwd-off" else None, arch="sm80" if case == "sm80" else None):
+    with force(hopper=False if case == "hopper-off" else None, arch="sm80" if case == "sm80" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
             out = flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1),
@@ -493,7 +524,7 @@ def test_causal_block_orders(blocks):
     seqlen = blocks * block - 5  # a ragged last block
     q, k, v = make_qkv((3, seqlen, seqlen + 7, 4, 2, 64 if ON_GPU else 32), torch.float16)
     tile = T(block, block, 4, 1)
-    with config.override(fwd=tile, bwd_dq=tile, gluon=False, gluon_bwd=False):
+    with force(fwd=tile, bwd_dq=tile, hopper=False):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
@@ -536,21 +567,22 @@ def test_one_output_gradient(which, monkeypatch):
 @pytest.mark.parametrize("d", [64, 256])  # 64 and 32 rows per preprocess program
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
 def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
-    """The Gluon backward's one preprocess launch (ops.attention._preprocess with seqlen_pad): delta =
+    """The Gluon backward's one preprocess launch (ops.launch_triton.preprocess with seqlen_pad): delta =
     rowsum(dO * O) - dlse up to seqlen_q and 0 to seqlen_pad, the fp32 dQ accumulator's padded rows
     zeroed, and where asked (a tail; the launcher also asks for a non-contiguous lse) lse copied
     with +inf past seqlen_q; every buffer starts NaN-filled. (On the CPU the interpreter runs it; on
     an H100/H200 it is what the Gluon backward runs.)"""
-    from flashattn2.ops import attention
+    from flashattn2.ops import launch_triton
+    from flashattn2.ops.geometry import Geometry
 
     b, h = 2, 3
     out, dout = (randn(b, seqlen_q, h, d, dtype=torch.float16) for _ in range(2))
     lse = randn(b, h, seqlen_q, dtype=torch.float32)
     dlse = randn(b, h, seqlen_q, dtype=torch.float32) if with_dlse else None
-    geo = attention._Geometry.of(out, out, None)
+    geo = Geometry.of(out, out, None)
     delta, lse_pad = (_runtime.empty((b, h, seqlen_pad), torch.float32, out.device) for _ in range(2))
     acc = _runtime.empty((b, seqlen_pad, h, d), torch.float32, out.device)
-    attention._preprocess(out, dout, lse, dlse, geo, delta, seqlen_pad, lse_pad if copy_lse else None, acc)
+    launch_triton.preprocess(out, dout, lse, dlse, geo, delta, seqlen_pad, lse_pad if copy_lse else None, acc)
     expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
     if with_dlse:
         expected = expected - dlse
@@ -599,30 +631,25 @@ def test_softmax_scale():
     assert (out.float() - attention_ref(q, k, v)[0]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("path", ["default", "ws-forced", "one-warpgroup"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_zero_softmax_scale(d, causal, path, monkeypatch):
+def test_zero_softmax_scale(d, causal, monkeypatch):
     """softmax_scale=0 (allowed): every visible key weighs the same, so O is the mean of the visible
     values and lse the log of their count, in every forward (on an H100/H200 each Gluon kernel, the
-    launch checked: the persistent one at headdim 64/128 by default, the warp-specialized one at
-    128/256, the one-warpgroup one; their masked blocks must not turn an invisible score's -inf * 0
-    into NaN) and through the backward. 100 queries over 97 keys: causal rows 0-2 see no key (O 0,
-    lse +inf), ragged key blocks, and the persistent kernel's causal tiles start before row 0."""
-    if not HOPPER and (path != "default" or d != 64):
-        pytest.skip("elsewhere one kernel (kernels/fwd.py) runs every path and head dim: d64 checks it")
-    overrides = {"default": {}, "ws-forced": {"gluon_persist": False, "gluon_ws": True},
-                 "one-warpgroup": {"gluon_persist": False, "gluon_ws": False}}[path]
+    launch checked: the persistent one at headdim 64/128, the warp-specialized one at 256; their masked
+    blocks must not turn an invisible score's -inf * 0 into NaN) and through the backward. 100 queries
+    over 97 keys: causal rows 0-2 see no key (O 0, lse +inf), ragged key blocks, and the persistent
+    kernel's causal tiles start before row 0."""
+    if not HOPPER and d != 64:
+        pytest.skip("elsewhere one kernel (kernels/fwd.py) runs every head dim: d64 checks it")
     launched = spy_launches(monkeypatch)
     sq, sk = 100, 97
     q, k, v = make_qkv((2, sq, sk, 4, 2, d), torch.float16)
-    with config.override(**overrides):
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, return_attn_probs=True)
-        do = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    if HOPPER:  # (the d64 warp-specialized kernel has no table entry: forcing it gives the one-warpgroup kernel)
-        expected = ("attn_fwd_persist_kernel" if path == "default" and d != 256 else
-                    "attn_fwd_ws_kernel" if path != "one-warpgroup" and d != 64 else "attn_fwd_hopper_kernel")
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, return_attn_probs=True)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    if HOPPER:
+        expected = "attn_fwd_ws_kernel" if d == 256 else "attn_fwd_persist_kernel"
     else:
         expected = "attn_fwd_kernel"
     assert launched[0] == expected, launched
@@ -648,60 +675,19 @@ def test_zero_softmax_scale(d, causal, path, monkeypatch):
 
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_deterministic_bitwise(causal):
-    """deterministic=True: dQ has its own pass (no atomics), repeated runs give identical bits,
-    even where atomics (or the Gluon backward) are enabled for deterministic=False; so does
-    deterministic=False with both off."""
+    """deterministic=True: dQ has its own pass (no atomics), repeated runs give identical bits, and
+    deterministic=False on the Triton kernels (force(hopper=False)) gives the same bits."""
     shape = (2, 300, 300, 4, 2, 64) if ON_GPU else (1, 97, 97, 2, 1, 32)
     q, k, v = make_qkv(shape, torch.bfloat16)
     do = randn(*q.shape, dtype=q.dtype)
     runs = []
-    for deterministic, atomic in ((True, None), (True, True), (False, False)):
-        with config.override(dq_atomic=atomic, gluon_bwd=False if atomic is False else None):
+    for deterministic, hopper in ((True, None), (True, None), (False, False)):
+        with force(hopper=hopper):
             out = flashattn2.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
             runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
-
-
-ATOMIC_CASES = [
-    pytest.param(dict(shape=(2, 1000, 1500, 8, 2, 64) if ON_GPU else (2, 97, 97, 4, 2, 32), causal=True),
-                 id="gqa-causal"),
-    pytest.param(dict(shape=(1, 700, 1300, 4, 4, 128) if ON_GPU else (1, 70, 130, 2, 2, 64), causal=False),
-                 id="full-qk-lengths-differ"),
-    pytest.param(dict(shape=(2, 900, 900, 4, 1, 256) if ON_GPU else (2, 90, 90, 2, 1, 32), causal=False,
-                      window_size=(20, 5), softcap=5.0, alibi=True), id="local-softcap-alibi"),
-]
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-@pytest.mark.parametrize("case", ATOMIC_CASES)
-def test_dq_atomics(case, tma, monkeypatch):
-    """deterministic=False with the atomic dQ path (scalar atomics, or the TMA bulk reduce): no dQ
-    kernel runs, the gradients obey the rule against the reference, and dQ agrees with the
-    deterministic pass's to fp32 rounding."""
-    case = dict(case)
-    q, k, v = make_qkv(case.pop("shape"), torch.float16)
-    if case.pop("alibi", False):
-        case["alibi_slopes"] = torch.rand(q.shape[2], device=q.device, dtype=torch.float32) * 0.3
-    do = randn(*q.shape, dtype=q.dtype)
-    launched = spy_launches(monkeypatch)
-    with config.override(dq_atomic=True, tma=tma, gluon_bwd=False):
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, deterministic=False, return_attn_probs=True, **case)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    assert "attn_bwd_dkdv_kernel" in launched and "attn_bwd_dq_kernel" not in launched
-    out2 = flashattn2.flash_attn_func(q, k, v, deterministic=True, **case)
-    grads2 = torch.autograd.grad(out2, (q, k, v), do)
-    for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):  # fp16: one rounding of the output apart
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3, msg=name)
-    ref_out, _ = attention_ref(q, k, v, causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
-                               softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"))
-    low_out, _ = attention_ref(q, k, v, causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
-                               softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"), upcast=False)
-    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do.to(ref_out.dtype))
-    low_grads = torch.autograd.grad(low_out, (q, k, v), do)
-    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
-        assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="races need a GPU: the interpreter runs programs one at a time")
@@ -729,7 +715,7 @@ def test_race_repeated_runs(causal, deterministic):
 
 def test_tma_alignment_rule():
     """TMA only for 16-byte aligned bases and leading strides that are nonzero 16-byte multiples."""
-    from flashattn2.ops import attention
+    from flashattn2.ops.tma import use_tma
 
     base = torch.empty(4096, dtype=torch.float16)
     for offset, strides in [(0, (512, 64, 1)), (8, (512, 64, 1)), (1, (512, 64, 1)), (0, (520, 64, 1)),
@@ -738,8 +724,8 @@ def test_tma_alignment_rule():
         t = base.as_strided((2, 4, 8), strides, offset)
         es = t.element_size()
         expected = t.data_ptr() % 16 == 0 and all(s and (s * es) % 16 == 0 for s in strides[:-1])
-        assert attention._use_tma("sm90", t) == expected, (offset, strides)
-        assert not attention._use_tma("sm80", t)
+        assert use_tma("sm90", t) == expected, (offset, strides)
+        assert not use_tma("sm80", t)
 
 
 def test_host_descriptor_rule(monkeypatch):
@@ -747,15 +733,15 @@ def test_host_descriptor_rule(monkeypatch):
     power-of-two head dim and adjacent heads; descriptors made in the kernel otherwise (varlen,
     other head dims, heads apart, switched off), and none without TMA. Checked where the Triton
     kernels' launchers ask (the Gluon forward off), with the real calls."""
-    from flashattn2.ops import attention
+    from flashattn2.ops import launch_triton
 
     taken = []
-    sources = attention._sources
-    monkeypatch.setattr(attention, "_sources", lambda *a: taken.append(sources(*a)[1]) or sources(*a))
+    sources = launch_triton.sources
+    monkeypatch.setattr(launch_triton, "sources", lambda *a: taken.append(sources(*a)[1]) or sources(*a))
 
-    def run(q, k, v, varlen=False, **force):
+    def run(q, k, v, varlen=False, **switches):
         taken.clear()
-        with config.override(gluon=False, gluon_bwd=False, **force):
+        with force(hopper=False, **switches):
             if varlen:
                 cu = torch.tensor([0, q.shape[0] - 5, q.shape[0]], dtype=torch.int32, device=DEVICE)
                 out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, q.shape[0] - 5, q.shape[0] - 5)
@@ -767,8 +753,7 @@ def test_host_descriptor_rule(monkeypatch):
     n = 70 if not ON_GPU else 700
     dense = [randn(2, n, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
     assert run(*dense, tma=True, host_desc=True) == [True] * 3  # forward, dK/dV, dQ
-    if config._ENV_HOST_DESC is None:
-        assert run(*dense, tma=True) == [True] * 3  # the default
+    assert run(*dense, tma=True) == [True] * 3  # the default
     assert run(*dense, tma=True, host_desc=False) == [False] * 3
     assert run(*dense, tma=False, host_desc=True) == [False] * 3
     odd = [randn(2, n, 4, 40, dtype=torch.float16, requires_grad=True) for _ in range(3)]
@@ -781,36 +766,35 @@ def test_host_descriptor_rule(monkeypatch):
     assert run(*packed, varlen=True, tma=True, host_desc=True) == [False] * 3
 
 
-def test_arch_override(monkeypatch):
-    """config.override(arch=...) makes a CUDA device select another architecture's entries and
+def test_arch_override(monkeypatch, fresh_plans):
+    """force(arch=...) makes a CUDA device select another architecture's rows and
     load path (the GPU tests run sm80 and sm86 that way); the interpreter ignores it, and a GPU
     without TMA cannot be made to take the sm90 path."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setitem(config._ARCH, 0, "sm90")  # device 0 is an H200 (its capability is cached)
-    fwd = config.select("fwd", config.arch_of(cuda), 128, torch.float16, False)
-    assert fwd == config._TABLE[("sm90", 128, 2, "fwd")]
-    with config.override(arch="sm80"):
-        assert config.arch_of(cuda) == "sm80"
-        assert config.arch_of(torch.device("cpu")) == "interp"
-        fwd_sm80 = config.select("fwd", config.arch_of(cuda), 128, torch.float16, False)
-        assert fwd_sm80 == config._TABLE[("sm80", 128, 2, "fwd")] and fwd_sm80 != fwd
-    with config.override(arch="sm86"):
-        assert config.arch_of(cuda) == "sm86"
-    assert config._forced["arch"] is None and config.arch_of(cuda) == "sm90"
+    monkeypatch.setitem(planning._ARCH, 0, "sm90")  # device 0 is an H200 (its capability is cached)
+    tile = lambda: planning.plan(planning.arch_of(cuda), torch.float16, 128, False, 4096, planning.Features(), "fwd").tile
+    fwd = tile()
+    assert fwd == T(128, 64, 4, 2)
+    with force(arch="sm80"):
+        assert planning.arch_of(cuda) == "sm80"
+        assert planning.arch_of(torch.device("cpu")) == "interp"
+        assert tile() == T(128, 64, 8, 2) != fwd
+    with force(arch="sm86"):
+        assert planning.arch_of(cuda) == "sm86"
+    assert planning.forced().arch is None and planning.arch_of(cuda) == "sm90"
     with pytest.raises(ValueError, match="arch must be one of"):
-        with config.override(arch="sm70"):
+        with force(arch="sm70"):
             pass
-    monkeypatch.setitem(config._ARCH, 0, "sm80")
-    with config.override(arch="sm90"):
+    monkeypatch.setitem(planning._ARCH, 0, "sm80")
+    with force(arch="sm90"):
         with pytest.raises(ValueError, match="no TMA"):
-            config.arch_of(cuda)
+            planning.arch_of(cuda)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-def test_dq_atomics_varlen(tma):
-    """Varlen with rows past cu_seqlens[-1]: the atomic dQ equals the deterministic pass's to fp32
-    rounding (a tile that crosses into the next sequence adds nothing there), and the rows that
-    belong to no sequence get a zero gradient on both paths."""
+def test_varlen_tail_rows_get_zero_gradient():
+    """Varlen with rows past cu_seqlens[-1]: deterministic=False and True give the same gradients (on the CPU,
+    one kernel; on a GPU the Triton kernels either way: the Gluon backward is dense only), and the rows that
+    belong to no sequence get a zero gradient."""
     from cases import cu_seqlens
 
     lengths = [37, 63, 20] if not ON_GPU else [370, 1630, 200]
@@ -820,22 +804,18 @@ def test_dq_atomics_varlen(tma):
     do = randn(total, 4, 64, dtype=torch.bfloat16)
     grads = []
     for deterministic in (False, True):
-        with config.override(dq_atomic=True, tma=tma):
-            out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
-                                                    deterministic=deterministic)
-            grads.append(torch.autograd.grad(out, (q, k, v), do))
+        out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                deterministic=deterministic)
+        grads.append(torch.autograd.grad(out, (q, k, v), do))
     for name, a, b in zip(("dq", "dk", "dv"), *grads):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)
+        assert torch.equal(a, b), name
         assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name
 
 
-@pytest.mark.parametrize("path", [dict(dq_atomic=True, gluon_bwd=False), dict(gluon_bwd=True)],
-                         ids=["atomic", "gluon"])
-def test_dq_atomics_keys_past_the_end_add_nothing(path, monkeypatch):
+def test_keys_past_the_end_add_nothing(monkeypatch):
     """Non-causal, seqlen_k not a multiple of the key block, every score strongly negative: the
-    zero-filled key rows past seqlen_k get P = exp(-L), huge, and must not reach dQ (inf * 0);
-    on the Triton kernels' atomic dQ path and on the Gluon backward (on an H100/H200; elsewhere
-    the Triton backward runs)."""
+    zero-filled key rows past seqlen_k get P = exp(-L), huge, and must not reach dQ (inf * 0)
+    on the Gluon backward (on an H100/H200; elsewhere the Triton backward runs)."""
     b, s, h, d = 1, 70, 2, 64
     u = torch.randn(d, device=DEVICE, dtype=torch.float32)
     u = u / u.norm() * 32.0  # scores about -|u|^2 / sqrt(d) = -128
@@ -846,11 +826,10 @@ def test_dq_atomics_keys_past_the_end_add_nothing(path, monkeypatch):
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, return_attn_probs=True, deterministic=True)
     assert lse.max() < -100  # the case: exp(-L) overflows fp32
     grads2 = torch.autograd.grad(out, (q, k, v), do)
-    with config.override(**path):
-        out = flashattn2.flash_attn_func(q, k, v, deterministic=False)
-        launched = spy_launches(monkeypatch)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    assert ("attn_bwd_ws_kernel" in launched) == (HOPPER and path.get("gluon_bwd", False)), launched
+    out = flashattn2.flash_attn_func(q, k, v, deterministic=False)
+    launched = spy_launches(monkeypatch)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert ("attn_bwd_ws_kernel" in launched) == HOPPER, launched
     for name, a, b in zip(("dq", "dk", "dv"), grads, grads2):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3, msg=name)

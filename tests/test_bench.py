@@ -111,25 +111,25 @@ def test_gpt_bench_rows_and_table(tmp_path):
 
 
 def test_ab_settings_and_table():
-    """bench ab's settings parse into config.override arguments (a typo is refused, naming the
-    keys), the defaults enter no override, and the table gives each setting's ratio to the first
+    """bench ab's settings parse into planning.force arguments (a typo is refused, naming the
+    keys), the defaults enter no force(), and the table gives each setting's ratio to the first
     and to cuDNN."""
     from flashattn2.bench import ab
-    from flashattn2.ops import config
+    from flashattn2.ops import planning
 
-    default, split = ab.Setting("default"), ab.Setting("gluon_bwd_split=1, gluon=0")
+    default, split = ab.Setting("default"), ab.Setting("bwd_order=head-major, hopper=0")
     assert default.overrides == {} and ab.Setting("").label == "default"
-    assert split.overrides == {"gluon_bwd_split": True, "gluon": False}
+    assert split.overrides == {"bwd_order": "head-major", "hopper": False}
     with split.context():
-        assert config.gluon() is False
-    assert config.gluon() is True
+        assert planning.forced().hopper is False and planning.forced().bwd_order == "head-major"
+    assert planning.forced() == planning.Forced()
     assert ab.Setting("arch=sm80").overrides == {"arch": "sm80"}
     tile = ab.Setting("fwd_hopper_persist=64x64w8s2").overrides
-    assert tile == {"fwd_hopper_persist": config.TileConfig(64, 64, 8, 2)}
+    assert tile == {"fwd_hopper_persist": planning.TileConfig(64, 64, 8, 2)}
     tile = ab.Setting("fwd_hopper_persist=64x64w12s3q1").overrides
-    assert tile == {"fwd_hopper_persist": config.TileConfig(64, 64, 12, 3, qbuf=1)}
-    for bad in ("gluon_bwd_spilt=1", "gluon", "fwd_hopper_persist=64x64", "fwd_hoper=64x64w4s2"):
-        with pytest.raises(ValueError, match="gluon_bwd_split"):
+    assert tile == {"fwd_hopper_persist": planning.TileConfig(64, 64, 12, 3, qbuf=1)}
+    for bad in ("hoper=1", "hopper", "fwd_hopper_persist=64x64", "fwd_hoper=64x64w4s2"):
+        with pytest.raises(ValueError, match="bwd_order"):
             ab.Setting(bad)
     point = dict(dtype="fp16", headdim=256, causal=1, seqlen=2048, mode="bwd", ms=1.0, note="")
     rows = [dict(point, setting="default", tflops=300.0), dict(point, setting=split.label, tflops=330.0),
@@ -145,26 +145,26 @@ def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
     switches after the forward call has returned), the defaults outside any; each setting once per
     round, in turn, odd rounds in reverse order. (The timing itself is replaced here: it needs CUDA.)"""
     from flashattn2.bench import ab
-    from flashattn2.ops import config
+    from flashattn2.ops import planning
 
     seen = []
 
     def fake_check(fn, *args):
-        seen.append(("check", config._forced["gluon_bwd_split"]))
+        seen.append(("check", planning.forced().hopper))
         return ""
 
     def fake_time(call, inputs, modes):
-        seen.append(("time", config._forced["gluon_bwd_split"]))
+        seen.append(("time", planning.forced().hopper))
         return {mode: 1.0 for mode in modes}
 
     monkeypatch.setattr(ab, "check_provider", fake_check)
     monkeypatch.setattr(ab, "time_modes", fake_time)
-    rows = ab.run(["default", "gluon_bwd_split=1"], ["fp16"], [64], [128], [True], ["bwd"], cudnn=False, rounds=3,
+    rows = ab.run(["default", "hopper=0"], ["fp16"], [64], [128], [True], ["bwd"], cudnn=False, rounds=3,
                   tokens=128, hidden=128, progress=False, device="cpu")
-    assert seen == [("check", None), ("check", True)] + [("time", None), ("time", True), ("time", True),
-                                                         ("time", None), ("time", None), ("time", True)]
-    assert [r["setting"] for r in rows] == ["default", "gluon_bwd_split=1"]
-    assert config._forced["gluon_bwd_split"] is None
+    assert seen == [("check", None), ("check", False)] + [("time", None), ("time", False), ("time", False),
+                                                          ("time", None), ("time", None), ("time", False)]
+    assert [r["setting"] for r in rows] == ["default", "hopper=0"]
+    assert planning.forced() == planning.Forced()
 
 
 def test_grid_rounds_alternate_the_providers(tmp_path, monkeypatch):

@@ -5,11 +5,11 @@ import torch
 import flashattn2
 from cases import make_qkv
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import config
+from flashattn2.ops import planning
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
-T = config.TileConfig
+T = planning.TileConfig
 if ON_GPU:
     SHAPES = [(2, 1000, 1500, 8, 2, 59), (1, 2049, 1023, 4, 1, 128), (2, 777, 777, 4, 4, 256)]
     PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma"),
@@ -55,7 +55,7 @@ def test_features(shape, causal, window, softcap, alibi, path):
     q, k, v = make_qkv(shape, dtype)
     alibi_slopes = slopes(alibi, shape[0], shape[3])
     opts = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes)
-    with config.override(**path):
+    with planning.force(**path):
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, return_attn_probs=True, **opts)
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)

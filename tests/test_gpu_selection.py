@@ -7,7 +7,7 @@ import torch
 import flashattn2
 from cases import randn
 from conftest import ON_GPU
-from flashattn2.ops import config
+from flashattn2.ops import planning
 
 CUDA = torch.device("cuda", 0)
 
@@ -16,8 +16,8 @@ CUDA = torch.device("cuda", 0)
 def gpu(monkeypatch):
     """mock(name, capability, hip=None): device 0 reports these from now on (caches emptied)."""
     def mock(name, capability, hip=None):
-        monkeypatch.setattr(config, "_ARCH", {})
-        monkeypatch.setattr(config, "_WGMMA", {})
+        monkeypatch.setattr(planning, "_ARCH", {})
+        monkeypatch.setattr(planning, "_WGMMA", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -36,8 +36,8 @@ def gpu(monkeypatch):
 ])
 def test_nvidia_gpus(gpu, name, capability, arch, wgmma):
     gpu(name, capability)
-    assert config.arch_of(CUDA) == arch
-    assert config.wgmma(CUDA) is wgmma  # the Gluon (wgmma) kernels: sm_90 only
+    assert planning.arch_of(CUDA) == arch
+    assert planning.wgmma(CUDA) is wgmma  # the Gluon (wgmma) kernels: sm_90 only
 
 
 @pytest.mark.parametrize("name, capability", [("Tesla T4", (7, 5)), ("Tesla V100-SXM2-32GB", (7, 0)),
@@ -45,7 +45,7 @@ def test_nvidia_gpus(gpu, name, capability, arch, wgmma):
 def test_nvidia_gpus_before_ampere_are_refused(gpu, name, capability):
     gpu(name, capability)
     sm = f"sm_{capability[0]}{capability[1]}"
-    for select in (config.arch_of, config.wgmma):
+    for select in (planning.arch_of, planning.wgmma):
         with pytest.raises(NotImplementedError, match=f"8.0 or newer.*{name} is {sm}"):
             select(CUDA)
 
@@ -55,16 +55,16 @@ def test_nvidia_gpus_before_ampere_are_refused(gpu, name, capability):
 def test_rocm_devices_are_refused(gpu, name, capability):
     """MI200/MI300 report a capability that reads like sm_9x: it must not pick the Hopper paths."""
     gpu(name, capability, hip="6.2.41133")
-    for select in (config.arch_of, config.wgmma):
+    for select in (planning.arch_of, planning.wgmma):
         with pytest.raises(NotImplementedError, match=f"NVIDIA GPUs.*{name} is a ROCm device"):
             select(CUDA)
 
 
 def test_override_cannot_bring_back_a_refused_gpu(gpu):
     gpu("Tesla T4", (7, 5))
-    with config.override(arch="sm86"):
+    with planning.force(arch="sm86"):
         with pytest.raises(NotImplementedError, match="sm_75"):
-            config.arch_of(CUDA)
+            planning.arch_of(CUDA)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the calls need a CUDA device (the selection is mocked on it)")

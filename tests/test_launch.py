@@ -1,4 +1,4 @@
-"""The direct launch path (ops._runtime.launch): its key must tell apart every pair of calls
+"""The direct launch path (ops.launcher.launch): its key must tell apart every pair of calls
 that Triton compiles differently, and its relaunches must be Triton's own choice (GPU)."""
 import itertools
 import random
@@ -11,7 +11,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import _runtime
+from flashattn2.ops import launcher
 
 
 def _kernel(A, B, n, m, x, C: tl.constexpr):
@@ -51,7 +51,7 @@ def test_key_separates_triton_specializations():
     for _ in range(400):
         args = tuple(_sample(k, rng, base) for k in kinds)
         kwargs = {"C": rng.choice([1, 2, True]), "num_warps": rng.choice([4, 8])}
-        key, launched = _runtime._bound(kernel, args, kwargs)
+        key, launched = launcher._bound(kernel, args, kwargs)
         types = tuple(map(type, (*args, kwargs["C"])))
         calls.append((key, _triton_spec(kernel, (*args, kwargs["C"]), kwargs["num_warps"]), types))
         # pointers go to the launcher as integers, everything else as given
@@ -64,7 +64,7 @@ def test_key_separates_triton_specializations():
             assert k1 == k2, (s1, s2)
     # no options, constexprs by position
     args = (base, base, 3, 4, 0.5, 2)
-    assert _runtime._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
+    assert launcher._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
 
 
 def test_key_separates_descriptor_specializations():
@@ -80,13 +80,13 @@ def test_key_separates_descriptor_specializations():
         for rows in (16, 32):
             for n in (64, 48):
                 shape, strides, box = (2, n, 128), (t.stride(0), t.stride(1), 1), (1, rows, 32)
-                host = _runtime.HostDesc((t, shape, strides, box, None))
-                (desc,) = _runtime._for_triton((host,))
+                host = launcher.HostDesc((t, shape, strides, box, None))
+                (desc,) = launcher._for_triton((host,))
                 assert type(desc) is TensorDescriptor and desc.base is t
                 assert (desc.shape, desc.strides, desc.block_shape) == (list(shape), list(strides), list(box))
                 for d in (host, TensorDescriptor(t, list(shape), list(strides), list(box))):
                     args = (d, base, 3, 4, 0.5)
-                    key, launched = _runtime._bound(kernel, args, {"C": 1})
+                    key, launched = launcher._bound(kernel, args, {"C": 1})
                     assert launched[0] is d
                     calls.append((key[-1], _triton_spec(kernel, (desc, *args[1:], 1), ())))
     assert len({s for _, s in calls}) == 6
@@ -104,8 +104,8 @@ def test_gluon_host_descriptor():
     t = torch.randn(2, 64, 4, 32).half()
     layout = gl.NVMMASharedLayout.get_default_for([1, 16, 32], gl.float16)
     shape, strides, box = (2, 64, 128), (t.stride(0), t.stride(1), 1), (1, 16, 32)
-    gluon, plain = _runtime._for_triton((_runtime.HostDesc((t, shape, strides, box, layout)),
-                                         _runtime.HostDesc((t, shape, strides, box, None))))
+    gluon, plain = launcher._for_triton((launcher.HostDesc((t, shape, strides, box, layout)),
+                                         launcher.HostDesc((t, shape, strides, box, None))))
     assert type(gluon) is GluonDescriptor and gluon.layout == layout and gluon.base is t
     assert (gluon.shape, gluon.strides, gluon.block_shape, gluon.padding) == (list(shape), list(strides), list(box),
                                                                               "zero")
@@ -119,8 +119,8 @@ def test_relaunch_is_tritons_choice():
     from flashattn2.layers.rotary import apply_rotary_emb
     from flashattn2.reference.rotary import rotary_ref
 
-    assert _runtime.VERIFY_LAUNCH
-    before = _runtime.direct_launches
+    assert launcher.VERIFY_LAUNCH
+    before = launcher.direct_launches
     for seqlen, nheads, aligned in [(16, 4, True), (16, 4, False), (17, 4, True), (16, 1, False), (33, 3, True),
                                     (17, 4, False)]:
         shape = (2, seqlen, nheads, 64)
@@ -136,34 +136,34 @@ def test_relaunch_is_tritons_choice():
                 ref = rotary_ref(x.float(), cos.float(), sin.float(), seqlen_offsets=offsets)
                 torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
     # each (shape, offsets) pair's second call at least was launched directly (and verified)
-    assert _runtime.direct_launches - before >= 12
+    assert launcher.direct_launches - before >= 12
 
 
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")
 def test_host_descriptor_relaunch(monkeypatch):
-    """Relaunches with host-built descriptors encode them here (ops._runtime._tma_map), not in
+    """Relaunches with host-built descriptors encode them here (ops.launcher._tma_map), not in
     Triton's launcher: forward and gradients equal Triton's own launches bit for bit, for new
     tensors at new addresses and shapes, and the encoding path was the one taken."""
     import flashattn2
-    from flashattn2.ops import config
+    from flashattn2.ops import planning
 
     def run(n, seed):
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         q, k, v = (torch.randn(2, n, 4, 64, device=DEVICE, dtype=torch.float16, generator=gen).requires_grad_()
                    for _ in range(3))
-        with config.override(tma=True, host_desc=True):  # deterministic: the Triton dK/dV and dQ kernels
+        with planning.force(tma=True, host_desc=True):  # deterministic: the Triton dK/dV and dQ kernels
             out = flashattn2.flash_attn_func(q, k, v, causal=True, deterministic=True)
             return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
 
     # seqlen 300 and 1000 are one class of int for Triton (not a multiple of 16), 256 another: the
     # first call of each class may go through Triton's path, the later ones launch directly
     for n, seed in ((256, 0), (256, 1), (300, 2), (256, 3), (1000, 4)):
-        before = _runtime.direct_launches
+        before = launcher.direct_launches
         direct = run(n, seed)
-        assert _runtime.direct_launches > before or (n, seed) in ((256, 0), (300, 2))
+        assert launcher.direct_launches > before or (n, seed) in ((256, 0), (300, 2))
         with monkeypatch.context() as m:
-            m.setattr(_runtime, "DIRECT_LAUNCH", False)
+            m.setattr(launcher, "DIRECT_LAUNCH", False)
             reference = run(n, seed)
         for a, b in zip(direct, reference):
             assert torch.equal(a, b)
-    assert sum(isinstance(d, _runtime._Described) for _, d in _runtime._LAUNCHED.values()) >= 3  # fwd, dK/dV, dQ
+    assert sum(isinstance(d, launcher._Described) for _, d in launcher._LAUNCHED.values()) >= 3  # fwd, dK/dV, dQ

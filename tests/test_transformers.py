@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import _runtime
+from flashattn2.ops import launcher
 from flashattn2.reference.tolerance import BWD_FACTOR, FWD_FACTOR
 from tolerance import assert_close
 
@@ -50,12 +50,12 @@ def test_logits_and_gradients_match_sdpa(kv_heads):
     ids, mask = padded_batch()
     weights = torch.randn(int(mask.sum()), VOCAB, device=DEVICE) / VOCAB
     launched = []
-    real_launch = _runtime.launch
-    _runtime.launch = lambda kernel, *a, **kw: (launched.append(kernel.__name__), real_launch(kernel, *a, **kw))[1]
+    real_launch = launcher.launch
+    launcher.launch = lambda kernel, *a, **kw: (launched.append(kernel.__name__), real_launch(kernel, *a, **kw))[1]
     try:
         ours = logits_and_grads(tiny_llama(kv_heads, torch.float16, "flashattn2"), ids, mask, weights)
     finally:
-        _runtime.launch = real_launch
+        launcher.launch = real_launch
     assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched  # the kernels ran
     ref = logits_and_grads(tiny_llama(kv_heads, torch.float32, "sdpa"), ids, mask, weights)
     low = logits_and_grads(tiny_llama(kv_heads, torch.float16, "sdpa"), ids, mask, weights)

@@ -5,11 +5,11 @@ import torch
 import flashattn2
 from cases import cu_seqlens
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import checks, config
+from flashattn2.ops import checks, planning
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
-T = config.TileConfig
+T = planning.TileConfig
 if ON_GPU:
     LENGTHS = [([1000, 0, 1, 4097, 333], [900, 7, 0, 4097, 1500]), ([2048] * 4, [2048] * 4)]
     PATHS = [pytest.param({}, id="table"), pytest.param({"tma": False}, id="no-tma")]
@@ -51,7 +51,7 @@ def test_varlen_matches_each_sequence_alone(lengths, opts, path):
     q, k, v = make(lengths_q, lengths_k)
     opts = resolve(opts, len(lengths_q), q.shape[1])
     cu_q, cu_k = cu(lengths_q), cu(lengths_k)
-    with config.override(**path):
+    with planning.force(**path):
         out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                                         return_attn_probs=True, **opts)
         do = torch.randn_like(out)

@@ -1,4 +1,4 @@
-"""Compile every kernel configuration the config table can select for sm_90 / sm_80, no GPU needed,
+"""Compile every kernel configuration the plan table (ops/planning.py) can select for sm_90 / sm_80 / sm_86, no GPU needed,
 and check shared memory against the target's limit. Prints one JSON line per configuration,
 with the compile time ("seconds": a cold compile when TRITON_CACHE_DIR points at an empty
 directory; Triton's cache serves later processes).
@@ -20,14 +20,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
-from flashattn2.ops import _runtime, attention, config, kvcache  # noqa: E402
+from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
+from flashattn2.ops.tma import host_desc  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
 FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad"}
 TYPE = {2: "fp16", 4: "fp32"}
-KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel,
-           "bwd_dkdv_atomic": bwd.attn_bwd_dkdv_kernel}
+KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
+T = planning.TileConfig
 
 
 INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err", "SeqOrder"}
@@ -53,7 +54,7 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
             sig[name] = "i32"
     target = GPUTarget("cuda", CAPABILITY[arch], 32)
     # the persistent Gluon forward's num_warps counts its consumer warps; it launches with its default
-    # partition's 4 (ops.attention._hopper_forward)
+    # partition's 4 (planning.Plan.num_warps)
     options = dict(num_warps=4 if "CONSUMERS" in constexprs else cfg.num_warps, num_stages=cfg.num_stages)
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -64,7 +65,7 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
 
 def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out"), dq_cols=None):
     """Signature types of a Gluon kernel's descriptors (3-D, box [1, rows, head_dim], with the
-    shared-memory layout ops.attention gives them): query-side tensors BLOCK_M rows, key-side
+    shared-memory layout ops.launch_gluon gives them): query-side tensors BLOCK_M rows, key-side
     BLOCK_N; "DQ" is the backward's fp32 accumulator (box [1, BLOCK_M, dq_cols or head_dim])."""
     import torch
     from triton.runtime.jit import mangle_type
@@ -74,7 +75,7 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
         t = torch.empty(2, 64, 2, head_dim, dtype=torch.float32 if name == "DQ" else torch.float16)
         rows = cfg.block_n if name in _KEY_SIDE else cfg.block_m
         cols = dq_cols if name == "DQ" else None
-        (desc,) = _runtime._for_triton((attention._host_desc(t, rows, gluon=True, cols=cols),))
+        (desc,) = launcher._for_triton((host_desc(t, rows, gluon=True, cols=cols),))
         types[name] = mangle_type(desc)
     return types
 
@@ -104,72 +105,68 @@ def _descriptor_types(kernel, elem_bytes, head_dim, cfg):
     return types
 
 
-def cases(arch):
-    for (entry_arch, bucket, elem_bytes, kernel), cfg in config.table_entries():
-        if entry_arch != arch:
-            continue
-        fp32 = elem_bytes == 4
-        if kernel.startswith("fwd_hopper"):  # the Gluon forwards: sm_90, 2-byte types, dense, no score modification
+def _gluon_cases(arch, row):
+    """A Gluon row's compiles: its causal setting(s) (the backward's causal one with GQA), the constexprs its plan
+    derives (planning._derive)."""
+    d, elem_bytes = row.head_dim, row.elem_bytes
+    causals = (False, True) if row.causal is None else (row.causal,)
+    for causal in causals:
+        plan = planning._derive(row, planning.Forced(), causal)
+        cfg = plan.tile
+        constexprs = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages)
+        constexprs.update(plan.constexprs)
+        if row.kernel == "bwd_hopper":
+            constexprs["GQA"] = causal
+            types = _gluon_descriptor_types(elem_bytes, d, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"),
+                                            dq_cols=d // constexprs["DQ_SPLIT"])
+            fn = _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel
+            label = "causal-gqa" if causal else "full"
+        else:
             hopper = _runtime.hopper_kernels().fwd
-            ws, persist = kernel == "fwd_hopper_ws", kernel == "fwd_hopper_persist"
-            fn = {"fwd_hopper": hopper.attn_fwd_hopper_kernel, "fwd_hopper_ws": hopper.attn_fwd_ws_kernel,
-                  "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[kernel]  # a new name must be added here
-            for causal in (False, True):
-                constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                  STAGES=cfg.num_stages)
-                if ws:
-                    constexprs["PINGPONG"] = config.GLUON_WS_PINGPONG[bucket]
-                if persist:
-                    constexprs.update(config.gluon_persist_constexprs(cfg, bucket, causal))
-                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal' if causal else 'full'}",
-                       fn, elem_bytes, constexprs, cfg, _gluon_descriptor_types(elem_bytes, bucket, cfg))
+            fn = {"fwd_hopper_ws": hopper.attn_fwd_ws_kernel,
+                  "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[row.kernel]  # a new name must be added here
+            types = _gluon_descriptor_types(elem_bytes, d, cfg)
+            label = "causal" if causal else "full"
+        yield f"{arch}-d{d}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
+
+
+def cases(arch):
+    for row in planning.rows(arch):
+        if row.kernel not in ("fwd", "bwd_dkdv"):  # the Gluon kernels: sm_90, 2-byte types, dense, causal or not
+            yield from _gluon_cases(arch, row)
             continue
-        if kernel in ("bwd_hopper", "bwd_hopper_split"):  # the warp-specialized Gluon backward: as the forward
-            split = kernel == "bwd_hopper_split"
-            rings = config.gluon_bwd_rings(bucket, split, cfg.num_stages)
-            types = _gluon_descriptor_types(elem_bytes, bucket, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"),
-                                            dq_cols=bucket // rings["DQ_SPLIT"])
-            for causal, gqa in ((False, False), (True, True)):
-                constexprs = dict(CAUSAL=causal, HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                  STAGES=cfg.num_stages, GQA=gqa, **rings)
-                yield (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-{'causal-gqa' if causal else 'full'}",
-                       _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel, elem_bytes, constexprs, cfg, types)
-            continue
-        if kernel == "bwd_dkdv_atomic" and fp32:
-            # the atomic dQ path is off by default (measured slower); its fp32 build shares the
-            # small fp32 tile with bwd_dkdv, checked above (CI time: ~1 minute saved)
-            continue
-        # sm90: descriptors made in the kernel (the default) and pointers; for 2-byte types also the
-        # opt-in host-built descriptors (config.host_desc; dense inputs only: the plain variant)
-        paths = [(False, False)]
-        if arch == "sm90":
-            paths = [(True, False), (False, False)] + [(True, True)] * (not fp32 and kernel != "bwd_dkdv_atomic")
-        for use_tma, host_desc in paths:
-            for variant, flags in VARIANTS.items():
-                if host_desc and flags["IS_VARLEN"]:
-                    continue
-                # bf16 needs the same shared memory as fp16
-                constexprs = dict(**flags, USE_TMA=use_tma, HOST_DESC=host_desc, UPCAST=fp32,
-                                  DOT_PRECISION="ieee" if fp32 else "tf32",
-                                  HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
-                if kernel.startswith("bwd_dkdv"):
-                    constexprs["DQ_ATOMIC"] = kernel == "bwd_dkdv_atomic"
-                    constexprs["DQ_BULK"] = kernel == "bwd_dkdv_atomic" and use_tma
-                types = _descriptor_types(kernel, elem_bytes, bucket, cfg) if host_desc else None
-                name = (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
-                        f"{'host-tma' if host_desc else 'tma' if use_tma else 'ptr'}-{variant}")
-                yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types
+        fp32 = row.elem_bytes == 4
+        bucket, elem_bytes = row.head_dim, row.elem_bytes
+        tiles = [(row.kernel, row.tile)] + ([("bwd_dq", row.dq_tile)] if row.dq_tile is not None else [])
+        for kernel, cfg in tiles:
+            # sm90: descriptors made in the kernel (the default) and pointers; for 2-byte types also the
+            # host-built descriptors (dense inputs only: the plain variant)
+            paths = [(False, False)]
+            if arch == "sm90":
+                paths = [(True, False), (False, False)] + [(True, True)] * (not fp32)
+            for use_tma, host in paths:
+                for variant, flags in VARIANTS.items():
+                    if host and flags["IS_VARLEN"]:
+                        continue
+                    # bf16 needs the same shared memory as fp16
+                    constexprs = dict(**flags, USE_TMA=use_tma, HOST_DESC=host, UPCAST=fp32,
+                                      DOT_PRECISION="ieee" if fp32 else "tf32",
+                                      HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
+                    types = _descriptor_types(kernel, elem_bytes, bucket, cfg) if host else None
+                    name = (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
+                            f"{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}")
+                    yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types
     # the Triton backward's preprocess (varlen, an lse gradient) and the Gluon backward's (padded rows, the dQ
     # accumulator zeroed, lse copied)
     pre = dict(HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
-    yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
+    yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
     pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
-    yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
+    yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
     yield (f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
-           config.TileConfig(64, 64, 4, 1), {"X1": "*fp32"})
+           T(64, 64, 4, 1), {"X1": "*fp32"})
     dmask_flags = dict(CAUSAL=False, LOCAL=True, ALIBI=True, IS_VARLEN=True, UPCAST=False, DOT_PRECISION="tf32",
                        HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, BLOCK_D=256)
-    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, config.TileConfig(64, 64, 4, 1)
+    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, T(64, 64, 4, 1)
     # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path
@@ -196,20 +193,20 @@ def cases(arch):
                     types = {"Out": "*fp32"} if split else None
                     yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
                            decode.attn_kvcache_kernel, elem_bytes, flags,
-                           config.TileConfig(block_m, block_n, warps, stages), types)
+                           T(block_m, block_n, warps, stages), types)
         for paged, rotate in ((False, True), (True, False)):
             append = dict(CHECK=True, PAGED=paged, BATCH_IDX=not paged, LEFTPAD=True, SEQLENS_TENSOR=True,
                           PAGE_SIZE=16 if paged else 1, ROTARY=rotate, INTERLEAVED=rotate, HEAD_DIM=head_dim,
                           BLOCK_B=256, BLOCK_T=16, BLOCK_D=head_dim)
             yield (f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}", decode.kvcache_append_kernel, 2,
-                   append, config.TileConfig(16, 16, 4, 1), None)
+                   append, T(16, 16, 4, 1), None)
         combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim, PDL=arch == "sm90")
-        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, config.TileConfig(16, 16, 2, 1),
+        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, T(16, 16, 2, 1),
                {"OutPart": "*fp32", "LsePart": "*fp32"})
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
         yield (f"{arch}-rotary-{'gptj' if interleaved else 'neox'}", rotary.rotary_kernel, 2, flags,
-               config.TileConfig(8, 8, 4, 1), None)
+               T(8, 8, 4, 1), None)
 
 
 # Triton specializes an integer argument equal to 1 into a constant: a one-token query or key sequence, or
@@ -227,7 +224,9 @@ def length_one_cases(arch):
     paths = [(True, False), (False, False)] if arch == "sm90" else [(False, False)]
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         for seqlen_q, seqlen_k, group in LENGTHS_ONE:
-            cfg = config.select(kernel, arch, head_dim, torch.float16, False, max_seqlen_k=seqlen_k or 97)
+            plan = planning.plan(arch, torch.float16, head_dim, False, seqlen_k or 97, planning.Features(),
+                                 "fwd" if kernel == "fwd" else "bwd")
+            cfg = plan.dq_tile if kernel == "bwd_dq" else plan.tile
             ints = {n: v for n, v in (("max_seqlen_q", seqlen_q), ("max_seqlen_k", seqlen_k), ("group_size", group))
                     if v is not None}
             # dense without options (the case that failed: causal masking keeps the loops) for every
@@ -240,15 +239,13 @@ def length_one_cases(arch):
                 for variant, flags in variants.items():
                     constexprs = dict(**flags, **ints, USE_TMA=use_tma, HOST_DESC=False, UPCAST=False,
                                       DOT_PRECISION="tf32", HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-                                      BLOCK_N=cfg.block_n, BLOCK_D=config.head_dim_bucket(head_dim))
-                    if kernel == "bwd_dkdv":
-                        constexprs.update(DQ_ATOMIC=False, DQ_BULK=False)
+                                      BLOCK_N=cfg.block_n, BLOCK_D=planning.head_dim_bucket(head_dim))
                     lengths = "-".join(f"{n.removeprefix('max_')}1" for n in ints)
                     yield (f"{arch}-d{head_dim}-fp16-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}-{lengths}",
                            KERNELS[kernel], 2, constexprs, cfg, None)
     pre = dict(HAS_DLSE=False, IS_VARLEN=False, PADDED=False, COPY_LSE=False, HEAD_DIM=head_dim, BLOCK_M=32,
-               BLOCK_D=config.head_dim_bucket(head_dim), max_seqlen_q=1)
-    yield f"{arch}-preprocess-seqlen_q1", bwd.attn_bwd_preprocess_kernel, 2, pre, config.TileConfig(32, 32, 4, 1)
+               BLOCK_D=planning.head_dim_bucket(head_dim), max_seqlen_q=1)
+    yield f"{arch}-preprocess-seqlen_q1", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
 
 
 def case_id(name: str, cfg) -> str:

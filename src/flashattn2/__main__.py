@@ -43,7 +43,8 @@ def _parser():
     ap.add_argument("--nheads-k", type=int, default=None,
                     help="kernels: K/V heads (default nheads; fewer: GQA, e.g. --nheads 32 --nheads-k 8)")
     ap.add_argument("--baseline", default=None,
-                    help="features: a package built by tools/baseline_pkg.py to compare 'features off' with")
+                    help="features / decode: a package built by tools/baseline_pkg.py to compare with (features: "
+                         "'features off'; decode: timed beside flashattn2 in alternating rounds)")
     ap.add_argument("--cases", default="varlen,window,off,on", help="features: which cases")
     ap.add_argument("--batches", default="1,8,64", help="decode: batch sizes")
     ap.add_argument("--caches", default="1024,8192,32768,131072", help="decode: cache lengths")
@@ -57,8 +58,8 @@ def _parser():
     ap.add_argument("--tokens", type=int, default=16384, help="gpt: tokens per training step")
     ap.add_argument("--steps", type=int, default=10, help="gpt: timed steps (after 3 warm-up steps)")
     ap.add_argument("--setting", action="append", default=None,
-                    help="ab: a setting, given twice or more: config.override arguments ('gluon_bwd_split=1', "
-                         "'gluon=0,gluon_bwd=0'; 'default'), or 'pkg:NAME' (tools/baseline_pkg.py)")
+                    help="ab: a setting, given twice or more: ops.planning.force arguments ('hopper=0', "
+                         "'fwd_hopper_persist=64x64w8s2'; 'default'), or 'pkg:NAME' (tools/baseline_pkg.py)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="kernels / ab: rounds alternating the providers / settings, odd ones in reverse order "
                          "(median reported; default 1 / 3)")
@@ -147,7 +148,8 @@ def _decode(args):
 
     path = args.csv or os.path.join(RESULTS, f"decode-{_slug(torch.cuda.get_device_name())}.csv")
     decode.run(path, _ints(args.batches), _ints(args.caches), _ints(args.kv_heads), args.layouts.split(","),
-               args.timings.split(","), peers="sdpa" in args.providers)
+               args.timings.split(","), peers="sdpa" in args.providers, baseline=args.baseline,
+               rounds=args.rounds or 1)
     return _write_markdown(path, decode.markdown(path))
 
 
@@ -160,7 +162,7 @@ def _ab(args):
         print("bench ab times flashattn2 under several settings: it needs a CUDA GPU")
         return 2
     if not args.setting or len(args.setting) < 2:
-        print("bench ab: give two or more --setting (e.g. --setting default --setting gluon_bwd_split=1)")
+        print("bench ab: give two or more --setting (e.g. --setting default --setting hopper=0)")
         return 2
     path = args.csv or os.path.join(RESULTS, f"ab-{_slug(torch.cuda.get_device_name())}.csv")
     rows = ab.run(args.setting, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),

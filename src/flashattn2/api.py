@@ -16,6 +16,7 @@ import torch
 from .errors import ArgumentError, ArgumentTypeError
 from .ops import _runtime, checks
 from .ops.kvcache import Check
+from .ops.options import Options
 from .ops.registry import Attention, EmptyAttention, PackedAttention, run_fwd
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import fwd as _fwd_op
@@ -23,13 +24,11 @@ from .ops.registry import run_fwd_kvcache as _fwd_kvcache_op
 from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 
 
-_DENSE = (None, None, 0, 0)  # fwd's varlen arguments (cu_seqlens_q/k, max_seqlen_q/k) when dense
+_DENSE = (None, None, 0, 0)  # Options' sequence fields (cu_seqlens_q/k, max_seqlen_q/k) when dense
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    """Validate; return fwd's arguments after v, alibi_slopes excepted: (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seed, softmax_scale, causal, window_left,
-    window_right, softcap). With dropout, the Philox seed is drawn from torch's generator for q's
+def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes) -> Options:
+    """Validate; return the call's Options. With dropout, the Philox seed is drawn from torch's generator for q's
     device, so torch.manual_seed makes runs reproducible; the backward reuses it."""
     checks.check_qkv(q, k, v, varlen=False, empty_ok=True)
     return _options(q, _DENSE, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
@@ -46,29 +45,29 @@ def _prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale,
     return options, verify
 
 
-def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes) -> Options:
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
     scale = _scale(q, softmax_scale)
     left, right = (int(w) for w in window_size)
     dropout_p = float(dropout_p)
     seed = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-    return (*seq_args, dropout_p, seed, scale, bool(causal), left, right, float(softcap))
+    return Options(*seq_args, dropout_p, seed, scale, bool(causal), left, right, float(softcap))
 
 
 def _scale(q, softmax_scale) -> float:
     return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
-def _attention(q, k, v, options, alibi_slopes, deterministic):
+def _attention(q, k, v, options: Options, alibi_slopes, deterministic):
     """The fwd op while torch.compile traces (with its autograd registration); in eager mode its
     body, through the Attention autograd.Function when a gradient is needed: the op's dispatch
     and autograd wrapper cost host time on every call and only tracing needs them."""
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, *options, alibi_slopes)
+        return _fwd_op(q, k, v, *options.op_args(), alibi_slopes)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return Attention.apply(q, k, v, alibi_slopes, bool(deterministic), *options)
-    return run_fwd(q, k, v, *options, alibi_slopes)
+        return Attention.apply(q, k, v, alibi_slopes, bool(deterministic), options)
+    return run_fwd(q, k, v, *options.op_args(), alibi_slopes)
 
 
 def _empty(q, k) -> bool:
@@ -79,16 +78,16 @@ def _empty(q, k) -> bool:
 def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slopes=None):
     if not return_attn_probs:
         return out
-    dropout_p = options[4] if options is not None else 0.0
+    dropout_p = options.dropout_p if options is not None else 0.0
     if dropout_p == 0:
         # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
         return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
-    if options[0] is None and _empty(q, k):
+    if not options.varlen and _empty(q, k):
         rounded = lambda n: -(-n // 128) * 128
         shape = (q.shape[0], q.shape[2], rounded(q.shape[1]), rounded(k.shape[1]))
         return out, lse, torch.zeros(shape, dtype=out.dtype, device=out.device)
     with torch.no_grad():
-        s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options, alibi_slopes)
+        s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options.op_args(), alibi_slopes)
     return out, lse, s_dmask
 
 
@@ -112,7 +111,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             -slope * |i + seqlen_k - seqlen_q - j| is added to the scores (after softcap).
         deterministic: True always gives the deterministic backward (dQ in its own pass, no
             atomics: bitwise-identical gradients run to run). False (flash_attn's default) lets an
-            H100/H200 take the Gluon backward (unless config.gluon_bwd is off): dQ added in any
+            H100/H200 take the Gluon backward (unless FLASHATTN2_HOPPER=0): dQ added in any
             order, so its last bits may move run to run (README, "deterministic"). Under
             torch.compile the backward is the deterministic one either way.
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
@@ -146,7 +145,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     if _empty(q, k):
         out, lse = EmptyAttention.apply(q, k, v)
     else:
-        out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), *options)
+        out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -160,7 +159,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     if _empty(q, k):
         out, lse = EmptyAttention.apply(q, k, v)
     else:
-        out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), *options)
+        out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -222,7 +221,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(dim=1)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), *options)
+    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
@@ -236,7 +235,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(dim=1)
     options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes)
-    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), *options)
+    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 

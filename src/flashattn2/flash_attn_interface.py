@@ -50,6 +50,7 @@ from .api import (
 from .errors import ArgumentError, ArgumentTypeError
 from .ops import _runtime, checks
 from .ops import registry
+from .ops.options import Options
 
 __all__ = [
     "flash_attn_func",
@@ -111,7 +112,7 @@ def _check_return_softmax(return_softmax, dropout_p: float) -> None:
 def _s_dmask(q, k, return_softmax, options, alibi_slopes) -> torch.Tensor:
     if not return_softmax:
         return torch.empty(0, dtype=q.dtype, device=q.device)
-    return registry.dropout_probs(q, k, *options, alibi_slopes)
+    return registry.dropout_probs(q, k, *options.op_args(), alibi_slopes)
 
 
 def _like(name: str, t, shape, dtype, device) -> None:
@@ -173,9 +174,9 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
                                                       window_size_right, softcap, alibi_slopes)
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
-    options = (None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right,
-               softcap)
-    out, lse = registry.run_fwd(q, k, v, *options, alibi_slopes)
+    options = Options(None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right,
+                      softcap)
+    out, lse = registry.run_fwd(q, k, v, *options.op_args(), alibi_slopes)
     return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
 
 
@@ -217,9 +218,9 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                                       window_size_left, window_size_right, softcap, alibi_slopes)
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
-    options = (cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left,
-               right, softcap)
-    out, lse = registry.run_fwd(q, k, v, *options, alibi_slopes)
+    options = Options(cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left,
+                      right, softcap)
+    out, lse = registry.run_fwd(q, k, v, *options.op_args(), alibi_slopes)
     verify()
     if zero_tensors:
         _fill_lse_tail(lse, cu_q)

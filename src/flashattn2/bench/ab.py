@@ -1,6 +1,6 @@
 """Same-run A/B of flashattn2 under two or more settings (`python -m flashattn2 bench ab`): what the
-kernel table's choices are made from. A setting is a comma-separated list of config.override
-arguments ("gluon_bwd_split=1", "gluon=0,gluon_bwd=0", "arch=sm80", a tile as
+kernel table's choices are made from. A setting is a comma-separated list of ops.planning.force
+arguments ("hopper=0", "tma=0", "arch=sm80", "bwd_order=head-major", a tile as
 "fwd_hopper_persist=64x64w8s2", with its Q buffers "64x64w12s3q1"; "" or "default" for the defaults) or "pkg:NAME" for a package built
 by tools/baseline_pkg.py (an older commit, loaded beside this one). At every point the rounds
 alternate the settings (and cuDNN, unless --no-cudnn), so drift hits them alike, odd rounds in reverse
@@ -20,14 +20,15 @@ import statistics
 import torch
 
 import flashattn2
-from ..ops import config
+from ..ops import planning
 from .kernels import DTYPES, FIELDS, check_provider, run_metadata, time_modes
 from .providers import attention_flops, providers
 from .results import appending
 
-# config.override's switches (tma=..., gluon_bwd=..., ...); arch takes a name
-_SWITCHES = [name for name, p in inspect.signature(config.override).parameters.items()
-             if p.default is None and name != "arch"]
+# planning.force's switches (hopper=..., tma=..., ...); arch and bwd_order take a name
+_NAMED = ("arch", "bwd_order")
+_SWITCHES = [name for name, p in inspect.signature(planning.force).parameters.items()
+             if p.default is None and name not in _NAMED]
 _OFF = ("0", "false", "off", "no")
 
 
@@ -44,21 +45,21 @@ class Setting:
             return
         for item in filter(None, text.split(",") if self.label != "default" else []):
             key, sep, value = (part.strip() for part in item.partition("="))
-            tile = config.parse_tile(value)
-            if key in config.KERNELS and tile:
+            tile = planning.parse_tile(value)
+            if key in planning.KERNELS and tile:
                 self.overrides[key] = tile
                 continue
-            if not sep or (key not in _SWITCHES and key != "arch"):
+            if not sep or (key not in _SWITCHES and key not in _NAMED):
                 raise ValueError(f"bench ab: setting {text!r}: expected key=value with key one of "
-                                 f"{['arch', *_SWITCHES]}, or a kernel of {list(config.KERNELS)} = a tile like "
+                                 f"{[*_NAMED, *_SWITCHES]}, or a kernel of {list(planning.KERNELS)} = a tile like "
                                  f"64x128w4s2 (64x64w12s3q1: with its Q buffers), got {item!r}")
-            self.overrides[key] = value if key == "arch" else value.lower() not in _OFF
+            self.overrides[key] = value if key in _NAMED else value.lower() not in _OFF
 
     def context(self):
         """The setting's overrides, entered around a whole measurement or check: the backward runs
         after the forward call has returned (autograd), and reads the backward's switches then. The
         defaults enter no override at all."""
-        return config.override(**self.overrides) if self.overrides else contextlib.nullcontext()
+        return planning.force(**self.overrides) if self.overrides else contextlib.nullcontext()
 
     def run(self, q, k, v, causal):
         """The call measured, inside context()."""

@@ -1,7 +1,5 @@
 """FlashAttention-2 backward kernels: D = rowsum(dO * O), then dK/dV per key block, then dQ per
-query block in its own pass (no atomics: every run gives bitwise-identical gradients). Or, with
-DQ_ATOMIC (deterministic=False where the table enables it), dQ added by the dK/dV kernel into an
-fp32 accumulator with atomics: 5 matmuls per block pair instead of 7, in a varying order.
+query block in its own pass (no atomics: every run gives bitwise-identical gradients).
 
 P is recomputed from the saved logsumexp: P = exp(S - L). With dP = dO V^T and
 dS = P * (dP - D): dV = P^T dO, dK = scale * dS^T Q, dQ = scale * dS K. With softcap,
@@ -13,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, load_tile, \
-    load_vec, make_desc_or_ptr, query_program, query_block_range, seq_bounds, store_rows, store_tile, tanh, tile_src, \
+    load_vec, query_program, query_block_range, seq_bounds, store_rows, store_tile, tanh, tile_src, \
     visible
 
 
@@ -92,14 +90,12 @@ def _scores_bwd(qk, qi, kj, lse2, seqlen_q, seqlen_k, qk_scale, softcap_in, soft
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, m_hi,
                 seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqs, sm_scale,
+                window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                DQ_BULK: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     for start_m in range(m_lo, m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
@@ -129,37 +125,20 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, start_n, m_lo, 
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * factorT
-        if DQ_ATOMIC:
-            # key rows past seqlen_k (zeros, unmasked in the middle range) have P = exp(-L): their
-            # dS may round to inf, and inf * 0 (their K row) would put NaN into dQ
-            dsT = tl.where(offs_n[:, None] < seqlen_k, dsT, 0.0)
         dsT = dsT.to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
-        if DQ_ATOMIC:
-            # this key block's share of dQ = scale * dS K, added into the fp32 accumulator (key
-            # rows past seqlen_k load as zeros and add nothing); the order of the adds varies
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale
-            if DQ_BULK:
-                # one bulk reduce of the tile (cp.reduce.async.bulk), clipped at seqlen_q by the
-                # descriptor: 1.4x the scalar atomics on the H200, still slower than two passes (notes)
-                dq_dst.atomic_add([start_m, 0], dq)
-            else:
-                dq_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-                rows = offs_m.to(tl.int64)[:, None] * stride_dqs  # int64: long sequences x heads x headdim
-                tl.atomic_add(dq_dst + rows + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQAcc, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqab, stride_dqas, stride_dqah,
     stride_lse_b, stride_lse_h,
     stride_alibi_b,
     nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
@@ -168,11 +147,8 @@ def attn_bwd_dkdv_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr,
     HOST_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, DQ_BULK: tl.constexpr,
 ):
-    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here.
-    # DQ_ATOMIC: dQ is added here too, into DQAcc (fp32, zeroed), instead of by its own pass; by TMA
-    # bulk reduces with DQ_BULK (sm90; the interpreter has no descriptor reduce), else scalar atomics
+    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
     num_n_blocks = tl.cdiv(max_seqlen_k, BLOCK_N)
     pid_n = tl.program_id(0) % num_n_blocks
     off_bhk = tl.program_id(0) // num_n_blocks
@@ -213,26 +189,22 @@ def attn_bwd_dkdv_kernel(
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
-        dq_dst = DQAcc + off_b * stride_dqab + q_start * stride_dqas + off_h * stride_dqah
-        if DQ_BULK:
-            dq_dst = make_desc_or_ptr(dq_dst, seqlen_q, stride_dqas, HEAD_DIM, BLOCK_M, BLOCK_D, True)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, m_lo, full_lo,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqas,
-                             sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST,
-                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                             True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST,
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_lo, full_hi,
                              seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out, slope2,
-                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p, dq_dst, stride_dqas,
-                             sm_scale, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST,
-                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DQ_ATOMIC, DQ_BULK)
+                             window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
+                             False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC, UPCAST,
+                             DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
         if LOCAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, Lse + row0, Delta + row0, start_n, full_hi, m_end,
                                  seqlen_q, seqlen_k, stride_qs, stride_dos, qk_scale, softcap_in, softcap_out,
                                  slope2, window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                                 dq_dst, stride_dqas, sm_scale, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
-                                 USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 DQ_ATOMIC, DQ_BULK)
+                                 True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT,
+                                 USE_TMA, HOST_DESC, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
 
     dk_dst = tile_src(DK, off_b, k_start, off_hk, stride_dkb, stride_dks, stride_dkh, seqlen_k, HEAD_DIM, BLOCK_N,
                       BLOCK_D, USE_TMA, HOST_DESC)

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, attention, checks, config
+from . import _runtime, checks, launcher, planning
+from .geometry import block_d, fill_tails
+from .options import ScoreMods
 from . import rotary as _rotary
 
 MAX_SPLITS = 128
@@ -63,7 +65,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
         _check_pages_read(cache, seqlen_new, check)
     interp = _runtime.interpreted()
     if not interp:
-        config.arch_of(k_new.device)  # an unsupported GPU raises before the cache is written
+        planning.arch_of(k_new.device)  # an unsupported GPU raises before the cache is written
     if rotary is not None:
         cos, sin, interleaved = rotary
         if interp and k_new.dtype != torch.float32:
@@ -77,7 +79,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     bt = cache.block_table
     dummy = k_new
     block_t = min(16, 1 << (seqlen_new - 1).bit_length())
-    _runtime.launch(_runtime.kernels().decode.kvcache_append_kernel, (batch, -(-seqlen_new // block_t)),
+    launcher.launch(_runtime.kernels().decode.kvcache_append_kernel, (batch, -(-seqlen_new // block_t)),
         k_new, v_new, cache.k, cache.v, cos, sin,
         cache.seqlens if cache.seqlens is not None else dummy,
         cache.batch_idx if cache.batch_idx is not None else dummy,
@@ -93,7 +95,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
         LEFTPAD=cache.leftpad is not None, SEQLENS_TENSOR=cache.seqlens is not None,
         PAGE_SIZE=cache.page_size if bt is not None else 1, ROTARY=rotary is not None, INTERLEAVED=interleaved,
         HEAD_DIM=head_dim, BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())), BLOCK_T=block_t,
-        BLOCK_D=attention._block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
+        BLOCK_D=block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
     )
 
 
@@ -175,7 +177,7 @@ def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: st
     if interp:
         return block_m, 16, 1, 1
     block_n, warps, stages = DECODE_TILES[(path, split)]
-    block_n = max(32, min(256, block_n * 128 // max(64, attention._block_d(head_dim))))
+    block_n = max(32, min(256, block_n * 128 // max(64, block_d(head_dim))))
     if elem_bytes == 4:
         return block_m, max(16, block_n // (4 if head_dim > 128 else 2)), 4, 1
     return block_m, block_n, warps, stages
@@ -220,7 +222,7 @@ def plan(cache: Cache, rows: int, batch: int, head_dim: int, elem_bytes: int, nu
     return block_m, block_n, warps, stages, splits, chunk
 
 
-def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: attention.ScoreMods,
+def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: ScoreMods,
             num_splits: int, varlen_q: tuple[torch.Tensor, int] | None = None,
             check: Check | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append).
@@ -269,12 +271,12 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
-    arch = "interp" if interp else config.arch_of(q.device)  # an unsupported GPU raises here
+    arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
     pdl = splits > 1 and _runtime.PDL and arch == "sm90"
     kernels = _runtime.kernels().decode
     bt = cache.block_table
     k, v = cache.k, cache.v
-    _runtime.launch(kernels.attn_kvcache_kernel, (batch * nheads_k, -(-rows // block_m), splits),
+    launcher.launch(kernels.attn_kvcache_kernel, (batch * nheads_k, -(-rows // block_m), splits),
         q, k, v, dst, dst_lse,
         cache.seqlens if cache.seqlens is not None else lse,
         cache.batch_idx if cache.batch_idx is not None else lse,
@@ -294,7 +296,7 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", PAGE_SIZE=cache.page_size if bt is not None else 1,
         CHECK=check is not None, PDL=pdl,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=attention._block_d(head_dim),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim),
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
@@ -302,14 +304,14 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
         lse_b = 0 if varlen_q is not None else lse.stride(0)
         lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
-        _runtime.launch(kernels.attn_combine_kernel, (b_ * sq_ * nheads,),
+        launcher.launch(kernels.attn_combine_kernel, (b_ * sq_ * nheads,),
             dst, dst_lse, out, lse,
             dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
             sq_, nheads, splits,
             HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
-            BLOCK_D=attention._block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
+            BLOCK_D=block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
         )
     if varlen_q is not None:
         known = checks.known(varlen_q[0])
-        attention._fill_tails((out, varlen_q[0], 0.0, 0, known), (lse, varlen_q[0], float("inf"), 1, known))
+        fill_tails((out, varlen_q[0], 0.0, 0, known), (lse, varlen_q[0], float("inf"), 1, known))
     return out.to(q.dtype), lse

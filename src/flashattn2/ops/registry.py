@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from . import _runtime, attention, kvcache
+from .geometry import Varlen
+from .options import N_OP_ARGS, Options, ScoreMods
 
 
 def _for_kernels(t: torch.Tensor) -> torch.Tensor:
@@ -17,16 +19,16 @@ def _for_kernels(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed) -> attention.ScoreMods:
+def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed) -> ScoreMods:
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
-    return attention.ScoreMods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    return ScoreMods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
 
 
-def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> attention.Varlen | None:
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen | None:
     if cu_seqlens_q is None:
         return None
-    return attention.Varlen.of(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+    return Varlen.of(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
 
 
 def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
@@ -69,7 +71,7 @@ def bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
              alibi_slopes: torch.Tensor | None, deterministic: bool = True) -> None:
     """flashattn2::bwd: writes dq, dk, dv (see fwd_impl for eager callers). deterministic=False
-    may add dQ with atomics (config.dq_atomic)."""
+    lets a Hopper GPU take the Gluon backward (dQ added in any order)."""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
@@ -115,32 +117,28 @@ def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
     return q.new_empty((batch, q.shape[-2], round128(seqlen_q), round128(seqlen_k)))
 
 
-# fwd's arguments between v and alibi_slopes: the tensors among them travel through save_for_backward
-_TENSOR_ARGS = (0, 1, 5)  # cu_seqlens_q, cu_seqlens_k, seed
+def _save(ctx, q, k, v, out, lse, alibi_slopes, options: Options) -> None:
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *options.tensors())
+    ctx.options = options.without_tensors()
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options, alibi_slopes = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *(options[i] for i in _TENSOR_ARGS))
-    ctx.options = [None if i in _TENSOR_ARGS else o for i, o in enumerate(options)]
+    q, k, v, *args, alibi_slopes = inputs
+    _save(ctx, q, k, v, *output, alibi_slopes, Options(*args))
 
 
 def _saved(ctx):
-    """What _setup_context saved: (q, k, v, out, lse, alibi_slopes, options)."""
+    """What _save saved: (q, k, v, out, lse, alibi_slopes, options)."""
     q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
-    options = list(ctx.options)
-    for i, t in zip(_TENSOR_ARGS, tensors):
-        options[i] = t
-    return q, k, v, out, lse, alibi_slopes, options
+    return q, k, v, out, lse, alibi_slopes, ctx.options.with_tensors(*tensors)
 
 
 def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
     q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
     dout = _grad_of_out(dout, out)
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes, deterministic)
-    return dq, dk, dv, *(None,) * (1 + len(options))
+    (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, deterministic)
+    return dq, dk, dv, *(None,) * (1 + N_OP_ARGS)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -159,17 +157,17 @@ class Attention(torch.autograd.Function):
     callers of torch.ops.flashattn2.fwd (those backwards are deterministic)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, deterministic, *options):
-        out, lse = run_fwd(q, k, v, *options, alibi_slopes)
-        _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
+    def forward(ctx, q, k, v, alibi_slopes, deterministic, options: Options):
+        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes)
+        _save(ctx, q, k, v, out, lse, alibi_slopes, options)
         ctx.deterministic = deterministic
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv, *nones = _backward(ctx, dout, dlse, run_bwd, ctx.deterministic)
-        return dq, dk, dv, None, *nones
+        dq, dk, dv = _backward(ctx, dout, dlse, run_bwd, ctx.deterministic)[:3]
+        return dq, dk, dv, None, None, None
 
 
 class EmptyAttention(torch.autograd.Function):
@@ -193,19 +191,18 @@ class PackedAttention(torch.autograd.Function):
 
     packing "qkv": `packed` is qkv (..., 3, nheads, headdim) and `q` is None; packing "kv":
     `packed` is kv (..., 2, nheads_k, headdim) beside `q`. The packed dimension is 2 for dense
-    (batch, seqlen, ...) inputs and 1 for varlen (total, ...) ones. `options` are fwd's arguments
-    between v and alibi_slopes.
+    (batch, seqlen, ...) inputs and 1 for varlen (total, ...) ones.
     """
 
     @staticmethod
-    def forward(ctx, q, packed, alibi_slopes, packing, deterministic, *options):
-        dim = 2 if options[0] is None else 1
+    def forward(ctx, q, packed, alibi_slopes, packing, deterministic, options: Options):
+        dim = 1 if options.varlen else 2
         if packing == "qkv":
             q, k, v = packed.unbind(dim=dim)
         else:
             k, v = packed.unbind(dim=dim)
-        out, lse = run_fwd(q, k, v, *options, alibi_slopes)
-        _setup_context(ctx, (q, k, v, *options, alibi_slopes), (out, lse))
+        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes)
+        _save(ctx, q, k, v, out, lse, alibi_slopes, options)
         ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic
         ctx.set_materialize_grads(False)
         return out, lse
@@ -221,10 +218,9 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        run_bwd(_grad_of_out(dout, out), q, k, v, out, lse, dlse, dq, dk, dv, *options, alibi_slopes,
+        run_bwd(_grad_of_out(dout, out), q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes,
                 ctx.deterministic)
-        nones = (None,) * (3 + len(options))
-        return (None if ctx.packing == "qkv" else dq), dpacked, *nones
+        return (None if ctx.packing == "qkv" else dq), dpacked, None, None, None, None
 
 
 def fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime
+from . import _runtime, launcher
 
 
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
@@ -41,7 +41,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
         cu_seqlens = cu_seqlens.contiguous()
     grid = (-(-seqlen // block_m), batch)
     with _runtime.device_of(x):
-        _runtime.launch(_runtime.kernels().rotary.rotary_kernel, grid,
+        launcher.launch(_runtime.kernels().rotary.rotary_kernel, grid,
             x, cos, sin, cu_seqlens, seqlen_offsets if offsets_tensor else None,
             stride_b, stride_s, stride_h, cos.stride(0),
             seqlen, nheads, cos.shape[0], half, 0 if offsets_tensor else int(seqlen_offsets),

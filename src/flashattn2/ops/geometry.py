@@ -1,0 +1,116 @@
+"""Where a call's rows live: dense (batch, seqlen, nheads, headdim) or varlen (total, nheads, headdim) with
+cu_seqlens; the strides and lengths the kernels take, and the tail rows of a varlen output."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _runtime, checks, launcher
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_d(head_dim: int) -> int:
+    """The kernels' head-dim block: the next power of two, at least 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """Sequences packed along the first dimension: q (total_q, nheads, headdim) holds sequence b
+    in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, (batch + 1,)); likewise k and v.
+    known_*/order_*: what checks remembers of a cu_seqlens whose values were checked ((last
+    value, longest sequence) and the sequences longest first), or None; `of` looks them up."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    known_q: tuple[int, int] | None = None
+    known_k: tuple[int, int] | None = None
+    order_q: torch.Tensor | None = None
+    order_k: torch.Tensor | None = None
+
+    @staticmethod
+    def of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> "Varlen":
+        known_q, order_q = checks.remembered(cu_seqlens_q)
+        known_k, order_k = checks.remembered(cu_seqlens_k)
+        return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, known_q, known_k, order_q, order_k)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    batch: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    varlen: Varlen | None
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> "Geometry":
+        if varlen is None:
+            batch, seqlen_q, nheads, head_dim = q.shape
+            return Geometry(batch, nheads, k.shape[2], head_dim, seqlen_q, k.shape[1], None)
+        _, nheads, head_dim = q.shape
+        return Geometry(varlen.cu_seqlens_q.shape[0] - 1, nheads, k.shape[1], head_dim,
+                         varlen.max_seqlen_q, varlen.max_seqlen_k, varlen)
+
+    def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, seqlen, head) strides in elements; varlen has no batch stride."""
+        s = t.stride()  # one call, not three: host time
+        if self.varlen is not None:
+            return 0, s[0], s[1]
+        return s[0], s[1], s[2]
+
+    def lse_shape(self, q: torch.Tensor) -> tuple[int, ...]:
+        # flash_attn's layouts: (batch, nheads, seqlen_q), or (nheads, total_q) in varlen
+        return (self.nheads, q.shape[0]) if self.varlen is not None else (self.batch, self.nheads, q.shape[1])
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        s = lse.stride()
+        return (0, s[0]) if self.varlen is not None else (s[0], s[1])
+
+    def cu_seqlens(self, like: torch.Tensor):
+        if self.varlen is None:
+            return like, like  # never read: IS_VARLEN is off
+        return self.varlen.cu_seqlens_q, self.varlen.cu_seqlens_k
+
+    def order(self, side: str, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(SeqOrder, SORTED): the sequences longest first by their "q" or "k" lengths, known once
+        that cu_seqlens was checked (Varlen.order_*); the grid's slots follow that order.
+        Otherwise `like` and False (never read)."""
+        order = None if self.varlen is None else getattr(self.varlen, "order_" + side)
+        return (like, False) if order is None else (order, True)
+
+
+def fill_tails(*slots) -> None:
+    """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim, known), the rows of
+    x past cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
+    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots. A slot whose
+    cu_seqlens is known (checks.remembered: known = (last value, longest)) to end at the last
+    row needs nothing: no launch then."""
+    slots = [slot[:4] for slot in slots if (slot[4] or (-1,))[0] != slot[0].shape[slot[3]]]
+    if not slots:
+        return
+    args = []
+    totals = []
+    for x, cu_seqlens, value, rows_dim in slots:
+        total = x.shape[rows_dim]
+        if rows_dim == 0:
+            stride_r, stride_c, ncols = x.stride(0), 1, math.prod(x.shape[1:])
+        else:
+            stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
+        args += [x, cu_seqlens, total, stride_r, stride_c, ncols, value]
+        totals.append(total)
+    if max(totals) == 0:
+        return
+    args += args[:7] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
+    block_r = 64
+    launcher.launch(_runtime.kernels().fill.fill_tail_kernel, (cdiv(max(totals), block_r),),
+        *args, slots[0][1].shape[0] - 1, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128,
+    )

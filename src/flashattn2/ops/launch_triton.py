@@ -1,0 +1,221 @@
+"""The Triton kernels' launches (kernels/fwd.py, kernels/bwd.py, kernels/dmask.py): every arch, every option,
+dense and varlen. What runs is decided before (ops.planning's Plan); this allocates, builds the arguments, launches."""
+from __future__ import annotations
+
+import torch
+
+from . import _runtime, launcher, planning
+from .geometry import Geometry, Varlen, block_d, cdiv, fill_tails
+from .options import ScoreMods
+from .planning import Plan
+from .tma import host_desc, use_tma
+
+
+def tma_flags(q: torch.Tensor, arch: str, *tensors: torch.Tensor) -> dict:
+    upcast = arch == "interp" or q.dtype == torch.float32
+    tma = use_tma(arch, *tensors)
+    if tma and arch != "interp":
+        _runtime.ensure_tma_allocator()
+    return dict(
+        USE_TMA=tma,
+        # the interpreter's bf16 arithmetic is wrong (TRITON-ON-CPU.md): it computes in fp32
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast else "tf32",
+    )
+
+
+def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
+    # the interpreter truncates fp32 -> bf16 instead of rounding: it writes fp32 and torch casts
+    return torch.float32 if arch == "interp" else dtype
+
+
+def sources(geo: Geometry, tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple[list, bool]:
+    """(the kernel's tensor arguments, HOST_DESC) for (tensor, rows of its tile) pairs: with the
+    TMA path on dense inputs whose head dim is a power of two and whose heads are adjacent in
+    memory, descriptors (launcher.HostDesc) over (batch, seqlen, heads * headdim) with a
+    [1, rows, headdim] box (unless force(host_desc=False); use_tma checked the 16-byte alignment TMA needs);
+    otherwise the tensors (the kernels make their own descriptors). Host-built descriptors: backward 1.04-1.41x
+    at 512 and 2k tokens, the forward 1.0-1.33x (H200, bitwise-equal outputs)."""
+    tensors = [t for t, _ in pairs]
+    if not (planning.forced().host_desc is not False and tma and geo.varlen is None
+            and geo.head_dim == block_d(geo.head_dim) and all(t.stride(2) == geo.head_dim for t in tensors)):
+        return tensors, False
+    return [host_desc(t, rows) for t, rows in pairs], True
+
+
+def score_scalars(runtime: dict, softmax_scale: float) -> tuple:
+    """The score arguments the forward, dK/dV and dQ kernels take in this order: window_left,
+    window_right, sm_scale, softcap, dropout_p."""
+    return runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"], runtime["dropout_p"]
+
+
+def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, arch: str, runtime: dict, flags: dict,
+            softmax_scale: float) -> None:
+    """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too)."""
+    cfg = plan.tile
+    grid = (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
+    # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
+    order, is_sorted = geo.order("k", lse)
+    tma = tma_flags(q, arch, q, k, v, out)
+    srcs, host = sources(geo, tma["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
+                         (out, cfg.block_m))
+    launcher.launch(_runtime.kernels().fwd.attn_fwd_kernel, grid,
+        *srcs, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
+        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
+        *geo.lse_strides(lse),
+        runtime["stride_alibi_b"],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
+        *score_scalars(runtime, softmax_scale),
+        **flags,
+        IS_VARLEN=geo.varlen is not None,
+        SORTED=is_sorted,
+        **tma,
+        HOST_DESC=host,
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d(geo.head_dim),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if geo.varlen is not None:
+        cu_q, known_q = geo.varlen.cu_seqlens_q, geo.varlen.known_q
+        fill_tails((out, cu_q, 0.0, 0, known_q), (lse, cu_q, float("inf"), 1, known_q))
+
+
+def preprocess(out, dout, lse, dlse, geo: Geometry, delta: torch.Tensor, seqlen_pad: int | None = None,
+               lse_pad: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> tuple:
+    """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded).
+    With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
+    seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
+    `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch. Returns the
+    launch's (grid, integer arguments, keywords): the Gluon backward's cached plan repeats it with them."""
+    padded = seqlen_pad is not None
+    rows = seqlen_pad if padded else geo.max_seqlen_q
+    bd = block_d(geo.head_dim)
+    pre_m = 64 if bd <= 128 else 32
+    acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
+    grid = (cdiv(rows, pre_m) * geo.batch * geo.nheads,)
+    ints = (*geo.strides(out), *geo.strides(dout), *geo.lse_strides(lse), *geo.lse_strides(delta), *acc_strides,
+            geo.nheads, geo.max_seqlen_q, rows)
+    kwargs = dict(HAS_DLSE=dlse is not None, IS_VARLEN=geo.varlen is not None, PADDED=padded,
+                  COPY_LSE=lse_pad is not None, HEAD_DIM=geo.head_dim, BLOCK_M=pre_m, BLOCK_D=bd)
+    pre = (grid, ints, kwargs)
+    launch_preprocess(pre, out, dout, lse, dlse, delta, geo.cu_seqlens(lse)[0], lse_pad, acc if padded else delta)
+    return pre
+
+
+def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_pad, acc) -> None:
+    """The delta preprocess launch with preprocess's (grid, integer arguments, keywords); the
+    tensors absent from the call (dlse, lse_pad) get delta in their places (never read)."""
+    grid, ints, kwargs = pre
+    launcher.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel, grid,
+        out, dout, delta, dlse if dlse is not None else delta, cu_seqlens, lse,
+        lse_pad if lse_pad is not None else delta, acc, *ints, **kwargs)
+
+
+def backward(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometry, arch: str, runtime: dict,
+             mod_flags: dict, softmax_scale: float) -> None:
+    """kernels/bwd.py: the delta preprocess, dK/dV (one program per key block over its query blocks), then dQ
+    (one program per query block over its key blocks): deterministic, no atomics."""
+    K = _runtime.kernels().bwd
+    bd = block_d(geo.head_dim)
+    cu_q, cu_k = geo.cu_seqlens(lse)
+    is_varlen = geo.varlen is not None
+
+    # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
+    delta = _runtime.empty(lse.shape, torch.float32, q.device)
+    preprocess(out, dout, lse, dlse, geo, delta)
+
+    # where the kernels write: the interpreter writes fp32 and torch casts (copied into dq, dk, dv at the end)
+    gq, gk, gv = dq, dk, dv
+    if arch == "interp":
+        gq, gk, gv = (_runtime.empty(g.shape, torch.float32, g.device) for g in (dq, dk, dv))
+    if is_varlen:
+        # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
+        known_q, known_k = geo.varlen.known_q, geo.varlen.known_k
+        fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
+    flags = tma_flags(q, arch, q, k, v, dout, gq, gk, gv)
+    group = geo.nheads // geo.nheads_k
+    common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=bd)
+    # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
+    order_q, sorted_q = geo.order("q", cu_q)
+    order_k, sorted_k = geo.order("k", cu_k)
+
+    cfg = plan.tile
+    (sq, sk, sv, sdo, sdk, sdv), host = sources(
+        geo, flags["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+        (gk, cfg.block_n), (gv, cfg.block_n))
+    launcher.launch(K.attn_bwd_dkdv_kernel, (cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
+        sq, sk, sv, sdo, lse, delta, sdk, sdv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_q,
+        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
+        *geo.strides(gv),
+        *geo.lse_strides(lse),
+        runtime["stride_alibi_b"],
+        geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
+        *score_scalars(runtime, softmax_scale),
+        **common,
+        SORTED=sorted_q,
+        HOST_DESC=host,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    cfg = plan.dq_tile
+    (sq, sk, sv, sdo, sdq), host = sources(
+        geo, flags["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+        (gq, cfg.block_m))
+    launcher.launch(K.attn_bwd_dq_kernel, (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
+        sq, sk, sv, sdo, lse, delta, sdq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
+        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
+        *geo.lse_strides(lse),
+        runtime["stride_alibi_b"],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
+        *score_scalars(runtime, softmax_scale),
+        **common,
+        SORTED=sorted_k,
+        HOST_DESC=host,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
+        if src is not dst:
+            dst.copy_(src)
+
+
+def dropout_probs(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: ScoreMods,
+                  varlen: Varlen | None = None) -> torch.Tensor:
+    """S_dmask (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype: exp(score -
+    rowmax) where kept, its negative where dropped, 0 where not visible (a testing aid)."""
+    geo = Geometry.of(q, k, varlen)
+    round128 = lambda n: cdiv(n, 128) * 128
+    arch = "interp" if _runtime.interpreted() else planning.arch_of(q.device)
+    shape = (geo.batch, geo.nheads, round128(geo.max_seqlen_q), round128(geo.max_seqlen_k))
+    probs = torch.zeros(shape, dtype=out_dtype(q.dtype, arch), device=q.device)
+    if probs.numel() == 0 or geo.max_seqlen_q == 0:
+        return probs.to(q.dtype)
+    runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, probs)
+    block_m, block_n = 64, 64
+    launcher.launch(_runtime.kernels().dmask.attn_dropout_mask_kernel, (cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,),
+        q, k, probs, runtime["Alibi"], *geo.cu_seqlens(probs), runtime["Seed"],
+        *geo.strides(q), *geo.strides(k),
+        probs.stride(0), probs.stride(1), probs.stride(2),
+        runtime["stride_alibi_b"],
+        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
+        runtime["window_left"], runtime["window_right"],
+        softmax_scale, runtime["dropout_p"],
+        CAUSAL=flags["CAUSAL"],
+        LOCAL=flags["LOCAL"],
+        ALIBI=flags["ALIBI"],
+        IS_VARLEN=varlen is not None,
+        UPCAST=arch == "interp" or q.dtype == torch.float32,
+        DOT_PRECISION="ieee" if arch == "interp" or q.dtype == torch.float32 else "tf32",
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d(geo.head_dim),
+    )
+    return probs.to(q.dtype)
