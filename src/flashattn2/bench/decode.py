@@ -3,7 +3,9 @@ bf16, headdim 128, 32 query heads, MHA (32 K/V heads) or GQA (8); GB/s of K/V re
 (2 * batch * nheads_k * cache * headdim * 2 bytes over the median time) for flashattn2 with a
 contiguous cache and paged caches (pages of 16 and 256), SDPA's FLASH and CUDNN backends, and a
 2 GiB device-to-device copy (read + write) as the bandwidth yardstick. "contiguous-unchecked" is
-the contiguous cache with set_kvcache_checks(False), timed eager only.
+the contiguous cache with set_kvcache_checks(False), timed eager only. With a baseline (a package
+built by tools/baseline_pkg.py, an older commit), its layouts are timed beside flashattn2's at every
+point, the two alternating over the rounds (odd rounds in reverse order; the median reported).
 
 Two timings per point: eager (a Python call per step, as a generate() loop without graphs) and
 graph (the step captured in a CUDA graph and replayed, as serving engines run decoding), so the
@@ -11,6 +13,8 @@ host time of a call and the kernel's own time are told apart."""
 from __future__ import annotations
 
 import csv
+import importlib
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +49,10 @@ def _time(fn, timing):
     return do_bench(cuda_graph(fn).replay, warmup=10, rep=100, return_mode="median")
 
 
-def _flashattn2_case(batch, nheads_k, cache, layout):
+def _flashattn2_case(batch, nheads_k, cache, layout, module=flashattn2):
     """layout: contiguous, paged-<page size>; a suffix -unchecked runs the step with
-    set_kvcache_checks(False) (no read-back of the value check: the host runs ahead)."""
+    set_kvcache_checks(False) (no read-back of the value check: the host runs ahead). module: flashattn2 or
+    a baseline package."""
     unchecked = layout.endswith("-unchecked")
     layout = layout.removesuffix("-unchecked")
     q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -63,14 +68,14 @@ def _flashattn2_case(batch, nheads_k, cache, layout):
     v_cache = torch.randn_like(k_cache)
 
     def step():
-        return flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+        return module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
 
     def step_unchecked():
-        previous = flashattn2.set_kvcache_checks(False)
+        previous = module.set_kvcache_checks(False)
         try:
             return step()
         finally:
-            flashattn2.set_kvcache_checks(previous)
+            module.set_kvcache_checks(previous)
     return (step_unchecked if unchecked else step), (q, k_cache, v_cache, seqlens, table)
 
 
@@ -103,9 +108,10 @@ def _sdpa_case(batch, nheads_k, cache, backend):
 
 def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_heads=(32, 8),
         layouts=("contiguous", "paged-16", "paged-256", "contiguous-unchecked"), timings=("eager", "graph"),
-        peers=True):
+        peers=True, baseline=None, rounds=1):
     from torch.nn.attention import SDPBackend
 
+    base = importlib.import_module(baseline) if baseline else None
     meta = run_metadata()
     copy = copy_gbs()
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)")
@@ -118,23 +124,39 @@ def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_head
                     if kv_bytes > MAX_BYTES:
                         continue
                     cases = [("flashattn2", layout) for layout in layouts]
+                    cases += [(baseline, layout) for layout in layouts] if base is not None else []
                     if peers:
                         cases += [("sdpa_flash", "contiguous"), ("sdpa_cudnn", "contiguous")]
+                    steps, notes, samples = {}, {}, {}
                     for provider, layout in cases:
-                        # unchecked differs from checked only in eager calls (graphs check nothing)
-                        case_timings = [t for t in timings if t == "eager" or not layout.endswith("-unchecked")]
                         note = ""
                         try:
-                            if provider == "flashattn2":
-                                step, tensors = _flashattn2_case(batch, nheads_k, cache, layout)
+                            if provider in ("flashattn2", baseline):
+                                module = flashattn2 if provider == "flashattn2" else base
+                                step, tensors = _flashattn2_case(batch, nheads_k, cache, layout, module)
                                 note = _check(step, tensors)
                             else:
                                 backend = SDPBackend.FLASH_ATTENTION if provider == "sdpa_flash" else \
                                     SDPBackend.CUDNN_ATTENTION
                                 step = _sdpa_case(batch, nheads_k, cache, backend)
-                            times = {} if note else {t: _time(step, t) for t in case_timings}
                         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-                            times, note = {}, "failed: " + str(exc).splitlines()[0][:120]
+                            step, note = None, "failed: " + str(exc).splitlines()[0][:120]
+                        steps[provider, layout], notes[provider, layout] = (None if note else step), note
+                    for r in range(rounds):  # the cases alternate, odd rounds in reverse order
+                        for case in (cases if r % 2 == 0 else cases[::-1]):
+                            if steps[case] is None:
+                                continue
+                            # unchecked differs from checked only in eager calls (graphs check nothing)
+                            for t in (t for t in timings if t == "eager" or not case[1].endswith("-unchecked")):
+                                try:
+                                    samples.setdefault(case, {}).setdefault(t, []).append(_time(steps[case], t))
+                                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                                    steps[case], notes[case] = None, "failed: " + str(exc).splitlines()[0][:120]
+                                    break
+                    for provider, layout in cases:
+                        case_timings = [t for t in timings if t == "eager" or not layout.endswith("-unchecked")]
+                        note = notes[provider, layout]
+                        times = {t: statistics.median(v) for t, v in samples.get((provider, layout), {}).items()}
                         for timing in case_timings:
                             ms = times.get(timing, float("nan"))
                             gbs = kv_bytes / ms * 1e-6
