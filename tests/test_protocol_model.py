@@ -10,14 +10,13 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import bwd_grid_order  # noqa: E402
 import bwd_ring_model  # noqa: E402
 import fwd_ring_model  # noqa: E402
 
 
 def test_every_table_configuration():
     counts = bwd_ring_model.check(seeds=40)
-    assert {"d64", "d128", "d256", "d256 split"} <= set(counts), counts
+    assert {"d64", "d128", "d256 split"} <= set(counts), counts
     assert all(n == 40 * 6 for n in counts.values())
 
 
@@ -64,17 +63,3 @@ def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
                             lambda self, n: expect(self, 2 if self.name.startswith("ready") else n))
     with pytest.raises(AssertionError):
         fwd_ring_model.check(seeds=2)
-
-
-
-def test_backward_grid_order():
-    """tools/bwd_grid_order.py: the programs of a (G, key blocks, heads / G) grid in CUDA's start order cover every
-    (key block, head) pair once, head-major for G = 1; the event model behind config.GLUON_BWD_L2_BYTES' comment:
-    the grouped grid ends the causal backward with fewer idle SMs than the head-major one where that one leaves 3%
-    or more."""
-    assert bwd_grid_order.programs((1, 3, 4)) == [(n, bh) for bh in range(4) for n in range(3)]
-    assert sorted(bwd_grid_order.programs((4, 5, 3))) == [(n, bh) for n in range(5) for bh in range(12)]
-    assert bwd_grid_order.programs((4, 5, 3))[:5] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
-    for d, s in ((128, 1024), (256, 4096), (64, 2048)):
-        grouped, g = bwd_grid_order.efficiency(d, s)
-        assert g > 1 and grouped > 0.975 and grouped > bwd_grid_order.efficiency(d, s, grouped=False)[0] + 0.02

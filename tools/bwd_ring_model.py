@@ -123,16 +123,16 @@ def run(total, STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, DQ_STAGES, seed):
 
 def configs() -> dict:
     """name -> (STAGES, SPLIT_RING, DO_STAGES, DQ_SPLIT, DQ_STAGES) for every Gluon backward
-    configuration the table holds (as ops.attention._hopper_backward passes them)."""
-    from flashattn2.ops import config
+    configuration the table holds (its rows' ring constexprs; DO_STAGES None: dO shares Q's ring, as deep)."""
+    from flashattn2.ops import planning
 
     found = {}
-    for (arch, bucket, _, kernel), cfg in config.table_entries():
-        if kernel in ("bwd_hopper", "bwd_hopper_split"):
-            split = kernel == "bwd_hopper_split"
-            r = config.gluon_bwd_rings(bucket, split, cfg.num_stages)
-            found[f"d{bucket}" + " split" * split] = (cfg.num_stages, r["SPLIT_RING"], r["DO_STAGES"], r["DQ_SPLIT"],
-                                                      r["DQ_STAGES"])
+    for row in planning.rows():
+        if row.kernel == "bwd_hopper":
+            r, stages = dict(row.constexprs), row.tile.num_stages
+            split = bool(r["SPLIT_RING"])
+            do_stages = stages if r["DO_STAGES"] is None else r["DO_STAGES"]
+            found[f"d{row.head_dim}" + " split" * split] = (stages, split, do_stages, r["DQ_SPLIT"], r["DQ_STAGES"])
     return found
 
 

@@ -143,7 +143,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
                 yield from produce(g + j, j, n_max, b, h)
             g += n_max + 1
 
-    def consumer(me):  # _persist_consumer, _consume_tile, _persist_step, _skip_units
+    def consumer(me):  # _persist_consumer, _attn_tile, _attn_step, _PersistLoads, _skip_units
         pending = []  # the O store left in flight: (Q buffer, what it wrote)
 
         def store_wait():
@@ -242,14 +242,15 @@ SHAPES = [(1, 2, 300, 461), (1, 2, 461, 300), (1, 3, 64, 1000), (1, 1, 700, 700)
 
 def configs() -> dict:
     """name -> (BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS) for every persistent-forward tile the
-    table holds (as ops.attention._hopper_forward passes them), and each with QBUF 1 as well."""
-    from flashattn2.ops import config
+    table holds, each with QBUF 1 and 2 (whatever the tile says: the kernel takes both)."""
+    from flashattn2.ops import planning
 
     found = {}
-    for (arch, bucket, _, kernel), cfg in config.table_entries():
-        if kernel == "fwd_hopper_persist":
-            consumers = config.gluon_persist_constexprs(cfg, bucket, False)["CONSUMERS"]
-            for qbuf in (1, 2):  # whatever the tile or GLUON_PERSIST_QBUF says: the kernel takes both
+    for row in planning.rows():
+        if row.kernel == "fwd_hopper_persist":
+            cfg, bucket = row.tile, row.head_dim
+            consumers = cfg.num_warps // 4  # num_warps counts the consumer warps, 4 per consumer warpgroup
+            for qbuf in (1, 2):
                 name = f"d{bucket} {cfg.block_m}(x{consumers})x{cfg.block_n} s{cfg.num_stages} qbuf{qbuf}"
                 found[name] = (cfg.block_m, cfg.block_n, cfg.num_stages, qbuf, consumers)
     return found

@@ -8,36 +8,38 @@
 #   env        GPU, clocks, versions
 #   new-tests  the GPU tests written since the last GPU run, and the paths they touch
 #   tests      the whole suite on the GPU (-n 14)
-#   order-tests  the tests of the Gluon backward's grouped grid (session 17) and of the paths it touches
-#   ab-order   bench ab: the Gluon backward's grouped grid against the head-major one (gluon_bwd_grouped=0), causal,
+#   order-tests  the tests of the Gluon backward's grouped grid and of the paths it touches
+#   ab-order   bench ab: the Gluon backward's grouped grid against the head-major one (bwd_order=head-major), causal,
 #              fp16, every head dim and length, with cuDNN
-#   ab-bwd     bench ab: the Gluon backward's split-ring variant against the shipped one, with cuDNN
-#   ab-fwd     bench ab: the persistent forward's tiles by length (config._TABLE_SHORT) against one
+#   ab-base-fp16 / ab-base-bf16   bench ab against a baseline package (python tools/baseline_pkg.py SHA .devout/base,
+#              carried to the device): forward and backward, d64/128/256, causal both, 512-16k, 3 rounds
+#   ab-base-decode  bench decode against the same baseline, 3 alternating rounds (contiguous and paged caches)
+#   ab-fwd     bench ab: the persistent forward's tiles by key length (the table's short rows) against one
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended; 3 rounds alternating the
-#              providers (~205 s a dtype on a warm H200, session 17; one round read a point 5-10% apart in two runs)
+#              providers (~205 s a dtype on a warm H200; one round read a point 5-10% apart in two runs)
 #   grid-bwd-fp16 / grid-bwd-bf16   the grid's backward and forward + backward rows, and GQA's, appended
 #   grid-fwd   the grid's forward rows only (d64/d128 fp16 and bf16, and GQA), appended
 #   gqa        the GQA rows (32 query heads over 8)
 #   features   bench features (varlen, window, the options' costs)
 #   graph      forward + backward at 512/1k tokens with the host taken out (tools/graph_fwd_bwd.py)
 #   profile    ncu of the points that miss #5's bars, beside cuDNN (tools/ncu_profile.py; summary in the log)
-#   profile-causal  ncu of the d64 causal forward at 512: the table's 64(x3)x64 s4 tile (session 16; 128(x2)x64 s3 before), the balanced
-#              64(x2)x128 (measured 0.89x the 128(x2)x64 of the time, session 13: why?) and cuDNN
+#   profile-causal  ncu of the d64 causal forward at 512: the table's 64(x3)x64 s4 tile, the balanced
+#              64(x2)x128 (measured 0.89x the 128(x2)x64 tile it was then compared with: why?) and cuDNN
 #   host-profile    where a 512-token forward + backward's host time goes (tools/host_profile.py, overhead.py --profile)
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
-# every kernel on first use): "env new-tests ab-bwd"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
+# every kernel on first use): "env new-tests"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
 # "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/.devout/base PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 # the sha the results record: pass FLASHATTN2_GIT_SHA (the device tool's copy of the checkout can carry
-# a stale .git: on 2026-12-01 it reported the session's first commit)
+# a stale .git, which has reported an older commit)
 GIT_SHA=${FLASHATTN2_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 export FLASHATTN2_GIT_SHA=$GIT_SHA
 echo "results recorded as git $GIT_SHA"
@@ -47,7 +49,7 @@ NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or per
 NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
 NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
 NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward or short_tile_launch or tile_text or constexprs"
-# session 17: the Gluon backward's grouped grid (and the tests of the paths it touches)
+# the Gluon backward's grouped grid (and the tests of the paths it touches)
 ORDER_TESTS="grid_order or many_heads or key_blocks_limit or grid_rule or split_ring or plans_repeated or persistent_forward_tiles"
 ORDER_TESTS="$ORDER_TESTS or short_tile_launch or lse_gradient or one_output or race"
 
@@ -76,14 +78,17 @@ for s in "$@"; do
         -k "$ORDER_TESTS" ;;
     ab-order)
       stage ab-order 300 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
-        --setting default --setting gluon_bwd_grouped=0 --dtypes fp16 --headdims 256,128,64 \
+        --setting default --setting bwd_order=head-major --dtypes fp16 --headdims 256,128,64 \
         --seqlens 512,1024,2048,4096,8192,16384 --causal 1 ;;
     tests)
       stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
-    ab-bwd)
-      stage ab-bwd 300 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
-        --setting default --setting gluon_bwd_split=1 --dtypes fp16 --headdims 256,128,64 \
-        --seqlens 512,2048,8192,16384 --causal 0,1 ;;
+    ab-base-fp16|ab-base-bf16)
+      stage "$s" 590 python3 -m flashattn2 bench ab --csv "$OUT/ab-base.csv" --modes fwd,bwd --rounds 3 --no-progress \
+        --no-cudnn --setting default --setting pkg:flashattn2_base --dtypes "${s#ab-base-}" --headdims 64,128,256 \
+        --seqlens 512,1024,2048,4096,8192,16384 --causal 0,1 ;;
+    ab-base-decode)
+      stage ab-base-decode 400 python3 -m flashattn2 bench decode --csv "$OUT/decode-base.csv" --baseline flashattn2_base \
+        --rounds 3 --providers flashattn2 --layouts contiguous,paged-16,paged-256 ;;
     ab-fwd)
       stage ab-fwd 300 bash -c "python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
           --setting default --setting fwd_hopper_persist=64x128w12s3 --setting fwd_hopper_persist=128x64w8s2 \
@@ -103,7 +108,7 @@ for s in "$@"; do
           --dtypes ${s#grid-bwd-} --headdims 64,128,256 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn --rounds 3 &&
         python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress --dtypes ${s#grid-bwd-} \
           --headdims 128 --nheads 32 --nheads-k 8 --modes bwd,fwd_bwd --providers flashattn2,sdpa_flash,sdpa_cudnn --rounds 3" ;;
-    grid-fwd)  # the forward rows only (d64/d128, both dtypes, and GQA): ~80 s on a warm H200 (session 15)
+    grid-fwd)  # the forward rows only (d64/d128, both dtypes, and GQA): ~80 s on a warm H200
       stage grid-fwd 200 bash -c "python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress \
           --dtypes fp16,bf16 --headdims 64,128 --modes fwd --providers flashattn2,sdpa_flash,sdpa_cudnn &&
         python3 -m flashattn2 bench --csv '$OUT/kernels.csv' --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 \

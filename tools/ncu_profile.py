@@ -25,13 +25,15 @@ _METRICS = ["Duration", "SM Frequency", "SM: Pipe Tensor Cycles Active", "SM: In
 
 
 def _overrides(items):
-    from flashattn2.ops import config
+    """planning.force's arguments from key=value items: a tile for a kernel, a name for arch / bwd_order, else a
+    switch (0/false: off)."""
+    from flashattn2.ops import planning
 
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        tile = config.parse_tile(value)
-        out[key] = tile if tile else value.lower() not in ("0", "false")
+        tile = planning.parse_tile(value)
+        out[key] = tile if tile else value if key in ("arch", "bwd_order") else value.lower() not in ("0", "false")
     return out
 
 
@@ -39,7 +41,7 @@ def run(cases) -> None:
     import torch
 
     from flashattn2.bench.providers import providers
-    from flashattn2.ops import config
+    from flashattn2.ops import planning
 
     table = providers()
     for case in cases:
@@ -51,7 +53,7 @@ def run(cases) -> None:
         b, h = 16384 // n, 2048 // d
         shape = (b, n, h, d) if layout == "bshd" else (b, h, n, d)
         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=bwd) for _ in range(3))
-        with config.override(**_overrides([r for r in rest if r != "bwd"])):
+        with planning.force(**_overrides([r for r in rest if r != "bwd"])):
             if bwd:
                 out = fn(q, k, v, causal)
                 do = torch.randn_like(out)

@@ -8,8 +8,8 @@
 Prints the share of all warp-stall samples in the main loop (the execution count with the most work) and the
 top instructions by samples, each with its three largest stall reasons, the instructions before it (a stall on
 `@!P0 BRA` closes an mbarrier try-wait loop: the SYNCS.PHASECHK above names the barrier's shared-memory offset),
-and how often it ran. No GPU needed to read a CSV. (Session 14 found the d256 backward's wait for the dQ writer
-this way: bench/results/ab-gluon-nvidia-h200.md.)
+and how often it ran. No GPU needed to read a CSV. (The d256 backward's wait for the dQ writer was found this
+way: bench/results/ab-gluon-nvidia-h200.md.)
 """
 from __future__ import annotations
 

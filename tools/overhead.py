@@ -71,17 +71,12 @@ def main():
         "sdpa fwd": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
         "sdpa fwd+bwd": sdpa_fwd_bwd,
     }
-    from flashattn2.ops import attention, config, registry
+    from flashattn2.ops import planning
 
-    mods = attention.ScoreMods(causal=True)
-    cases["ops.attention.forward (no custom op)"] = lambda: attention.forward(q, k, v, 0.125, mods)
-    cases["custom op fwd"] = lambda: registry.fwd(q, k, v, None, None, 0, 0, 0.0, None, 0.125, True, -1, -1,
-                                                  0.0, None)
-    cases["config.arch_of"] = lambda: config.arch_of(q.device)
+    cases["planning.arch_of"] = lambda: planning.arch_of(q.device)
     cases["torch.empty_like"] = lambda: torch.empty_like(q)
     with torch.no_grad():
-        for name in ("flashattn2 fwd", "flashattn2 varlen fwd", "sdpa fwd", "ops.attention.forward (no custom op)",
-                     "custom op fwd", "config.arch_of", "torch.empty_like"):
+        for name in ("flashattn2 fwd", "flashattn2 varlen fwd", "sdpa fwd", "planning.arch_of", "torch.empty_like"):
             host, wall = per_call_us(cases[name])
             print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
     # decoding: batch 8, 32 query heads over 8 K/V heads, 8k cache, bf16
@@ -111,17 +106,17 @@ def main():
     if args.ab:
         import statistics
 
-        from flashattn2.ops import _runtime
+        from flashattn2.ops import launcher
 
         names = ["flashattn2 fwd", "kvcache decode", "kvcache append+rotary", "kvcache paged-16", "flashattn2 fwd+bwd"]
         res = {(n, d): [] for n in names for d in (True, False)}
         for _ in range(5):
             for direct in (True, False):
-                _runtime.DIRECT_LAUNCH = direct
+                launcher.DIRECT_LAUNCH = direct
                 for n in names:
                     with torch.set_grad_enabled(n.endswith("bwd")):
                         res[(n, direct)].append(per_call_us(cases[n], n=200)[1])
-        _runtime.DIRECT_LAUNCH = True
+        launcher.DIRECT_LAUNCH = True
         for n in names:
             d, t = statistics.median(res[(n, True)]), statistics.median(res[(n, False)])
             print(f"A/B {n:24} direct {d:7.1f} us   triton {t:7.1f} us   (wall per call, median of 5)")

@@ -225,8 +225,8 @@ def query_block_program(batch, nheads, max_seqlen_q, CAUSAL: tl.constexpr, BLOCK
     Non-causal: the query blocks of one head run together, sharing its K/V in L2. Causal, heaviest
     (last) blocks first: with more than 8 query blocks per head, those of all heads first (the
     grid's tail is short); with up to 8, head by head (the blocks of a head read its K/V together).
-    Interleaved A/B on the H200 (docs/notes.md): head by head ran 4-11% faster at 512 and 1k
-    tokens, all heads first 3-10% faster from 4k (and 5% at 2k, headdim 256)."""
+    Interleaved A/B on the H200 (bench/results/provenance-nvidia-h200.md): head by head ran 4-11%
+    faster at 512 and 1k tokens, all heads first 3-10% faster from 4k (and 5% at 2k, headdim 256)."""
     num_m_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks

@@ -1,0 +1,122 @@
+"""The maintained tools (tools/README.md) on the CPU: each one listed, and each that has no test of its own run
+for real where that is cheap (bars, baseline_pkg, ptx_hash, ncu_profile --summarize, gpu_session.sh), else
+started with --help (the GPU tools). Others: test_compile_targets.py (compile_check), test_sass_loops.py,
+test_ncu_sass.py, test_protocol_model.py (fwd_ring_model, bwd_ring_model)."""
+import csv
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+sys.path.insert(0, str(TOOLS))
+
+
+def _env(**extra):
+    """The environment of a tool run in a subprocess: the source tree first, no interpreter flag (ptx_hash
+    compiles for sm_90, which TRITON_INTERPRET forbids; the --help runs do not care)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def test_readme_lists_every_tool():
+    """tools/README.md has a row for each file in tools/ and no row for a file that is gone."""
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", (TOOLS / "README.md").read_text(), re.M))
+    present = {p.name for p in TOOLS.iterdir() if p.is_file() and p.name != "README.md"}
+    assert listed == present
+
+
+def test_bars_counts_points_and_misses(tmp_path, capsys):
+    import bars
+
+    fields = ["provider", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "nheads_k", "mode", "ms",
+              "tflops", "peak_mib", "note", "gpu", "torch", "triton", "date", "git_sha"]
+    rows = [("flashattn2", 128, 300.0), ("sdpa_cudnn", 128, 400.0), ("sdpa_flash", 128, 200.0),
+            ("flashattn2", 64, 420.0), ("sdpa_cudnn", 64, 400.0), ("sdpa_flash", 64, 400.0)]
+    path = tmp_path / "kernels.csv"
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fields)
+        w.writeheader()
+        for provider, d, tflops in rows:
+            w.writerow(dict(provider=provider, dtype="fp16", headdim=d, causal=0, seqlen=2048, batch=8,
+                            nheads=2048 // d, nheads_k=2048 // d, mode="fwd", ms=1.0, tflops=tflops))
+    bars.main(str(path))
+    out = capsys.readouterr().out
+    assert "d64/d128 forward >= 0.9x cuDNN: 1/2" in out
+    assert "fp16 d128 full fwd 2048: 0.750" in out  # the miss, listed
+    assert ">= 1.2x SDPA flash: 1/2" in out  # d64 at 1.05x misses
+    assert "(not a bar) >= 1.0x cuDNN: 1/2" in out and "fp16 d64 full fwd 2048: 1.050" in out
+
+
+def test_baseline_pkg_builds_a_renamed_package(tmp_path, monkeypatch):
+    """The committed package under another name: its custom ops in their own namespace, its imports of the
+    package renamed, so both load in one process."""
+    import baseline_pkg
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout (git archive)")
+    monkeypatch.chdir(ROOT)
+    root = pathlib.Path(baseline_pkg.main("HEAD", str(tmp_path), name="fa2_old"))
+    assert (root / "__init__.py").is_file() and (root / "ops").is_dir()
+    text = "\n".join(p.read_text() for p in root.rglob("*.py"))
+    assert '"fa2_old::' in text and '"flashattn2::' not in text
+    assert "torch.ops.flashattn2." not in text
+
+
+def test_ptx_hash_compares_against_an_earlier_run(tmp_path):
+    """A small kernel's configuration(s) hashed, against a file that has none of them: reported as changed, exit 1."""
+    before = tmp_path / "before.jsonl"
+    before.write_text(json.dumps({"id": "no such configuration", "sha": "0" * 16}) + "\n")
+    run = subprocess.run([sys.executable, str(TOOLS / "ptx_hash.py"), "--arch", "sm90", "--match", "fill-tail",
+                          "--against", str(before)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert rows and run.returncode == 1, run.stderr[-2000:]
+    assert all("fill-tail" in r["id"] and r["same"] is False for r in rows), rows
+    assert all(re.fullmatch(r"[0-9a-f]{16}", r["sha"]) for r in rows), rows
+    assert f"{len(rows)} configuration(s) differ" in run.stderr
+
+
+def test_ncu_profile_summarizes_a_report(tmp_path, capsys):
+    import ncu_profile
+
+    report = tmp_path / "ncu.txt"
+    report.write_text(
+        "==PROF== Connected\nPROFILED flashattn2:fp16:64:1:512\n"
+        "  attn_fwd_persist_kernel (132, 1, 1)x(416, 1, 1), Context 1, Stream 7, Device 0, CC 9.0\n"
+        "    Section: GPU Speed Of Light Throughput\n"
+        "    Duration                         us       114.90\n"
+        "    SM: Pipe Tensor Cycles Active     %        37.30\n"
+        "    Registers Per Thread   register/thread          168\n"
+        "    Stall Long Scoreboard      inst     3.14\n"
+        "    Stall Barrier      inst     3.06\n")
+    ncu_profile.summarize(str(report))
+    out = capsys.readouterr().out
+    assert out.startswith("attn_fwd_persist_kernel")
+    assert "Duration=114.90" in out and "Pipe Tensor Cycles Active=37.30" in out and "Registers Per Thread=168" in out
+    assert "Issue Active=?" in out  # a metric the report lacks
+    assert "stalls (cycles per issued instruction): Long Scoreboard 3.14, Barrier 3.06" in out
+
+
+@pytest.mark.parametrize("tool", ["overhead.py", "host_profile.py", "graph_fwd_bwd.py"])
+def test_gpu_tools_start(tool):
+    """The GPU-only tools import and parse their arguments on a machine without one."""
+    run = subprocess.run([sys.executable, str(TOOLS / tool), "--help"], capture_output=True, text=True, env=_env(),
+                         cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage:")
+
+
+def test_gpu_session_rejects_an_unknown_stage(tmp_path):
+    script = TOOLS / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    run = subprocess.run(["bash", str(script), "no-such-stage"], capture_output=True, text=True,
+                         env=_env(OUT=str(tmp_path), FLASHATTN2_GIT_SHA="abc"), timeout=60)
+    assert run.returncode == 2 and "unknown stage no-such-stage" in run.stdout
+    assert "results recorded as git abc" in run.stdout
