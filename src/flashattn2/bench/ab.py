@@ -110,18 +110,22 @@ def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=Tr
                 flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
                 rows.append(dict(setting=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
                                  mode=mode, ms=ms, tflops=flops / ms * 1e-9, note=notes.get(name, ""), **shape))
+        if out_csv:  # each point as it is done: a run cut short keeps what it measured
+            _append(out_csv, rows[-len(names) * len(modes):], rounds)
         if progress:
             print(f"ab: {dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} done", flush=True)
-    if out_csv:
-        meta = run_metadata()
-        with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
-            for r in rows:
-                provider = r["setting"] if r["setting"] == "sdpa_cudnn" else f"flashattn2[{r['setting']}]"
-                writer.writerow(dict(provider=provider, dtype=r["dtype"], headdim=r["headdim"], causal=r["causal"],
-                                     seqlen=r["seqlen"], batch=r["batch"], nheads=r["heads"], nheads_k=r["heads_k"],
-                                     mode=r["mode"], ms=f"{r['ms']:.4f}", tflops=f"{r['tflops']:.1f}", peak_mib="",
-                                     note=r["note"] or f"ab median of {rounds}", **meta))
     return rows
+
+
+def _append(out_csv: str, rows: list[dict], rounds: int) -> None:
+    meta = run_metadata()
+    with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
+        for r in rows:
+            provider = r["setting"] if r["setting"] == "sdpa_cudnn" else f"flashattn2[{r['setting']}]"
+            writer.writerow(dict(provider=provider, dtype=r["dtype"], headdim=r["headdim"], causal=r["causal"],
+                                 seqlen=r["seqlen"], batch=r["batch"], nheads=r["heads"], nheads_k=r["heads_k"],
+                                 mode=r["mode"], ms=f"{r['ms']:.4f}", tflops=f"{r['tflops']:.1f}", peak_mib="",
+                                 note=r["note"] or f"ab median of {rounds}", **meta))
 
 
 def markdown(rows: list[dict]) -> str:
