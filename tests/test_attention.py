@@ -1,4 +1,5 @@
 """flash_attn_func against the reference: out, logsumexp and gradients, by flash_attn's rule."""
+
 import pytest
 import torch
 
@@ -20,16 +21,27 @@ force = planning.force
 # host-built descriptors for power-of-two head dims) with tiles where BLOCK_M != BLOCK_N so masked-block
 # ranges are exercised.
 if ON_GPU:
-    PATHS = [pytest.param({}, id="table"),
-             pytest.param({"hopper": False}, id="triton"),
-             pytest.param({"hopper": False, "host_desc": False}, id="kernel-desc"),
-             pytest.param({"tma": False}, id="no-tma"),
-             pytest.param({"arch": "sm80"}, id="sm80"), pytest.param({"arch": "sm86"}, id="sm86")]
+    PATHS = [
+        pytest.param({}, id="table"),
+        pytest.param({"hopper": False}, id="triton"),
+        pytest.param({"hopper": False, "host_desc": False}, id="kernel-desc"),
+        pytest.param({"tma": False}, id="no-tma"),
+        pytest.param({"arch": "sm80"}, id="sm80"),
+        pytest.param({"arch": "sm86"}, id="sm86"),
+    ]
 else:
     PATHS = [
         pytest.param({}, id="ptr-64x64"),
-        pytest.param({"tma": True, "host_desc": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
-                      "bwd_dq": T(64, 16, 4, 1)}, id="tma-mixed-tiles"),
+        pytest.param(
+            {
+                "tma": True,
+                "host_desc": True,
+                "fwd": T(32, 64, 4, 1),
+                "bwd_dkdv": T(16, 32, 4, 1),
+                "bwd_dq": T(64, 16, 4, 1),
+            },
+            id="tma-mixed-tiles",
+        ),
     ]
 
 
@@ -102,8 +114,26 @@ def fresh_plans(monkeypatch):
     planning._plan.cache_clear()
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "gqa-bf16", "d256", "softcap", "window", "alibi", "d96",
-                                  "fp32", "hopper-off", "sm80", "varlen", "d64-long", "d128-short", "d128-long"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        "causal",
+        "gqa-bf16",
+        "d256",
+        "softcap",
+        "window",
+        "alibi",
+        "d96",
+        "fp32",
+        "hopper-off",
+        "sm80",
+        "varlen",
+        "d64-long",
+        "d128-short",
+        "d128-long",
+    ],
+)
 def test_forward_kernel_choice(case, monkeypatch):
     """The Gluon forward runs on sm_90 exactly for dense fp16/bf16 inputs, head dim 64/128/256,
     causal or not and nothing else, unless force(hopper=False) turns it off; everything else (and the CPU) takes
@@ -111,16 +141,21 @@ def test_forward_kernel_choice(case, monkeypatch):
     launched = spy_launches(monkeypatch)
     d = {"d256": 256, "d96": 96}.get(case, 128 if case.startswith("d128") else 64)
     dtype = {"gqa-bf16": torch.bfloat16, "fp32": torch.float32}.get(case, torch.float16)
-    seqlen_k = {"d64-long": 2049, "d128-long": 4097}.get(case, 130)  # past the short-key rows
+    # past the short-key rows (on the CPU every case takes the Triton kernel: short keys will do)
+    seqlen_k = {"d64-long": 2049, "d128-long": 4097}.get(case, 130) if HOPPER else 130
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2 if case == "gqa-bf16" else 4, d), dtype, requires_grad=False)
-    kwargs = dict(causal=case == "causal", softcap=5.0 if case == "softcap" else 0.0,
-                  window_size=(16, 3) if case == "window" else (-1, -1),
-                  alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None)
+    kwargs = dict(
+        causal=case == "causal",
+        softcap=5.0 if case == "softcap" else 0.0,
+        window_size=(16, 3) if case == "window" else (-1, -1),
+        alibi_slopes=torch.rand(4, device=DEVICE) if case == "alibi" else None,
+    )
     with force(hopper=False if case == "hopper-off" else None, arch="sm80" if case == "sm80" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
-            flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1),
-                                              cu, cu, 100, 100)
+            flashattn2.flash_attn_varlen_func(
+                q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1), cu, cu, 100, 100
+            )
         else:
             flashattn2.flash_attn_func(q, k, v, **kwargs)
     persist = HOPPER and case in ("plain", "causal", "gqa-bf16", "d64-long", "d128-short", "d128-long")
@@ -164,8 +199,11 @@ def test_gluon_backward_key_blocks_limit(monkeypatch, fresh_plans):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
 @pytest.mark.parametrize("groups", ["head-major", "3", "all"])
-@pytest.mark.parametrize("shape", [(3, 700, 700, 6, 2, 128), (3, 1000, 1000, 5, 5, 256), (4, 333, 900, 3, 3, 64),
-                                   (6, 640, 512, 4, 4, 128)], ids=shape_id)
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 700, 700, 6, 2, 128), (3, 1000, 1000, 5, 5, 256), (4, 333, 900, 3, 3, 64), (6, 640, 512, 4, 4, 128)],
+    ids=shape_id,
+)
 def test_gluon_backward_grid_order(shape, groups, monkeypatch, fresh_plans):
     """The Gluon backward's grid (G, key blocks, heads / G), whose shape is the programs' order (kernels/bwd_hopper
     ._ws_program), with G = 1 (force(bwd_order="head-major"), where the L2 budget would give 3), 3 and every head
@@ -179,10 +217,10 @@ def test_gluon_backward_grid_order(shape, groups, monkeypatch, fresh_plans):
     monkeypatch.setattr(planning, "L2_GROUP_BYTES", max(want, 3) * head_bytes + 1)
     grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv(shape, torch.bfloat16)
-    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    with force(bwd_order="head-major" if groups == "head-major" else None):  # the backward runs under the forward's
+        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     do = torch.randn_like(out)
-    with force(bwd_order="head-major" if groups == "head-major" else None):
-        grads = torch.autograd.grad(out, (q, k, v), do)
+    grads = torch.autograd.grad(out, (q, k, v), do)
     block_n = planning.plan("sm90", q.dtype, d, True, seqlen_k, GLUON_BWD, "bwd").tile.block_n
     assert grids == [((want, -(-seqlen_k // block_n), n_bh // want),)], grids
     check_against_reference(q, k, v, out, lse, grads, do, True)
@@ -218,9 +256,18 @@ def test_gluon_backward_grid_rule():
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 8, 256), (1, 333, 1029, 4, 2, 256), (2, 1537, 700, 6, 1, 256),
-                                   (1, 2048, 2048, 4, 4, 128), (1, 999, 1300, 8, 2, 128), (2, 700, 900, 4, 4, 64)],
-                         ids=shape_id)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 1000, 1000, 8, 8, 256),
+        (1, 333, 1029, 4, 2, 256),
+        (2, 1537, 700, 6, 1, 256),
+        (1, 2048, 2048, 4, 4, 128),
+        (1, 999, 1300, 8, 2, 128),
+        (2, 700, 900, 4, 4, 64),
+    ],
+    ids=shape_id,
+)
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_gluon_backward_rings(shape, dtype, causal, monkeypatch):
     """The Gluon backward's two ring layouts, as the table gives them: at headdim 256 the split ring (dO in a ring
@@ -263,6 +310,23 @@ def test_plan_rule(monkeypatch, fresh_plans):
     assert (interp.kernel, interp.tile, interp.dq_tile) == ("bwd_dkdv", planning.INTERP, planning.INTERP)
     with force(bwd_dq=T(16, 16, 4, 1)):
         assert planning.plan("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd").dq_tile == T(16, 16, 4, 1)
+
+
+def test_backward_runs_under_its_forwards_force(monkeypatch):
+    """A backward through autograd re-enters its forward's force() state in whatever thread autograd runs it (on
+    a GPU the engine's worker thread; here a thread of its own): the forced dK/dV and dQ tiles launch."""
+    import threading
+
+    q, k, v = make_qkv((1, 40, 40, 2, 2, 32), torch.float16)
+    with force(hopper=False, bwd_dkdv=T(16, 32, 4, 1), bwd_dq=T(32, 16, 4, 1)):
+        out = flashattn2.flash_attn_func(q, k, v)
+    tiles = spy_launches(monkeypatch, None)
+    dkdv = spy_launches(monkeypatch, "attn_bwd_dkdv_kernel", "BLOCK_M", "BLOCK_N")
+    dq = spy_launches(monkeypatch, "attn_bwd_dq_kernel", "BLOCK_M", "BLOCK_N")
+    grads = []
+    thread = threading.Thread(target=lambda: grads.append(torch.autograd.grad(out.float().sum(), (q, k, v))))
+    thread.start(), thread.join()
+    assert dkdv == [(16, 32)] and dq == [(32, 16)] and len(grads) == 1, tiles
 
 
 def test_force_is_per_thread_and_nests():
@@ -309,16 +373,18 @@ def test_persistent_forward_many_tiles_per_program(d, causal, monkeypatch):
 
 
 # persistent-forward tiles beyond the table's: three consumer warpgroups (w12), 64-key blocks at d128
-PERSIST_TILES = [pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
-                 pytest.param(64, T(64, 128, 12, 3), id="d64-64x128w12s3"),
-                 pytest.param(64, T(64, 128, 8, 2), id="d64-64x128w8s2"),
-                 pytest.param(64, T(128, 64, 8, 3), id="d64-128x64w8s3"),
-                 pytest.param(64, T(64, 64, 12, 4), id="d64-64x64w12s4"),
-                 pytest.param(128, T(64, 64, 8, 2), id="d128-64x64w8s2"),
-                 pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2"),
-                 pytest.param(128, T(64, 64, 12, 3), id="d128-64x64w12s3"),
-                 pytest.param(128, T(64, 64, 12, 3, qbuf=1), id="d128-64x64w12s3q1"),
-                 pytest.param(64, T(64, 128, 12, 3, qbuf=1), id="d64-64x128w12s3q1")]
+PERSIST_TILES = [
+    pytest.param(64, T(64, 128, 12, 2), id="d64-64x128w12s2"),
+    pytest.param(64, T(64, 128, 12, 3), id="d64-64x128w12s3"),
+    pytest.param(64, T(64, 128, 8, 2), id="d64-64x128w8s2"),
+    pytest.param(64, T(128, 64, 8, 3), id="d64-128x64w8s3"),
+    pytest.param(64, T(64, 64, 12, 4), id="d64-64x64w12s4"),
+    pytest.param(128, T(64, 64, 8, 2), id="d128-64x64w8s2"),
+    pytest.param(128, T(64, 64, 12, 2), id="d128-64x64w12s2"),
+    pytest.param(128, T(64, 64, 12, 3), id="d128-64x64w12s3"),
+    pytest.param(128, T(64, 64, 12, 3, qbuf=1), id="d128-64x64w12s3q1"),
+    pytest.param(64, T(64, 128, 12, 3, qbuf=1), id="d64-64x128w12s3q1"),
+]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the persistent Gluon forward runs on an H100/H200 only")
@@ -336,9 +402,13 @@ def test_persistent_forward_tiles(d, tile, causal, grid, monkeypatch):
     if grid is not None:
         monkeypatch.setattr(_runtime, "sm_count", lambda device: grid)
     launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "CONSUMERS", "BLOCK_N", "QBUF")
-    for dtype, shape in ((torch.float16, (3, 300, 461, 8, 2, d)), (torch.bfloat16, (2, 461, 300, 4, 4, d)),
-                         (torch.float16, (1, 64, 1000, 6, 3, d)), (torch.float16, (1, 2400, 2400, 3, 1, d)),
-                         (torch.float16, (2, 200, 40, 4, 2, d))):
+    for dtype, shape in (
+        (torch.float16, (3, 300, 461, 8, 2, d)),
+        (torch.bfloat16, (2, 461, 300, 4, 4, d)),
+        (torch.float16, (1, 64, 1000, 6, 3, d)),
+        (torch.float16, (1, 2400, 2400, 3, 1, d)),
+        (torch.float16, (2, 200, 40, 4, 2, d)),
+    ):
         q, k, v = make_qkv(shape, dtype)
         with force(fwd_hopper_persist=tile):
             out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -369,9 +439,14 @@ def test_short_tiles():
     bounded = [r for r in planning.TABLE if r.max_seqlen_k is not None]
     assert bounded
     for row in bounded:
-        same = [r for r in planning.TABLE if (r.direction, r.arch, r.head_dim, r.elem_bytes, r.kernel) ==
-                (row.direction, row.arch, row.head_dim, row.elem_bytes, row.kernel) and r.causal in (None, row.causal)]
-        before = [r.max_seqlen_k for r in same[:same.index(row)] if r.max_seqlen_k is not None]
+        same = [
+            r
+            for r in planning.TABLE
+            if (r.direction, r.arch, r.head_dim, r.elem_bytes, r.kernel)
+            == (row.direction, row.arch, row.head_dim, row.elem_bytes, row.kernel)
+            and r.causal in (None, row.causal)
+        ]
+        before = [r.max_seqlen_k for r in same[: same.index(row)] if r.max_seqlen_k is not None]
         shorter = max(before, default=0)
         assert kernel_of(row.head_dim, row.causal, shorter + 1).tile == row.tile
         assert kernel_of(row.head_dim, row.causal, row.max_seqlen_k).tile == row.tile
@@ -455,6 +530,7 @@ def test_plans_repeated_signature(causal, monkeypatch):
 def test_persistent_constexprs():
     """The persistent forward's num_warps counts its consumer warps: 8 or 12, nothing else; its Q buffers are the
     tile's where it names them, else 2; the snake order under a causal mask."""
+
     def plan(tile, d=64, causal=True):
         with force(fwd_hopper_persist=tile):
             return planning.plan("sm90", torch.float16, d, causal, 4096, GLUON_FWD, "fwd")
@@ -488,8 +564,22 @@ def test_tile_text():
         assert planning.parse_tile(text) is None
 
 
-@pytest.mark.parametrize("case", ["plain", "causal-gqa", "d256-bf16", "d128", "deterministic", "hopper-off",
-                                  "softcap", "dropout", "d96", "varlen", "sm80"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        "causal-gqa",
+        "d256-bf16",
+        "d128",
+        "deterministic",
+        "hopper-off",
+        "softcap",
+        "dropout",
+        "d96",
+        "varlen",
+        "sm80",
+    ],
+)
 def test_backward_kernel_choice(case, monkeypatch):
     """The Gluon backward (warp-specialized) runs on sm_90 exactly for deterministic=False
     (flash_attn's default), dense fp16/bf16 inputs, head dim 64/128/256, causal or not and nothing
@@ -498,20 +588,25 @@ def test_backward_kernel_choice(case, monkeypatch):
     d = {"d256-bf16": 256, "d96": 96, "d128": 128}.get(case, 64)
     dtype = torch.bfloat16 if case == "d256-bf16" else torch.float16
     q, k, v = make_qkv((2, 100, 130, 4, 2 if case == "causal-gqa" else 4, d), dtype)
-    kwargs = dict(causal=case == "causal-gqa", softcap=5.0 if case == "softcap" else 0.0,
-                  dropout_p=0.1 if case == "dropout" else 0.0, deterministic=case == "deterministic")
+    kwargs = dict(
+        causal=case == "causal-gqa",
+        softcap=5.0 if case == "softcap" else 0.0,
+        dropout_p=0.1 if case == "dropout" else 0.0,
+        deterministic=case == "deterministic",
+    )
     with force(hopper=False if case == "hopper-off" else None, arch="sm80" if case == "sm80" else None):
         if case == "varlen":
             cu = torch.tensor([0, 100, 200], device=DEVICE, dtype=torch.int32)
-            out = flashattn2.flash_attn_varlen_func(q.flatten(0, 1), k[:, :100].flatten(0, 1),
-                                                    v[:, :100].flatten(0, 1), cu, cu, 100, 100)
+            out = flashattn2.flash_attn_varlen_func(
+                q.flatten(0, 1), k[:, :100].flatten(0, 1), v[:, :100].flatten(0, 1), cu, cu, 100, 100
+            )
         else:
             out = flashattn2.flash_attn_func(q, k, v, **kwargs)
         launched = spy_launches(monkeypatch)  # the backward's launches only
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in grads)
     gluon = HOPPER and case in ("plain", "causal-gqa", "d256-bf16", "d128")
-    expected, other = ("attn_bwd_ws_kernel", "attn_bwd_dkdv_kernel")[::1 if gluon else -1]
+    expected, other = ("attn_bwd_ws_kernel", "attn_bwd_dkdv_kernel")[:: 1 if gluon else -1]
     assert expected in launched and other not in launched, launched
 
 
@@ -562,8 +657,9 @@ def test_one_output_gradient(which, monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, do, True, dlse=dlse)
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_pad, copy_lse", [(100, 128, True), (128, 128, False), (128, 128, True),
-                                                             (61, 64, True)])
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_pad, copy_lse", [(100, 128, True), (128, 128, False), (128, 128, True), (61, 64, True)]
+)
 @pytest.mark.parametrize("d", [64, 256])  # 64 and 32 rows per preprocess program
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
 def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
@@ -602,7 +698,7 @@ def test_strided_inputs(layout):
     if layout == "bhsd-transposed":
         make = lambda: randn(b, h, s, d, dtype=dtype).transpose(1, 2)
     elif layout == "sliced-headdim":
-        make = lambda: randn(b, s, h, d + 24, dtype=dtype)[..., 5:5 + d]
+        make = lambda: randn(b, s, h, d + 24, dtype=dtype)[..., 5 : 5 + d]
     else:  # stride(-1) != 1: copied, as flash_attn does
         make = lambda: randn(b, s, h, 2 * d, dtype=dtype)[..., ::2]
     q, k, v = (make().requires_grad_() for _ in range(3))
@@ -675,18 +771,19 @@ def test_zero_softmax_scale(d, causal, monkeypatch):
 
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_deterministic_bitwise(causal):
-    """deterministic=True: dQ has its own pass (no atomics), repeated runs give identical bits, and
-    deterministic=False on the Triton kernels (force(hopper=False)) gives the same bits."""
+    """deterministic=True: dQ has its own pass (no atomics), repeated runs give identical bits; and on the
+    Triton kernels (force(hopper=False); the CPU's only kernels) deterministic=False gives the same bits as True."""
     shape = (2, 300, 300, 4, 2, 64) if ON_GPU else (1, 97, 97, 2, 1, 32)
     q, k, v = make_qkv(shape, torch.bfloat16)
     do = randn(*q.shape, dtype=q.dtype)
-    runs = []
-    for deterministic, hopper in ((True, None), (True, None), (False, False)):
+
+    def run(deterministic, hopper=None):
         with force(hopper=hopper):
             out = flashattn2.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-            runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    for first, other in ((run(True), run(True)), (run(True, False), run(False, False))):
+        for a, b in zip(first, other):
             assert torch.equal(a, b)
 
 
@@ -701,8 +798,9 @@ def test_race_repeated_runs(causal, deterministic):
     do = randn(*q.shape, dtype=q.dtype)
     first = None
     for _ in range(30):
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True,
-                                                 deterministic=deterministic)
+        out, lse, _ = flashattn2.flash_attn_func(
+            q, k, v, causal=causal, return_attn_probs=True, deterministic=deterministic
+        )
         result = (out, lse, *torch.autograd.grad(out, (q, k, v), do))
         if first is None:
             first = result
@@ -718,9 +816,17 @@ def test_tma_alignment_rule():
     from flashattn2.ops.tma import use_tma
 
     base = torch.empty(4096, dtype=torch.float16)
-    for offset, strides in [(0, (512, 64, 1)), (8, (512, 64, 1)), (1, (512, 64, 1)), (0, (520, 64, 1)),
-                            (0, (512, 4, 1)), (0, (0, 64, 1)), (16, (64, 0, 1)), (0, (1024, 128, 1)),
-                            (24, (256, 8, 1))]:
+    for offset, strides in [
+        (0, (512, 64, 1)),
+        (8, (512, 64, 1)),
+        (1, (512, 64, 1)),
+        (0, (520, 64, 1)),
+        (0, (512, 4, 1)),
+        (0, (0, 64, 1)),
+        (16, (64, 0, 1)),
+        (0, (1024, 128, 1)),
+        (24, (256, 8, 1)),
+    ]:
         t = base.as_strided((2, 4, 8), strides, offset)
         es = t.element_size()
         expected = t.data_ptr() % 16 == 0 and all(s and (s * es) % 16 == 0 for s in strides[:-1])
@@ -772,7 +878,9 @@ def test_arch_override(monkeypatch, fresh_plans):
     without TMA cannot be made to take the sm90 path."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(planning._ARCH, 0, "sm90")  # device 0 is an H200 (its capability is cached)
-    tile = lambda: planning.plan(planning.arch_of(cuda), torch.float16, 128, False, 4096, planning.Features(), "fwd").tile
+    tile = lambda: (
+        planning.plan(planning.arch_of(cuda), torch.float16, 128, False, 4096, planning.Features(), "fwd").tile
+    )
     fwd = tile()
     assert fwd == T(128, 64, 4, 2)
     with force(arch="sm80"):
@@ -804,12 +912,13 @@ def test_varlen_tail_rows_get_zero_gradient():
     do = randn(total, 4, 64, dtype=torch.bfloat16)
     grads = []
     for deterministic in (False, True):
-        out = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
-                                                deterministic=deterministic)
+        out = flashattn2.flash_attn_varlen_func(
+            q, k, v, cu, cu, max(lengths), max(lengths), causal=True, deterministic=deterministic
+        )
         grads.append(torch.autograd.grad(out, (q, k, v), do))
     for name, a, b in zip(("dq", "dk", "dv"), *grads):
         assert torch.equal(a, b), name
-        assert torch.equal(a[sum(lengths):], torch.zeros_like(a[sum(lengths):])), name
+        assert torch.equal(a[sum(lengths) :], torch.zeros_like(a[sum(lengths) :])), name
 
 
 def test_keys_past_the_end_add_nothing(monkeypatch):

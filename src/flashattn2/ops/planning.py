@@ -12,6 +12,7 @@ Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arc
 context variable (each thread and task its own). The environment has one switch: FLASHATTN2_HOPPER=0 turns
 the Gluon (Hopper) kernels off.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,12 +52,14 @@ class TileConfig:
     def __str__(self) -> str:
         """'64x64w12s3', with 'q1' after it where qbuf is set: how bench ab and the tools write a tile."""
         return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}" + (
-            f"q{self.qbuf}" if self.qbuf is not None else "")
+            f"q{self.qbuf}" if self.qbuf is not None else ""
+        )
 
     def __post_init__(self):
         if self.qbuf not in (None, 1, 2):
-            raise ArgumentError(f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, "
-                                f"got {self.qbuf}")
+            raise ArgumentError(
+                f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, got {self.qbuf}"
+            )
 
 
 _TILE_TEXT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
@@ -65,13 +68,17 @@ _TILE_TEXT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
 def parse_tile(text: str) -> TileConfig | None:
     """The TileConfig that TileConfig.__str__ wrote as text ('64x64w12s3', '64x64w12s3q1'), else None."""
     m = _TILE_TEXT.fullmatch(text)
-    return None if m is None else TileConfig(*(int(x) for x in m.groups()[:4]),
-                                             qbuf=None if m.group(5) is None else int(m.group(5)))
+    return (
+        None
+        if m is None
+        else TileConfig(*(int(x) for x in m.groups()[:4]), qbuf=None if m.group(5) is None else int(m.group(5)))
+    )
 
 
 @dataclass(frozen=True)
 class Features:
     """What a call asks of a kernel beyond its shape and dtype (the launcher fills it in)."""
+
     varlen: bool = False
     score_mods: bool = False  # a window (other than causal's), softcap, ALiBi or dropout
     # the Gluon kernels can run: a wgmma device (sm_90 exactly), a Triton they build on, every tensor with its heads
@@ -83,6 +90,7 @@ class Features:
 @dataclass(frozen=True)
 class Row:
     """One row of TABLE: where it applies, what runs, why."""
+
     direction: str
     arch: str
     head_dim: int  # head-dim bucket
@@ -100,6 +108,7 @@ class Row:
 class Plan:
     """What runs: the kernel, its tile (and the dQ pass's), its constexprs beyond the call's own, the launch's
     num_warps, query rows per program (block_m x consumers), and the backward's program order."""
+
     kernel: str
     tile: TileConfig
     why: str = ""
@@ -205,12 +214,32 @@ INTERP = T(64, 64, 4, 1)
 
 TABLE: tuple[Row, ...] = (
     *_SM90,
-    *(row for (arch, d), (f, dkdv, dq) in _TRITON.items() for row in (
-        Row("fwd", arch, d, 2, "fwd", f, why="FA2's A100 tiles" if arch == "sm80" else "fits 99 KB"),
-        Row("bwd", arch, d, 2, "bwd_dkdv", dkdv, dq_tile=dq, why="FA2's A100 tiles" if arch == "sm80" else "fits 99 KB"))),
-    *(row for arch in ARCHS[:3] for d, t in _FP32.items() for row in (
-        Row("fwd", arch, d, 4, "fwd", t, why="fp32: CUDA-core dots, small tiles"),
-        Row("bwd", arch, d, 4, "bwd_dkdv", t, dq_tile=t, why="fp32: CUDA-core dots, small tiles"))),
+    *(
+        row
+        for (arch, d), (f, dkdv, dq) in _TRITON.items()
+        for row in (
+            Row("fwd", arch, d, 2, "fwd", f, why="FA2's A100 tiles" if arch == "sm80" else "fits 99 KB"),
+            Row(
+                "bwd",
+                arch,
+                d,
+                2,
+                "bwd_dkdv",
+                dkdv,
+                dq_tile=dq,
+                why="FA2's A100 tiles" if arch == "sm80" else "fits 99 KB",
+            ),
+        )
+    ),
+    *(
+        row
+        for arch in ARCHS[:3]
+        for d, t in _FP32.items()
+        for row in (
+            Row("fwd", arch, d, 4, "fwd", t, why="fp32: CUDA-core dots, small tiles"),
+            Row("bwd", arch, d, 4, "bwd_dkdv", t, dq_tile=t, why="fp32: CUDA-core dots, small tiles"),
+        )
+    ),
 )
 _ROWS: dict[tuple[str, str, int, int], tuple[Row, ...]] = {}
 for _row in TABLE:
@@ -221,8 +250,14 @@ for _row in TABLE:
 def _gluon_applies(features: Features, dtype: torch.dtype, head_dim: int, max_seqlen_k: int) -> bool:
     """The Gluon kernels: dense fp16/bf16 inputs with head dim 64, 128 or 256, causal or not and no other score
     modification, keys present, on a device and tensors they run on (Features.gluon)."""
-    return (features.gluon and not features.varlen and not features.score_mods and head_dim in HEAD_DIM_BUCKETS
-            and dtype in (torch.float16, torch.bfloat16) and max_seqlen_k > 0)
+    return (
+        features.gluon
+        and not features.varlen
+        and not features.score_mods
+        and head_dim in HEAD_DIM_BUCKETS
+        and dtype in (torch.float16, torch.bfloat16)
+        and max_seqlen_k > 0
+    )
 
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
@@ -234,13 +269,16 @@ REQUIRES = {
     "fwd_hopper_persist": _gluon_applies,
     "fwd_hopper_ws": _gluon_applies,
     # dQ added in any order: deterministic=False only; the key blocks (64 keys at least) on the grid's second axis
-    "bwd_hopper": lambda f, dtype, d, n: not f.deterministic and _gluon_applies(f, dtype, d, n) and -(-n // 64) <= _GRID_YZ,
+    "bwd_hopper": lambda f, dtype, d, n: (
+        not f.deterministic and _gluon_applies(f, dtype, d, n) and -(-n // 64) <= _GRID_YZ
+    ),
 }
 
 
 @dataclass(frozen=True)
 class Forced:
     """What force() holds: tiles by kernel, and the switches below (None: not forced)."""
+
     tiles: tuple[tuple[str, TileConfig], ...] = ()
     arch: str | None = None  # another architecture's rows and load path (sm80 on an H200: pointer loads, no PDL)
     hopper: bool | None = None  # False: the Triton kernels where the Gluon ones would run
@@ -266,14 +304,22 @@ def forced() -> Forced:
 
 
 @contextlib.contextmanager
-def force(arch: str | None = None, hopper: bool | None = None, tma: bool | None = None,
-          host_desc: bool | None = None, bwd_order: str | None = None, **tiles: TileConfig):
+def force(
+    arch: str | None = None,
+    hopper: bool | None = None,
+    tma: bool | None = None,
+    host_desc: bool | None = None,
+    bwd_order: str | None = None,
+    **tiles: TileConfig,
+):
     """Inside the with-block (this thread or task only), plans use these tiles (fwd=TileConfig(...),
     fwd_hopper_persist=..., a kernel of KERNELS each) and switches: arch (another architecture's rows and
     load path on a CUDA device; the interpreter ignores it), hopper=False (the Triton kernels instead of the
     Gluon ones; True: as the default, whatever FLASHATTN2_HOPPER says), tma (the TMA load path on or off),
     host_desc (host-built TMA descriptors on the Triton path), bwd_order ("head-major" or "grouped": the Gluon
-    backward's program order). Arguments left None keep what an enclosing force() set."""
+    backward's program order). Arguments left None keep what an enclosing force() set. A call's backward through
+    autograd runs under its forward's force() (a with-block around the forward is enough; one around only the
+    backward is not seen: autograd runs it in another thread)."""
     unknown = set(tiles) - set(KERNELS)
     if unknown:
         raise ArgumentError(f"force: unknown kernel(s) {sorted(unknown)}; expected one of {KERNELS}")
@@ -281,7 +327,9 @@ def force(arch: str | None = None, hopper: bool | None = None, tma: bool | None 
         if not isinstance(tile, TileConfig):
             raise ArgumentTypeError(f"force: {name} must be a TileConfig, got {type(tile).__name__}")
         if tile.qbuf is not None and name != "fwd_hopper_persist":
-            raise ArgumentError(f"force: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}")
+            raise ArgumentError(
+                f"force: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}"
+            )
     if arch is not None and arch not in ARCHS[:-1]:
         raise ArgumentError(f"force: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     if bwd_order is not None and bwd_order not in _BWD_ORDERS:
@@ -289,9 +337,26 @@ def force(arch: str | None = None, hopper: bool | None = None, tma: bool | None 
     now = _FORCED.get()
     merged = dict(now.tiles)
     merged.update(tiles)
-    switches = {name: value for name, value in dict(arch=arch, hopper=hopper, tma=tma, host_desc=host_desc,
-                                                    bwd_order=bwd_order).items() if value is not None}
+    switches = {
+        name: value
+        for name, value in dict(arch=arch, hopper=hopper, tma=tma, host_desc=host_desc, bwd_order=bwd_order).items()
+        if value is not None
+    }
     token = _FORCED.set(replace(now, tiles=tuple(sorted(merged.items())), **switches))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+@contextlib.contextmanager
+def entered(state: Forced | None):
+    """Plans under a Forced that forced() returned earlier: an autograd backward runs in the engine's worker
+    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.registry). None: as is."""
+    if state is None:
+        yield
+        return
+    token = _FORCED.set(state)
     try:
         yield
     finally:
@@ -303,8 +368,9 @@ def head_dim_bucket(head_dim: int) -> int:
     return max(block_d, 64)
 
 
-def plan(arch: str, dtype: torch.dtype, head_dim: int, causal: bool, max_seqlen_k: int, features: Features,
-         direction: str) -> Plan:
+def plan(
+    arch: str, dtype: torch.dtype, head_dim: int, causal: bool, max_seqlen_k: int, features: Features, direction: str
+) -> Plan:
     """The plan of one call (see the module docstring), under what force() holds."""
     return _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, _FORCED.get())
 
@@ -318,10 +384,12 @@ def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, forc
     hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
     for row in _ROWS[(direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)]:
         if (row.causal is not None and row.causal != causal) or (
-                row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k):
+            row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k
+        ):
             continue
-        if row.kernel not in ("fwd", "bwd_dkdv") and not (hopper and REQUIRES[row.kernel](
-                features, dtype, head_dim, max_seqlen_k)):
+        if row.kernel not in ("fwd", "bwd_dkdv") and not (
+            hopper and REQUIRES[row.kernel](features, dtype, head_dim, max_seqlen_k)
+        ):
             continue
         return _derive(row, forced, causal)
     raise AssertionError(f"no row for {direction} {arch} d{head_dim} {dtype}")  # the Triton rows match everything
@@ -334,7 +402,9 @@ def _derive(row: Row, forced: Forced, causal: bool) -> Plan:
     num_warps, consumers, l2 = tile.num_warps, 1, 0
     if row.kernel == "fwd_hopper_persist":
         if tile.num_warps not in (8, 12):
-            raise ArgumentError(f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {tile.num_warps}")
+            raise ArgumentError(
+                f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {tile.num_warps}"
+            )
         consumers = tile.num_warps // 4
         # 4: the default partition's warps (the producer); snake order under a causal mask
         constexprs.update(QBUF=tile.qbuf or 2, SNAKE=causal, CONSUMERS=consumers)
@@ -382,12 +452,16 @@ def native_arch(index: int) -> str:
     the tiles, TMA and wgmma are NVIDIA's) and NVIDIA GPUs before Ampere (flash_attn 2 refuses them too)."""
     name = torch.cuda.get_device_name(index)
     if torch.version.hip:
-        raise NotImplementedError(f"flashattn2 runs on NVIDIA GPUs (CUDA) only: {name} is a ROCm device "
-                                  f"(torch.version.hip {torch.version.hip}); its kernels and tiles are untested there")
+        raise NotImplementedError(
+            f"flashattn2 runs on NVIDIA GPUs (CUDA) only: {name} is a ROCm device "
+            f"(torch.version.hip {torch.version.hip}); its kernels and tiles are untested there"
+        )
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
-        raise NotImplementedError(f"flashattn2 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or "
-                                  f"newer, as flash_attn 2): {name} is sm_{major}{minor}")
+        raise NotImplementedError(
+            f"flashattn2 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or "
+            f"newer, as flash_attn 2): {name} is sm_{major}{minor}"
+        )
     return "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
 
 

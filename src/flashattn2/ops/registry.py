@@ -1,11 +1,12 @@
 """torch.library registration: `flashattn2::fwd` (functional, differentiable) and
 `flashattn2::bwd` (writes dq, dk, dv in place, so packed callers can pass views of one tensor).
 Both have fake implementations, so torch.compile traces them without a graph break."""
+
 from __future__ import annotations
 
 import torch
 
-from . import _runtime, attention, kvcache
+from . import _runtime, attention, kvcache, planning
 from .geometry import Varlen
 from .options import N_OP_ARGS, Options, ScoreMods
 
@@ -31,10 +32,23 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen | 
     return Varlen.of(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
 
 
-def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-             cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-             seed: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-             softcap: float, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """flashattn2::fwd: dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with
     cu_seqlens; (out, lse). Eager callers run this body directly: the op's dispatch costs tens of
     microseconds of host time per call and only torch.compile needs it (run_fwd chooses)."""
@@ -60,16 +74,34 @@ def _(q, k, v, cu_seqlens_q, *_):
         lse_shape = (batch, nheads, seqlen_q)
     else:
         lse_shape = (q.shape[1], q.shape[0])
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty(lse_shape, dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-             dv: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, seed: torch.Tensor | None,
-             softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-             alibi_slopes: torch.Tensor | None, deterministic: bool = True) -> None:
+def bwd_impl(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool = True,
+) -> None:
     """flashattn2::bwd: writes dq, dk, dv (see fwd_impl for eager callers). deterministic=False
     lets a Hopper GPU take the Gluon backward (dQ added in any order)."""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
@@ -96,10 +128,22 @@ def _(*_):
 
 
 @torch.library.custom_op("flashattn2::dropout_probs", mutates_args=())
-def dropout_probs(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-                  cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-                  seed: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                  softcap: float, alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+def dropout_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    seed: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
     """S_dmask for the dropout mask fwd drew with the same seed (forward only, a testing aid)."""
     q, k = _for_kernels(q), _for_kernels(k)
     mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
@@ -118,8 +162,12 @@ def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
 
 
 def _save(ctx, q, k, v, out, lse, alibi_slopes, options: Options) -> None:
+    """What a backward needs: the tensors, the options, and the forward's planning.force() state (the backward
+    runs in autograd's thread, which does not see it)."""
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *options.tensors())
     ctx.options = options.without_tensors()
+    # (torch.compile traces this, and not ContextVar.get: its backward is the op's, planned where it runs)
+    ctx.forced = None if torch.compiler.is_compiling() else planning.forced()
 
 
 def _setup_context(ctx, inputs, output):
@@ -137,7 +185,8 @@ def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
     q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
     dout = _grad_of_out(dout, out)
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
-    (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, deterministic)
+    with planning.entered(ctx.forced):
+        (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, deterministic)
     return dq, dk, dv, *(None,) * (1 + N_OP_ARGS)
 
 
@@ -218,19 +267,60 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        run_bwd(_grad_of_out(dout, out), q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes,
-                ctx.deterministic)
+        with planning.entered(ctx.forced):
+            run_bwd(
+                _grad_of_out(dout, out),
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dlse,
+                dq,
+                dk,
+                dv,
+                *options.op_args(),
+                alibi_slopes,
+                ctx.deterministic,
+            )
         return (None if ctx.packing == "qkv" else dq), dpacked, None, None, None, None
 
 
-def fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int,
-                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                     softcap, rotary_interleaved, alibi_slopes, num_splits, check=None):
+def fwd_kvcache_impl(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_seqlen_int,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    check=None,
+):
     """The body of flashattn2::fwd_kvcache (eager callers run it directly, see fwd_impl). check:
     a kvcache.Check (eager calls only), set when a cache tensor holds a value out of range."""
     with _runtime.device_of(q):
-        cache = kvcache.Cache(k_cache, v_cache, _contiguous(cache_seqlens), cache_seqlen_int,
-                              _contiguous(cache_batch_idx), _contiguous(cache_leftpad), _contiguous(block_table))
+        cache = kvcache.Cache(
+            k_cache,
+            v_cache,
+            _contiguous(cache_seqlens),
+            cache_seqlen_int,
+            _contiguous(cache_batch_idx),
+            _contiguous(cache_leftpad),
+            _contiguous(block_table),
+        )
         rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), rotary_interleaved)
         seqlen_new = 0
         if k is not None:
@@ -241,23 +331,59 @@ def fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
         # an append that ran checked every value the attention reads (pages included)
         appended = k is not None and k.shape[0] * k.shape[1] > 0
-        return kvcache.forward(_for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits,
-                               check=None if appended else check)
+        return kvcache.forward(
+            _for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits, check=None if appended else check
+        )
 
 
 @torch.library.custom_op("flashattn2::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
-def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
-                v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
-                cache_seqlens: torch.Tensor | None, cache_seqlen_int: int, cache_batch_idx: torch.Tensor | None,
-                cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float,
-                causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-                alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    cache_seqlen_int: int,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: torch.Tensor | None,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over
     the cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int
     cache_seqlens travels as cache_seqlen_int with cache_seqlens None."""
-    return fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen_int,
-                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
-                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    return fwd_kvcache_impl(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_seqlen_int,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+    )
 
 
 def run_fwd_kvcache(*args, check=None):
@@ -277,10 +403,21 @@ def _(q, *_):
 
 
 @torch.library.custom_op("flashattn2::fwd_varlen_paged", mutates_args=())
-def fwd_varlen_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, block_table: torch.Tensor, softmax_scale: float,
-                     causal: bool, window_left: int, window_right: int, softcap: float,
-                     alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd_varlen_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_varlen_func over a paged K/V (forward only): q (total_q, nheads, headdim),
     k_cache/v_cache (num_blocks, page_size, nheads_k, headdim), sequence b's keys are its first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b]. (out, lse (nheads, total_q))."""
@@ -289,8 +426,9 @@ def fwd_varlen_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
         cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, None, None, block_table.contiguous())
         mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
-        return kvcache.forward(_for_kernels(q), cache, 0, softmax_scale, mods, 0,
-                               varlen_q=(cu_seqlens_q.contiguous(), max_seqlen_q))
+        return kvcache.forward(
+            _for_kernels(q), cache, 0, softmax_scale, mods, 0, varlen_q=(cu_seqlens_q.contiguous(), max_seqlen_q)
+        )
 
 
 @fwd_varlen_paged.register_fake
@@ -301,8 +439,10 @@ def _(q, *_):
 def _paged_backward(ctx, dout, dlse):
     """The forward runs with inputs that require grad (as flash_attn's); a backward through it
     does not exist (there neither)."""
-    raise NotImplementedError("flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
-                              "no backward through a paged K/V; detach the output, or call it under torch.no_grad()")
+    raise NotImplementedError(
+        "flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
+        "no backward through a paged K/V; detach the output, or call it under torch.no_grad()"
+    )
 
 
 fwd_varlen_paged.register_autograd(_paged_backward)
