@@ -1,5 +1,6 @@
 """One suite, two places: CUDA at realistic sizes when a GPU is present, else the CPU through
 Triton's interpreter at small sizes (TRITON_INTERPRET must be set before the kernels import)."""
+
 import os
 
 import pytest
@@ -19,10 +20,19 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The compile checks first (a subprocess each, minutes on CI's two cores): pytest-xdist hands the first tests
-    out in turn, so both workers start on them at once instead of one worker running them alone at the end (CI,
-    27 minutes with them last, one core idle for the last ten)."""
-    items.sort(key=lambda item: item.path.name != "test_compile_targets.py")  # stable: the rest keep their order
+    """The compile checks (a subprocess each, minutes on CI's two cores) at the head of each half of the list:
+    pytest-xdist's worksteal (the README's command) starts each of two workers on one contiguous half, and a
+    worker that runs out steals from the other's tail; so both start on their share of the compile checks and
+    the rest balances. (With them in one place, one worker ran them all while the other went idle.)"""
+    compile_items = [item for item in items if item.path.name == "test_compile_targets.py"]
+    rest = [item for item in items if item.path.name != "test_compile_targets.py"]
+    first, second = compile_items[0::2], compile_items[1::2]
+    head = max(0, len(items) // 2 - len(first))
+    items[:] = first + rest[:head] + second + rest[head:]
+
+
+if os.environ.get("PYTEST_XDIST_WORKER") and not ON_GPU:
+    torch.set_num_threads(1)  # one thread per worker: the workers share CI's two cores
 
 
 @pytest.fixture(autouse=True)

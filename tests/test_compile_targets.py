@@ -3,6 +3,7 @@
 kernels the GPU compiler rejects (TRITON-ON-CPU.md), so this runs tools/compile_check.py in a
 process without TRITON_INTERPRET. With --cases lengths-one it compiles the Triton kernels with
 lengths of 1 (a pipeliner failure hid there: tools/compile_check.py's LENGTHS_ONE)."""
+
 import json
 import os
 import pathlib
@@ -12,23 +13,39 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT = 600  # seconds per part; the slowest measured on CI's 2 cores is in the README's test section
 
 
-# the table's entries per architecture; the kernels with lengths of 1 (Triton's specialization of an integer
-# argument equal to 1: a one-token sequence, MHA's group size) on sm_90's two load paths and sm_80's pointers,
-# a test of their own (its own subprocess and timeout; xdist runs it beside the others)
-RUNS = [pytest.param(arch, "table", id=arch) for arch in ("sm90", "sm80", "sm86")]
-RUNS += [pytest.param(arch, "lengths-one", id=f"{arch}-lengths-one") for arch in ("sm90", "sm80")]
+# the table's entries per architecture, and the kernels with lengths of 1 (Triton's specialization of an integer
+# argument equal to 1: a one-token sequence, MHA's group size) on sm_90's two load paths and sm_80's pointers; each
+# in parts (tools/compile_check.py --shard), a test of its own, so that xdist spreads them over the workers
+SHARDS = {
+    ("sm90", "table"): 4,
+    ("sm86", "table"): 3,
+    ("sm80", "table"): 1,
+    ("sm90", "lengths-one"): 2,
+    ("sm80", "lengths-one"): 1,
+}
+RUNS = [
+    pytest.param(arch, cases, f"{i}/{n}", id=f"{arch}-{cases}-{i}of{n}")
+    for (arch, cases), n in SHARDS.items()
+    for i in range(n)
+]
 
 
-@pytest.mark.parametrize("arch, cases", RUNS)
-def test_every_table_entry_compiles(arch, cases):
+@pytest.mark.parametrize("arch, cases, shard", RUNS)
+def test_every_table_entry_compiles(arch, cases, shard):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_check.py"), "--arch", arch,
-                           "--cases", cases], capture_output=True, text=True, env=env, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "compile_check.py"), "--arch", arch, "--cases", cases, "--shard", shard],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, f"compile_check printed nothing:\n{proc.stderr[-3000:]}"
     bad = [r for r in rows if not r["ok"]]
     assert not bad, "\n".join(json.dumps(r) for r in bad)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(rows) >= 10
+    assert len(rows) >= 5

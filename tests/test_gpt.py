@@ -1,6 +1,7 @@
 """flashattn2.models.gpt: KV-cache generation equals recomputing the whole sequence, a few
 training steps lower the loss, and a training step and a decode step compile with
 torch.compile(fullgraph=True) to the eager results."""
+
 import pytest
 import torch
 
@@ -24,11 +25,14 @@ def greedy_by_recompute(model, idx, steps):
     return idx
 
 
-@pytest.mark.parametrize("kwargs", [
-    pytest.param(dict(), id="mha"),
-    pytest.param(dict(n_kv_head=2, rotary_dim=16), id="gqa-rotary"),
-    pytest.param(dict(attention="naive"), id="naive"),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param(dict(), id="mha"),
+        pytest.param(dict(n_kv_head=2, rotary_dim=16), id="gqa-rotary"),
+        pytest.param(dict(attention="naive"), id="naive"),
+    ],
+)
 def test_generate_with_kv_cache_equals_recompute(kwargs):
     model = model_of(**kwargs).eval()
     prompt = torch.randint(0, SMALL["vocab_size"], (2, 9), device=DEVICE)
@@ -53,9 +57,10 @@ def test_training_lowers_the_loss():
 
 
 def test_compile_fullgraph_train_and_decode_steps():
-    """inductor, fullgraph: the training step's loss and gradients and a decode step's logits
-    equal eager (the attention and the KV-cache kernels are torch.library ops), and decoding
-    does not compile a graph per token."""
+    """fullgraph (inductor on the GPU; aot_eager on the CPU, where inductor's C++ build of the model costs minutes
+    and tests/test_torch_integration.py compiles the attention op with inductor): the training step's loss and
+    gradients and a decode step's logits equal eager (the attention and the KV-cache kernels are torch.library
+    ops), and decoding does not compile a graph per token."""
     torch._dynamo.reset()
     model = model_of(n_kv_head=2)
     x = torch.randint(0, SMALL["vocab_size"], (2, 17), device=DEVICE)
@@ -66,7 +71,8 @@ def test_compile_fullgraph_train_and_decode_steps():
 
     eager_loss = train_step(x)
     eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
-    loss = torch.compile(train_step, backend="inductor", fullgraph=True)(x)
+    backend = "inductor" if ON_GPU else "aot_eager"
+    loss = torch.compile(train_step, backend=backend, fullgraph=True)(x)
     grads = torch.autograd.grad(loss, list(model.parameters()))
     torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-4)
     for g, e in zip(grads, eager_grads):
@@ -74,13 +80,13 @@ def test_compile_fullgraph_train_and_decode_steps():
 
     model.eval()
     torch._dynamo.utils.counters.clear()
-    compiled_step = torch.compile(model.decode_step, backend="inductor", fullgraph=True)
+    compiled_step = torch.compile(model.decode_step, backend=backend, fullgraph=True)
     with torch.no_grad():
         _, params = model.prefill(x[:, :8], max_seqlen=16)
         _, params_eager = model.prefill(x[:, :8], max_seqlen=16)
         for t in range(8, 13):
-            logits = compiled_step(x[:, t:t + 1], params)
-            eager = model.decode_step(x[:, t:t + 1], params_eager)
+            logits = compiled_step(x[:, t : t + 1], params)
+            eager = model.decode_step(x[:, t : t + 1], params_eager)
             params.seqlen_offset += 1
             params_eager.seqlen_offset += 1
             torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)

@@ -4,8 +4,14 @@ with the compile time ("seconds": a cold compile when TRITON_CACHE_DIR points at
 directory; Triton's cache serves later processes).
 
 Run in a process without TRITON_INTERPRET (the interpreter's kernels cannot be compiled):
-    python tools/compile_check.py --arch sm90 [--cases lengths-one]
+    python tools/compile_check.py --arch sm90 [--cases lengths-one] [--shard 0/4] [--full]
+
+Every Gluon configuration, and the first configuration of each Triton kernel, is compiled to a cubin (ptxas);
+the other Triton configurations stop once their LLVM IR is made ("stage": "llir"), where the shared memory
+they need is known and every Triton pass (the pipeliner included) has run: ptxas and the PTX step are about
+60% of a compile. --full takes every configuration to a cubin.
 """
+
 import argparse
 import json
 import os
@@ -34,7 +40,9 @@ T = planning.TileConfig
 INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err", "SeqOrder"}
 
 
-def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
+def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None, last=None):
+    """The kernel compiled for arch: Triton's CompiledKernel, or with last="llir" the metadata dict of a
+    compile stopped after that stage (see _compile_to)."""
     sig = {}
     for name in fn.arg_names:
         if types and name in types:
@@ -60,7 +68,33 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         return triton.compile(GluonASTSource(fn, sig, constexprs), target=target, options=options)
-    return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=options)
+    src = ASTSource(fn, sig, constexprs)
+    if last is not None:
+        return _compile_to(src, target, options, last)
+    return triton.compile(src, target=target, options=options)
+
+
+def _compile_to(src, target, options, last: str) -> dict:
+    """triton.compile's stages up to and including `last` (triton 3.6's compiler.compile, without its cache):
+    the metadata so far, "shared" among it."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    options = backend.parse_options(dict(options, **src.parse_options()))
+    stages: dict = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+    )
+    metadata = {"target": target, **options.__dict__}
+    names = list(stages)
+    for ext in names[names.index(src.ext) : names.index(last) + 1]:
+        module = stages[ext](module, metadata)
+    return metadata
 
 
 def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out"), dq_cols=None):
@@ -82,10 +116,10 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
 
 # the plain causal path, and every option at once (LOCAL excludes CAUSAL)
 VARIANTS = {
-    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, IS_VARLEN=False,
-                   SORTED=False),
-    "varlen-local-softcap-alibi-dropout": dict(CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, DROPOUT=True,
-                                               IS_VARLEN=True, SORTED=True),
+    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, IS_VARLEN=False, SORTED=False),
+    "varlen-local-softcap-alibi-dropout": dict(
+        CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, DROPOUT=True, IS_VARLEN=True, SORTED=True
+    ),
 }
 
 
@@ -117,14 +151,16 @@ def _gluon_cases(arch, row):
         constexprs.update(plan.constexprs)
         if row.kernel == "bwd_hopper":
             constexprs["GQA"] = causal
-            types = _gluon_descriptor_types(elem_bytes, d, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"),
-                                            dq_cols=d // constexprs["DQ_SPLIT"])
+            types = _gluon_descriptor_types(
+                elem_bytes, d, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"), dq_cols=d // constexprs["DQ_SPLIT"]
+            )
             fn = _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel
             label = "causal-gqa" if causal else "full"
         else:
             hopper = _runtime.hopper_kernels().fwd
-            fn = {"fwd_hopper_ws": hopper.attn_fwd_ws_kernel,
-                  "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[row.kernel]  # a new name must be added here
+            fn = {"fwd_hopper_ws": hopper.attn_fwd_ws_kernel, "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[
+                row.kernel
+            ]  # a new name must be added here
             types = _gluon_descriptor_types(elem_bytes, d, cfg)
             label = "causal" if causal else "full"
         yield f"{arch}-d{d}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
@@ -149,12 +185,22 @@ def cases(arch):
                     if host and flags["IS_VARLEN"]:
                         continue
                     # bf16 needs the same shared memory as fp16
-                    constexprs = dict(**flags, USE_TMA=use_tma, HOST_DESC=host, UPCAST=fp32,
-                                      DOT_PRECISION="ieee" if fp32 else "tf32",
-                                      HEAD_DIM=bucket, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bucket)
+                    constexprs = dict(
+                        **flags,
+                        USE_TMA=use_tma,
+                        HOST_DESC=host,
+                        UPCAST=fp32,
+                        DOT_PRECISION="ieee" if fp32 else "tf32",
+                        HEAD_DIM=bucket,
+                        BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n,
+                        BLOCK_D=bucket,
+                    )
                     types = _descriptor_types(kernel, elem_bytes, bucket, cfg) if host else None
-                    name = (f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
-                            f"{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}")
+                    name = (
+                        f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
+                        f"{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}"
+                    )
                     yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types
     # the Triton backward's preprocess (varlen, an lse gradient) and the Gluon backward's (padded rows, the dQ
     # accumulator zeroed, lse copied)
@@ -162,51 +208,133 @@ def cases(arch):
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
     pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
     yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
-    yield (f"{arch}-fill-tail", fill.fill_tail_kernel, 2, dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
-           T(64, 64, 4, 1), {"X1": "*fp32"})
-    dmask_flags = dict(CAUSAL=False, LOCAL=True, ALIBI=True, IS_VARLEN=True, UPCAST=False, DOT_PRECISION="tf32",
-                       HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, BLOCK_D=256)
+    yield (
+        f"{arch}-fill-tail",
+        fill.fill_tail_kernel,
+        2,
+        dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
+        T(64, 64, 4, 1),
+        {"X1": "*fp32"},
+    )
+    dmask_flags = dict(
+        CAUSAL=False,
+        LOCAL=True,
+        ALIBI=True,
+        IS_VARLEN=True,
+        UPCAST=False,
+        DOT_PRECISION="tf32",
+        HEAD_DIM=256,
+        BLOCK_M=64,
+        BLOCK_N=64,
+        BLOCK_D=256,
+    )
     yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, T(64, 64, 4, 1)
     # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path
-    variants = {("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True),
-                ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1, PDL=arch == "sm90"),
-                ("contiguous-short", True): dict(PAGED=False, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True,
-                                                 PDL=arch == "sm90"),
-                ("contiguous-many", False): dict(PAGED=False, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True),
-                ("page-block", False): dict(PAGED=True, PAGE_SIZE=256),
-                ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256, CHECK=True),
-                ("page-row", False): dict(PAGED=True, PAGE_SIZE=16, LOCAL=True),
-                ("page-row", True): dict(PAGED=True, PAGE_SIZE=16, LEFTPAD=True, LOCAL=True, SOFTCAP=True,
-                                         ALIBI=True, SEQLENS_TENSOR=True, SPLIT=True, VARLEN_Q=True, CHECK=True)}
-    off = dict(CAUSAL=False, LOCAL=False, SOFTCAP=False, ALIBI=False, PAGED=False, BATCH_IDX=False, LEFTPAD=False,
-               SEQLENS_TENSOR=False, SPLIT=False, VARLEN_Q=False, CHECK=False, PDL=False)
+    variants = {
+        ("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True),
+        ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1, PDL=arch == "sm90"),
+        ("contiguous-short", True): dict(
+            PAGED=False, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True, PDL=arch == "sm90"
+        ),
+        ("contiguous-many", False): dict(PAGED=False, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True),
+        ("page-block", False): dict(PAGED=True, PAGE_SIZE=256),
+        ("page-block", True): dict(PAGED=True, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=256, CHECK=True),
+        ("page-row", False): dict(PAGED=True, PAGE_SIZE=16, LOCAL=True),
+        ("page-row", True): dict(
+            PAGED=True,
+            PAGE_SIZE=16,
+            LEFTPAD=True,
+            LOCAL=True,
+            SOFTCAP=True,
+            ALIBI=True,
+            SEQLENS_TENSOR=True,
+            SPLIT=True,
+            VARLEN_Q=True,
+            CHECK=True,
+        ),
+    }
+    off = dict(
+        CAUSAL=False,
+        LOCAL=False,
+        SOFTCAP=False,
+        ALIBI=False,
+        PAGED=False,
+        BATCH_IDX=False,
+        LEFTPAD=False,
+        SEQLENS_TENSOR=False,
+        SPLIT=False,
+        VARLEN_Q=False,
+        CHECK=False,
+        PDL=False,
+    )
     for head_dim in (64, 128, 256):
         for elem_bytes in (2, 4):
             for (path, split), chosen in variants.items():
-                for rows in ((16, 64) if chosen.get("VARLEN_Q") else (16,)):
+                for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
                     block_m, block_n, warps, stages = kvcache._tiles(rows, head_dim, False, elem_bytes, path, split)
-                    flags = dict(off, **chosen, UPCAST=elem_bytes == 4,
-                                 DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32", HEAD_DIM=head_dim,
-                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_dim)
+                    flags = dict(
+                        off,
+                        **chosen,
+                        UPCAST=elem_bytes == 4,
+                        DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32",
+                        HEAD_DIM=head_dim,
+                        BLOCK_M=block_m,
+                        BLOCK_N=block_n,
+                        BLOCK_D=head_dim,
+                    )
                     types = {"Out": "*fp32"} if split else None
-                    yield (f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
-                           decode.attn_kvcache_kernel, elem_bytes, flags,
-                           T(block_m, block_n, warps, stages), types)
+                    yield (
+                        f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
+                        decode.attn_kvcache_kernel,
+                        elem_bytes,
+                        flags,
+                        T(block_m, block_n, warps, stages),
+                        types,
+                    )
         for paged, rotate in ((False, True), (True, False)):
-            append = dict(CHECK=True, PAGED=paged, BATCH_IDX=not paged, LEFTPAD=True, SEQLENS_TENSOR=True,
-                          PAGE_SIZE=16 if paged else 1, ROTARY=rotate, INTERLEAVED=rotate, HEAD_DIM=head_dim,
-                          BLOCK_B=256, BLOCK_T=16, BLOCK_D=head_dim)
-            yield (f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}", decode.kvcache_append_kernel, 2,
-                   append, T(16, 16, 4, 1), None)
+            append = dict(
+                CHECK=True,
+                PAGED=paged,
+                BATCH_IDX=not paged,
+                LEFTPAD=True,
+                SEQLENS_TENSOR=True,
+                PAGE_SIZE=16 if paged else 1,
+                ROTARY=rotate,
+                INTERLEAVED=rotate,
+                HEAD_DIM=head_dim,
+                BLOCK_B=256,
+                BLOCK_T=16,
+                BLOCK_D=head_dim,
+            )
+            yield (
+                f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}",
+                decode.kvcache_append_kernel,
+                2,
+                append,
+                T(16, 16, 4, 1),
+                None,
+            )
         combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim, PDL=arch == "sm90")
-        yield (f"{arch}-combine-d{head_dim}", decode.attn_combine_kernel, 2, combine, T(16, 16, 2, 1),
-               {"OutPart": "*fp32", "LsePart": "*fp32"})
+        yield (
+            f"{arch}-combine-d{head_dim}",
+            decode.attn_combine_kernel,
+            2,
+            combine,
+            T(16, 16, 2, 1),
+            {"OutPart": "*fp32", "LsePart": "*fp32"},
+        )
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
-        yield (f"{arch}-rotary-{'gptj' if interleaved else 'neox'}", rotary.rotary_kernel, 2, flags,
-               T(8, 8, 4, 1), None)
+        yield (
+            f"{arch}-rotary-{'gptj' if interleaved else 'neox'}",
+            rotary.rotary_kernel,
+            2,
+            flags,
+            T(8, 8, 4, 1),
+            None,
+        )
 
 
 # Triton specializes an integer argument equal to 1 into a constant: a one-token query or key sequence, or
@@ -224,11 +352,21 @@ def length_one_cases(arch):
     paths = [(True, False), (False, False)] if arch == "sm90" else [(False, False)]
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         for seqlen_q, seqlen_k, group in LENGTHS_ONE:
-            plan = planning.plan(arch, torch.float16, head_dim, False, seqlen_k or 97, planning.Features(),
-                                 "fwd" if kernel == "fwd" else "bwd")
+            plan = planning.plan(
+                arch,
+                torch.float16,
+                head_dim,
+                False,
+                seqlen_k or 97,
+                planning.Features(),
+                "fwd" if kernel == "fwd" else "bwd",
+            )
             cfg = plan.dq_tile if kernel == "bwd_dq" else plan.tile
-            ints = {n: v for n, v in (("max_seqlen_q", seqlen_q), ("max_seqlen_k", seqlen_k), ("group_size", group))
-                    if v is not None}
+            ints = {
+                n: v
+                for n, v in (("max_seqlen_q", seqlen_q), ("max_seqlen_k", seqlen_k), ("group_size", group))
+                if v is not None
+            }
             # dense without options (the case that failed: causal masking keeps the loops) for every
             # combination; causal, and all options at once (varlen), for a one-token query with GQA (CI time:
             # the varlen variant compiles 3x slower)
@@ -237,14 +375,37 @@ def length_one_cases(arch):
                 variants.update(VARIANTS)
             for use_tma, _ in paths:
                 for variant, flags in variants.items():
-                    constexprs = dict(**flags, **ints, USE_TMA=use_tma, HOST_DESC=False, UPCAST=False,
-                                      DOT_PRECISION="tf32", HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-                                      BLOCK_N=cfg.block_n, BLOCK_D=planning.head_dim_bucket(head_dim))
+                    constexprs = dict(
+                        **flags,
+                        **ints,
+                        USE_TMA=use_tma,
+                        HOST_DESC=False,
+                        UPCAST=False,
+                        DOT_PRECISION="tf32",
+                        HEAD_DIM=head_dim,
+                        BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n,
+                        BLOCK_D=planning.head_dim_bucket(head_dim),
+                    )
                     lengths = "-".join(f"{n.removeprefix('max_')}1" for n in ints)
-                    yield (f"{arch}-d{head_dim}-fp16-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}-{lengths}",
-                           KERNELS[kernel], 2, constexprs, cfg, None)
-    pre = dict(HAS_DLSE=False, IS_VARLEN=False, PADDED=False, COPY_LSE=False, HEAD_DIM=head_dim, BLOCK_M=32,
-               BLOCK_D=planning.head_dim_bucket(head_dim), max_seqlen_q=1)
+                    yield (
+                        f"{arch}-d{head_dim}-fp16-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}-{lengths}",
+                        KERNELS[kernel],
+                        2,
+                        constexprs,
+                        cfg,
+                        None,
+                    )
+    pre = dict(
+        HAS_DLSE=False,
+        IS_VARLEN=False,
+        PADDED=False,
+        COPY_LSE=False,
+        HEAD_DIM=head_dim,
+        BLOCK_M=32,
+        BLOCK_D=planning.head_dim_bucket(head_dim),
+        max_seqlen_q=1,
+    )
     yield f"{arch}-preprocess-seqlen_q1", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
 
 
@@ -263,26 +424,57 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", choices=sorted(SHARED_LIMIT), required=True)
     ap.add_argument("--match", default="", help="only the configurations whose id contains this")
-    ap.add_argument("--cases", choices=("table", "lengths-one"), default="table",
-                    help="the table's entries (default), or the kernels with lengths of 1 (length_one_cases)")
+    ap.add_argument(
+        "--cases",
+        choices=("table", "lengths-one"),
+        default="table",
+        help="the table's entries (default), or the kernels with lengths of 1 (length_one_cases)",
+    )
+    ap.add_argument("--shard", default="0/1", help="i/n: every n-th configuration from the i-th (CI's parts)")
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="every configuration to a cubin (ptxas), not only the Gluon ones and each Triton kernel's first",
+    )
     args = ap.parse_args()
+    index, count = (int(x) for x in args.shard.split("/"))
     failures = 0
     # sm80 and sm86 share most configurations; sm86's lower shared-memory limit is the binding
     # one, so sm80 compiles only those sm86 does not (its own table's larger tiles)
     skip = {_key(case) for case in cases("sm86")} if args.arch == "sm80" else set()
-    for case in (cases if args.cases == "table" else length_one_cases)(args.arch):
-        name, fn, elem_bytes, constexprs, cfg, *types = case
-        if args.match not in name or _key(case) in skip:
+    chosen = [
+        case
+        for case in (cases if args.cases == "table" else length_one_cases)(args.arch)
+        if args.match in case[0] and _key(case) not in skip
+    ]
+    to_cubin = set()  # (the shard's ids of) each kernel's first configuration, and the Gluon ones
+    seen = set()
+    for i, (name, fn, *_) in enumerate(chosen):
+        if args.full or getattr(fn, "is_gluon", lambda: False)() or fn.__name__ not in seen:
+            to_cubin.add(i)
+        seen.add(fn.__name__)
+    for i, case in enumerate(chosen):
+        if i % count != index:
             continue
-        row = dict(id=name, tile=str(cfg))
+        name, fn, elem_bytes, constexprs, cfg, *types = case
+        last = None if i in to_cubin else "llir"
+        row = dict(id=name, tile=str(cfg), stage=last or "cubin")
         start = time.perf_counter()
         try:
-            shared = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *types).metadata.shared
-            row.update(shared=shared, limit=SHARED_LIMIT[args.arch], ok=shared <= SHARED_LIMIT[args.arch],
-                       seconds=round(time.perf_counter() - start, 2))
+            done = compile_kernel(fn, args.arch, elem_bytes, constexprs, cfg, *(types or [None]), last=last)
+            shared = done["shared"] if last else done.metadata.shared
+            row.update(
+                shared=shared,
+                limit=SHARED_LIMIT[args.arch],
+                ok=shared <= SHARED_LIMIT[args.arch],
+                seconds=round(time.perf_counter() - start, 2),
+            )
         except Exception as exc:  # a ptxas or lowering error is a failed entry, reported with the rest
-            row.update(ok=False, error=" | ".join(str(exc).strip().splitlines()[-4:])[:500],
-                       seconds=round(time.perf_counter() - start, 2))
+            row.update(
+                ok=False,
+                error=" | ".join(str(exc).strip().splitlines()[-4:])[:500],
+                seconds=round(time.perf_counter() - start, 2),
+            )
         failures += not row["ok"]
         print(json.dumps(row), flush=True)
     sys.exit(1 if failures else 0)
