@@ -1,4 +1,5 @@
 """Shapes and options shared by the tests: small on the CPU interpreter, realistic on CUDA."""
+
 import pytest
 import torch
 
@@ -55,9 +56,11 @@ def randn(*shape, dtype, requires_grad=False):
 
 def make_qkv(shape, dtype, requires_grad=True):
     b, sq, sk, h, hk, d = shape
-    return (randn(b, sq, h, d, dtype=dtype, requires_grad=requires_grad),
-            randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad),
-            randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad))
+    return (
+        randn(b, sq, h, d, dtype=dtype, requires_grad=requires_grad),
+        randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad),
+        randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad),
+    )
 
 
 def cu_seqlens(lengths) -> torch.Tensor:

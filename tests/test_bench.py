@@ -1,5 +1,6 @@
 """The benches' result files (no GPU): CSVs written by an older bench gain the new columns,
 and the report separates GQA from MHA and tabulates peak memory."""
+
 import csv
 
 import pytest
@@ -10,9 +11,26 @@ OLD_FIELDS = [f for f in kernels.FIELDS if f not in ("nheads_k", "peak_mib")]
 
 
 def _row(**kw):
-    row = dict(provider="flashattn2", dtype="fp16", headdim=128, causal=1, seqlen=2048, batch=8, nheads=16,
-               nheads_k=16, mode="fwd_bwd", ms="1.0", tflops="300", peak_mib="", note="", gpu="GPU", torch="2",
-               triton="3", date="2026-11-29", git_sha="abc")
+    row = dict(
+        provider="flashattn2",
+        dtype="fp16",
+        headdim=128,
+        causal=1,
+        seqlen=2048,
+        batch=8,
+        nheads=16,
+        nheads_k=16,
+        mode="fwd_bwd",
+        ms="1.0",
+        tflops="300",
+        peak_mib="",
+        note="",
+        gpu="GPU",
+        torch="2",
+        triton="3",
+        date="2026-11-29",
+        git_sha="abc",
+    )
     row.update(kw)
     return row
 
@@ -63,7 +81,7 @@ def test_report_separates_gqa_and_tabulates_peak_memory(tmp_path):
     gqa = md.index("### fp16, GQA 32/8, headdim 128, causal, fwd_bwd")
     assert "| 2048 | 300 | 200 | 1.50 |" in md[mha:gqa]
     assert "| 2048 | 280 | 140 | 2.00 |" in md[gqa:]
-    peak = md[md.index("### Peak memory"):]
+    peak = md[md.index("### Peak memory") :]
     assert "| fp16, headdim 128, causal | 2048 | 1000 | 800 | 1.25 |" in peak
     assert "| fp16, GQA 32/8, headdim 128, causal | 2048 | 2100 | 2000 | 1.05 |" in peak
     assert "sdpa_cudnn" not in peak  # a peer never measured has no column
@@ -98,8 +116,18 @@ def test_gpt_bench_rows_and_table(tmp_path):
     from flashattn2.bench import gpt
 
     path = str(tmp_path / "gpt.csv")
-    gpt.run(path, models=["gpt3-1.3b"], contexts=[32], attentions=["naive", "sdpa_flash", "flashattn2"], tokens=64,
-            steps=1, warmup=0, device=DEVICE, dims=(2, 64, 2), progress=lambda _: None)
+    gpt.run(
+        path,
+        models=["gpt3-1.3b"],
+        contexts=[32],
+        attentions=["naive", "sdpa_flash", "flashattn2"],
+        tokens=64,
+        steps=1,
+        warmup=0,
+        device=DEVICE,
+        dims=(2, 64, 2),
+        progress=lambda _: None,
+    )
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["attention"] for r in rows] == ["flashattn2", "naive", "sdpa_flash"]
@@ -132,8 +160,11 @@ def test_ab_settings_and_table():
         with pytest.raises(ValueError, match="bwd_order"):
             ab.Setting(bad)
     point = dict(dtype="fp16", headdim=256, causal=1, seqlen=2048, mode="bwd", ms=1.0, note="")
-    rows = [dict(point, setting="default", tflops=300.0), dict(point, setting=split.label, tflops=330.0),
-            dict(point, setting="sdpa_cudnn", tflops=360.0)]
+    rows = [
+        dict(point, setting="default", tflops=300.0),
+        dict(point, setting=split.label, tflops=330.0),
+        dict(point, setting="sdpa_cudnn", tflops=360.0),
+    ]
     table = ab.markdown(rows)
     header, _, line = table.splitlines()[:3]
     assert f"{split.label} / default" in header and "cuDNN" in header
@@ -159,10 +190,28 @@ def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
 
     monkeypatch.setattr(ab, "check_provider", fake_check)
     monkeypatch.setattr(ab, "time_modes", fake_time)
-    rows = ab.run(["default", "hopper=0"], ["fp16"], [64], [128], [True], ["bwd"], cudnn=False, rounds=3,
-                  tokens=128, hidden=128, progress=False, device="cpu")
-    assert seen == [("check", None), ("check", False)] + [("time", None), ("time", False), ("time", False),
-                                                          ("time", None), ("time", None), ("time", False)]
+    rows = ab.run(
+        ["default", "hopper=0"],
+        ["fp16"],
+        [64],
+        [128],
+        [True],
+        ["bwd"],
+        cudnn=False,
+        rounds=3,
+        tokens=128,
+        hidden=128,
+        progress=False,
+        device="cpu",
+    )
+    assert seen == [("check", None), ("check", False)] + [
+        ("time", None),
+        ("time", False),
+        ("time", False),
+        ("time", None),
+        ("time", None),
+        ("time", False),
+    ]
     assert [r["setting"] for r in rows] == ["default", "hopper=0"]
     assert planning.forced() == planning.Forced()
 
@@ -184,11 +233,14 @@ def test_grid_rounds_alternate_the_providers(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "check_provider", lambda *args: "")
     monkeypatch.setattr(kernels, "time_point", time_point)
     monkeypatch.setattr(kernels, "run_metadata", lambda: {})
-    rows = kernels.run_grid(tmp_path / "k.csv", ["fp16"], [64], [512], [False], ["fwd"], ["a", "b"],
-                            progress=False, rounds=3)
+    rows = kernels.run_grid(
+        tmp_path / "k.csv", ["fp16"], [64], [512], [False], ["fwd"], ["a", "b"], progress=False, rounds=3
+    )
     assert calls == [("a", True), ("b", True), ("b", False), ("a", False), ("a", False), ("b", False)]
     assert [(r["provider"], r["ms"], r["note"], r["peak_mib"]) for r in rows] == [
-        ("a", "3.0000", "median of 3 rounds", "1"), ("b", "2.0000", "median of 3 rounds", "1")]
+        ("a", "3.0000", "median of 3 rounds", "1"),
+        ("b", "2.0000", "median of 3 rounds", "1"),
+    ]
 
 
 def test_rounds_below_one_are_refused(capsys):

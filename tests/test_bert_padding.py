@@ -1,4 +1,5 @@
 """flashattn2.bert_padding: unpad/pad round trips, cu_seqlens, gradients."""
+
 import torch
 
 from cases import randn

@@ -1,4 +1,5 @@
 """Dropout: Philox mask from torch's generator, replayed in the backward, visible through S_dmask."""
+
 import pytest
 import torch
 
@@ -8,8 +9,9 @@ from conftest import DEVICE, ON_GPU
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
-SHAPES = [(2, 1000, 1200, 8, 2, 64), (1, 777, 500, 4, 4, 128)] if ON_GPU else [(2, 97, 131, 4, 2, 64),
-                                                                              (1, 77, 50, 2, 2, 40)]
+SHAPES = (
+    [(2, 1000, 1200, 8, 2, 64), (1, 777, 500, 4, 4, 128)] if ON_GPU else [(2, 97, 131, 4, 2, 64), (1, 77, 50, 2, 2, 40)]
+)
 OPTIONS = [
     pytest.param(dict(), id="full"),
     pytest.param(dict(causal=True), id="causal"),
@@ -38,7 +40,7 @@ def test_dropout_matches_reference_with_recovered_mask(shape, opts):
     out, lse, s_dmask = flashattn2.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **opts)
     round128 = lambda n: -(-n // 128) * 128
     assert s_dmask.shape == (shape[0], shape[3], round128(shape[1]), round128(shape[2]))
-    assert torch.all(s_dmask[:, :, shape[1]:] == 0) and torch.all(s_dmask[:, :, :, shape[2]:] == 0)
+    assert torch.all(s_dmask[:, :, shape[1] :] == 0) and torch.all(s_dmask[:, :, :, shape[2] :] == 0)
     keep = mask_from(s_dmask, shape[1], shape[2])
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -53,7 +55,7 @@ def test_dropout_matches_reference_with_recovered_mask(shape, opts):
     probs = torch.softmax(attention_scores(q, k, **opts), dim=-1)
     rowmax_shift = torch.exp(ref_lse - attention_scores(q, k, **opts).amax(-1))[..., None]
     visible = torch.isfinite(attention_scores(q, k, **opts))
-    magnitude = s_dmask[:, :, :shape[1], :shape[2]].abs().float()
+    magnitude = s_dmask[:, :, : shape[1], : shape[2]].abs().float()
     expected = (probs * rowmax_shift).masked_fill(~visible, 0).float()
     assert (magnitude - expected).abs().max() < 2e-2
 
@@ -61,6 +63,7 @@ def test_dropout_matches_reference_with_recovered_mask(shape, opts):
 def attention_scores(q, k, causal=False, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Scaled scores (batch, nheads, seqlen_q, seqlen_k) in fp32 with the mask as -inf."""
     from flashattn2.reference.attention import local_mask
+
     qf, kf = q.float(), k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qf * q.shape[-1] ** -0.5, kf)
     sq, sk = q.shape[1], k.shape[1]
@@ -99,8 +102,9 @@ def test_varlen_dropout():
     lengths = [40, 0, 77]
     cu = torch.tensor([0, 40, 40, 117], dtype=torch.int32, device=DEVICE)
     q, k, v = (torch.randn(117, h, 32, device=DEVICE, dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
-    out, lse, s_dmask = flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, 77, 77, dropout_p=0.2, causal=True,
-                                                          return_attn_probs=True)
+    out, lse, s_dmask = flashattn2.flash_attn_varlen_func(
+        q, k, v, cu, cu, 77, 77, dropout_p=0.2, causal=True, return_attn_probs=True
+    )
     assert s_dmask.shape == (3, 4, 128, 128)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -109,7 +113,7 @@ def test_varlen_dropout():
             continue
         rows = slice(cu[b], cu[b + 1])
         qb, kb, vb = (t.detach()[rows][None].requires_grad_() for t in (q, k, v))
-        keep = mask_from(s_dmask[b:b + 1], n, n)
+        keep = mask_from(s_dmask[b : b + 1], n, n)
         ref_out, _ = attention_ref(qb, kb, vb, causal=True, dropout_mask=keep, dropout_p=0.2)
         low_out, _ = attention_ref(qb, kb, vb, causal=True, dropout_mask=keep, dropout_p=0.2, upcast=False)
         assert_close(f"out[{b}]", out[rows][None], ref_out, low_out, FWD_FACTOR)

@@ -1,6 +1,7 @@
 """flashattn2.flash_attn_interface: flash_attn 2.8's module, the private block functions that
 ring-attention libraries call (against the reference, and merged over key blocks by the logsumexp
 as ring-flash-attention merges them) and the autograd classes' .apply."""
+
 import inspect
 
 import pytest
@@ -18,28 +19,127 @@ EMPTY = inspect.Parameter.empty
 # flash_attn 2.8's parameters (flash_attn/flash_attn_interface.py), in order, with their defaults; the varlen
 # forward's trailing num_splits is in ../shared/FLASH_ATTN_API.md's signature, not in 2.8.3's (accepted, a speed knob)
 PRIVATE_2_8 = {
-    "_flash_attn_forward": (["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left",
-                             "window_size_right", "softcap", "alibi_slopes", "return_softmax"], {}),
+    "_flash_attn_forward": (
+        [
+            "q",
+            "k",
+            "v",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "return_softmax",
+        ],
+        {},
+    ),
     "_flash_attn_varlen_forward": (
-        ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
-         "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes",
-         "return_softmax", "block_table", "leftpad_k", "seqused_k", "zero_tensors", "num_splits"],
-        dict(window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-             block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0)),
+        [
+            "q",
+            "k",
+            "v",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "max_seqlen_q",
+            "max_seqlen_k",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "return_softmax",
+            "block_table",
+            "leftpad_k",
+            "seqused_k",
+            "zero_tensors",
+            "num_splits",
+        ],
+        dict(
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,
+            leftpad_k=None,
+            seqused_k=None,
+            zero_tensors=False,
+            num_splits=0,
+        ),
+    ),
     "_flash_attn_backward": (
-        ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p", "softmax_scale", "causal",
-         "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state"],
-        dict(rng_state=None)),
+        [
+            "dout",
+            "q",
+            "k",
+            "v",
+            "out",
+            "softmax_lse",
+            "dq",
+            "dk",
+            "dv",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+        ],
+        dict(rng_state=None),
+    ),
     "_flash_attn_varlen_backward": (
-        ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
-         "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
-         "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state", "zero_tensors"],
-        dict(rng_state=None, zero_tensors=False)),
+        [
+            "dout",
+            "q",
+            "k",
+            "v",
+            "out",
+            "softmax_lse",
+            "dq",
+            "dk",
+            "dv",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "max_seqlen_q",
+            "max_seqlen_k",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+            "zero_tensors",
+        ],
+        dict(rng_state=None, zero_tensors=False),
+    ),
 }
-PUBLIC = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-          "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
-CLASSES = ["FlashAttnFunc", "FlashAttnQKVPackedFunc", "FlashAttnKVPackedFunc", "FlashAttnVarlenFunc",
-           "FlashAttnVarlenQKVPackedFunc", "FlashAttnVarlenKVPackedFunc"]
+PUBLIC = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+CLASSES = [
+    "FlashAttnFunc",
+    "FlashAttnQKVPackedFunc",
+    "FlashAttnKVPackedFunc",
+    "FlashAttnVarlenFunc",
+    "FlashAttnVarlenQKVPackedFunc",
+    "FlashAttnVarlenKVPackedFunc",
+]
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
 SHAPE = (2, 300, 500, 4, 2, 64) if ON_GPU else (2, 37, 45, 4, 2, 32)
@@ -102,8 +202,9 @@ def test_private_signatures_are_flash_attn_2_8s(name):
 def test_forward_backward_against_reference(opts):
     q, k, v = qkv()
     (causal, left, right, softcap, alibi), ref = private_args(opts, q.shape[2])
-    out, lse, s_dmask, rng_state = fai._flash_attn_forward(q, k, v, 0.0, None, causal, left, right, softcap, alibi,
-                                                           False)
+    out, lse, s_dmask, rng_state = fai._flash_attn_forward(
+        q, k, v, 0.0, None, causal, left, right, softcap, alibi, False
+    )
     b, sq, h = q.shape[:3]
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and out.dtype == q.dtype
     assert s_dmask.numel() == 0 and rng_state.shape == (2,) and rng_state.dtype == torch.int64
@@ -115,8 +216,9 @@ def test_forward_backward_against_reference(opts):
 
     grads = [nan_like(t) for t in (q, k, v)]
     pointers = [g.data_ptr() for g in grads]
-    softmax_d = fai._flash_attn_backward(do, q, k, v, out, lse, *grads, 0.0, None, causal, left, right, softcap,
-                                         alibi, False, rng_state)
+    softmax_d = fai._flash_attn_backward(
+        do, q, k, v, out, lse, *grads, 0.0, None, causal, left, right, softcap, alibi, False, rng_state
+    )
     assert [g.data_ptr() for g in grads] == pointers  # written in place
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
@@ -131,8 +233,9 @@ def test_backward_into_views_of_one_packed_gradient():
     out, lse, _, rng_state = fai._flash_attn_forward(q, k, v, 0.0, None, True, -1, -1, 0.0, None, False)
     do = torch.randn_like(out)
     dqkv = torch.full((*q.shape[:2], 3, *q.shape[2:]), float("nan"), device=DEVICE, dtype=q.dtype)
-    fai._flash_attn_backward(do, q, k, v, out, lse, *dqkv.unbind(2), 0.0, None, True, -1, -1, 0.0, None, True,
-                             rng_state)
+    fai._flash_attn_backward(
+        do, q, k, v, out, lse, *dqkv.unbind(2), 0.0, None, True, -1, -1, 0.0, None, True, rng_state
+    )
     apart = [torch.empty_like(t) for t in (q, k, v)]
     fai._flash_attn_backward(do, q, k, v, out, lse, *apart, 0.0, None, True, -1, -1, 0.0, None, True, rng_state)
     assert torch.equal(dqkv, torch.stack(apart, dim=2))
@@ -150,8 +253,9 @@ def test_dropout_rng_state_replays_the_mask():
     (ref_out, _, ref_grads), (low_out, _, low_grads) = reference(q, k, v, do, **ref)
     assert_close("out", out, ref_out, low_out, FWD_FACTOR)
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    softmax_d = fai._flash_attn_backward(do, q, k, v, out, lse, *grads, p, None, False, -1, -1, 0.0, None, False,
-                                         rng_state)
+    softmax_d = fai._flash_attn_backward(
+        do, q, k, v, out, lse, *grads, p, None, False, -1, -1, 0.0, None, False, rng_state
+    )
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
     # flash_attn's softmax_d carries the keep probability
@@ -182,8 +286,9 @@ def test_ring_attention_over_two_key_blocks(causal):
     blocks = [(k[:, :s], v[:, :s], False), (k[:, s:], v[:, s:], causal)]
     out = lse = None
     for kb, vb, block_causal in blocks:
-        block_out, block_lse, _, _ = fai._flash_attn_forward(q, kb, vb, 0.0, None, block_causal, -1, -1, 0.0, None,
-                                                             False)
+        block_out, block_lse, _, _ = fai._flash_attn_forward(
+            q, kb, vb, 0.0, None, block_causal, -1, -1, 0.0, None, False
+        )
         out, lse = update_out_and_lse(out, lse, block_out, block_lse)
     out = out.to(q.dtype)
     lse = lse.squeeze(dim=-1).transpose(1, 2)  # (b, h, s), not contiguous: as ring-flash-attention passes it
@@ -196,8 +301,7 @@ def test_ring_attention_over_two_key_blocks(causal):
     dks, dvs = [], []
     buffers = [torch.empty_like(q), torch.empty_like(blocks[0][0]), torch.empty_like(blocks[0][1])]
     for kb, vb, block_causal in blocks:
-        fai._flash_attn_backward(do, q, kb, vb, out, lse, *buffers, 0.0, None, block_causal, -1, -1, 0.0, None,
-                                 False)
+        fai._flash_attn_backward(do, q, kb, vb, out, lse, *buffers, 0.0, None, block_causal, -1, -1, 0.0, None, False)
         dq += buffers[0]
         dks.append(buffers[1].clone())
         dvs.append(buffers[2].clone())
@@ -215,27 +319,31 @@ def test_varlen_forward_backward_against_each_sequence(opts):
     cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
     (causal, left, right, softcap, alibi), ref = private_args(opts, h)
     varlen = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    out, lse, s_dmask, rng_state = fai._flash_attn_varlen_forward(q, k, v, *varlen, 0.0, None, causal,
-                                                                  zero_tensors=True)
+    out, lse, s_dmask, rng_state = fai._flash_attn_varlen_forward(
+        q, k, v, *varlen, 0.0, None, causal, zero_tensors=True
+    )
     assert lse.shape == (h, q.shape[0]) and s_dmask.numel() == 0
     assert torch.all(out[-extra:] == 0) and torch.all(lse[:, -extra:] == float("-inf"))  # zero_tensors' fill
     do = torch.randn_like(out)
     grads = [nan_like(t) for t in (q, k, v)]
-    softmax_d = fai._flash_attn_varlen_backward(do, q, k, v, out, lse, *grads, *varlen, 0.0, None, causal, left,
-                                                right, softcap, alibi, False, rng_state)
+    softmax_d = fai._flash_attn_varlen_backward(
+        do, q, k, v, out, lse, *grads, *varlen, 0.0, None, causal, left, right, softcap, alibi, False, rng_state
+    )
     assert softmax_d.shape == (h, q.shape[0]) and torch.all(grads[0][-extra:] == 0)
     for i in range(len(lengths_q)):
         rq, rk = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
         if rq.stop == rq.start:
             continue
         (ref_out, ref_lse, ref_grads), (low_out, low_lse, low_grads) = reference(
-            q[None, rq], k[None, rk], v[None, rk], do[None, rq], **ref)
+            q[None, rq], k[None, rk], v[None, rk], do[None, rq], **ref
+        )
         assert_close(f"out[{i}]", out[None, rq], ref_out, low_out, FWD_FACTOR)
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isposinf(lse[None, :, rq]), torch.isposinf(ref_lse))
         assert_close(f"lse[{i}]", lse[None, :, rq][finite], ref_lse[finite], low_lse[finite], FWD_FACTOR)
-        for name, gr, r, lo in zip(("dq", "dk", "dv"), (grads[0][None, rq], grads[1][None, rk], grads[2][None, rk]),
-                                   ref_grads, low_grads):
+        for name, gr, r, lo in zip(
+            ("dq", "dk", "dv"), (grads[0][None, rq], grads[1][None, rk], grads[2][None, rk]), ref_grads, low_grads
+        ):
             assert_close(f"{name}[{i}]", gr, r, lo.to(gr.dtype), BWD_FACTOR)
         ref_d = (do[None, rq].double() * ref_out.double()).sum(-1).transpose(1, 2)
         low_d = (do[None, rq] * low_out).sum(-1).transpose(1, 2)
@@ -249,10 +357,12 @@ def test_varlen_forward_with_block_table_matches_flash_attn_varlen_func():
     k_cache, v_cache = (torch.randn(6, page, h, d, device=DEVICE, dtype=torch.float16) for _ in range(2))
     block_table = torch.tensor([[3, 0], [5, 1]], dtype=torch.int32, device=DEVICE)
     cu = cu_seqlens(lengths)
-    out, lse, s_dmask, _ = fai._flash_attn_varlen_forward(q, k_cache, v_cache, cu, cu, 20, 20, 0.0, None, True,
-                                                          block_table=block_table)
-    ref_out, ref_lse, _ = flashattn2.flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, 20, 20, causal=True,
-                                                            return_attn_probs=True, block_table=block_table)
+    out, lse, s_dmask, _ = fai._flash_attn_varlen_forward(
+        q, k_cache, v_cache, cu, cu, 20, 20, 0.0, None, True, block_table=block_table
+    )
+    ref_out, ref_lse, _ = flashattn2.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu, cu, 20, 20, causal=True, return_attn_probs=True, block_table=block_table
+    )
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and s_dmask.numel() == 0
 
 
@@ -261,8 +371,9 @@ def test_unsupported_varlen_arguments_raise_not_implemented(arg):
     q, k, v = (t.flatten(0, 1) for t in qkv((1, 8, 8, 2, 2, 16)))
     cu = cu_seqlens([8])
     with pytest.raises(NotImplementedError, match=arg):
-        fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False,
-                                       **{arg: torch.tensor([8], device=DEVICE, dtype=torch.int32)})
+        fai._flash_attn_varlen_forward(
+            q, k, v, cu, cu, 8, 8, 0.0, None, False, **{arg: torch.tensor([8], device=DEVICE, dtype=torch.int32)}
+        )
 
 
 def test_varlen_forward_num_splits():
@@ -278,22 +389,27 @@ def test_varlen_forward_num_splits():
 
 def test_bad_arguments():
     q, k, v = qkv((1, 8, 8, 2, 2, 16))
-    fwd = lambda *a, return_softmax=False: fai._flash_attn_forward(*a, 0.0, None, False, -1, -1, 0.0, None,
-                                                                   return_softmax)
+    fwd = lambda *a, return_softmax=False: fai._flash_attn_forward(
+        *a, 0.0, None, False, -1, -1, 0.0, None, return_softmax
+    )
     with pytest.raises(ArgumentError, match="return_softmax"):
         fwd(q, k, v, return_softmax=True)
     with pytest.raises(ArgumentTypeError, match="q"):
         fwd(q.tolist(), k, v)
     out, lse, _, rng_state = fwd(q, k, v)
-    bwd = lambda dq, dk, dv, lse=lse: fai._flash_attn_backward(out, q, k, v, out, lse, dq, dk, dv, 0.0, None,
-                                                               False, -1, -1, 0.0, None, False, rng_state)
+    bwd = lambda dq, dk, dv, lse=lse: fai._flash_attn_backward(
+        out, q, k, v, out, lse, dq, dk, dv, 0.0, None, False, -1, -1, 0.0, None, False, rng_state
+    )
     with pytest.raises(ArgumentError, match="dk"):
         bwd(torch.empty_like(q), torch.empty_like(q[:, :4]), torch.empty_like(v))
     with pytest.raises(ArgumentTypeError, match="dv"):
         bwd(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v, dtype=torch.float64))
     with pytest.raises(ArgumentError, match="dq"):
-        bwd(torch.empty(*q.shape[:2], q.shape[3], q.shape[2], device=DEVICE, dtype=q.dtype).transpose(-1, -2),
-            torch.empty_like(k), torch.empty_like(v))
+        bwd(
+            torch.empty(*q.shape[:2], q.shape[3], q.shape[2], device=DEVICE, dtype=q.dtype).transpose(-1, -2),
+            torch.empty_like(k),
+            torch.empty_like(v),
+        )
     with pytest.raises(ArgumentError, match="softmax_lse"):
         bwd(None, None, None, lse=lse[:, :, :4])
     with pytest.raises(RuntimeError):  # flash_attn's callers catch RuntimeError
@@ -308,16 +424,19 @@ def test_autograd_classes_apply_with_2_8_positional_arguments():
     expected = flashattn2.flash_attn_func(q, k, v, causal=True)
     assert torch.equal(out, expected)
     do = torch.randn_like(out)
-    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), do),
-                                                 torch.autograd.grad(expected, (q, k, v), do)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(expected, (q, k, v), do))
+    )
     out, lse, s_dmask = fai.FlashAttnFunc.apply(q, k, v, *common, True, False)  # is_grad_enabled=False
     assert not out.requires_grad and lse.shape == (2, 2, 12) and s_dmask.numel() == 0
 
     kv = torch.stack((k, v), dim=2).detach().requires_grad_()
     assert torch.equal(fai.FlashAttnKVPackedFunc.apply(q, kv, *common, False, True), expected)
     qkv_ = torch.stack((q, q, q), dim=2).detach()
-    assert torch.equal(fai.FlashAttnQKVPackedFunc.apply(qkv_, *common, False, True),
-                       flashattn2.flash_attn_func(q, q, q, causal=True))
+    assert torch.equal(
+        fai.FlashAttnQKVPackedFunc.apply(qkv_, *common, False, True), flashattn2.flash_attn_func(q, q, q, causal=True)
+    )
 
     cu_q, cu_k = cu_seqlens([12, 12]), cu_seqlens([16, 16])
     flat = lambda t: t.flatten(0, 1)

@@ -1,6 +1,7 @@
 """flash_attn_with_kvcache against the plain-PyTorch reference (append, rotate, attend): output and
 logsumexp by flash-attn's rule (factor 3, 5 with ALiBi), cache contents after the call, splits
 against no split. On the CPU a pairwise covering sample of the options; on the GPU more."""
+
 import itertools
 import random
 
@@ -18,14 +19,14 @@ from tolerance import assert_close
 # option -> its values; the first value is the plain one
 OPTIONS = {
     "dtype": [torch.float16, torch.bfloat16, torch.float32],
-    "paged": [None, 16, 5],           # page size (None: a contiguous cache)
+    "paged": [None, 16, 5],  # page size (None: a contiguous cache)
     "seqlen_new": [0, 1, 4],
     "rotary": [None, "neox", "gptj"],
     "mask": ["none", "causal", "window", "causal-window"],
     "softcap": [0.0, 3.0],
     "alibi": [False, True],
-    "group": [1, 2, 4, 8],            # nheads / nheads_k
-    "seqlen_q": [1, 3, 9],            # 9 x group 8: several row blocks
+    "group": [1, 2, 4, 8],  # nheads / nheads_k
+    "seqlen_q": [1, 3, 9],  # 9 x group 8: several row blocks
     "seqlens": ["tensor", "int"],
     "batch_idx": [False, True],
     "leftpad": [False, True],
@@ -46,8 +47,13 @@ def pairwise(options, seed=0):
     appears at least once (greedy covering; invalid combinations skipped)."""
     rng = random.Random(seed)
     names = list(options)
-    uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
-                 for va in options[a] for vb in options[b] if _valid({a: va, b: vb})}
+    uncovered = {
+        (a, va, b, vb)
+        for a, b in itertools.combinations(names, 2)
+        for va in options[a]
+        for vb in options[b]
+        if _valid({a: va, b: vb})
+    }
     configs = []
     while uncovered:
         best, best_gain = None, -1
@@ -59,8 +65,13 @@ def pairwise(options, seed=0):
                     continue
                 choices = [v for v in options[n] if _valid({**c, n: v})]
                 # the value that covers most still-uncovered pairs with what is chosen so far
-                c[n] = max(choices, key=lambda v: sum((m, c[m], n, v) in uncovered or (n, v, m, c[m]) in uncovered
-                                                      for m in c) + rng.random() * 0.1)
+                c[n] = max(
+                    choices,
+                    key=lambda v: (
+                        sum((m, c[m], n, v) in uncovered or (n, v, m, c[m]) in uncovered for m in c)
+                        + rng.random() * 0.1
+                    ),
+                )
             gain = sum((x, c[x], y, c[y]) in uncovered for x, y in itertools.combinations(names, 2))
             if _valid(c) and gain > best_gain:
                 best, best_gain = c, gain
@@ -101,7 +112,7 @@ def make_case(c, head_dim, capacity=CAPACITY, batch=3, nheads_k=2):
         max_blocks = -(-capacity // page)
         num_blocks = batch * max_blocks + 3
         k_cache = randn(num_blocks, page, nheads_k, head_dim, dtype=dtype)
-        perm = torch.randperm(num_blocks, generator=gen)[:batch * max_blocks]
+        perm = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks]
         kwargs["block_table"] = perm.view(batch, max_blocks).to(torch.int32).to(DEVICE)
     else:
         rows = batch + 2 if c["batch_idx"] else batch
@@ -113,18 +124,22 @@ def make_case(c, head_dim, capacity=CAPACITY, batch=3, nheads_k=2):
         kwargs["k"] = randn(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
         kwargs["v"] = randn(batch, seqlen_new, nheads_k, head_dim, dtype=dtype)
     if c["leftpad"]:
-        kwargs["cache_leftpad"] = (torch.rand(batch, generator=gen) * (lens + 1)).long().clamp(max=lens).to(
-            torch.int32).to(DEVICE)
+        kwargs["cache_leftpad"] = (
+            (torch.rand(batch, generator=gen) * (lens + 1)).long().clamp(max=lens).to(torch.int32).to(DEVICE)
+        )
     if c["rotary"]:
         rotary_dim = head_dim if head_dim % 32 else head_dim // 2
         angle = torch.rand(capacity + 16, rotary_dim // 2, device=DEVICE) * 6.28  # causal q may reach past the keys
-        kwargs.update(rotary_cos=angle.cos().to(dtype), rotary_sin=angle.sin().to(dtype),
-                      rotary_interleaved=c["rotary"] == "gptj")
+        kwargs.update(
+            rotary_cos=angle.cos().to(dtype), rotary_sin=angle.sin().to(dtype), rotary_interleaved=c["rotary"] == "gptj"
+        )
     mask = c["mask"]
     kwargs["causal"] = "causal" in mask
     if "window" in mask:
-        kwargs["window_size"] = (int(torch.randint(0, capacity // 2, (1,), generator=gen)),
-                                 -1 if "causal" in mask else int(torch.randint(0, 4, (1,), generator=gen)))
+        kwargs["window_size"] = (
+            int(torch.randint(0, capacity // 2, (1,), generator=gen)),
+            -1 if "causal" in mask else int(torch.randint(0, 4, (1,), generator=gen)),
+        )
     kwargs["softcap"] = c["softcap"]
     if c["alibi"]:
         kwargs["alibi_slopes"] = torch.rand(batch, nheads, device=DEVICE) * 0.3
@@ -133,8 +148,9 @@ def make_case(c, head_dim, capacity=CAPACITY, batch=3, nheads_k=2):
 
 def run_ours(q, k_cache, v_cache, kwargs, splits):
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    out, lse = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=splits,
-                                                  return_softmax_lse=True)
+    out, lse = flashattn2.flash_attn_with_kvcache(
+        q, k_cache, v_cache, **kwargs, num_splits=splits, return_softmax_lse=True
+    )
     return out, lse, k_cache, v_cache
 
 
@@ -165,9 +181,16 @@ def test_kvcache(config):
 
 # On the H200, the full product of the options that choose a kernel path (dtype, page, rotary,
 # mask, GQA packing, split), at small sizes; the other options at their plain values.
-PRODUCT = [dict(zip(("dtype", "paged", "rotary", "mask", "group", "splits"), values))
-           for values in itertools.product([torch.float16, torch.bfloat16], [None, 16, 5], [None, "neox", "gptj"],
-                                           OPTIONS["mask"], [1, 8], [1, 0])] if ON_GPU else []
+PRODUCT = (
+    [
+        dict(zip(("dtype", "paged", "rotary", "mask", "group", "splits"), values))
+        for values in itertools.product(
+            [torch.float16, torch.bfloat16], [None, 16, 5], [None, "neox", "gptj"], OPTIONS["mask"], [1, 8], [1, 0]
+        )
+    ]
+    if ON_GPU
+    else []
+)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the full product runs on the GPU; the CPU runs the pairwise sample")
@@ -184,7 +207,8 @@ def test_kvcache_product(config):
 def test_long_cache(paged, group):
     """Caches up to 128k keys: split (heuristic) and unsplit against the reference."""
     c = {name: values[0] for name, values in OPTIONS.items()} | dict(
-        dtype=torch.bfloat16, paged=paged, seqlen_new=1, rotary="neox", group=group)
+        dtype=torch.bfloat16, paged=paged, seqlen_new=1, rotary="neox", group=group
+    )
     q, k_cache, v_cache, kwargs = make_case(c, 128, capacity=131072, batch=2)
     for splits in (0, 1):
         check(q, k_cache, v_cache, kwargs, splits, name=f"splits={splits} ")
@@ -206,8 +230,21 @@ PDL = [False, pytest.param(True, marks=pytest.mark.skipif(not ON_GPU, reason="pr
 @pytest.mark.parametrize("splits", [2, 5, 64])
 def test_splits_match_no_split(splits, pdl, monkeypatch):
     monkeypatch.setattr(_runtime, "PDL", pdl)
-    c = dict(dtype=torch.float16, paged=16, seqlen_new=2, rotary=None, mask="causal", softcap=0.0, alibi=False,
-             group=4, seqlen_q=2, seqlens="tensor", batch_idx=False, leftpad=True, splits=1)
+    c = dict(
+        dtype=torch.float16,
+        paged=16,
+        seqlen_new=2,
+        rotary=None,
+        mask="causal",
+        softcap=0.0,
+        alibi=False,
+        group=4,
+        seqlen_q=2,
+        seqlens="tensor",
+        batch_idx=False,
+        leftpad=True,
+        splits=1,
+    )
     q, k_cache, v_cache, kwargs = make_case(c, 64)
     one, lse_one, _, _ = run_ours(q, k_cache, v_cache, kwargs, 1)
     out, lse = check(q, k_cache, v_cache, kwargs, splits)
@@ -231,6 +268,7 @@ def test_split_decode_in_cuda_graph(pdl, monkeypatch):
 
     def step():
         return flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=16)
+
     eager = step()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -254,16 +292,30 @@ def test_empty_sequences_and_full_cache():
     k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
     seqlens = torch.tensor([0, 7], dtype=torch.int32, device=DEVICE)
     for splits in (1, 3):
-        out, lse = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits,
-                                                      return_softmax_lse=True)
+        out, lse = flashattn2.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits, return_softmax_lse=True
+        )
         assert torch.equal(out[0], torch.zeros_like(out[0])) and (lse[0] == float("inf")).all()
     check(q, k_cache, v_cache, {}, 0)
 
 
 def test_decode_loop_appends_token_by_token():
     """generate(): one token per step; the cache grows, each step matches the reference."""
-    c = dict(dtype=torch.bfloat16, paged=5, seqlen_new=1, rotary="neox", mask="causal", softcap=0.0, alibi=False,
-             group=2, seqlen_q=1, seqlens="tensor", batch_idx=False, leftpad=False, splits=0)
+    c = dict(
+        dtype=torch.bfloat16,
+        paged=5,
+        seqlen_new=1,
+        rotary="neox",
+        mask="causal",
+        softcap=0.0,
+        alibi=False,
+        group=2,
+        seqlen_q=1,
+        seqlens="tensor",
+        batch_idx=False,
+        leftpad=False,
+        splits=0,
+    )
     q, k_cache, v_cache, kwargs = make_case(c, 64, capacity=40, batch=2)
     kwargs["cache_seqlens"] = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -304,8 +356,10 @@ def test_opcheck_kvcache():
     k_cache, v_cache = randn(2, 16, 2, 32, dtype=torch.float16), randn(2, 16, 2, 32, dtype=torch.float16)
     k, v = randn(2, 2, 2, 32, dtype=torch.float16), randn(2, 2, 2, 32, dtype=torch.float16)
     seqlens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(registry.fwd_kvcache, (q, k_cache, v_cache, k, v, None, None, seqlens, 0, None, None, None,
-                                                 0.2, True, -1, -1, 0.0, True, None, 2))
+    torch.library.opcheck(
+        registry.fwd_kvcache,
+        (q, k_cache, v_cache, k, v, None, None, seqlens, 0, None, None, None, 0.2, True, -1, -1, 0.0, True, None, 2),
+    )
 
 
 def _errors():
@@ -322,44 +376,110 @@ def _errors():
         ((q, kc, vc, k), {"cache_seqlens": 1}, ValueError, "together"),
         ((q, kc, vc, k, v), {}, ValueError, "needs cache_seqlens"),
         ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 14], **i32)}, ValueError, "capacity of 16"),
-        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 4], dtype=torch.int64, device=DEVICE)}, TypeError,
-         "cache_seqlens must be"),
-        ((q, kc, vc), {"cache_seqlens": 3, "cache_batch_idx": torch.tensor([0, 2], **i32)}, ValueError,
-         "cache_batch_idx must index"),
-        ((q, kc, vc), {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([4, 0], **i32)},
-         ValueError, "cache_leftpad"),
-        ((q, kc, vc, k, v), {"cache_seqlens": 1, "rotary_cos": cos, "rotary_sin": cos[:, :4]}, ValueError,
-         "rotary_cos/rotary_sin must be"),
-        ((q, kc, vc, k, v), {"cache_seqlens": 1, "rotary_cos": torch.ones(16, 20, dtype=torch.float16, device=DEVICE),
-                             "rotary_sin": torch.ones(16, 20, dtype=torch.float16, device=DEVICE)}, ValueError,
-         "rotary_dim 40"),
-        ((q, kc, vc, k, v), {"cache_seqlens": 10, "rotary_cos": cos[:12], "rotary_sin": cos[:12]}, ValueError,
-         "12 positions"),
+        (
+            (q, kc, vc, k, v),
+            {"cache_seqlens": torch.tensor([3, 4], dtype=torch.int64, device=DEVICE)},
+            TypeError,
+            "cache_seqlens must be",
+        ),
+        (
+            (q, kc, vc),
+            {"cache_seqlens": 3, "cache_batch_idx": torch.tensor([0, 2], **i32)},
+            ValueError,
+            "cache_batch_idx must index",
+        ),
+        (
+            (q, kc, vc),
+            {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([4, 0], **i32)},
+            ValueError,
+            "cache_leftpad",
+        ),
+        (
+            (q, kc, vc, k, v),
+            {"cache_seqlens": 1, "rotary_cos": cos, "rotary_sin": cos[:, :4]},
+            ValueError,
+            "rotary_cos/rotary_sin must be",
+        ),
+        (
+            (q, kc, vc, k, v),
+            {
+                "cache_seqlens": 1,
+                "rotary_cos": torch.ones(16, 20, dtype=torch.float16, device=DEVICE),
+                "rotary_sin": torch.ones(16, 20, dtype=torch.float16, device=DEVICE),
+            },
+            ValueError,
+            "rotary_dim 40",
+        ),
+        (
+            (q, kc, vc, k, v),
+            {"cache_seqlens": 10, "rotary_cos": cos[:12], "rotary_sin": cos[:12]},
+            ValueError,
+            "12 positions",
+        ),
         ((q, kc, vc), {"cache_seqlens": 1, "rotary_cos": cos, "rotary_sin": cos}, ValueError, "need the new k/v"),
-        ((q, pages, pages), {"cache_seqlens": 5, "block_table": torch.tensor([[0, 1], [2, 9]], **i32)}, ValueError,
-         "block_table entries"),
-        ((q, pages, pages), {"cache_seqlens": 9, "block_table": torch.tensor([[0, 1], [2, 3]], **i32)}, ValueError,
-         "capacity of 8"),
-        ((q, pages, pages), {"cache_seqlens": 5, "block_table": torch.tensor([[0, 1], [2, 3]], **i32),
-                             "cache_batch_idx": torch.tensor([0, 1], **i32)}, NotImplementedError, "cache_batch_idx"),
+        (
+            (q, pages, pages),
+            {"cache_seqlens": 5, "block_table": torch.tensor([[0, 1], [2, 9]], **i32)},
+            ValueError,
+            "block_table entries",
+        ),
+        (
+            (q, pages, pages),
+            {"cache_seqlens": 9, "block_table": torch.tensor([[0, 1], [2, 3]], **i32)},
+            ValueError,
+            "capacity of 8",
+        ),
+        (
+            (q, pages, pages),
+            {
+                "cache_seqlens": 5,
+                "block_table": torch.tensor([[0, 1], [2, 3]], **i32),
+                "cache_batch_idx": torch.tensor([0, 1], **i32),
+            },
+            NotImplementedError,
+            "cache_batch_idx",
+        ),
         ((q, kc, vc), {"cache_seqlens": 3, "num_splits": -1}, ValueError, "num_splits"),
         ((q, kc, vc), {"cache_seqlens": 3, "window_size": (-2, 0)}, ValueError, "window_size"),
-        ((randn(3, 1, 4, 32, dtype=torch.float16), kc, vc), {"cache_seqlens": 3}, ValueError, "2 rows for a batch of 3"),
+        (
+            (randn(3, 1, 4, 32, dtype=torch.float16), kc, vc),
+            {"cache_seqlens": 3},
+            ValueError,
+            "2 rows for a batch of 3",
+        ),
         # values found by the kernels' own check (tensor cache_seqlens): the append writes nothing
-        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 10], **i32), "rotary_cos": cos[:12],
-                             "rotary_sin": cos[:12]}, ValueError, "12 positions"),
-        ((q, pages, pages, k, v), {"cache_seqlens": torch.tensor([1, 4], **i32),
-                                   "block_table": torch.tensor([[0, 1], [2, 9]], **i32)}, ValueError,
-         "block_table entries"),
+        (
+            (q, kc, vc, k, v),
+            {"cache_seqlens": torch.tensor([3, 10], **i32), "rotary_cos": cos[:12], "rotary_sin": cos[:12]},
+            ValueError,
+            "12 positions",
+        ),
+        (
+            (q, pages, pages, k, v),
+            {"cache_seqlens": torch.tensor([1, 4], **i32), "block_table": torch.tensor([[0, 1], [2, 9]], **i32)},
+            ValueError,
+            "block_table entries",
+        ),
         ((q, kc, vc), {"cache_seqlens": torch.tensor([3, 17], **i32)}, ValueError, "capacity of 16"),
-        ((q, kc, vc, k, v), {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([0, -1], **i32)},
-         ValueError, "cache_leftpad"),
+        (
+            (q, kc, vc, k, v),
+            {"cache_seqlens": torch.tensor([3, 4], **i32), "cache_leftpad": torch.tensor([0, -1], **i32)},
+            ValueError,
+            "cache_leftpad",
+        ),
         # a bad page that the append does not write to but attention reads: still nothing written
-        ((q, pages, pages, k, v), {"cache_seqlens": torch.tensor([4, 1], **i32),
-                                   "block_table": torch.tensor([[9, 1, 3], [2, 4, 5]], **i32)}, ValueError,
-         "block_table entries"),
-        ((q, kc, vc, randn(2, 17, 2, 32, dtype=torch.float16), randn(2, 17, 2, 32, dtype=torch.float16)),
-         {"cache_seqlens": torch.tensor([0, 0], **i32)}, ValueError, "seqlen_new=17"),
+        (
+            (q, pages, pages, k, v),
+            {"cache_seqlens": torch.tensor([4, 1], **i32), "block_table": torch.tensor([[9, 1, 3], [2, 4, 5]], **i32)},
+            ValueError,
+            "block_table entries",
+        ),
+        (
+            (q, kc, vc, randn(2, 17, 2, 32, dtype=torch.float16), randn(2, 17, 2, 32, dtype=torch.float16)),
+            {"cache_seqlens": torch.tensor([0, 0], **i32)},
+            ValueError,
+            "seqlen_new=17",
+        ),
         ((q[:, :0], kc, vc), {"cache_seqlens": torch.tensor([3, 99], **i32)}, ValueError, "capacity of 16"),
     ]
 
@@ -413,14 +533,22 @@ def test_unchecked_calls_clamp_and_do_not_raise():
         out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad)
         assert torch.isfinite(out).all()
         assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(out[0], checked[0])
-        out = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
-            [3, 99], dtype=torch.int32, device=DEVICE))
+        out = flashattn2.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=torch.tensor([3, 99], dtype=torch.int32, device=DEVICE)
+        )
         assert torch.isfinite(out).all()
         # a block-table entry out of range is clamped to a real page, not followed
         pages = randn(6, 4, 2, 32, dtype=torch.float16)
         table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEVICE)
-        out = flashattn2.flash_attn_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=torch.tensor(
-            [1, 5], dtype=torch.int32, device=DEVICE), block_table=table)
+        out = flashattn2.flash_attn_with_kvcache(
+            q,
+            pages,
+            pages.clone(),
+            k,
+            v,
+            cache_seqlens=torch.tensor([1, 5], dtype=torch.int32, device=DEVICE),
+            block_table=table,
+        )
         assert torch.isfinite(out).all()
     finally:
         assert flashattn2.set_kvcache_checks(before) is False
@@ -449,7 +577,7 @@ def _paged(k, lengths, page, gen):
     max_blocks = max(1, max(-(-n // page) for n in lengths))
     num_blocks = len(lengths) * max_blocks + 2
     order = torch.randperm(num_blocks, generator=gen)
-    table = order[:len(lengths) * max_blocks].view(len(lengths), max_blocks)
+    table = order[: len(lengths) * max_blocks].view(len(lengths), max_blocks)
     pages = torch.randn(num_blocks, page, *k.shape[1:], generator=gen).to(k.dtype).to(k.device)
     start = 0
     for b, n in enumerate(lengths):
@@ -460,11 +588,16 @@ def _paged(k, lengths, page, gen):
 
 
 @pytest.mark.parametrize("page", [16, 3])
-@pytest.mark.parametrize("opts", [
-    pytest.param({}, id="full"),
-    pytest.param({"causal": True}, id="causal"),
-    pytest.param({"causal": True, "window_size": (7, -1), "softcap": 2.0, "alibi": True}, id="causal-window-softcap-alibi"),
-])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        pytest.param({}, id="full"),
+        pytest.param({"causal": True}, id="causal"),
+        pytest.param(
+            {"causal": True, "window_size": (7, -1), "softcap": 2.0, "alibi": True}, id="causal-window-softcap-alibi"
+        ),
+    ],
+)
 def test_varlen_paged_prefill(page, opts):
     """flash_attn_varlen_func(block_table=...) equals the same call on the packed K/V, and each
     sequence obeys flash-attn's rule against the reference."""
@@ -484,8 +617,9 @@ def test_varlen_paged_prefill(page, opts):
         for j in range(n):
             v_pages[table[b, j // page], j % page] = v[start + j]
     args = (cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k))
-    out, lse, _ = flashattn2.flash_attn_varlen_func(q, k_pages, v_pages, *args, block_table=table,
-                                                    return_attn_probs=True, **opts)
+    out, lse, _ = flashattn2.flash_attn_varlen_func(
+        q, k_pages, v_pages, *args, block_table=table, return_attn_probs=True, **opts
+    )
     dense, dense_lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, *args, return_attn_probs=True, **opts)
     assert out.shape == dense.shape and lse.shape == dense_lse.shape
     torch.testing.assert_close(out, dense, rtol=2e-2, atol=2e-2)
@@ -493,11 +627,14 @@ def test_varlen_paged_prefill(page, opts):
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse[finite], dense_lse[finite], rtol=1e-3, atol=1e-3)
     from flashattn2.reference import attention_ref
+
     sq, sk = 0, 0
     for nq, nk in zip(lengths_q, lengths_k):
-        ref, _ = attention_ref(q[None, sq:sq + nq], k[None, sk:sk + nk], v[None, sk:sk + nk], **opts)
-        low, _ = attention_ref(q[None, sq:sq + nq], k[None, sk:sk + nk], v[None, sk:sk + nk], upcast=False, **opts)
-        assert_close(f"sequence at {sq}", out[None, sq:sq + nq], ref, low, 5.0 if "alibi_slopes" in opts else 3.0)
+        ref, _ = attention_ref(q[None, sq : sq + nq], k[None, sk : sk + nk], v[None, sk : sk + nk], **opts)
+        low, _ = attention_ref(
+            q[None, sq : sq + nq], k[None, sk : sk + nk], v[None, sk : sk + nk], upcast=False, **opts
+        )
+        assert_close(f"sequence at {sq}", out[None, sq : sq + nq], ref, low, 5.0 if "alibi_slopes" in opts else 3.0)
         sq, sk = sq + nq, sk + nk
     assert torch.equal(out[sq:], torch.zeros_like(out[sq:])) and (lse[:, sq:] == float("inf")).all()
 
@@ -505,8 +642,21 @@ def test_varlen_paged_prefill(page, opts):
 def test_window_past_the_cache_is_no_window():
     """flash_attn's rule: a window edge >= the cache length is -1, so a non-causal call with
     window (capacity, capacity) rotates all of q at cache_seqlens, like no window."""
-    c = dict(dtype=torch.float32, paged=None, seqlen_new=2, rotary="neox", mask="none", softcap=0.0, alibi=False,
-             group=2, seqlen_q=3, seqlens="tensor", batch_idx=False, leftpad=False, splits=1)
+    c = dict(
+        dtype=torch.float32,
+        paged=None,
+        seqlen_new=2,
+        rotary="neox",
+        mask="none",
+        softcap=0.0,
+        alibi=False,
+        group=2,
+        seqlen_q=3,
+        seqlens="tensor",
+        batch_idx=False,
+        leftpad=False,
+        splits=1,
+    )
     q, k_cache, v_cache, kwargs = make_case(c, 64, capacity=40)
     plain = run_ours(q, k_cache, v_cache, kwargs, 1)[0]
     wide = run_ours(q, k_cache, v_cache, {**kwargs, "window_size": (40, 40)}, 1)[0]
@@ -543,8 +693,9 @@ def test_decode_plan():
     for _ in range(300):
         batch, nheads_k, capacity = rng.choice([1, 2, 8, 64]), rng.choice([1, 8, 32]), rng.randint(1, 200000)
         page = rng.choice([None, 16, 256])
-        block_m, block_n, _, _, splits, chunk = plan(batch, nheads_k, capacity, rng.choice([0, 0, 1, 3, 200]),
-                                                     page=page, group=rng.choice([1, 4, 16, 40]))
+        block_m, block_n, _, _, splits, chunk = plan(
+            batch, nheads_k, capacity, rng.choice([0, 0, 1, 3, 200]), page=page, group=rng.choice([1, 4, 16, 40])
+        )
         capacity = -(-capacity // page) * page if page else capacity  # whole pages
         assert chunk % block_n == 0 and (splits - 1) * chunk < capacity <= splits * chunk, (capacity, splits, chunk)
         assert 1 <= splits <= kvcache.MAX_SPLITS

@@ -1,5 +1,6 @@
 """The direct launch path (ops.launcher.launch): its key must tell apart every pair of calls
 that Triton compiles differently, and its relaunches must be Triton's own choice (GPU)."""
+
 import itertools
 import random
 
@@ -24,14 +25,16 @@ kernel = JITFunction(_kernel)  # not triton.jit: on the CPU that gives the inter
 def _triton_spec(kernel, values, options):
     """What Triton's cache key holds for a call (runtime.jit.compute_cache_key), with the type of
     each constexpr made explicit (Triton's tuples compare True == 1)."""
-    return tuple((type(v), v) if p.is_constexpr else native_specialize_impl(BaseBackend, v, False, True, True)
-                 for p, v in zip(kernel.params, values)) + (options,)
+    return tuple(
+        (type(v), v) if p.is_constexpr else native_specialize_impl(BaseBackend, v, False, True, True)
+        for p, v in zip(kernel.params, values)
+    ) + (options,)
 
 
 def _sample(kind, rng, base):
     if kind == "tensor":
         dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
-        return base.to(dtype)[rng.choice([0, 0, 1, 8]):]  # offsets 0 / 2-4 / 16-32 bytes
+        return base.to(dtype)[rng.choice([0, 0, 1, 8]) :]  # offsets 0 / 2-4 / 16-32 bytes
     if kind == "int":
         return rng.choice([0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**33 + 1, 2**63])
     if kind == "mixed":  # one position that takes an int, None, a float or a bool from call to call
@@ -104,11 +107,16 @@ def test_gluon_host_descriptor():
     t = torch.randn(2, 64, 4, 32).half()
     layout = gl.NVMMASharedLayout.get_default_for([1, 16, 32], gl.float16)
     shape, strides, box = (2, 64, 128), (t.stride(0), t.stride(1), 1), (1, 16, 32)
-    gluon, plain = launcher._for_triton((launcher.HostDesc((t, shape, strides, box, layout)),
-                                         launcher.HostDesc((t, shape, strides, box, None))))
+    gluon, plain = launcher._for_triton(
+        (launcher.HostDesc((t, shape, strides, box, layout)), launcher.HostDesc((t, shape, strides, box, None)))
+    )
     assert type(gluon) is GluonDescriptor and gluon.layout == layout and gluon.base is t
-    assert (gluon.shape, gluon.strides, gluon.block_shape, gluon.padding) == (list(shape), list(strides), list(box),
-                                                                              "zero")
+    assert (gluon.shape, gluon.strides, gluon.block_shape, gluon.padding) == (
+        list(shape),
+        list(strides),
+        list(box),
+        "zero",
+    )
     assert type(plain) is TensorDescriptor
 
 
@@ -121,8 +129,14 @@ def test_relaunch_is_tritons_choice():
 
     assert launcher.VERIFY_LAUNCH
     before = launcher.direct_launches
-    for seqlen, nheads, aligned in [(16, 4, True), (16, 4, False), (17, 4, True), (16, 1, False), (33, 3, True),
-                                    (17, 4, False)]:
+    for seqlen, nheads, aligned in [
+        (16, 4, True),
+        (16, 4, False),
+        (17, 4, True),
+        (16, 1, False),
+        (33, 3, True),
+        (17, 4, False),
+    ]:
         shape = (2, seqlen, nheads, 64)
         flat = torch.randn(2 * seqlen * nheads * 64 + 1, device=DEVICE, dtype=torch.float16)
         # a base 16-byte aligned or 2 bytes off: two specializations of one shape
@@ -149,8 +163,10 @@ def test_host_descriptor_relaunch(monkeypatch):
 
     def run(n, seed):
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
-        q, k, v = (torch.randn(2, n, 4, 64, device=DEVICE, dtype=torch.float16, generator=gen).requires_grad_()
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(2, n, 4, 64, device=DEVICE, dtype=torch.float16, generator=gen).requires_grad_()
+            for _ in range(3)
+        )
         with planning.force(tma=True, host_desc=True):  # deterministic: the Triton dK/dV and dQ kernels
             out = flashattn2.flash_attn_func(q, k, v, causal=True, deterministic=True)
             return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))

@@ -1,5 +1,6 @@
 """The dependency direction of STYLE.md: modules -> api -> ops -> kernels; the reference stands
 alone; kernels import no torch."""
+
 import ast
 import pathlib
 
@@ -19,13 +20,16 @@ def imports(path: pathlib.Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("folder, forbidden", [
-    ("kernels", ("torch", "..ops", "..api", "..reference", "flashattn2")),
-    ("reference", ("..kernels", "..ops", "triton", "flashattn2.kernels", "flashattn2.ops")),
-    ("ops", ("..api", "flashattn2.api", "..modules", "flashattn2.modules")),
-    # the layers use the public API, never the launchers or kernels behind it
-    ("modules", ("..ops", "..kernels", "flashattn2.ops", "flashattn2.kernels")),
-])
+@pytest.mark.parametrize(
+    "folder, forbidden",
+    [
+        ("kernels", ("torch", "..ops", "..api", "..reference", "flashattn2")),
+        ("reference", ("..kernels", "..ops", "triton", "flashattn2.kernels", "flashattn2.ops")),
+        ("ops", ("..api", "flashattn2.api", "..modules", "flashattn2.modules")),
+        # the layers use the public API, never the launchers or kernels behind it
+        ("modules", ("..ops", "..kernels", "flashattn2.ops", "flashattn2.kernels")),
+    ],
+)
 def test_dependency_direction(folder, forbidden):
     for path in (PKG / folder).glob("*.py"):
         bad = {n for n in imports(path) if any(n == f or n.startswith(f + ".") for f in forbidden)}

@@ -1,6 +1,7 @@
 """flashattn2.modules.mha: MHA on the kernels against the same module in plain PyTorch (fp32 the
 oracle, fp16 the yardstick of the tolerance rule), varlen and padded input, KV-cache decoding
 against the full forward, and the errors."""
+
 import copy
 
 import pytest
@@ -63,8 +64,17 @@ def test_mha_matches_pytorch(config):
 def test_mha_alibi_and_window(window):
     """ALiBi and the local window exist only on the kernel path: the oracle is the projections
     around the reference attention."""
-    mha = MHA(EMBED, HEADS, num_heads_kv=2, causal=True, use_alibi=True, window_size=window, use_flash_attn=True,
-              device=DEVICE, dtype=DTYPE)
+    mha = MHA(
+        EMBED,
+        HEADS,
+        num_heads_kv=2,
+        causal=True,
+        use_alibi=True,
+        window_size=window,
+        use_flash_attn=True,
+        device=DEVICE,
+        dtype=DTYPE,
+    )
     x = randn(2, SEQLEN, EMBED, dtype=DTYPE)
     out = mha(x)
     slopes = torch.tensor(get_alibi_slopes(HEADS), device=DEVICE)
@@ -97,17 +107,21 @@ def test_mha_varlen_and_padding():
     assert_close("padded", padded[mask], ref_padded[mask], low_padded[mask], FWD_FACTOR)
     assert_close("varlen", varlen, ref_padded[mask], low_padded[mask], FWD_FACTOR)
     for i, n in enumerate(lengths):  # one sequence alone, no padding
-        alone = ref(x[i:i + 1, :n])[0]
-        assert_close(f"seq{i}", varlen[cu_seqlens[i]:cu_seqlens[i + 1]], alone, low(x[i:i + 1, :n].to(DTYPE))[0],
-                     FWD_FACTOR)
+        alone = ref(x[i : i + 1, :n])[0]
+        assert_close(
+            f"seq{i}", varlen[cu_seqlens[i] : cu_seqlens[i + 1]], alone, low(x[i : i + 1, :n].to(DTYPE))[0], FWD_FACTOR
+        )
 
 
 @pytest.mark.parametrize("use_flash_attn", [True, False], ids=["kernels", "pytorch"])
-@pytest.mark.parametrize("config", [
-    pytest.param(dict(num_heads_kv=2, rotary_emb_dim=16), id="gqa-rotary-fused"),
-    pytest.param(dict(rotary_emb_dim=8, rotary_emb_interleaved=True), id="rotary-gptj-apart"),
-    pytest.param(dict(num_heads_kv=1), id="mqa"),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(dict(num_heads_kv=2, rotary_emb_dim=16), id="gqa-rotary-fused"),
+        pytest.param(dict(rotary_emb_dim=8, rotary_emb_interleaved=True), id="rotary-gptj-apart"),
+        pytest.param(dict(num_heads_kv=1), id="mqa"),
+    ],
+)
 def test_mha_generation_matches_full_forward(config, use_flash_attn):
     """Prefill, then one token at a time through inference_params: the outputs of every step equal
     the full causal forward over the whole sequence (rotary in the KV-cache kernel when its dim is
@@ -123,10 +137,15 @@ def test_mha_generation_matches_full_forward(config, use_flash_attn):
         steps = [ours(x[:, :prompt].to(DTYPE), inference_params=params)]
         for t in range(prompt, total):
             params.seqlen_offset = t
-            steps.append(ours(x[:, t:t + 1].to(DTYPE), inference_params=params))
+            steps.append(ours(x[:, t : t + 1].to(DTYPE), inference_params=params))
         full_ref, full_low = ref(x), low(x.to(DTYPE))
-    assert params.key_value_memory_dict[3].shape == (batch + 1, total + 3, 2, config.get("num_heads_kv", HEADS),
-                                                     EMBED // HEADS)
+    assert params.key_value_memory_dict[3].shape == (
+        batch + 1,
+        total + 3,
+        2,
+        config.get("num_heads_kv", HEADS),
+        EMBED // HEADS,
+    )
     assert_close("generated", torch.cat(steps, dim=1), full_ref, full_low, FWD_FACTOR)
 
 
@@ -140,10 +159,10 @@ def test_flash_attention_modules_varlen():
     self_out = FlashSelfAttention(causal=True)(qkv, cu_seqlens=cu, max_seqlen=max(lengths))
     cross_out = FlashCrossAttention(causal=True)(qkv[:, 0], qkv[:, 1:], cu_seqlens=cu, max_seqlen=max(lengths))
     torch.testing.assert_close(self_out, cross_out, rtol=0, atol=0)
-    q, k, v = (t[:lengths[0]].unsqueeze(0) for t in qkv.unbind(1))
+    q, k, v = (t[: lengths[0]].unsqueeze(0) for t in qkv.unbind(1))
     ref, _ = attention_ref(q, k, v, causal=True)
     low, _ = attention_ref(q, k, v, causal=True, upcast=False)
-    assert_close("out", self_out[:lengths[0]].unsqueeze(0), ref, low, FWD_FACTOR)
+    assert_close("out", self_out[: lengths[0]].unsqueeze(0), ref, low, FWD_FACTOR)
 
 
 def test_mha_return_residual_and_slopes():
@@ -155,14 +174,17 @@ def test_mha_return_residual_and_slopes():
     assert len(get_alibi_slopes(12)) == 12 and get_alibi_slopes(12)[:8] == get_alibi_slopes(8)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(num_heads_kv=3), ValueError, "multiple of num_heads_kv"),
-    (dict(rotary_emb_dim=EMBED // HEADS + 2), ValueError, "rotary_emb_dim"),
-    (dict(rotary_emb_dim=7), ValueError, "rotary_emb_dim"),
-    (dict(dwconv=True), NotImplementedError, "dwconv"),
-    (dict(use_alibi=True, use_flash_attn=False), ValueError, "use_flash_attn"),
-    (dict(rotary_emb_scale_base=512.0, rotary_emb_dim=8), NotImplementedError, "XPos"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_heads_kv=3), ValueError, "multiple of num_heads_kv"),
+        (dict(rotary_emb_dim=EMBED // HEADS + 2), ValueError, "rotary_emb_dim"),
+        (dict(rotary_emb_dim=7), ValueError, "rotary_emb_dim"),
+        (dict(dwconv=True), NotImplementedError, "dwconv"),
+        (dict(use_alibi=True, use_flash_attn=False), ValueError, "use_flash_attn"),
+        (dict(rotary_emb_scale_base=512.0, rotary_emb_dim=8), NotImplementedError, "XPos"),
+    ],
+)
 def test_mha_bad_configurations(kwargs, error, match):
     with pytest.raises(error, match=match):
         MHA(EMBED, HEADS, **kwargs)

@@ -1,4 +1,5 @@
 """qkv- and kv-packed adapters: same results as flash_attn_func, one packed gradient."""
+
 import pytest
 import torch
 
@@ -40,5 +41,6 @@ def test_packed_shape_errors():
     with pytest.raises(ValueError, match="qkv"):
         flashattn2.flash_attn_qkvpacked_func(randn(1, 8, 2, 2, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="kv"):
-        flashattn2.flash_attn_kvpacked_func(randn(1, 8, 2, 16, dtype=torch.float16),
-                                            randn(1, 8, 3, 2, 16, dtype=torch.float16))
+        flashattn2.flash_attn_kvpacked_func(
+            randn(1, 8, 2, 16, dtype=torch.float16), randn(1, 8, 3, 2, 16, dtype=torch.float16)
+        )

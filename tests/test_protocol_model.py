@@ -4,6 +4,7 @@ kernels' ring indices and wait parities, random interleavings, TMA loads landing
 and no tile read or refilled out of turn, for every configuration the table holds (the backward's
 split-ring variant included). No GPU needed; the kernels themselves run only on an H100/H200
 (test_attention.py)."""
+
 import pathlib
 import sys
 
@@ -35,9 +36,18 @@ def test_forward_every_table_configuration():
     assert all(n == counts[next(iter(counts))] > 0 for n in counts.values()), counts
 
 
-@pytest.mark.parametrize("broken", ["parity", "skip from the last used unit", "skip one unit too few",
-                                    "expect two blocks always", "one part twice", "shift by part of a part",
-                                    "shift a part too far"])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "parity",
+        "skip from the last used unit",
+        "skip one unit too few",
+        "expect two blocks always",
+        "one part twice",
+        "shift by part of a part",
+        "shift a part too far",
+    ],
+)
 def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
     """Waits that pass a phase late, a consumer that arrives again on its last unit or leaves out
     its first unused one, an expect-tx that does not match the blocks loaded, two consumers on one
@@ -52,14 +62,16 @@ def test_the_forward_model_catches_a_broken_protocol(broken, monkeypatch):
     elif broken == "one part twice":
         monkeypatch.setattr(fwd_ring_model, "part", lambda me: me // 2 * 2)
     elif broken == "shift by part of a part":
-        monkeypatch.setattr(fwd_ring_model, "causal_shift",
-                            lambda num_m, seqlen_q, cta_m, block_m: num_m * cta_m - seqlen_q)
+        monkeypatch.setattr(
+            fwd_ring_model, "causal_shift", lambda num_m, seqlen_q, cta_m, block_m: num_m * cta_m - seqlen_q
+        )
     elif broken == "shift a part too far":
         shift = fwd_ring_model.causal_shift
         monkeypatch.setattr(fwd_ring_model, "causal_shift", lambda *args: shift(*args) + args[3])
     else:
         expect = fwd_ring_model.Bar.expect
-        monkeypatch.setattr(fwd_ring_model.Bar, "expect",
-                            lambda self, n: expect(self, 2 if self.name.startswith("ready") else n))
+        monkeypatch.setattr(
+            fwd_ring_model.Bar, "expect", lambda self, n: expect(self, 2 if self.name.startswith("ready") else n)
+        )
     with pytest.raises(AssertionError):
         fwd_ring_model.check(seeds=2)

@@ -1,12 +1,22 @@
 """flashattn2.layers.rotary against the plain-PyTorch rotary reference."""
+
 import pytest
 import torch
 
 from cases import DTYPES, cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
-from flashattn2.layers.rotary import (ApplyRotaryEmb, ApplyRotaryEmbKV_, ApplyRotaryEmbQKV_, RotaryEmbedding,
-                                      apply_rotary_emb, apply_rotary_emb_func, apply_rotary_emb_kv_,
-                                      apply_rotary_emb_qkv_, apply_rotary_emb_torch, rotate_half)
+from flashattn2.layers.rotary import (
+    ApplyRotaryEmb,
+    ApplyRotaryEmbKV_,
+    ApplyRotaryEmbQKV_,
+    RotaryEmbedding,
+    apply_rotary_emb,
+    apply_rotary_emb_func,
+    apply_rotary_emb_kv_,
+    apply_rotary_emb_qkv_,
+    apply_rotary_emb_torch,
+    rotate_half,
+)
 from flashattn2.reference.rotary import rotary_ref
 
 TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
@@ -71,8 +81,9 @@ def test_inplace_and_varlen():
     offs = torch.tensor([3, 1, 0], device=DEVICE, dtype=torch.int32)
     ref = rotary_ref(x, cos, sin, True, offs, cu_seqlens=cu)
     y = x.clone()
-    out = apply_rotary_emb(y, cos, sin, interleaved=True, inplace=True, seqlen_offsets=offs, cu_seqlens=cu,
-                           max_seqlen=max(lengths))
+    out = apply_rotary_emb(
+        y, cos, sin, interleaved=True, inplace=True, seqlen_offsets=offs, cu_seqlens=cu, max_seqlen=max(lengths)
+    )
     assert out.data_ptr() == y.data_ptr()
     close(y, ref)
 
@@ -92,10 +103,10 @@ def test_qkv_and_kv_in_place(layout):
         hq, hk = 4, 2
         qkv = randn(b, s, hq + 2 * hk, d, dtype=torch.float32)
         q_ref = rotary_ref(qkv[:, :, :hq], cos, sin, False, 2)
-        k_ref = rotary_ref(qkv[:, :, hq:hq + hk], cos, sin, False, 2)
-        v_ref = qkv[:, :, hq + hk:].clone()
+        k_ref = rotary_ref(qkv[:, :, hq : hq + hk], cos, sin, False, 2)
+        v_ref = qkv[:, :, hq + hk :].clone()
         out = apply_rotary_emb_qkv_(qkv, cos, sin, seqlen_offsets=2, num_heads_q=hq)
-        q, k, v = out[:, :, :hq], out[:, :, hq:hq + hk], out[:, :, hq + hk:]
+        q, k, v = out[:, :, :hq], out[:, :, hq : hq + hk], out[:, :, hq + hk :]
     assert out.data_ptr() == qkv.data_ptr()
     close(q, q_ref), close(k, k_ref)
     assert torch.equal(v, v_ref)
@@ -157,8 +168,10 @@ def test_rotary_embedding_positional_order():
     assert RotaryEmbedding(32, device="meta", pos_idx_in_fp32=False).pos_idx_in_fp32 is False
     rope = RotaryEmbedding(32, 500.0, True, None, DEVICE)
     q, kv = randn(2, SEQ, 2, 64, dtype=torch.float32), randn(2, SEQ, 2, 2, 64, dtype=torch.float32)
-    freqs = torch.outer(torch.arange(SEQ, device=DEVICE, dtype=torch.float32),
-                        1.0 / (500.0 ** (torch.arange(0, 32, 2, device=DEVICE, dtype=torch.float32) / 32)))
+    freqs = torch.outer(
+        torch.arange(SEQ, device=DEVICE, dtype=torch.float32),
+        1.0 / (500.0 ** (torch.arange(0, 32, 2, device=DEVICE, dtype=torch.float32) / 32)),
+    )
     q2, kv2 = rope(q.clone(), kv.clone())
     close(q2, rotary_ref(q, freqs.cos(), freqs.sin(), True))
     close(kv2[:, :, 0], rotary_ref(kv[:, :, 0], freqs.cos(), freqs.sin(), True))

@@ -1,5 +1,6 @@
 """tools/sass_loops.py finds a kernel's loops in cuobjdump -sass text (a backward branch closes one) and counts
 their opcodes without predicate guards or modifiers. Synthetic SASS: no GPU, no compiler."""
+
 import pathlib
 import sys
 

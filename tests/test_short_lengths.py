@@ -5,6 +5,7 @@ of its own: loops fold away and the compiler sees another program (a one-token p
 crashed the backward's compile at padded head dims). On the GPU the padded head dims that failed, with
 FLASHATTN2_SHORT_SWEEP=1 every head dim the table buckets differently; on the CPU a small grid (the
 compile itself is covered by tools/compile_check.py's length-one cases, tests/test_compile_targets.py)."""
+
 import itertools
 import os
 
@@ -32,11 +33,25 @@ else:
     CAUSAL = (False, True)
     MODES = [(False, "dense"), (True, "varlen")]
 
-CASES = [pytest.param(d, sq, sk, h, hk, causal, det, layout,
-                      id=f"d{d}-sq{sq}-sk{sk}-h{h}-hk{hk}-{'causal' if causal else 'full'}-"
-                         f"{'det' if det else 'nondet'}-{layout}")
-         for d in HEAD_DIMS for sq in SEQLENS_Q for sk in SEQLENS_K for h, hk in HEADS for causal in CAUSAL
-         for det, layout in MODES]
+CASES = [
+    pytest.param(
+        d,
+        sq,
+        sk,
+        h,
+        hk,
+        causal,
+        det,
+        layout,
+        id=f"d{d}-sq{sq}-sk{sk}-h{h}-hk{hk}-{'causal' if causal else 'full'}-{'det' if det else 'nondet'}-{layout}",
+    )
+    for d in HEAD_DIMS
+    for sq in SEQLENS_Q
+    for sk in SEQLENS_K
+    for h, hk in HEADS
+    for causal in CAUSAL
+    for det, layout in MODES
+]
 
 
 @pytest.mark.parametrize("d, seqlen_q, seqlen_k, nheads, nheads_k, causal, deterministic, layout", CASES)
@@ -45,8 +60,9 @@ def test_short_lengths_forward_backward(d, seqlen_q, seqlen_k, nheads, nheads_k,
     if layout == "dense":
         q = randn(batch, seqlen_q, nheads, d, dtype=dtype, requires_grad=True)
         k, v = (randn(batch, seqlen_k, nheads_k, d, dtype=dtype, requires_grad=True) for _ in range(2))
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic,
-                                                 return_attn_probs=True)
+        out, lse, _ = flashattn2.flash_attn_func(
+            q, k, v, causal=causal, deterministic=deterministic, return_attn_probs=True
+        )
         segments = [(slice(None), slice(None), slice(None))]
     else:
         # the longest sequence has the length under test; the others are shorter (or as long, at 1)
@@ -55,10 +71,13 @@ def test_short_lengths_forward_backward(d, seqlen_q, seqlen_k, nheads, nheads_k,
         cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
         q = randn(sum(lens_q), nheads, d, dtype=dtype, requires_grad=True)
         k, v = (randn(sum(lens_k), nheads_k, d, dtype=dtype, requires_grad=True) for _ in range(2))
-        out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal,
-                                                        deterministic=deterministic, return_attn_probs=True)
-        segments = [(slice(None), slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item()))
-                    for b in range(batch)]
+        out, lse, _ = flashattn2.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal, deterministic=deterministic, return_attn_probs=True
+        )
+        segments = [
+            (slice(None), slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item()))
+            for b in range(batch)
+        ]
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
 

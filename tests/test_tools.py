@@ -2,6 +2,7 @@
 for real where that is cheap (bars, baseline_pkg, ptx_hash, ncu_profile --summarize, gpu_session.sh), else
 started with --help (the GPU tools). Others: test_compile_targets.py (compile_check), test_sass_loops.py,
 test_ncu_sass.py, test_protocol_model.py (fwd_ring_model, bwd_ring_model)."""
+
 import csv
 import json
 import os
@@ -36,17 +37,54 @@ def test_readme_lists_every_tool():
 def test_bars_counts_points_and_misses(tmp_path, capsys):
     import bars
 
-    fields = ["provider", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "nheads_k", "mode", "ms",
-              "tflops", "peak_mib", "note", "gpu", "torch", "triton", "date", "git_sha"]
-    rows = [("flashattn2", 128, 300.0), ("sdpa_cudnn", 128, 400.0), ("sdpa_flash", 128, 200.0),
-            ("flashattn2", 64, 420.0), ("sdpa_cudnn", 64, 400.0), ("sdpa_flash", 64, 400.0)]
+    fields = [
+        "provider",
+        "dtype",
+        "headdim",
+        "causal",
+        "seqlen",
+        "batch",
+        "nheads",
+        "nheads_k",
+        "mode",
+        "ms",
+        "tflops",
+        "peak_mib",
+        "note",
+        "gpu",
+        "torch",
+        "triton",
+        "date",
+        "git_sha",
+    ]
+    rows = [
+        ("flashattn2", 128, 300.0),
+        ("sdpa_cudnn", 128, 400.0),
+        ("sdpa_flash", 128, 200.0),
+        ("flashattn2", 64, 420.0),
+        ("sdpa_cudnn", 64, 400.0),
+        ("sdpa_flash", 64, 400.0),
+    ]
     path = tmp_path / "kernels.csv"
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fields)
         w.writeheader()
         for provider, d, tflops in rows:
-            w.writerow(dict(provider=provider, dtype="fp16", headdim=d, causal=0, seqlen=2048, batch=8,
-                            nheads=2048 // d, nheads_k=2048 // d, mode="fwd", ms=1.0, tflops=tflops))
+            w.writerow(
+                dict(
+                    provider=provider,
+                    dtype="fp16",
+                    headdim=d,
+                    causal=0,
+                    seqlen=2048,
+                    batch=8,
+                    nheads=2048 // d,
+                    nheads_k=2048 // d,
+                    mode="fwd",
+                    ms=1.0,
+                    tflops=tflops,
+                )
+            )
     bars.main(str(path))
     out = capsys.readouterr().out
     assert "d64/d128 forward >= 0.9x cuDNN: 1/2" in out
@@ -74,8 +112,23 @@ def test_ptx_hash_compares_against_an_earlier_run(tmp_path):
     """A small kernel's configuration(s) hashed, against a file that has none of them: reported as changed, exit 1."""
     before = tmp_path / "before.jsonl"
     before.write_text(json.dumps({"id": "no such configuration", "sha": "0" * 16}) + "\n")
-    run = subprocess.run([sys.executable, str(TOOLS / "ptx_hash.py"), "--arch", "sm90", "--match", "fill-tail",
-                          "--against", str(before)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(TOOLS / "ptx_hash.py"),
+            "--arch",
+            "sm90",
+            "--match",
+            "fill-tail",
+            "--against",
+            str(before),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     assert rows and run.returncode == 1, run.stderr[-2000:]
     assert all("fill-tail" in r["id"] and r["same"] is False for r in rows), rows
@@ -95,7 +148,8 @@ def test_ncu_profile_summarizes_a_report(tmp_path, capsys):
         "    SM: Pipe Tensor Cycles Active     %        37.30\n"
         "    Registers Per Thread   register/thread          168\n"
         "    Stall Long Scoreboard      inst     3.14\n"
-        "    Stall Barrier      inst     3.06\n")
+        "    Stall Barrier      inst     3.06\n"
+    )
     ncu_profile.summarize(str(report))
     out = capsys.readouterr().out
     assert out.startswith("attn_fwd_persist_kernel")
@@ -107,8 +161,9 @@ def test_ncu_profile_summarizes_a_report(tmp_path, capsys):
 @pytest.mark.parametrize("tool", ["overhead.py", "host_profile.py", "graph_fwd_bwd.py"])
 def test_gpu_tools_start(tool):
     """The GPU-only tools import and parse their arguments on a machine without one."""
-    run = subprocess.run([sys.executable, str(TOOLS / tool), "--help"], capture_output=True, text=True, env=_env(),
-                         cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / tool), "--help"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("usage:")
 
@@ -116,7 +171,12 @@ def test_gpu_tools_start(tool):
 def test_gpu_session_rejects_an_unknown_stage(tmp_path):
     script = TOOLS / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    run = subprocess.run(["bash", str(script), "no-such-stage"], capture_output=True, text=True,
-                         env=_env(OUT=str(tmp_path), FLASHATTN2_GIT_SHA="abc"), timeout=60)
+    run = subprocess.run(
+        ["bash", str(script), "no-such-stage"],
+        capture_output=True,
+        text=True,
+        env=_env(OUT=str(tmp_path), FLASHATTN2_GIT_SHA="abc"),
+        timeout=60,
+    )
     assert run.returncode == 2 and "unknown stage no-such-stage" in run.stdout
     assert "results recorded as git abc" in run.stdout

@@ -1,4 +1,5 @@
 """torch.library registration: opcheck, and torch.compile(fullgraph=True) without graph breaks."""
+
 import pytest
 import torch
 
@@ -54,16 +55,20 @@ class TinyAttention(torch.nn.Module):
             out = flashattn2.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True)
         else:
             slopes = torch.full((self.heads,), 0.25, device=x.device)
-            out = flashattn2.flash_attn_func(*qkv.unbind(2), causal=True, window_size=(16, -1), softcap=3.0,
-                                             alibi_slopes=slopes)
+            out = flashattn2.flash_attn_func(
+                *qkv.unbind(2), causal=True, window_size=(16, -1), softcap=3.0, alibi_slopes=slopes
+            )
         return out.reshape(b, s, -1)
 
 
-@pytest.mark.parametrize("backend, packing", [
-    pytest.param("inductor", None, id="inductor-unpacked"),
-    pytest.param("aot_eager", "qkv", id="aot_eager-qkvpacked"),
-    pytest.param("aot_eager", "kv", id="aot_eager-kvpacked"),
-])
+@pytest.mark.parametrize(
+    "backend, packing",
+    [
+        pytest.param("inductor", None, id="inductor-unpacked"),
+        pytest.param("aot_eager", "qkv", id="aot_eager-qkvpacked"),
+        pytest.param("aot_eager", "kv", id="aot_eager-kvpacked"),
+    ],
+)
 def test_compile_fullgraph(backend, packing):
     torch._dynamo.reset()
     model = TinyAttention(packing=packing).to(randn(1, dtype=torch.float32).device)
@@ -86,8 +91,9 @@ def test_opcheck_varlen():
     torch.library.opcheck(registry.fwd, (q, k, v, *args))
     out, lse = registry.fwd(q.detach(), k.detach(), v.detach(), *args)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    torch.library.opcheck(registry.bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None,
-                                         dq, dk, dv, *args))
+    torch.library.opcheck(
+        registry.bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, dq, dk, dv, *args)
+    )
 
 
 def test_compile_fullgraph_varlen():

@@ -2,6 +2,7 @@
 GQA) built from a config, no download. Logits and gradients against the same model on "sdpa"
 (fp32 the oracle, fp16 the yardstick), greedy generate() token for token, from_pretrained, packed
 sequences."""
+
 import pytest
 import torch
 
@@ -19,9 +20,15 @@ KV_HEADS = [pytest.param(HEADS, id="mha"), pytest.param(2, id="gqa")]
 
 
 def tiny_llama(kv_heads, dtype, attn):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                      num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
-                                      max_position_embeddings=4 * SEQLEN)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4 * SEQLEN,
+    )
     torch.manual_seed(1234)  # the same weights for every copy
     model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=dtype)
     model.set_attn_implementation(attn)
@@ -31,7 +38,7 @@ def tiny_llama(kv_heads, dtype, attn):
 def padded_batch():
     ids = torch.randint(0, VOCAB, (2, SEQLEN), device=DEVICE)
     mask = torch.ones(2, SEQLEN, dtype=torch.long, device=DEVICE)
-    mask[1, :SEQLEN // 3] = 0  # left padding, as generate() wants
+    mask[1, : SEQLEN // 3] = 0  # left padding, as generate() wants
     return ids, mask
 
 
@@ -40,8 +47,9 @@ def logits_and_grads(model, ids, mask, weights):
     logits = model(ids, attention_mask=mask).logits
     keep = mask.bool()
     (logits.float()[keep] * weights).sum().backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if "layers.0.self_attn" in name
-             or "embed_tokens" in name}
+    grads = {
+        name: p.grad for name, p in model.named_parameters() if "layers.0.self_attn" in name or "embed_tokens" in name
+    }
     return logits[keep], grads
 
 
@@ -73,8 +81,17 @@ def test_greedy_generate_matches_sdpa(kv_heads, cache):
     tokens = []
     for attn in ("flashattn2", "sdpa"):
         model = tiny_llama(kv_heads, torch.float32, attn).eval()
-        tokens.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                                     cache_implementation=cache, disable_compile=True)[:, SEQLEN:])
+        tokens.append(
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=0,
+                cache_implementation=cache,
+                disable_compile=True,
+            )[:, SEQLEN:]
+        )
     assert torch.equal(tokens[0], tokens[1]), tokens
 
 
@@ -82,8 +99,11 @@ def test_from_pretrained_and_packed_sequences(tmp_path):
     """from_pretrained(attn_implementation="flashattn2") loads a saved model onto the kernels;
     two sequences packed in one row (position ids restart, no mask) attend within their own."""
     tiny_llama(2, torch.float32, "sdpa").save_pretrained(tmp_path)
-    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="flashattn2",
-                                                          dtype=torch.float32).to(DEVICE).eval()
+    model = (
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="flashattn2", dtype=torch.float32)
+        .to(DEVICE)
+        .eval()
+    )
     assert model.config._attn_implementation == "flashattn2"
     ref = tiny_llama(2, torch.float32, "sdpa").eval()
     a, b = SEQLEN, SEQLEN // 2 + 1
@@ -93,8 +113,9 @@ def test_from_pretrained_and_packed_sequences(tmp_path):
     with torch.no_grad():
         packed = model(ids, position_ids=position_ids).logits[0]
         # a padding-free collator's explicit boundaries (transformers' DataCollatorWithFlattening)
-        collated = model(ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=a,
-                         max_length_k=a).logits[0]
+        collated = model(
+            ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=a, max_length_k=a
+        ).logits[0]
         apart = torch.cat([ref(ids[:, :a]).logits[0], ref(ids[:, a:]).logits[0]])
     torch.testing.assert_close(packed, apart, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(collated, apart, rtol=1e-4, atol=1e-4)
@@ -111,17 +132,27 @@ def test_attention_function_errors():
         integration.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2, device=DEVICE))
 
 
-@pytest.mark.parametrize("family, options", [
-    pytest.param("Mistral", dict(sliding_window=6), id="mistral-sliding-window"),
-    pytest.param("Gemma2", dict(sliding_window=6, attn_logit_softcapping=5.0), id="gemma2-window-softcap"),
-])
+@pytest.mark.parametrize(
+    "family, options",
+    [
+        pytest.param("Mistral", dict(sliding_window=6), id="mistral-sliding-window"),
+        pytest.param("Gemma2", dict(sliding_window=6, attn_logit_softcapping=5.0), id="gemma2-window-softcap"),
+    ],
+)
 def test_window_and_softcap_models_match_eager(family, options):
     """A sliding window and a logit softcap reach the kernels as window_size and softcap: fp32
     logits equal the eager implementation's on a left-padded batch."""
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS,
-        max_position_embeddings=4 * SEQLEN, **options)
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=4 * SEQLEN,
+        **options,
+    )
     ids, mask = padded_batch()
     logits = []
     for attn in ("flashattn2", "eager"):

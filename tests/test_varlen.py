@@ -1,4 +1,5 @@
 """flash_attn_varlen_func and its packed forms: each sequence equals running it alone."""
+
 import pytest
 import torch
 
@@ -17,8 +18,10 @@ else:
     LENGTHS = [([70, 0, 1, 33, 5], [50, 9, 0, 33, 80]), ([64, 64], [64, 64])]
     PATHS = [
         pytest.param({}, id="ptr-64x64"),
-        pytest.param({"tma": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1),
-                      "bwd_dq": T(64, 16, 4, 1)}, id="tma-mixed-tiles"),
+        pytest.param(
+            {"tma": True, "fwd": T(32, 64, 4, 1), "bwd_dkdv": T(16, 32, 4, 1), "bwd_dq": T(64, 16, 4, 1)},
+            id="tma-mixed-tiles",
+        ),
     ]
 FEATURES = [
     pytest.param(dict(), id="full"),
@@ -52,8 +55,9 @@ def test_varlen_matches_each_sequence_alone(lengths, opts, path):
     opts = resolve(opts, len(lengths_q), q.shape[1])
     cu_q, cu_k = cu(lengths_q), cu(lengths_k)
     with planning.force(**path):
-        out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                        return_attn_probs=True, **opts)
+        out, lse, _ = flashattn2.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_attn_probs=True, **opts
+        )
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
@@ -90,8 +94,9 @@ def test_varlen_matches_each_sequence_alone(lengths, opts, path):
 def test_rows_past_cu_seqlens_are_zero():
     lengths = [5, 9]
     q, k, v = make(lengths, lengths, extra_rows=6)
-    out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9, causal=True,
-                                                    return_attn_probs=True)
+    out, lse, _ = flashattn2.flash_attn_varlen_func(
+        q, k, v, cu(lengths), cu(lengths), 9, 9, causal=True, return_attn_probs=True
+    )
     (dq,) = torch.autograd.grad(out, q, torch.randn_like(out))
     assert torch.all(out[14:] == 0) and torch.all(torch.isposinf(lse[:, 14:])) and torch.all(dq[14:] == 0)
     assert not torch.isnan(out).any() and not torch.isnan(dq).any()
@@ -106,13 +111,15 @@ def test_varlen_packed_forms(causal):
     do = torch.randn_like(out)
     (dqkv,) = torch.autograd.grad(out, qkv, do)
     q, k, v = (t.detach().clone().requires_grad_() for t in qkv.unbind(1))
-    ref = flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), max(lengths), max(lengths),
-                                            causal=causal)
+    ref = flashattn2.flash_attn_varlen_func(
+        q, k, v, cu(lengths), cu(lengths), max(lengths), max(lengths), causal=causal
+    )
     assert torch.equal(out, ref)
     assert torch.equal(dqkv, torch.stack(torch.autograd.grad(ref, (q, k, v), do), dim=1))
     kv = qkv.detach()[:, 1:].clone().requires_grad_()
-    out_kv = flashattn2.flash_attn_varlen_kvpacked_func(q, kv, cu(lengths), cu(lengths), max(lengths),
-                                                        torch.tensor(max(lengths)), causal=causal)
+    out_kv = flashattn2.flash_attn_varlen_kvpacked_func(
+        q, kv, cu(lengths), cu(lengths), max(lengths), torch.tensor(max(lengths)), causal=causal
+    )
     assert torch.equal(out_kv, ref)
 
 
@@ -126,14 +133,17 @@ def test_varlen_matches_dense_batch():
     assert torch.equal(varlen, flat(dense))
 
 
-@pytest.mark.parametrize("make_args, exc, match", [
-    pytest.param(lambda c: (c.long(), c), TypeError, "cu_seqlens_q must be int32", id="cu-dtype"),
-    pytest.param(lambda c: (c, c[:-1]), ValueError, "same length", id="cu-length"),
-    pytest.param(lambda c: (c.flip(0).contiguous(), c), ValueError, "non-decreasing", id="cu-order"),
-    pytest.param(lambda c: (c + 1, c), ValueError, "start at 0", id="cu-start"),
-    pytest.param(lambda c: (c, c * 2), ValueError, "past the", id="cu-past-end"),
-    pytest.param(lambda c: (c[None], c[None]), ValueError, "shape", id="cu-ndim"),
-])
+@pytest.mark.parametrize(
+    "make_args, exc, match",
+    [
+        pytest.param(lambda c: (c.long(), c), TypeError, "cu_seqlens_q must be int32", id="cu-dtype"),
+        pytest.param(lambda c: (c, c[:-1]), ValueError, "same length", id="cu-length"),
+        pytest.param(lambda c: (c.flip(0).contiguous(), c), ValueError, "non-decreasing", id="cu-order"),
+        pytest.param(lambda c: (c + 1, c), ValueError, "start at 0", id="cu-start"),
+        pytest.param(lambda c: (c, c * 2), ValueError, "past the", id="cu-past-end"),
+        pytest.param(lambda c: (c[None], c[None]), ValueError, "shape", id="cu-ndim"),
+    ],
+)
 def test_bad_cu_seqlens(make_args, exc, match):
     lengths = [5, 9]
     q, k, v = make(lengths, lengths)
@@ -177,8 +187,9 @@ def test_longest_first_order_changes_nothing(causal, monkeypatch):
         else:
             monkeypatch.undo()
         torch.manual_seed(7)
-        out = flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, max(lengths), max(lengths), dropout_p=0.2,
-                                                causal=causal)
+        out = flashattn2.flash_attn_varlen_func(
+            q, k, v, cu_s, cu_s, max(lengths), max(lengths), dropout_p=0.2, causal=causal
+        )
         results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
     assert checks.remembered(cu_s)[1].tolist() == [1, 4, 3, 0, 2]
     for a, b in zip(*results):
@@ -206,13 +217,14 @@ def test_paged_forward_with_inputs_requiring_grad():
     q, k, v = make(lengths, lengths)
     table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=DEVICE)
     pages = [torch.randn(4, 8, *k.shape[1:], device=DEVICE, dtype=k.dtype).requires_grad_() for _ in range(2)]
-    out, lse, _ = flashattn2.flash_attn_varlen_func(q, *pages, cu(lengths), cu(lengths), 9, 9, causal=True,
-                                                    block_table=table, return_attn_probs=True)
+    out, lse, _ = flashattn2.flash_attn_varlen_func(
+        q, *pages, cu(lengths), cu(lengths), 9, 9, causal=True, block_table=table, return_attn_probs=True
+    )
     assert out.requires_grad
     with torch.no_grad():
-        expected, expected_lse, _ = flashattn2.flash_attn_varlen_func(q, *pages, cu(lengths), cu(lengths), 9, 9,
-                                                                      causal=True, block_table=table,
-                                                                      return_attn_probs=True)
+        expected, expected_lse, _ = flashattn2.flash_attn_varlen_func(
+            q, *pages, cu(lengths), cu(lengths), 9, 9, causal=True, block_table=table, return_attn_probs=True
+        )
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
     with pytest.raises(NotImplementedError, match="block_table is forward-only"):
         out.sum().backward()
@@ -231,14 +243,17 @@ def test_bad_varlen_arguments():
     with pytest.raises(ValueError, match="k must have 4 dimensions"):
         flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9, block_table=cu(lengths)[None])
     with pytest.raises(NotImplementedError, match="dropout_p"):
-        flashattn2.flash_attn_varlen_func(q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9, dropout_p=0.1,
-                                          block_table=table)
+        flashattn2.flash_attn_varlen_func(
+            q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9, dropout_p=0.1, block_table=table
+        )
     with pytest.raises(ValueError, match="block_table entries"):
-        flashattn2.flash_attn_varlen_func(q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9,
-                                          block_table=table + 2)
+        flashattn2.flash_attn_varlen_func(
+            q.detach(), pages, pages, cu(lengths), cu(lengths), 9, 9, block_table=table + 2
+        )
     q = q.detach()
     with pytest.raises(ValueError, match="q must have 3 dimensions"):
         flashattn2.flash_attn_varlen_func(q[None], k, v, cu(lengths), cu(lengths), 9, 9)
     with pytest.raises(ValueError, match="alibi_slopes"):
-        flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 9, 9,
-                                          alibi_slopes=torch.ones(3, 4, device=DEVICE))
+        flashattn2.flash_attn_varlen_func(
+            q, k, v, cu(lengths), cu(lengths), 9, 9, alibi_slopes=torch.ones(3, 4, device=DEVICE)
+        )

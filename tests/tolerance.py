@@ -1,5 +1,6 @@
 """The tests' assertion on top of flashattn2.reference.tolerance: on failure it says where and by
 how much."""
+
 import torch
 
 from flashattn2.reference import tolerance
@@ -15,4 +16,5 @@ def assert_close(name: str, ours: torch.Tensor, ref: torch.Tensor, low: torch.Te
         raise AssertionError(
             f"{name}: max error {err:.3e} > bound {bound:.3e} ({factor} x PyTorch's own error + floor); "
             f"at index {list(where)}: ours {ours[where].item():.6g}, reference {ref[where].item():.6g}; "
-            f"NaNs: {torch.isnan(ours).sum().item()}")
+            f"NaNs: {torch.isnan(ours).sum().item()}"
+        )

@@ -6,6 +6,7 @@ its peers were measured in that run too -- the bench measures them together).
 
 Prints each bar's count of passing points and the points that miss, with their ratios; for the last line (not a
 bar: >= 1.0x cuDNN), the points that reach it (#5 asks for them listed)."""
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@
     PYTHONPATH=src:.devout/base python -m flashattn2 bench features --baseline flashattn2_base
 
 The package's imports are relative; only its custom-op namespace (flashattn2::) is renamed."""
+
 from __future__ import annotations
 
 import io
@@ -26,7 +27,9 @@ def main(sha: str, dest: str, name: str = "flashattn2_base") -> str:
             data = tar.extractfile(member).read()
             if rel.endswith(".py"):
                 text = data.decode()
-                text = text.replace('"flashattn2::', f'"{name}::').replace("torch.ops.flashattn2.", f"torch.ops.{name}.")
+                text = text.replace('"flashattn2::', f'"{name}::').replace(
+                    "torch.ops.flashattn2.", f"torch.ops.{name}."
+                )
                 text = text.replace("import flashattn2\n", f"import {name} as flashattn2\n")
                 data = text.encode()
             with open(path, "wb") as fh:

@@ -8,6 +8,7 @@ No GPU needed:  python tools/bwd_ring_model.py [--seeds 400]
 (mbarrier semantics: a wait on parity p passes while the barrier's completed-phase count c has
 c % 2 != p, so a fresh barrier passes a wait on parity 1.)
 """
+
 import argparse
 import random
 

@@ -12,9 +12,9 @@ kernel's protocol. No GPU needed:  python tools/fwd_ring_model.py [--seeds 20]
 parity p passes while the completed-phase count c has c % 2 != p, so a fresh barrier passes a wait
 on parity 1.)
 """
+
 import argparse
 import random
-
 
 
 def skip_from(n_blocks):
@@ -111,8 +111,9 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
     n_my = num_my_tiles(num_m * batch * nheads, pid, nprog, snake)
 
     def n_max_of(cta_m):  # _tile_max_blocks
-        return max(tile_blocks(cta_m + t * block_m, seqlen_q, seqlen_k, causal, block_m, block_n)
-                   for t in range(consumers))
+        return max(
+            tile_blocks(cta_m + t * block_m, seqlen_q, seqlen_k, causal, block_m, block_n) for t in range(consumers)
+        )
 
     def producer():  # _persist_producer
         def produce(u, j, n_max, b, h):  # _persist_produce: unit j of the tile = K_j (j < n), V_{j-1} (j > 0)
@@ -236,8 +237,15 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
 # shapes (batch, nheads, seqlen_q, seqlen_k): ragged last tiles, parts past seqlen_q (causal: before row 0),
 # seqlen_q > seqlen_k
 # (causal rows that see no key), one key block, one key, one query row
-SHAPES = [(1, 2, 300, 461), (1, 2, 461, 300), (1, 3, 64, 1000), (1, 1, 700, 700), (2, 2, 200, 40),
-          (1, 2, 130, 1), (1, 1, 1, 300)]
+SHAPES = [
+    (1, 2, 300, 461),
+    (1, 2, 461, 300),
+    (1, 3, 64, 1000),
+    (1, 1, 700, 700),
+    (2, 2, 200, 40),
+    (1, 2, 130, 1),
+    (1, 1, 1, 300),
+]
 
 
 def configs() -> dict:

@@ -7,6 +7,7 @@ Where eager is below graph, the GPU waited for the host (the 512-token points of
 
 (on a CUDA GPU; mode fwd: the forward alone, under no_grad). Prints: dtype d causal seqlen provider
 mode eager_tflops graph_tflops (one line per point)."""
+
 import argparse
 
 import torch
@@ -20,9 +21,12 @@ ap.add_argument("--seqlens", default="512,1024")
 ap.add_argument("--dtypes", default="fp16,bf16")
 args = ap.parse_args()
 P = providers()
-points = [(dt, d, c, n) for dt in args.dtypes.split(",")
-          for d, c in ((64, 1), (128, 1), (128, 0), (256, 1), (64, 0))
-          for n in map(int, args.seqlens.split(","))]
+points = [
+    (dt, d, c, n)
+    for dt in args.dtypes.split(",")
+    for d, c in ((64, 1), (128, 1), (128, 0), (256, 1), (64, 0))
+    for n in map(int, args.seqlens.split(","))
+]
 print("dtype d causal seqlen provider mode eager_tflops graph_tflops")
 for (dt, d, causal, n), mode in ((p, m) for p in points for m in args.modes.split(",")):
     dtype = torch.float16 if dt == "fp16" else torch.bfloat16
@@ -32,6 +36,7 @@ for (dt, d, causal, n), mode in ((p, m) for p in points for m in args.modes.spli
         shape = (b, n, h, d) if layout == "bshd" else (b, h, n, d)
         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         do = torch.randn(shape, device="cuda", dtype=dtype)
+
         def fb():
             out = fn(q, k, v, causal == 1)
             return torch.autograd.grad(out, (q, k, v), do)
@@ -39,6 +44,7 @@ for (dt, d, causal, n), mode in ((p, m) for p in points for m in args.modes.spli
         def fwd():
             with torch.no_grad():
                 return fn(q, k, v, causal == 1)
+
         call = fwd if mode == "fwd" else fb
         try:
             g = cuda_graph(call)

@@ -5,6 +5,7 @@ cudaMalloc or a synchronizing call; and the GPU kernels' times), beside SDPA's f
 
     python tools/host_profile.py [--shape 32,512,16,128] [--causal 1] [--dtype fp16] [--rows 25]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,14 @@ def steps(shape, dtype, causal):
             with sdpa_kernel(backend):
                 out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
             torch.autograd.grad(out, (qt, kt, vt), dot)
+
         return run
 
-    return {"flashattn2": ours, "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
-            "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    return {
+        "flashattn2": ours,
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
 
 
 def per_call(fn, n, flush=None):

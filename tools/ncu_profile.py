@@ -14,14 +14,25 @@ that call's kernels only): the forward without autograd, or with `bwd` the backw
 (autograd.grad of a kept graph). --summarize prints, per kernel, its duration, the pipes' activity
 (tensor, MUFU, ALU, FMA), issue activity, instructions, registers and the five largest stall reasons.
 """
+
 from __future__ import annotations
 
 import re
 import sys
 
-_METRICS = ["Duration", "SM Frequency", "SM: Pipe Tensor Cycles Active", "SM: Inst Executed Pipe Xu",
-            "SM: Pipe Alu Cycles Active", "SM: Pipe Fma Cycles Active", "SM: Issue Active", "Executed Instructions",
-            "Registers Per Thread", "DRAM Throughput", "L2 Cache Throughput"]
+_METRICS = [
+    "Duration",
+    "SM Frequency",
+    "SM: Pipe Tensor Cycles Active",
+    "SM: Inst Executed Pipe Xu",
+    "SM: Pipe Alu Cycles Active",
+    "SM: Pipe Fma Cycles Active",
+    "SM: Issue Active",
+    "Executed Instructions",
+    "Registers Per Thread",
+    "DRAM Throughput",
+    "L2 Cache Throughput",
+]
 
 
 def _overrides(items):
@@ -78,8 +89,9 @@ def summarize(path: str) -> None:
         for name in _METRICS:
             m = re.search(re.escape(name) + r"\s+(\S+)?\s+([\d,.]+)\n", block)
             values.append(f"{name.replace('SM: ', '')}={m.group(2) if m else '?'}")
-        stalls = sorted(((float(v), k) for k, v in re.findall(r"Stall (\w[\w ]*?)\s+inst\s+([\d.]+)", block)),
-                        reverse=True)[:5]
+        stalls = sorted(
+            ((float(v), k) for k, v in re.findall(r"Stall (\w[\w ]*?)\s+inst\s+([\d.]+)", block)), reverse=True
+        )[:5]
         print(block.split("(")[0].strip()[:70])
         print("    " + " | ".join(values))
         print("    stalls (cycles per issued instruction): " + ", ".join(f"{k} {v}" for v, k in stalls))

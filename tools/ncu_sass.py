@@ -11,6 +11,7 @@ top instructions by samples, each with its three largest stall reasons, the inst
 and how often it ran. No GPU needed to read a CSV. (The d256 backward's wait for the dQ writer was found this
 way: bench/results/ab-gluon-nvidia-h200.md.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,18 @@ def summary(rows: list[dict], top: int = 25, context: int = 6) -> str:
     most = max(counts, key=lambda c: c * counts[c])
     loop = [i for i, r in enumerate(rows) if _int(r["Instructions Executed"]) == most]
     in_loop = sum(_int(rows[i][SAMPLES]) for i in range(loop[0], loop[-1] + 1))
-    out = [f"{len(rows)} instructions, {total} samples; the hottest loop (instructions {loop[0]}-{loop[-1]}, "
-           f"each run {most} times) holds {100 * in_loop / total:.1f}%"]
+    out = [
+        f"{len(rows)} instructions, {total} samples; the hottest loop (instructions {loop[0]}-{loop[-1]}, "
+        f"each run {most} times) holds {100 * in_loop / total:.1f}%"
+    ]
     order = sorted(range(len(rows)), key=lambda i: -_int(rows[i][SAMPLES]))[:top]
     for i in order:
         r = rows[i]
-        why = sorted(((_int(r[k]), k[len("stall_"):]) for k in reasons if _int(r[k]) > 0), reverse=True)[:3]
-        out.append(f"\n[{i}] {100 * _int(r[SAMPLES]) / total:.1f}% {r['Source'].strip()}  "
-                   f"({', '.join(f'{name} {n}' for n, name in why)}; run {r['Instructions Executed']} times)")
+        why = sorted(((_int(r[k]), k[len("stall_") :]) for k in reasons if _int(r[k]) > 0), reverse=True)[:3]
+        out.append(
+            f"\n[{i}] {100 * _int(r[SAMPLES]) / total:.1f}% {r['Source'].strip()}  "
+            f"({', '.join(f'{name} {n}' for n, name in why)}; run {r['Instructions Executed']} times)"
+        )
         for j in range(max(0, i - context), i):
             out.append(f"      {j:5d} {_int(rows[j][SAMPLES]):7d}  {rows[j]['Source'].strip()[:100]}")
     return "\n".join(out)

@@ -1,6 +1,7 @@
 """Host time per call (CPU-bound: tiny inputs, no sync inside the loop) of flashattn2's entry points
 beside SDPA's, and a cProfile of the dense forward: what a decode step or a short sequence pays
 before any kernel runs.  python tools/overhead.py [--profile FILE]"""
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def profile_to(fh, name: str, fn, calls: int, top: int = 25) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default=None)
-    ap.add_argument("--ab", action="store_true",
-                    help="direct launches against Triton's JITFunction.run, alternated in this process")
+    ap.add_argument(
+        "--ab", action="store_true", help="direct launches against Triton's JITFunction.run, alternated in this process"
+    )
     args = ap.parse_args()
     dev, dt = "cuda", torch.float16
     q, k, v = (torch.randn(1, 128, 4, 64, device=dev, dtype=dt) for _ in range(3))
@@ -94,9 +96,11 @@ def main():
     decode = {
         "kvcache decode": lambda: flashattn2.flash_attn_with_kvcache(dq, kc, vc, cache_seqlens=seqlens),
         "kvcache append+rotary": lambda: flashattn2.flash_attn_with_kvcache(
-            dq, kc, vc, kn, vn, cos, sin, cache_seqlens=seqlens, causal=True),
-        "kvcache paged-16": lambda: flashattn2.flash_attn_with_kvcache(dq, kp, vp, cache_seqlens=seqlens,
-                                                                       block_table=table),
+            dq, kc, vc, kn, vn, cos, sin, cache_seqlens=seqlens, causal=True
+        ),
+        "kvcache paged-16": lambda: flashattn2.flash_attn_with_kvcache(
+            dq, kp, vp, cache_seqlens=seqlens, block_table=table
+        ),
         "sdpa decode": lambda: F.scaled_dot_product_attention(dqs, kcs, vcs, enable_gqa=True),
     }
     cases.update(decode)

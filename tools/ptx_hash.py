@@ -6,6 +6,7 @@ refactors of the kernels: run before and after, compare (`--against FILE` does i
     python tools/ptx_hash.py --arch sm90 --match gluon > before.jsonl   # then change, then
     python tools/ptx_hash.py --arch sm90 --match gluon --against before.jsonl
 """
+
 import argparse
 import hashlib
 import json

@@ -11,6 +11,7 @@ mbarrier try-wait spin shows as a long loop closed far away and can be told by i
 per loop trip, not weighted by how often it runs (ncu_sass.py reads that from a profile). E.g. one compare and
 one select per masked score took the forward's masked loop from 825 to 671 instructions at d64 128(x2)x64.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,13 +61,13 @@ def compile_sass(match: str) -> str:
     for name, fn, elem_bytes, constexprs, cfg, *types in exact or cases:
         if match in compile_check.case_id(name, cfg):
             kernel = compile_check.compile_kernel(fn, "sm90", elem_bytes, constexprs, cfg, *types)
-            cuobjdump = os.path.join(os.path.dirname(compile_check.triton.__file__), "backends", "nvidia", "bin",
-                                     "cuobjdump")
+            cuobjdump = os.path.join(
+                os.path.dirname(compile_check.triton.__file__), "backends", "nvidia", "bin", "cuobjdump"
+            )
             with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
                 fh.write(kernel.asm["cubin"])
                 fh.flush()
-                return subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True,
-                                      check=True).stdout
+                return subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True, check=True).stdout
     raise SystemExit(f"no sm90 configuration matches {match!r}")
 
 

@@ -8,6 +8,7 @@ as a PNG, then sample from the model through the KV cache.
 Tokens are bytes (vocabulary 256). The loss is compared with the corpus' unigram entropy: the
 loss of a model that knows only how often each byte occurs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def parse_args(argv=None):
     ap.add_argument("--sample-tokens", type=int, default=400)
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (fullgraph)")
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "out"),
-                    help="folder for loss.png and the final numbers")
+    ap.add_argument(
+        "--out",
+        default=str(pathlib.Path(__file__).resolve().parent / "out"),
+        help="folder for loss.png and the final numbers",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.batch, args.seqlen = 3, 2, 32
@@ -85,24 +89,31 @@ def main(argv=None):
     counts = torch.bincount(train, minlength=256).double()
     p = counts[counts > 0] / counts.sum()
     unigram = float(-(p * p.log()).sum())
-    print(f"corpus: {len(data) / 1e6:.1f} MB of Python standard library source; unigram entropy "
-          f"{unigram:.3f} nats/byte")
+    print(
+        f"corpus: {len(data) / 1e6:.1f} MB of Python standard library source; unigram entropy {unigram:.3f} nats/byte"
+    )
 
-    config = GPTConfig(vocab_size=256, block_size=args.seqlen, n_layer=args.n_layer, n_head=args.n_head,
-                       n_embd=args.n_embd)
+    config = GPTConfig(
+        vocab_size=256, block_size=args.seqlen, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
     model = GPT(config).to(device)
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {config}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                       enabled=False)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
     gen = torch.Generator().manual_seed(args.seed)
 
     def batch_of(source):
         starts = torch.randint(0, len(source) - args.seqlen - 1, (args.batch,), generator=gen)
-        rows = torch.stack([source[s:s + args.seqlen + 1] for s in starts.tolist()]).to(device)
+        rows = torch.stack([source[s : s + args.seqlen + 1] for s in starts.tolist()]).to(device)
         return rows[:, :-1], rows[:, 1:]
 
     def train_step(x, y):
@@ -127,6 +138,7 @@ def main(argv=None):
 
     try:
         from tqdm import tqdm
+
         bar = tqdm(range(args.steps), desc="train", unit="step")
     except ImportError:
         bar = range(args.steps)
@@ -149,13 +161,18 @@ def main(argv=None):
             evals.append((step + 1, evaluate()))
     elapsed = time.time() - start
     val_loss = evals[-1][1]
-    print(f"{args.steps} steps in {elapsed:.0f} s: train loss {history[-1]:.3f}, val loss {val_loss:.3f} nats/byte "
-          f"({val_loss / unigram:.2f}x the unigram entropy {unigram:.3f})")
-    (out_dir / "result.txt").write_text(f"steps {args.steps}\nseconds {elapsed:.1f}\nunigram {unigram:.4f}\n"
-                                        f"train_loss {history[-1]:.4f}\nval_loss {val_loss:.4f}\n")
+    print(
+        f"{args.steps} steps in {elapsed:.0f} s: train loss {history[-1]:.3f}, val loss {val_loss:.3f} nats/byte "
+        f"({val_loss / unigram:.2f}x the unigram entropy {unigram:.3f})"
+    )
+    (out_dir / "result.txt").write_text(
+        f"steps {args.steps}\nseconds {elapsed:.1f}\nunigram {unigram:.4f}\n"
+        f"train_loss {history[-1]:.4f}\nval_loss {val_loss:.4f}\n"
+    )
 
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

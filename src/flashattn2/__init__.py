@@ -1,4 +1,5 @@
 """flashattn2: FlashAttention-2 in Triton, a drop-in for flash_attn 2.x's functions."""
+
 from .errors import ArgumentError, ArgumentTypeError
 from .api import (
     flash_attn_func,

@@ -5,6 +5,7 @@ kernels and naive PyTorch), appended to a CSV, then the table and plots. Without
 kernels run through Triton's CPU interpreter on small shapes and are checked against the
 reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,17 +20,27 @@ def _ints(text):
 
 
 def _parser():
-    ap = argparse.ArgumentParser(prog="python -m flashattn2", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", nargs="?", default="bench", choices=["bench", "check"],
-                    help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check")
-    ap.add_argument("what", nargs="?", default="kernels",
-                    choices=["kernels", "report", "features", "decode", "gpt", "ab"],
-                    help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
-                         "features: what varlen, window and the other options cost (headdim 128 by default); "
-                         "decode: GB/s of K/V read when decoding over a KV cache; "
-                         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table); "
-                         "ab: flashattn2 under two or more settings (--setting), alternated in one run")
+    ap = argparse.ArgumentParser(
+        prog="python -m flashattn2", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "command",
+        nargs="?",
+        default="bench",
+        choices=["bench", "check"],
+        help="bench (default): the benchmark, or the CPU check without a GPU; check: the CPU check",
+    )
+    ap.add_argument(
+        "what",
+        nargs="?",
+        default="kernels",
+        choices=["kernels", "report", "features", "decode", "gpt", "ab"],
+        help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
+        "features: what varlen, window and the other options cost (headdim 128 by default); "
+        "decode: GB/s of K/V read when decoding over a KV cache; "
+        "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table); "
+        "ab: flashattn2 under two or more settings (--setting), alternated in one run",
+    )
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
@@ -40,29 +51,47 @@ def _parser():
     ap.add_argument("--plots", default=None, help="folder for PNGs; default beside the CSV")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--nheads", type=int, default=None, help="kernels: query heads (default 2048 / headdim)")
-    ap.add_argument("--nheads-k", type=int, default=None,
-                    help="kernels: K/V heads (default nheads; fewer: GQA, e.g. --nheads 32 --nheads-k 8)")
-    ap.add_argument("--baseline", default=None,
-                    help="features / decode: a package built by tools/baseline_pkg.py to compare with (features: "
-                         "'features off'; decode: timed beside flashattn2 in alternating rounds)")
+    ap.add_argument(
+        "--nheads-k",
+        type=int,
+        default=None,
+        help="kernels: K/V heads (default nheads; fewer: GQA, e.g. --nheads 32 --nheads-k 8)",
+    )
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="features / decode: a package built by tools/baseline_pkg.py to compare with (features: "
+        "'features off'; decode: timed beside flashattn2 in alternating rounds)",
+    )
     ap.add_argument("--cases", default="varlen,window,off,on", help="features: which cases")
     ap.add_argument("--batches", default="1,8,64", help="decode: batch sizes")
     ap.add_argument("--caches", default="1024,8192,32768,131072", help="decode: cache lengths")
     ap.add_argument("--kv-heads", default="32,8", help="decode: K/V heads (32 query heads)")
-    ap.add_argument("--layouts", default="contiguous,paged-16,paged-256,contiguous-unchecked",
-                    help="decode: flashattn2's cache layouts (-unchecked: set_kvcache_checks(False), eager only)")
+    ap.add_argument(
+        "--layouts",
+        default="contiguous,paged-16,paged-256,contiguous-unchecked",
+        help="decode: flashattn2's cache layouts (-unchecked: set_kvcache_checks(False), eager only)",
+    )
     ap.add_argument("--timings", default="eager,graph", help="decode: eager and/or graph (CUDA graph replay)")
     ap.add_argument("--models", default="gpt3-1.3b,gpt3-2.7b", help="gpt: model shapes")
     ap.add_argument("--contexts", default="2048,8192", help="gpt: context lengths")
     ap.add_argument("--attentions", default="flashattn2,sdpa_flash,sdpa_cudnn,naive", help="gpt: what runs attention")
     ap.add_argument("--tokens", type=int, default=16384, help="gpt: tokens per training step")
     ap.add_argument("--steps", type=int, default=10, help="gpt: timed steps (after 3 warm-up steps)")
-    ap.add_argument("--setting", action="append", default=None,
-                    help="ab: a setting, given twice or more: ops.planning.force arguments ('hopper=0', "
-                         "'fwd_hopper_persist=64x64w8s2'; 'default'), or 'pkg:NAME' (tools/baseline_pkg.py)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="kernels / ab: rounds alternating the providers / settings, odd ones in reverse order "
-                         "(median reported; default 1 / 3)")
+    ap.add_argument(
+        "--setting",
+        action="append",
+        default=None,
+        help="ab: a setting, given twice or more: ops.planning.force arguments ('hopper=0', "
+        "'fwd_hopper_persist=64x64w8s2'; 'default'), or 'pkg:NAME' (tools/baseline_pkg.py)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="kernels / ab: rounds alternating the providers / settings, odd ones in reverse order "
+        "(median reported; default 1 / 3)",
+    )
     ap.add_argument("--no-cudnn", action="store_true", help="ab: leave SDPA's cuDNN kernels out")
     return ap
 
@@ -123,9 +152,19 @@ def main(argv=None) -> int:
         print(f"unknown provider(s): {sorted(unknown)}")
         return 2
     path = args.csv or _default_csv(torch.cuda.get_device_name())
-    kernels.run_grid(path, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
-                     [bool(c) for c in _ints(args.causal)], args.modes.split(","), names,
-                     progress=not args.no_progress, nheads=args.nheads, nheads_k=args.nheads_k, rounds=args.rounds or 1)
+    kernels.run_grid(
+        path,
+        args.dtypes.split(","),
+        _ints(args.headdims),
+        _ints(args.seqlens),
+        [bool(c) for c in _ints(args.causal)],
+        args.modes.split(","),
+        names,
+        progress=not args.no_progress,
+        nheads=args.nheads,
+        nheads_k=args.nheads_k,
+        rounds=args.rounds or 1,
+    )
     return _report(path, args.plots)
 
 
@@ -136,8 +175,7 @@ def _features(args):
 
     path = args.csv or os.path.join(RESULTS, f"features-{_slug(torch.cuda.get_device_name())}.csv")
     headdim = _ints(args.headdims)[-1] if args.headdims != "64,128" else 128
-    features.run(path, args.dtypes.split(","), headdim, args.modes.split(","), args.baseline,
-                 args.cases.split(","))
+    features.run(path, args.dtypes.split(","), headdim, args.modes.split(","), args.baseline, args.cases.split(","))
     return _write_markdown(path, features.markdown(path))
 
 
@@ -147,9 +185,17 @@ def _decode(args):
     from .bench import decode
 
     path = args.csv or os.path.join(RESULTS, f"decode-{_slug(torch.cuda.get_device_name())}.csv")
-    decode.run(path, _ints(args.batches), _ints(args.caches), _ints(args.kv_heads), args.layouts.split(","),
-               args.timings.split(","), peers="sdpa" in args.providers, baseline=args.baseline,
-               rounds=args.rounds or 1)
+    decode.run(
+        path,
+        _ints(args.batches),
+        _ints(args.caches),
+        _ints(args.kv_heads),
+        args.layouts.split(","),
+        args.timings.split(","),
+        peers="sdpa" in args.providers,
+        baseline=args.baseline,
+        rounds=args.rounds or 1,
+    )
     return _write_markdown(path, decode.markdown(path))
 
 
@@ -165,10 +211,20 @@ def _ab(args):
         print("bench ab: give two or more --setting (e.g. --setting default --setting hopper=0)")
         return 2
     path = args.csv or os.path.join(RESULTS, f"ab-{_slug(torch.cuda.get_device_name())}.csv")
-    rows = ab.run(args.setting, args.dtypes.split(","), _ints(args.headdims), _ints(args.seqlens),
-                  [bool(c) for c in _ints(args.causal)], args.modes.split(","), cudnn=not args.no_cudnn,
-                  rounds=args.rounds or 3, nheads=args.nheads, nheads_k=args.nheads_k, out_csv=path,
-                  progress=not args.no_progress)
+    rows = ab.run(
+        args.setting,
+        args.dtypes.split(","),
+        _ints(args.headdims),
+        _ints(args.seqlens),
+        [bool(c) for c in _ints(args.causal)],
+        args.modes.split(","),
+        cudnn=not args.no_cudnn,
+        rounds=args.rounds or 3,
+        nheads=args.nheads,
+        nheads_k=args.nheads_k,
+        out_csv=path,
+        progress=not args.no_progress,
+    )
     print(ab.markdown(rows))
     return 0
 

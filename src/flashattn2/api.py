@@ -7,6 +7,7 @@ seqlen_k=5 the mask rows are 1 1 1 1 0 / 1 1 1 1 1. A query row that sees no key
 seqlen_q > seqlen_k, or with seqlen_k 0, which the dense calls accept as flash_attn does) outputs zeros
 and has logsumexp +inf.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,14 +35,16 @@ def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     return _options(q, _DENSE, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
-def _prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes):
+def _prepare_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
+):
     """_prepare for varlen; returns (options, verify): call verify() once the kernels are queued,
     it raises on bad cu_seqlens values without stalling the GPU (checks.check_cu_seqlens)."""
     checks.check_qkv(q, k, v, varlen=True)
     *seq_args, verify = checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k, q, k)
-    options = _options(q, seq_args, cu_q.shape[0] - 1, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes)
+    options = _options(
+        q, seq_args, cu_q.shape[0] - 1, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
+    )
     return options, verify
 
 
@@ -91,8 +94,19 @@ def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slo
     return out, lse, s_dmask
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, with FlashAttention-2.
 
     Arguments:
@@ -133,8 +147,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); the backward writes one dqkv.
 
     Other arguments and the return value are those of flash_attn_func.
@@ -149,8 +172,18 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2,
     nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
     checks.check_packed("kv", kv, 2)
@@ -163,9 +196,24 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash_attn_func on sequences of different lengths packed along the first dimension.
 
     Arguments:
@@ -189,61 +237,184 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     does not wait for them (outside torch.compile).
     """
     if block_table is not None:
-        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
-    options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
+        return _varlen_paged(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            return_attn_probs,
+            block_table,
+        )
+    options, verify = _prepare_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+    )
     out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, return_attn_probs, block_table):
+def _varlen_paged(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table,
+):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                      dropout_p, alibi_slopes)
+    max_q = checks.check_varlen_paged(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
+    )
     scale = _scale(q, softmax_scale)
     left, right = (int(w) for w in window_size)
-    out, lse = _fwd_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, block_table, scale, bool(causal),
-                                    left, right, float(softcap), alibi_slopes)
+    out, lse = _fwd_varlen_paged_op(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        block_table,
+        scale,
+        bool(causal),
+        left,
+        right,
+        float(softcap),
+        alibi_slopes,
+    )
     if not return_attn_probs:
         return out
     return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
     checks.check_packed("qkv", qkv, 3, varlen=True)
     q, k, v = qkv.unbind(dim=1)
-    options, verify = _prepare_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
+    options, verify = _prepare_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+    )
     out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k,
     headdim); the backward writes one dkv."""
     checks.check_packed("kv", kv, 2, varlen=True)
     k, v = kv.unbind(dim=1)
-    options, verify = _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
+    options, verify = _prepare_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+    )
     out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     """Attention over a KV cache, for decoding and chunked prefill (inference: no backward).
 
     If k and v (batch, seqlen_new, nheads_k, headdim) are given, they are written into k_cache /
@@ -279,8 +450,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check: out-of-range values are clamped into range (nothing is read or written out of
     bounds), as flash_attn does not check them either.
     """
-    checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                         cache_leftpad, block_table, num_splits, alibi_slopes)
+    checks.check_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        num_splits,
+        alibi_slopes,
+    )
     checks.check_options(0.0, softmax_scale, window_size, softcap)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     # flash_attn's rule: a window edge that reaches past the cache is no edge (this decides
@@ -291,8 +475,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, q_positions)
     # an int cache_seqlens is checked here (no device read); the tensors' values by the kernels
     if not isinstance(cache_seqlens, torch.Tensor):
-        checks.check_kvcache_seqlen(capacity if cache_seqlens is None else cache_seqlens, capacity,
-                                    0 if k is None else k.shape[1], rotary_cos, q_positions, block_table is not None)
+        checks.check_kvcache_seqlen(
+            capacity if cache_seqlens is None else cache_seqlens,
+            capacity,
+            0 if k is None else k.shape[1],
+            rotary_cos,
+            q_positions,
+            block_table is not None,
+        )
     check = None
     if any(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)):
         check = _kvcache_check(q, capacity, k, rotary_cos, q_positions)
@@ -306,10 +496,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
     bad = False
     try:
-        out, lse = _fwd_kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int,
-                                   cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), left, right,
-                                   float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                                   check=check)
+        out, lse = _fwd_kvcache_op(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            seqlens,
+            seqlen_int,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            scale,
+            bool(causal),
+            left,
+            right,
+            float(softcap),
+            bool(rotary_interleaved),
+            alibi_slopes,
+            int(num_splits),
+            check=check,
+        )
         bad = check is not None and bool(check.err.item())
     except BaseException:
         if check is not None:  # the flag may be set: drop it (the next call makes a new one)
@@ -327,8 +536,11 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
     kernels then only clamp the values into range."""
     # is_compiling first: Dynamo would otherwise guard on the switch and recompile when it flips
-    if torch.compiler.is_compiling() or not _KVCACHE_CHECKS or (
-            q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if (
+        torch.compiler.is_compiling()
+        or not _KVCACHE_CHECKS
+        or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    ):
         return None
     seqlen_new = 0 if k is None else k.shape[1]
     limit = capacity - seqlen_new

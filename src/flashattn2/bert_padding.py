@@ -4,6 +4,7 @@ Padded `(batch, seqlen, ...)` activations become `(total_tokens, ...)` plus `cu_
 `(batch + 1,)`, the cumulative sequence lengths the varlen functions take) and back. Pure
 PyTorch; the gather and scatter have their own autograd so the backward is a scatter/gather too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,8 +63,11 @@ class IndexFirstAxisResidual(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, grad_residual):
         (indices,) = ctx.saved_tensors
-        grad_input = grad_residual.clone() if grad_residual is not None else \
-            grad_output.new_zeros(ctx.first_axis_dim, *grad_output.shape[1:])
+        grad_input = (
+            grad_residual.clone()
+            if grad_residual is not None
+            else grad_output.new_zeros(ctx.first_axis_dim, *grad_output.shape[1:])
+        )
         grad_input.index_add_(0, indices, grad_output)
         return grad_input, None
 

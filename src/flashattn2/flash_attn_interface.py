@@ -32,6 +32,7 @@ and the autograd classes' `.apply` with 2.8's positional arguments. Where flasha
 Valid arguments flashattn2 cannot serve raise NotImplementedError naming the argument
 (leftpad_k, seqused_k); bad ones raise flashattn2.errors.ArgumentError / ArgumentTypeError.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,8 +96,10 @@ def _seed(rng_state, q, dropout_p: float) -> torch.Tensor | None:
     if dropout_p == 0:
         return None
     if rng_state is None:
-        raise ArgumentError("rng_state is None with dropout_p > 0: pass the rng_state the forward returned, "
-                            "or the backward cannot replay its dropout mask")
+        raise ArgumentError(
+            "rng_state is None with dropout_p > 0: pass the rng_state the forward returned, "
+            "or the backward cannot replay its dropout mask"
+        )
     if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() < 1:
         raise ArgumentTypeError("rng_state must be the int64 tensor the forward returned")
     if rng_state.device != q.device:
@@ -155,8 +158,19 @@ def _softmax_d(dout, out, dropout_p: float, varlen: bool) -> torch.Tensor:
     return (d.transpose(0, 1) if varlen else d.transpose(1, 2)).contiguous()
 
 
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                        alibi_slopes, return_softmax):
+def _flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+):
     """One attention call on dense inputs, without autograd (flash_attn 2.8's private op).
 
     Arguments:
@@ -170,20 +184,40 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
         return_softmax, else empty); rng_state int64 (2,) for the backward (module docstring).
     """
     checks.check_qkv(q, k, v, varlen=False)
-    dropout_p, scale, left, right, softcap = _options(q, q.shape[0], dropout_p, softmax_scale, window_size_left,
-                                                      window_size_right, softcap, alibi_slopes)
+    dropout_p, scale, left, right, softcap = _options(
+        q, q.shape[0], dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+    )
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
-    options = Options(None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right,
-                      softcap)
+    options = Options(
+        None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right, softcap
+    )
     out, lse = registry.run_fwd(q, k, v, *options.op_args(), alibi_slopes)
     return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
 
 
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None, zero_tensors=False, num_splits=0):
+def _flash_attn_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+    zero_tensors=False,
+    num_splits=0,
+):
     """_flash_attn_forward on sequences packed along the first dimension (flash_attn 2.8's op).
 
     Arguments:
@@ -205,21 +239,39 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         raise ArgumentError(f"_flash_attn_varlen_forward: num_splits must be an int >= 0, got {num_splits!r}")
     for name, value in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
         if value is not None:
-            raise NotImplementedError(f"_flash_attn_varlen_forward: {name} is not supported by flashattn2 "
-                                      "(pass None)")
+            raise NotImplementedError(f"_flash_attn_varlen_forward: {name} is not supported by flashattn2 (pass None)")
     if block_table is not None:
-        return _varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                     softmax_scale, causal, window_size_left, window_size_right, softcap,
-                                     alibi_slopes, return_softmax, block_table, zero_tensors)
+        return _varlen_paged_forward(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+            alibi_slopes,
+            return_softmax,
+            block_table,
+            zero_tensors,
+        )
     checks.check_qkv(q, k, v, varlen=True)
-    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               max_seqlen_k, q, k)
-    dropout_p, scale, left, right, softcap = _options(q, cu_q.shape[0] - 1, dropout_p, softmax_scale,
-                                                      window_size_left, window_size_right, softcap, alibi_slopes)
+    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
+    )
+    dropout_p, scale, left, right, softcap = _options(
+        q, cu_q.shape[0] - 1, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+    )
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
-    options = Options(cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left,
-                      right, softcap)
+    options = Options(
+        cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right, softcap
+    )
     out, lse = registry.run_fwd(q, k, v, *options.op_args(), alibi_slopes)
     verify()
     if zero_tensors:
@@ -227,17 +279,46 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
 
 
-def _varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                          softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                          return_softmax, block_table, zero_tensors):
+def _varlen_paged_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+    block_table,
+    zero_tensors,
+):
     _check_return_softmax(return_softmax, dropout_p)
     checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
-    max_q = checks.check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                      dropout_p, alibi_slopes)
+    max_q = checks.check_varlen_paged(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
+    )
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    out, lse = registry.fwd_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, block_table, scale,
-                                         bool(causal), int(window_size_left), int(window_size_right),
-                                         float(softcap), alibi_slopes)
+    out, lse = registry.fwd_varlen_paged(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        block_table,
+        scale,
+        bool(causal),
+        int(window_size_left),
+        int(window_size_right),
+        float(softcap),
+        alibi_slopes,
+    )
     if zero_tensors:
         _fill_lse_tail(lse, cu_seqlens_q)
     return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), _new_rng_state(q, 0.0)
@@ -249,8 +330,26 @@ def _fill_lse_tail(lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
     lse.masked_fill_((rows >= cu_seqlens_q[-1])[None, :], float("-inf"))
 
 
-def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+def _flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     """The gradients of one _flash_attn_forward call, written into dq, dk, dv (flash_attn 2.8's op).
 
     Arguments:
@@ -269,33 +368,103 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     checks.check_qkv(q, k, v, varlen=False)
     batch, seqlen_q, nheads, _ = q.shape
     _check_backward_inputs(dout, out, softmax_lse, q, (batch, nheads, seqlen_q))
-    dropout_p, scale, left, right, softcap = _options(q, batch, dropout_p, softmax_scale, window_size_left,
-                                                      window_size_right, softcap, alibi_slopes)
+    dropout_p, scale, left, right, softcap = _options(
+        q, batch, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+    )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
-    registry.run_bwd(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, None, None, 0, 0, dropout_p, seed, scale,
-                     bool(causal), left, right, softcap, alibi_slopes, bool(deterministic))
+    registry.run_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        None,
+        dq,
+        dk,
+        dv,
+        None,
+        None,
+        0,
+        0,
+        dropout_p,
+        seed,
+        scale,
+        bool(causal),
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        bool(deterministic),
+    )
     return _softmax_d(dout, out, dropout_p, varlen=False)
 
 
-def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
-                                window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
-                                zero_tensors=False):
+def _flash_attn_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+    zero_tensors=False,
+):
     """_flash_attn_backward on packed sequences (flash_attn 2.8's op): dout, q, out (total_q,
     nheads, headdim), k, v (total_k, nheads_k, headdim), softmax_lse (nheads, total_q). Rows past
     cu_seqlens[-1] get a zero gradient whatever zero_tensors says (flash_attn's zero_tensors=True
     gives that). Returns softmax_d (nheads, total_q) float32."""
     checks.check_qkv(q, k, v, varlen=True)
     _check_backward_inputs(dout, out, softmax_lse, q, (q.shape[1], q.shape[0]))
-    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               max_seqlen_k, q, k)
-    dropout_p, scale, left, right, softcap = _options(q, cu_q.shape[0] - 1, dropout_p, softmax_scale,
-                                                      window_size_left, window_size_right, softcap, alibi_slopes)
+    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
+    )
+    dropout_p, scale, left, right, softcap = _options(
+        q, cu_q.shape[0] - 1, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+    )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
-    registry.run_bwd(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, seed,
-                     scale, bool(causal), left, right, softcap, alibi_slopes, bool(deterministic))
+    registry.run_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        None,
+        dq,
+        dk,
+        dv,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        seed,
+        scale,
+        bool(causal),
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        bool(deterministic),
+    )
     verify()
     return _softmax_d(dout, out, dropout_p, varlen=True)
 
@@ -311,66 +480,203 @@ class FlashAttnFunc:
     flash_attn_func. (is_grad_enabled, 2.8's last argument, may be left out as before 2.7.)"""
 
     @staticmethod
-    def apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-              return_softmax, is_grad_enabled=None):
+    def apply(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        is_grad_enabled=None,
+    ):
         with _grad_mode(is_grad_enabled):
-            return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                   deterministic, return_softmax)
+            return flash_attn_func(
+                q,
+                k,
+                v,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                return_softmax,
+            )
 
 
 class FlashAttnQKVPackedFunc:
     """flash_attn's FlashAttnQKVPackedFunc: `.apply` runs flash_attn_qkvpacked_func."""
 
     @staticmethod
-    def apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-              return_softmax, is_grad_enabled=None):
+    def apply(
+        qkv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        is_grad_enabled=None,
+    ):
         with _grad_mode(is_grad_enabled):
-            return flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size, softcap,
-                                             alibi_slopes, deterministic, return_softmax)
+            return flash_attn_qkvpacked_func(
+                qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_softmax
+            )
 
 
 class FlashAttnKVPackedFunc:
     """flash_attn's FlashAttnKVPackedFunc: `.apply` runs flash_attn_kvpacked_func."""
 
     @staticmethod
-    def apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-              return_softmax, is_grad_enabled=None):
+    def apply(
+        q,
+        kv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        is_grad_enabled=None,
+    ):
         with _grad_mode(is_grad_enabled):
-            return flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
-                                            alibi_slopes, deterministic, return_softmax)
+            return flash_attn_kvpacked_func(
+                q,
+                kv,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                return_softmax,
+            )
 
 
 class FlashAttnVarlenFunc:
     """flash_attn's FlashAttnVarlenFunc: `.apply` runs flash_attn_varlen_func."""
 
     @staticmethod
-    def apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table, is_grad_enabled=None):
+    def apply(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        block_table,
+        is_grad_enabled=None,
+    ):
         with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                          deterministic, return_softmax, block_table)
+            return flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                return_softmax,
+                block_table,
+            )
 
 
 class FlashAttnVarlenQKVPackedFunc:
     """flash_attn's FlashAttnVarlenQKVPackedFunc: `.apply` runs flash_attn_varlen_qkvpacked_func."""
 
     @staticmethod
-    def apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-              deterministic, return_softmax, is_grad_enabled=None):
+    def apply(
+        qkv,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        is_grad_enabled=None,
+    ):
         with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
-                                                    window_size, softcap, alibi_slopes, deterministic,
-                                                    return_softmax)
+            return flash_attn_varlen_qkvpacked_func(
+                qkv,
+                cu_seqlens,
+                max_seqlen,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                return_softmax,
+            )
 
 
 class FlashAttnVarlenKVPackedFunc:
     """flash_attn's FlashAttnVarlenKVPackedFunc: `.apply` runs flash_attn_varlen_kvpacked_func."""
 
     @staticmethod
-    def apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=None):
+    def apply(
+        q,
+        kv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        is_grad_enabled=None,
+    ):
         with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   dropout_p, softmax_scale, causal, window_size, softcap,
-                                                   alibi_slopes, deterministic, return_softmax)
+            return flash_attn_varlen_kvpacked_func(
+                q,
+                kv,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                return_softmax,
+            )

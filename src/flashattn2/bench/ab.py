@@ -9,6 +9,7 @@ median over the rounds is reported with its ratio to the first setting and to cu
 is checked against the reference (forward and backward, flash-attn's rule) before it is timed; one
 that fails is not timed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,9 @@ from .results import appending
 
 # planning.force's switches (hopper=..., tma=..., ...); arch and bwd_order take a name
 _NAMED = ("arch", "bwd_order")
-_SWITCHES = [name for name, p in inspect.signature(planning.force).parameters.items()
-             if p.default is None and name not in _NAMED]
+_SWITCHES = [
+    name for name, p in inspect.signature(planning.force).parameters.items() if p.default is None and name not in _NAMED
+]
 _OFF = ("0", "false", "off", "no")
 
 
@@ -50,9 +52,11 @@ class Setting:
                 self.overrides[key] = tile
                 continue
             if not sep or (key not in _SWITCHES and key not in _NAMED):
-                raise ValueError(f"bench ab: setting {text!r}: expected key=value with key one of "
-                                 f"{[*_NAMED, *_SWITCHES]}, or a kernel of {list(planning.KERNELS)} = a tile like "
-                                 f"64x128w4s2 (64x64w12s3q1: with its Q buffers), got {item!r}")
+                raise ValueError(
+                    f"bench ab: setting {text!r}: expected key=value with key one of "
+                    f"{[*_NAMED, *_SWITCHES]}, or a kernel of {list(planning.KERNELS)} = a tile like "
+                    f"64x128w4s2 (64x64w12s3q1: with its Q buffers), got {item!r}"
+                )
             self.overrides[key] = value if key in _NAMED else value.lower() not in _OFF
 
     def context(self):
@@ -66,8 +70,23 @@ class Setting:
         return self.fn(q, k, v, causal=causal)
 
 
-def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=True, rounds=3, tokens=16384,
-        hidden=2048, nheads=None, nheads_k=None, out_csv=None, progress=True, device="cuda") -> list[dict]:
+def run(
+    settings: list[str],
+    dtypes,
+    headdims,
+    seqlens,
+    causals,
+    modes,
+    cudnn=True,
+    rounds=3,
+    tokens=16384,
+    hidden=2048,
+    nheads=None,
+    nheads_k=None,
+    out_csv=None,
+    progress=True,
+    device="cuda",
+) -> list[dict]:
     """Rows {setting, dtype, headdim, causal, seqlen, mode, ms (median of rounds), tflops, note} for each
     setting (and "sdpa_cudnn"); appended to out_csv (kernels.FIELDS, provider = "flashattn2[label]") if given."""
     sides = [Setting(s) for s in settings]
@@ -85,8 +104,9 @@ def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=Tr
                 notes[side.label] = check_provider(side.run, "bshd", dtype, headdim, causal, heads // heads_k)
         names = [s.label for s in sides] + (["sdpa_cudnn"] if cudnn else [])
         times = {name: {mode: [] for mode in modes} for name in names}
-        q, k, v = (torch.randn(batch, seqlen, h, headdim, device=device, dtype=dtype)
-                   for h in (heads, heads_k, heads_k))
+        q, k, v = (
+            torch.randn(batch, seqlen, h, headdim, device=device, dtype=dtype) for h in (heads, heads_k, heads_k)
+        )
         order = [s for s in sides if not notes[s.label]] + ([None] if cudnn else [])  # None: cuDNN
         for round_ in range(rounds):
             # odd rounds in reverse order, so that a place in the round (first after the previous
@@ -108,10 +128,22 @@ def run(settings: list[str], dtypes, headdims, seqlens, causals, modes, cudnn=Tr
                 found = times[name][mode]
                 ms = statistics.median(found) if found else float("nan")
                 flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
-                rows.append(dict(setting=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
-                                 mode=mode, ms=ms, tflops=flops / ms * 1e-9, note=notes.get(name, ""), **shape))
+                rows.append(
+                    dict(
+                        setting=name,
+                        dtype=dtype_name,
+                        headdim=headdim,
+                        causal=int(causal),
+                        seqlen=seqlen,
+                        mode=mode,
+                        ms=ms,
+                        tflops=flops / ms * 1e-9,
+                        note=notes.get(name, ""),
+                        **shape,
+                    )
+                )
         if out_csv:  # each point as it is done: a run cut short keeps what it measured
-            _append(out_csv, rows[-len(names) * len(modes):], rounds)
+            _append(out_csv, rows[-len(names) * len(modes) :], rounds)
         if progress:
             print(f"ab: {dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} done", flush=True)
     return rows
@@ -122,10 +154,24 @@ def _append(out_csv: str, rows: list[dict], rounds: int) -> None:
     with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
         for r in rows:
             provider = r["setting"] if r["setting"] == "sdpa_cudnn" else f"flashattn2[{r['setting']}]"
-            writer.writerow(dict(provider=provider, dtype=r["dtype"], headdim=r["headdim"], causal=r["causal"],
-                                 seqlen=r["seqlen"], batch=r["batch"], nheads=r["heads"], nheads_k=r["heads_k"],
-                                 mode=r["mode"], ms=f"{r['ms']:.4f}", tflops=f"{r['tflops']:.1f}", peak_mib="",
-                                 note=r["note"] or f"ab median of {rounds}", **meta))
+            writer.writerow(
+                dict(
+                    provider=provider,
+                    dtype=r["dtype"],
+                    headdim=r["headdim"],
+                    causal=r["causal"],
+                    seqlen=r["seqlen"],
+                    batch=r["batch"],
+                    nheads=r["heads"],
+                    nheads_k=r["heads_k"],
+                    mode=r["mode"],
+                    ms=f"{r['ms']:.4f}",
+                    tflops=f"{r['tflops']:.1f}",
+                    peak_mib="",
+                    note=r["note"] or f"ab median of {rounds}",
+                    **meta,
+                )
+            )
 
 
 def markdown(rows: list[dict]) -> str:

@@ -1,5 +1,6 @@
 """Without a GPU, `python -m flashattn2` runs the kernels through Triton's CPU interpreter on small
 shapes, checks them against the reference and says what it checked; timings need a GPU."""
+
 from __future__ import annotations
 
 import time
@@ -14,10 +15,14 @@ SHAPES = [(1, 97, 97, 2, 2, 64), (2, 65, 130, 4, 2, 40), (1, 130, 65, 2, 1, 128)
 
 
 def run() -> bool:
-    print("No CUDA GPU: running flashattn2's kernels through Triton's interpreter on the CPU "
-          "(small shapes; timings need a GPU).")
-    print(f"{'dtype':9} {'causal':6} {'shape (b, sq, sk, h, hk, d)':30} {'out err':>9} {'grad err':>9} "
-          f"{'torch err':>9}  result")
+    print(
+        "No CUDA GPU: running flashattn2's kernels through Triton's interpreter on the CPU "
+        "(small shapes; timings need a GPU)."
+    )
+    print(
+        f"{'dtype':9} {'causal':6} {'shape (b, sq, sk, h, hk, d)':30} {'out err':>9} {'grad err':>9} "
+        f"{'torch err':>9}  result"
+    )
     ok_all = True
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for causal in (False, True):
@@ -45,8 +50,11 @@ def _check(shape, dtype, causal) -> bool:
     grad_checks = [tolerance.check(g, r, lo, BWD_FACTOR) for g, r, lo in zip(grads, ref_grads, low_grads)]
     ok = out_ok and all(c[0] for c in grad_checks)
     grad_err = max(c[1] for c in grad_checks)
-    low_err = max(tolerance.max_error(low_out, ref_out),
-                  *(tolerance.max_error(lo, r) for lo, r in zip(low_grads, ref_grads)))
-    print(f"{str(dtype)[6:]:9} {str(causal):6} {str(shape):30} {out_err:9.2e} {grad_err:9.2e} "
-          f"{low_err:9.2e}  {'ok' if ok else 'FAIL'} ({seconds:.1f} s)")
+    low_err = max(
+        tolerance.max_error(low_out, ref_out), *(tolerance.max_error(lo, r) for lo, r in zip(low_grads, ref_grads))
+    )
+    print(
+        f"{str(dtype)[6:]:9} {str(causal):6} {str(shape):30} {out_err:9.2e} {grad_err:9.2e} "
+        f"{low_err:9.2e}  {'ok' if ok else 'FAIL'} ({seconds:.1f} s)"
+    )
     return ok

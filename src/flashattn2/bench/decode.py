@@ -10,6 +10,7 @@ point, the two alternating over the rounds (odd rounds in reverse order; the med
 Two timings per point: eager (a Python call per step, as a generate() loop without graphs) and
 graph (the step captured in a CUDA graph and replayed, as serving engines run decoding), so the
 host time of a call and the kernel's own time are told apart."""
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +26,24 @@ from ..reference.kvcache import kvcache_ref
 from .kernels import cuda_graph, run_metadata
 from .results import appending
 
-FIELDS = ["provider", "layout", "batch", "nheads", "nheads_k", "cache", "timing", "ms", "gbs", "frac_copy", "note",
-          "gpu", "torch", "triton", "date", "git_sha"]
+FIELDS = [
+    "provider",
+    "layout",
+    "batch",
+    "nheads",
+    "nheads_k",
+    "cache",
+    "timing",
+    "ms",
+    "gbs",
+    "frac_copy",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "date",
+    "git_sha",
+]
 HEAD_DIM = 128
 NHEADS = 32
 MAX_BYTES = 40 * 2**30
@@ -76,6 +93,7 @@ def _flashattn2_case(batch, nheads_k, cache, layout, module=flashattn2):
             return step()
         finally:
             module.set_kvcache_checks(previous)
+
     return (step_unchecked if unchecked else step), (q, k_cache, v_cache, seqlens, table)
 
 
@@ -103,12 +121,21 @@ def _sdpa_case(batch, nheads_k, cache, backend):
     def step():
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=nheads_k != NHEADS)
+
     return step
 
 
-def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_heads=(32, 8),
-        layouts=("contiguous", "paged-16", "paged-256", "contiguous-unchecked"), timings=("eager", "graph"),
-        peers=True, baseline=None, rounds=1):
+def run(
+    out_csv,
+    batches=(1, 8, 64),
+    caches=(1024, 8192, 32768, 131072),
+    kv_heads=(32, 8),
+    layouts=("contiguous", "paged-16", "paged-256", "contiguous-unchecked"),
+    timings=("eager", "graph"),
+    peers=True,
+    baseline=None,
+    rounds=1,
+):
     from torch.nn.attention import SDPBackend
 
     base = importlib.import_module(baseline) if baseline else None
@@ -136,14 +163,17 @@ def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_head
                                 step, tensors = _flashattn2_case(batch, nheads_k, cache, layout, module)
                                 note = _check(step, tensors)
                             else:
-                                backend = SDPBackend.FLASH_ATTENTION if provider == "sdpa_flash" else \
-                                    SDPBackend.CUDNN_ATTENTION
+                                backend = (
+                                    SDPBackend.FLASH_ATTENTION
+                                    if provider == "sdpa_flash"
+                                    else SDPBackend.CUDNN_ATTENTION
+                                )
                                 step = _sdpa_case(batch, nheads_k, cache, backend)
                         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                             step, note = None, "failed: " + str(exc).splitlines()[0][:120]
                         steps[provider, layout], notes[provider, layout] = (None if note else step), note
                     for r in range(rounds):  # the cases alternate, odd rounds in reverse order
-                        for case in (cases if r % 2 == 0 else cases[::-1]):
+                        for case in cases if r % 2 == 0 else cases[::-1]:
                             if steps[case] is None:
                                 continue
                             # unchecked differs from checked only in eager calls (graphs check nothing)
@@ -160,16 +190,30 @@ def run(out_csv, batches=(1, 8, 64), caches=(1024, 8192, 32768, 131072), kv_head
                         for timing in case_timings:
                             ms = times.get(timing, float("nan"))
                             gbs = kv_bytes / ms * 1e-6
-                            row = dict(provider=provider, layout=layout, batch=batch, nheads=NHEADS, nheads_k=nheads_k,
-                                       cache=cache, timing=timing, ms=f"{ms:.4f}", gbs=f"{gbs:.0f}",
-                                       frac_copy=f"{gbs / copy:.3f}", note=note, **meta)
+                            row = dict(
+                                provider=provider,
+                                layout=layout,
+                                batch=batch,
+                                nheads=NHEADS,
+                                nheads_k=nheads_k,
+                                cache=cache,
+                                timing=timing,
+                                ms=f"{ms:.4f}",
+                                gbs=f"{gbs:.0f}",
+                                frac_copy=f"{gbs / copy:.3f}",
+                                note=note,
+                                **meta,
+                            )
                             writer.writerow(row)
                             rows.append(row)
                         fh.flush()
                         torch.cuda.empty_cache()
-                        print(f"hk={nheads_k} b={batch} cache={cache} {provider} {layout}: "
-                              + ", ".join(f"{t} {kv_bytes / times[t] * 1e-6:.0f} GB/s" for t in times) + (
-                                  f" {note}" if note else ""), flush=True)
+                        print(
+                            f"hk={nheads_k} b={batch} cache={cache} {provider} {layout}: "
+                            + ", ".join(f"{t} {kv_bytes / times[t] * 1e-6:.0f} GB/s" for t in times)
+                            + (f" {note}" if note else ""),
+                            flush=True,
+                        )
     return rows
 
 
@@ -188,10 +232,12 @@ def markdown(path) -> str:
     for r in latest.values():
         runs[r["git_sha"]] = runs.get(r["git_sha"], 0) + 1
     shas = ", ".join(f"{sha} ({n} measurements)" for sha, n in runs.items())
-    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {shas}; each "
-             "point from its last run, its peers from the same run. "
-             "Decode (1 query token), bf16, headdim 128, 32 query heads; GB/s of K/V read; x = flashattn2 "
-             "(contiguous) over the best SDPA backend, same run.\n"]
+    lines = [
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {shas}; each "
+        "point from its last run, its peers from the same run. "
+        "Decode (1 query token), bf16, headdim 128, 32 query heads; GB/s of K/V read; x = flashattn2 "
+        "(contiguous) over the best SDPA backend, same run.\n"
+    ]
     groups = sorted({(k[0], k[1]) for k in latest}, key=lambda g: (-int(g[0]), g[1]))
     for hk, timing in groups:
         cols = sorted({(k[4], k[5]) for k in latest if k[0] == hk and k[1] == timing})

@@ -11,6 +11,7 @@ features`):
 
 Every case is checked against the reference (forward and backward) before it is timed.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,8 +24,23 @@ from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from .kernels import DTYPES, problems, run_metadata, time_modes
 from .results import appending
 
-FIELDS = ["case", "variant", "dtype", "headdim", "nheads", "shape", "mode", "ms", "tflops", "note",
-          "gpu", "torch", "triton", "date", "git_sha"]
+FIELDS = [
+    "case",
+    "variant",
+    "dtype",
+    "headdim",
+    "nheads",
+    "shape",
+    "mode",
+    "ms",
+    "tflops",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "date",
+    "git_sha",
+]
 # eight sequences of mixed lengths (not multiples of a block) that add up to 16k tokens
 MIXED = (3971, 509, 2813, 1157, 3070, 641, 2300, 1923)
 ROUNDS = 3
@@ -68,12 +84,14 @@ def _dense(batch, seqlen, nheads, headdim, dtype):
 def _ref_dense(**options):
     def ref(q, k, v, upcast):
         return attention_ref(q, k, v, upcast=upcast, **options)[0]
+
     return ref
 
 
 def _api_dense(module, **options):
     def call(q, k, v):
         return module.flash_attn_func(q, k, v, **options)
+
     return call
 
 
@@ -91,6 +109,7 @@ def _varlen_case(lengths, nheads, headdim, dtype, causal):
             o, _ = attention_ref(q[None, s:e], k[None, s:e], v[None, s:e], causal=causal, upcast=upcast)
             outs.append(o[0])
         return torch.cat(outs)
+
     return call, ref, inputs
 
 
@@ -102,16 +121,32 @@ class _Writer:
         if not times:  # not timed (a failed check): one row that says why
             times = {"fwd": float("nan")}
         for mode, ms in times.items():
-            row = dict(case=case, variant=variant, dtype=dtype, headdim=headdim, nheads=nheads, shape=shape,
-                       mode=mode, ms=f"{ms:.4f}", tflops=f"{flops_of(mode) / ms * 1e-9:.1f}", note=note,
-                       **self.meta)
+            row = dict(
+                case=case,
+                variant=variant,
+                dtype=dtype,
+                headdim=headdim,
+                nheads=nheads,
+                shape=shape,
+                mode=mode,
+                ms=f"{ms:.4f}",
+                tflops=f"{flops_of(mode) / ms * 1e-9:.1f}",
+                note=note,
+                **self.meta,
+            )
             self.writer.writerow(row)
             self.rows.append(row)
         self.fh.flush()
 
 
-def run(out_csv, dtypes=("fp16", "bf16"), headdim=128, modes=("fwd", "bwd", "fwd_bwd"), baseline=None,
-        cases=("varlen", "window", "off", "on")):
+def run(
+    out_csv,
+    dtypes=("fp16", "bf16"),
+    headdim=128,
+    modes=("fwd", "bwd", "fwd_bwd"),
+    baseline=None,
+    cases=("varlen", "window", "off", "on"),
+):
     meta = run_metadata()
     with appending(out_csv, FIELDS) as (writer, fh):
         return _run(_Writer(writer, fh, meta), dtypes, headdim, modes, baseline, cases)
@@ -134,14 +169,38 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                 note_v = _check(call_v, ref_v, inputs_v)
                 c = "causal" if causal else "full"
                 t_d = {} if note_d else time_modes(call_d, dense_inputs, modes)
-                out.add(f"varlen-{c}", "dense 8x2048", dtype_name, headdim, nheads, "8x2048", t_d,
-                        lambda m: _flops(eq, eq, nheads, headdim, causal, m), note_d)
+                out.add(
+                    f"varlen-{c}",
+                    "dense 8x2048",
+                    dtype_name,
+                    headdim,
+                    nheads,
+                    "8x2048",
+                    t_d,
+                    lambda m: _flops(eq, eq, nheads, headdim, causal, m),
+                    note_d,
+                )
                 t_v = {} if note_v else time_modes(call_v, inputs_v, modes)
-                out.add(f"varlen-{c}", "varlen mixed", dtype_name, headdim, nheads, "+".join(map(str, MIXED)),
-                        t_v, lambda m: _flops(MIXED, MIXED, nheads, headdim, causal, m), note_v)
-                print(f"{tag} varlen {c}: " + _pair(t_v, t_d, lambda m: _flops(MIXED, MIXED, nheads, headdim,
-                                                                                  causal, m),
-                                                    lambda m: _flops(eq, eq, nheads, headdim, causal, m)))
+                out.add(
+                    f"varlen-{c}",
+                    "varlen mixed",
+                    dtype_name,
+                    headdim,
+                    nheads,
+                    "+".join(map(str, MIXED)),
+                    t_v,
+                    lambda m: _flops(MIXED, MIXED, nheads, headdim, causal, m),
+                    note_v,
+                )
+                print(
+                    f"{tag} varlen {c}: "
+                    + _pair(
+                        t_v,
+                        t_d,
+                        lambda m: _flops(MIXED, MIXED, nheads, headdim, causal, m),
+                        lambda m: _flops(eq, eq, nheads, headdim, causal, m),
+                    )
+                )
         if "window" in cases:
             win = _dense(1, 16384, nheads, headdim, dtype)
             call_w = _api_dense(flashattn2, window_size=(1024, 0))
@@ -151,12 +210,32 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
             note_c = _check(call_c, _ref_dense(causal=True), [t[:2] for t in cau])
             t_w = {} if note_w else time_modes(call_w, win, modes)
             t_c = {} if note_c else time_modes(call_c, cau, modes)
-            out.add("window", "causal 8x2k", dtype_name, headdim, nheads, "8x2048", t_c,
-                    lambda m: _flops([2048] * 8, [2048] * 8, nheads, headdim, True, m), note_c)
-            out.add("window", "window (1024,0) 1x16k", dtype_name, headdim, nheads, "1x16384", t_w,
-                    lambda m: _flops([16384], [16384], nheads, headdim, False, m, window=(1024, 0)), note_w)
-            print(f"{tag} window(1024,0) 16k / causal 8x2k time: "
-                  + ", ".join(f"{m} {t_w[m] / t_c[m]:.2f}" for m in t_w if m in t_c))
+            out.add(
+                "window",
+                "causal 8x2k",
+                dtype_name,
+                headdim,
+                nheads,
+                "8x2048",
+                t_c,
+                lambda m: _flops([2048] * 8, [2048] * 8, nheads, headdim, True, m),
+                note_c,
+            )
+            out.add(
+                "window",
+                "window (1024,0) 1x16k",
+                dtype_name,
+                headdim,
+                nheads,
+                "1x16384",
+                t_w,
+                lambda m: _flops([16384], [16384], nheads, headdim, False, m, window=(1024, 0)),
+                note_w,
+            )
+            print(
+                f"{tag} window(1024,0) 16k / causal 8x2k time: "
+                + ", ".join(f"{m} {t_w[m] / t_c[m]:.2f}" for m in t_w if m in t_c)
+            )
         if "off" in cases and base is not None:
             for causal in (False, True):
                 for batch, seqlen in ((8, 2048), (1, 16384)):
@@ -171,18 +250,40 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                     med = {k: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for k, d in acc.items()}
                     c = "causal" if causal else "full"
                     fl = lambda m, c=causal, b=batch, s=seqlen: _flops([s] * b, [s] * b, nheads, headdim, c, m)  # noqa: E731
-                    out.add(f"off-{c}-{batch}x{seqlen}", f"core ({baseline})", dtype_name, headdim, nheads,
-                            f"{batch}x{seqlen}", med["base"], fl, note)
-                    out.add(f"off-{c}-{batch}x{seqlen}", "features off", dtype_name, headdim, nheads,
-                            f"{batch}x{seqlen}", med["now"], fl, note)
+                    out.add(
+                        f"off-{c}-{batch}x{seqlen}",
+                        f"core ({baseline})",
+                        dtype_name,
+                        headdim,
+                        nheads,
+                        f"{batch}x{seqlen}",
+                        med["base"],
+                        fl,
+                        note,
+                    )
+                    out.add(
+                        f"off-{c}-{batch}x{seqlen}",
+                        "features off",
+                        dtype_name,
+                        headdim,
+                        nheads,
+                        f"{batch}x{seqlen}",
+                        med["now"],
+                        fl,
+                        note,
+                    )
                     print(f"{tag} features off vs core {c} {batch}x{seqlen}: " + _pair(med["now"], med["base"], fl, fl))
         if "on" in cases:
             batch, seqlen = 4, 4096
             inputs = _dense(batch, seqlen, nheads, headdim, dtype)
             slopes = torch.rand(nheads, device="cuda") * 0.1
-            variants = [("off", {}), ("window (-1,-1) given", dict(window_size=(-1, -1))),
-                        ("softcap 30", dict(softcap=30.0)), ("alibi", dict(alibi_slopes=slopes)),
-                        ("window (1024,1024)", dict(window_size=(1024, 1024)))]
+            variants = [
+                ("off", {}),
+                ("window (-1,-1) given", dict(window_size=(-1, -1))),
+                ("softcap 30", dict(softcap=30.0)),
+                ("alibi", dict(alibi_slopes=slopes)),
+                ("window (1024,1024)", dict(window_size=(1024, 1024))),
+            ]
             for causal in (False, True):
                 c = "causal" if causal else "full"
                 base_times = None
@@ -222,9 +323,11 @@ def markdown(path) -> str:
     for r in rows:
         latest[(r["case"], r["dtype"], r["headdim"], r["variant"], r["mode"])] = r
     meta = rows[-1]
-    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. TFLOP/s counted per "
-             "sequence from the pairs each query sees; x = ratio of TFLOP/s to the case's first row (the same "
-             "run); for `window`, x is time(row) / time(first).\n"]
+    lines = [
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. TFLOP/s counted per "
+        "sequence from the pairs each query sees; x = ratio of TFLOP/s to the case's first row (the same "
+        "run); for `window`, x is time(row) / time(first).\n"
+    ]
     table: dict = {}
     for (case, dtype, d, variant, mode), r in latest.items():
         table.setdefault((case, dtype, d), {}).setdefault(variant, {})[mode] = r

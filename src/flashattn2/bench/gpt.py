@@ -8,6 +8,7 @@ tokens (batch = tokens / context). TFLOP/s by the paper's count per sequence,
 Before timing, each attention's output in the first layer is checked against flashattn2's on the
 same weights and batch. Peak memory of a step is reported beside it.
 """
+
 from __future__ import annotations
 
 import csv
@@ -24,8 +25,23 @@ MODELS = {  # name: (layers, hidden, heads); headdim 128, GPT-3's vocabulary
     "gpt3-2.7b": (32, 2560, 20),
 }
 VOCAB = 50257
-FIELDS = ["model", "attention", "context", "batch", "params", "ms", "tflops", "peak_gib", "loss", "note", "gpu",
-          "torch", "triton", "date", "git_sha"]
+FIELDS = [
+    "model",
+    "attention",
+    "context",
+    "batch",
+    "params",
+    "ms",
+    "tflops",
+    "peak_gib",
+    "loss",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "date",
+    "git_sha",
+]
 
 
 def step_flops(params: int, layers: int, hidden: int, seqlen: int, batch: int) -> float:
@@ -34,8 +50,14 @@ def step_flops(params: int, layers: int, hidden: int, seqlen: int, batch: int) -
 
 def _model(name, context, attention, device, dims=None):
     layers, hidden, heads = dims or MODELS[name]
-    config = GPTConfig(vocab_size=VOCAB if dims is None else 97, block_size=context, n_layer=layers, n_head=heads,
-                       n_embd=hidden, attention=attention)
+    config = GPTConfig(
+        vocab_size=VOCAB if dims is None else 97,
+        block_size=context,
+        n_layer=layers,
+        n_head=heads,
+        n_embd=hidden,
+        attention=attention,
+    )
     torch.manual_seed(0)  # the same weights for every attention
     with torch.device(device):  # initialised where it runs: a 2.7B model's CPU init takes longer than its steps
         return GPT(config).to(dtype=torch.bfloat16)
@@ -81,9 +103,18 @@ def measure(name, context, attention, tokens, steps, warmup, device="cuda", dims
     return ms, peak, first, model.num_params(non_embedding=False), batch, probe
 
 
-def run(out_csv, models=("gpt3-1.3b", "gpt3-2.7b"), contexts=(2048, 8192),
-        attentions=("flashattn2", "sdpa_flash", "sdpa_cudnn", "naive"), tokens=16384, steps=10, warmup=3,
-        device="cuda", dims=None, progress=print):
+def run(
+    out_csv,
+    models=("gpt3-1.3b", "gpt3-2.7b"),
+    contexts=(2048, 8192),
+    attentions=("flashattn2", "sdpa_flash", "sdpa_cudnn", "naive"),
+    tokens=16384,
+    steps=10,
+    warmup=3,
+    device="cuda",
+    dims=None,
+    progress=print,
+):
     """Appends one row per (model, context, attention) to out_csv. flashattn2 runs first: its
     first layer's attention output is what the others' must match (bf16: within 5% of its
     largest value; a mismatch is written in the row's note)."""
@@ -97,8 +128,9 @@ def run(out_csv, models=("gpt3-1.3b", "gpt3-2.7b"), contexts=(2048, 8192),
                 for attention in attentions:
                     row = dict(model=name, attention=attention, context=context, **meta)
                     try:
-                        ms, peak, loss, params, batch, probe = measure(name, context, attention, tokens, steps,
-                                                                       warmup, device, dims)
+                        ms, peak, loss, params, batch, probe = measure(
+                            name, context, attention, tokens, steps, warmup, device, dims
+                        )
                     except torch.OutOfMemoryError:
                         row.update(note="out of memory", ms="nan", tflops="nan")
                     else:
@@ -108,15 +140,24 @@ def run(out_csv, models=("gpt3-1.3b", "gpt3-2.7b"), contexts=(2048, 8192),
                         if err > 0.05:  # bf16 against bf16: a few ulps; a wrong mask is O(1)
                             note = f"attention output differs from flashattn2's by {err:.2g} (relative)"
                         tflops = step_flops(params, layers, hidden, context, batch) / ms * 1e-9
-                        row.update(batch=batch, params=params, ms=f"{ms:.2f}", tflops=f"{tflops:.4g}",
-                                   peak_gib=f"{peak:.2f}", loss=f"{loss:.4f}", note=note)
+                        row.update(
+                            batch=batch,
+                            params=params,
+                            ms=f"{ms:.2f}",
+                            tflops=f"{tflops:.4g}",
+                            peak_gib=f"{peak:.2f}",
+                            loss=f"{loss:.4f}",
+                            note=note,
+                        )
                     finally:
                         if device == "cuda":
                             torch.cuda.empty_cache()
                     writer.writerow(row)
                     fh.flush()
-                    progress(f"{name} context {context} {attention}: {row.get('tflops')} TFLOP/s "
-                             f"{row.get('peak_gib', '')} GiB {row.get('note', '')}")
+                    progress(
+                        f"{name} context {context} {attention}: {row.get('tflops')} TFLOP/s "
+                        f"{row.get('peak_gib', '')} GiB {row.get('note', '')}"
+                    )
 
 
 def markdown(path) -> str:
@@ -130,13 +171,18 @@ def markdown(path) -> str:
     meta = rows[-1]
     shas = ", ".join(sorted({r["git_sha"] for r in latest.values()}))
     attentions = [a for a in ("flashattn2", "sdpa_flash", "sdpa_cudnn", "naive") if any(k[2] == a for k in latest)]
-    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {shas}. "
-             "Training step of a bf16 GPT (fused AdamW, no compile), TFLOP/s per GPU by the FlashAttention-2 "
-             "paper's count (6 * seqlen * params + 12 * layers * hidden * seqlen^2 per sequence), peak memory in "
-             "GiB; x = flashattn2 over the peer, same run.\n",
-             "| model | context | " + " | ".join(f"{a} TFLOP/s (GiB)" for a in attentions)
-             + " | " + " | ".join(f"x {a}" for a in attentions[1:]) + " |",
-             "|---|---|" + "---|" * (2 * len(attentions) - 1)]
+    lines = [
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, git {shas}. "
+        "Training step of a bf16 GPT (fused AdamW, no compile), TFLOP/s per GPU by the FlashAttention-2 "
+        "paper's count (6 * seqlen * params + 12 * layers * hidden * seqlen^2 per sequence), peak memory in "
+        "GiB; x = flashattn2 over the peer, same run.\n",
+        "| model | context | "
+        + " | ".join(f"{a} TFLOP/s (GiB)" for a in attentions)
+        + " | "
+        + " | ".join(f"x {a}" for a in attentions[1:])
+        + " |",
+        "|---|---|" + "---|" * (2 * len(attentions) - 1),
+    ]
     for model, context in sorted({(k[0], k[1]) for k in latest}):
         cells, speeds = [], {}
         for a in attentions:

@@ -1,6 +1,7 @@
 """The kernel grid: seqlen 512..16k at a fixed number of tokens, hidden 2048, per headdim, causal,
 mode and dtype; every provider in one run; results appended to a CSV so the grid can be run in
 slices (one device call each)."""
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,26 @@ from .results import appending
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fwd", "bwd", "fwd_bwd")
 # nheads_k and peak_mib were added later: older rows get nheads_k = nheads (results.appending)
-FIELDS = ["provider", "dtype", "headdim", "causal", "seqlen", "batch", "nheads", "nheads_k", "mode", "ms", "tflops",
-          "peak_mib", "note", "gpu", "torch", "triton", "date", "git_sha"]
+FIELDS = [
+    "provider",
+    "dtype",
+    "headdim",
+    "causal",
+    "seqlen",
+    "batch",
+    "nheads",
+    "nheads_k",
+    "mode",
+    "ms",
+    "tflops",
+    "peak_mib",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "date",
+    "git_sha",
+]
 
 
 def git_sha() -> str:
@@ -27,8 +46,9 @@ def git_sha() -> str:
         return os.environ["FLASHATTN2_GIT_SHA"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -52,8 +72,13 @@ def run_metadata(gpu: str | None = None) -> dict:
     """GPU (default: CUDA's current device), versions, date and git sha of a benchmark run."""
     import triton
 
-    return dict(gpu=gpu or torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=datetime.date.today().isoformat(), git_sha=git_sha())
+    return dict(
+        gpu=gpu or torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.date.today().isoformat(),
+        git_sha=git_sha(),
+    )
 
 
 def _to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -127,13 +152,28 @@ def time_modes(call, inputs, modes, peak=None):
 def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes, nheads_k=None, peak=None):
     """{mode: ms} for one provider at one point (nheads_k K/V heads: GQA when < nheads)."""
     nheads_k = nheads if nheads_k is None else nheads_k
-    inputs = [_to_layout(torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype), layout)
-              for h in (nheads, nheads_k, nheads_k)]
+    inputs = [
+        _to_layout(torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype), layout)
+        for h in (nheads, nheads_k, nheads_k)
+    ]
     return time_modes(lambda q, k, v: fn(q, k, v, causal), inputs, modes, peak)
 
 
-def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=16384, hidden=2048,
-             progress=True, nheads=None, nheads_k=None, rounds=1):
+def run_grid(
+    out_csv,
+    dtypes,
+    headdims,
+    seqlens,
+    causals,
+    modes,
+    names,
+    tokens=16384,
+    hidden=2048,
+    progress=True,
+    nheads=None,
+    nheads_k=None,
+    rounds=1,
+):
     """nheads: query heads (default hidden // headdim); nheads_k: K/V heads (default nheads). rounds > 1: each
     point is timed that many times, the providers alternated, odd rounds in reverse order (as bench ab does), and
     each mode's median is reported: a single pass times the providers one after the other, and a drift between them
@@ -168,8 +208,13 @@ def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=1
                             checked[key] = check_provider(fn, layout, dtype, headdim, causal, heads // heads_k)
                         notes[name] = checked[key] and "check failed: " + checked[key]
                         peak = peaks[name] if r == 0 else None  # memory: the first round's
-                        timings = {} if notes[name] else time_point(fn, layout, batch, heads, seqlen, headdim, dtype,
-                                                                    causal, modes, heads_k, peak)
+                        timings = (
+                            {}
+                            if notes[name]
+                            else time_point(
+                                fn, layout, batch, heads, seqlen, headdim, dtype, causal, modes, heads_k, peak
+                            )
+                        )
                     except torch.cuda.OutOfMemoryError:
                         timings, notes[name] = {}, "out of memory"
                     except RuntimeError as exc:  # a backend that refuses the shape or dtype
@@ -183,11 +228,22 @@ def run_grid(out_csv, dtypes, headdims, seqlens, causals, modes, names, tokens=1
                 for mode in modes:
                     ms = statistics.median(times[name][mode]) if times[name][mode] and not note else float("nan")
                     flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
-                    row = dict(provider=name, dtype=dtype_name, headdim=headdim, causal=int(causal), seqlen=seqlen,
-                               batch=batch, nheads=heads, nheads_k=heads_k, mode=mode, ms=f"{ms:.4f}",
-                               tflops=f"{flops / ms * 1e-9:.1f}",
-                               peak_mib=f"{peak[mode]:.0f}" if mode in peak else "",
-                               note=note or (f"median of {rounds} rounds" if rounds > 1 else ""), **meta)
+                    row = dict(
+                        provider=name,
+                        dtype=dtype_name,
+                        headdim=headdim,
+                        causal=int(causal),
+                        seqlen=seqlen,
+                        batch=batch,
+                        nheads=heads,
+                        nheads_k=heads_k,
+                        mode=mode,
+                        ms=f"{ms:.4f}",
+                        tflops=f"{flops / ms * 1e-9:.1f}",
+                        peak_mib=f"{peak[mode]:.0f}" if mode in peak else "",
+                        note=note or (f"median of {rounds} rounds" if rounds > 1 else ""),
+                        **meta,
+                    )
                     writer.writerow(row)
                     rows.append(row)
                 fh.flush()
@@ -206,6 +262,7 @@ def _progress(total, enabled):
         def step(desc):
             bar.set_description(desc)
             bar.update()
+
         return step
     count = [0]
 
@@ -213,4 +270,5 @@ def _progress(total, enabled):
         count[0] += 1
         if enabled:
             print(f"[{count[0]}/{total}] {desc}", flush=True)
+
     return step

@@ -3,6 +3,7 @@
 flashattn2 takes (batch, seqlen, nheads, headdim); SDPA and the naive version take
 (batch, nheads, seqlen, headdim). Each provider returns a function computing the output.
 """
+
 from __future__ import annotations
 
 
@@ -31,6 +32,7 @@ def _sdpa(backend):
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
     return run
 
 
@@ -58,6 +60,3 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) ->
     if causal:
         f /= 2
     return f * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
-
-
-

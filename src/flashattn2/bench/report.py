@@ -2,6 +2,7 @@
 the paper-style bar plots from the bench CSV. The last row for a (provider, dtype, heads,
 headdim, causal, seqlen, mode) wins; heads is "" for MHA (nheads_k = nheads) and "GQA 32/8" for
 32 query heads over 8 K/V heads."""
+
 from __future__ import annotations
 
 import csv
@@ -22,8 +23,15 @@ def load(path: str) -> dict:
     latest = OrderedDict()
     with open(path, newline="") as fh:
         for row in csv.DictReader(fh):
-            key = (row["dtype"], heads(row), int(row["headdim"]), int(row["causal"]), row["mode"],
-                   int(row["seqlen"]), row["provider"])
+            key = (
+                row["dtype"],
+                heads(row),
+                int(row["headdim"]),
+                int(row["causal"]),
+                row["mode"],
+                int(row["seqlen"]),
+                row["provider"],
+            )
             latest[key] = row
     return latest
 
@@ -52,10 +60,12 @@ def markdown(latest) -> str:
     lines = []
     meta = next(iter(latest.values()), None)
     if meta:
-        lines.append(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
-                     f"git {meta['git_sha']}. TFLOP/s (FLOPs as the FlashAttention-2 paper counts them); "
-                     "x = flashattn2's speed over the peer's. A table whose rows come from several runs lists them: "
-                     "a ratio against a peer that was not re-measured in flashattn2's run is across runs.\n")
+        lines.append(
+            f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+            f"git {meta['git_sha']}. TFLOP/s (FLOPs as the FlashAttention-2 paper counts them); "
+            "x = flashattn2's speed over the peer's. A table whose rows come from several runs lists them: "
+            "a ratio against a peer that was not re-measured in flashattn2's run is across runs.\n"
+        )
     for group, by_len in sorted(groups(latest).items()):
         present = [p for p in ORDER if any(p in v for v in by_len.values())]
         peers = [p for p in present if p != "flashattn2"]
@@ -73,13 +83,18 @@ def markdown(latest) -> str:
                 cells += [_ratio(vals.get("flashattn2", math.nan), vals.get(p, math.nan)) for p in peers]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    peaks = {g: v for g, v in groups(latest, _peak).items()
-             if any(not math.isnan(x) for by_p in v.values() for x in by_p.values())}
+    peaks = {
+        g: v
+        for g, v in groups(latest, _peak).items()
+        if any(not math.isnan(x) for by_p in v.values() for x in by_p.values())
+    }
     if peaks:
         lines.append("### Peak memory of forward + backward\n")
-        lines.append("MiB allocated at the peak of one forward + backward above what was allocated before "
-                     "it (the inputs, and the previous step's graph where the timing keeps it); x = flashattn2's "
-                     "memory over the peer's (below 1: less).\n")
+        lines.append(
+            "MiB allocated at the peak of one forward + backward above what was allocated before "
+            "it (the inputs, and the previous step's graph where the timing keeps it); x = flashattn2's "
+            "memory over the peer's (below 1: less).\n"
+        )
         head = ["case", "seqlen", "flashattn2"] + [p for p in PEERS] + [f"x {p}" for p in PEERS]
         rows = []
         for group, by_len in sorted(peaks.items()):
@@ -87,9 +102,11 @@ def markdown(latest) -> str:
             for seqlen in sorted(by_len):
                 vals = by_len[seqlen]
                 ours = vals.get("flashattn2", math.nan)
-                rows.append([_title(*group[:4], "").removesuffix(", "), str(seqlen), _fmt(ours)]
-                            + [_fmt(vals.get(p, math.nan)) if p in present else "–" for p in PEERS]
-                            + [_ratio(ours, vals.get(p, math.nan)) for p in PEERS])
+                rows.append(
+                    [_title(*group[:4], "").removesuffix(", "), str(seqlen), _fmt(ours)]
+                    + [_fmt(vals.get(p, math.nan)) if p in present else "–" for p in PEERS]
+                    + [_ratio(ours, vals.get(p, math.nan)) for p in PEERS]
+                )
         # peers never measured drop out of the table
         keep = [i for i, h in enumerate(head) if i < 3 or any(r[i] != "–" for r in rows)]
         lines.append("| " + " | ".join(head[i] for i in keep) + " |")
@@ -130,14 +147,16 @@ def plot(latest, out_dir: str) -> list[str]:
             bars = ax.bar(xs, [0 if math.isnan(y) else y for y in ys], width, label=provider)
             for bar, y in zip(bars, ys):
                 if not math.isnan(y):
-                    ax.annotate(f"{y:.0f}", (bar.get_x() + bar.get_width() / 2, y), ha="center",
-                                va="bottom", fontsize=6)
+                    ax.annotate(
+                        f"{y:.0f}", (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom", fontsize=6
+                    )
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqlens))])
         ax.set_xticklabels([f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
         ax.set_xlabel("sequence length (batch x seqlen = 16k tokens)")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{mode}, {kind + ', ' if kind else ''}headdim {d}, {'causal' if causal else 'non-causal'}, "
-                     f"{dtype}")
+        ax.set_title(
+            f"{mode}, {kind + ', ' if kind else ''}headdim {d}, {'causal' if causal else 'non-causal'}, {dtype}"
+        )
         ax.legend(fontsize=7, ncol=len(present))
         fig.tight_layout()
         gqa = "-gqa" + kind.removeprefix("GQA ").replace("/", "x") if kind else ""

@@ -1,5 +1,6 @@
 """The benches' CSV files: rows are appended run after run (a grid can be measured in slices,
 one device call each), so a file may hold rows written by an older version of the bench."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,10 @@ def appending(path: str, fields: list[str], fill=lambda row: {}):
         if old_rows is not None:
             unknown = [c for c in header if c not in fields]
             if unknown:
-                raise ValueError(f"{path}: columns {unknown} are not written by this version of the bench "
-                                 f"(expected a subset of {fields})")
+                raise ValueError(
+                    f"{path}: columns {unknown} are not written by this version of the bench "
+                    f"(expected a subset of {fields})"
+                )
             long_rows = [i + 2 for i, row in enumerate(old_rows) if None in row]
             if long_rows:
                 raise ValueError(f"{path}: lines {long_rows[:5]} hold more fields than its header")

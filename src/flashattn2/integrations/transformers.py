@@ -12,6 +12,7 @@ The model gets flash-attention-style masks (`None`, or the 2-D padding mask), as
 "flash_attention_2": causal is bottom-right aligned when the queries are the last tokens of the
 keys (decoding, chunked prefill).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,27 +36,44 @@ def _packed_cu_seqlens(position_ids: torch.Tensor | None, batch: int) -> torch.T
     return torch.cat([starts, starts.new_tensor([ids.numel()])]).to(torch.int32)
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query (batch, nheads, seqlen_q, headdim), key/value
     (batch, nheads_kv, seqlen_k, headdim); attention_mask None or (batch, seqlen_k), True/1 for the
     tokens to keep. Returns ((batch, seqlen_q, nheads, headdim), None)."""
     if kwargs.get("output_attentions"):
-        raise NotImplementedError("attn_implementation='flashattn2' does not return attention weights "
-                                  "(output_attentions=True); use 'eager'")
+        raise NotImplementedError(
+            "attn_implementation='flashattn2' does not return attention weights (output_attentions=True); use 'eager'"
+        )
     for name in ("s_aux", "position_bias", "head_mask"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='flashattn2': the model passes {name}, not supported")
     if query.shape[-1] != value.shape[-1]:
-        raise NotImplementedError("attn_implementation='flashattn2': value head dim differs from query's "
-                                  f"({value.shape[-1]} vs {query.shape[-1]})")
+        raise NotImplementedError(
+            "attn_implementation='flashattn2': value head dim differs from query's "
+            f"({value.shape[-1]} vs {query.shape[-1]})"
+        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     batch, seqlen_q = q.shape[:2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=bool(causal), softcap=softcap or 0.0,
-                   window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1))
+    options = dict(
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=bool(causal),
+        softcap=softcap or 0.0,
+        window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1),
+    )
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and attention_mask is None:
@@ -64,22 +82,33 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         cu_k = cu_q if cu_k is None else cu_k
         max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
         max_k = kwargs.get("max_length_k") or int((cu_k[1:] - cu_k[:-1]).max())
-        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
-                                     v.reshape(-1, *v.shape[2:]), cu_q.to(torch.int32), cu_k.to(torch.int32), max_q,
-                                     max_k, **options)
+        out = flash_attn_varlen_func(
+            q.reshape(-1, *q.shape[2:]),
+            k.reshape(-1, *k.shape[2:]),
+            v.reshape(-1, *v.shape[2:]),
+            cu_q.to(torch.int32),
+            cu_k.to(torch.int32),
+            max_q,
+            max_k,
+            **options,
+        )
         return out.view(batch, seqlen_q, *out.shape[1:]), None
     if attention_mask is None:
         return flash_attn_func(q, k, v, **options), None
     if attention_mask.dim() != 2:
-        raise ArgumentError("attn_implementation='flashattn2' takes a 2-D padding mask (batch, seqlen_k) or None, got "
-                         f"shape {tuple(attention_mask.shape)}; the model builds it when its config names "
-                         "'flashattn2' (flashattn2.integrations.transformers registers the mask too)")
+        raise ArgumentError(
+            "attn_implementation='flashattn2' takes a 2-D padding mask (batch, seqlen_k) or None, got "
+            f"shape {tuple(attention_mask.shape)}; the model builds it when its config names "
+            "'flashattn2' (flashattn2.integrations.transformers registers the mask too)"
+        )
     keep = attention_mask.bool()
     if keep.shape[1] > k.shape[1]:
-        raise ArgumentError(f"attn_implementation='flashattn2': the padding mask covers {keep.shape[1]} positions, the "
-                         f"keys only {k.shape[1]}")
+        raise ArgumentError(
+            f"attn_implementation='flashattn2': the padding mask covers {keep.shape[1]} positions, the "
+            f"keys only {k.shape[1]}"
+        )
     # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
-    k, v = k[:, :keep.shape[1]], v[:, :keep.shape[1]]
+    k, v = k[:, : keep.shape[1]], v[:, : keep.shape[1]]
     k_unpad, k_indices, cu_k, max_k, _ = unpad_input(k, keep)
     v_unpad = index_first_axis(v.reshape(-1, *v.shape[2:]), k_indices)  # the same rows: no second mask pass
     if seqlen_q == 1:  # decoding: every sequence's one query (a static cache's mask ends in free slots)
@@ -108,8 +137,13 @@ def _serve_flash_imports(flash_utils, name: str) -> None:
 
     def _lazy_imports(implementation, *args, **kwargs):
         if implementation in _lazy_imports.flashattn2_names:
-            return (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, flash_utils._pad_input,
-                    flash_utils._unpad_input)
+            return (
+                flash_attn_func,
+                flash_attn_varlen_func,
+                flash_attn_with_kvcache,
+                flash_utils._pad_input,
+                flash_utils._unpad_input,
+            )
         return original(implementation, *args, **kwargs)
 
     _lazy_imports.flashattn2_names = {name}

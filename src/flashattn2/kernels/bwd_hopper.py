@@ -81,12 +81,18 @@ registers a wgmma defined), so the stores themselves wait for S and dP; copying 
 16 / 40 bytes in the causal + GQA builds, as the one-ring d128 one; the one-ring configurations' PTX
 is unchanged by the variant's code, tools/ptx_hash.py.)
 """
+
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .pipeline import Ring, Scalar, aggregate, unwrap
 
@@ -120,8 +126,9 @@ WORKER_NREG = gl.constexpr(24)  # the two 1-warp workers' registers (setmaxnreg)
 
 
 @gluon.jit
-def _ws_program(seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr):
+def _ws_program(
+    seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
+):
     """The program's work, computed alike in every partition: (off_b, off_hk, h0, start_n, i_first, i_full, i_end,
     total). The grid is (G, key blocks, batch * nheads_k / G): program (x, n, z) takes key block n of head (batch
     entry, kv head) z * G + x. CUDA starts the programs x fastest, then n, then z (observed, not a documented
@@ -148,8 +155,9 @@ def _ws_program(seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, BLOC
     if CAUSAL:
         x = gl.maximum(start_n - diag, 0)
         i_first = gl.minimum(x // BLOCK_M, n_m)
-        i_full = gl.maximum(gl.minimum((gl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M, n_m),
-                            i_first)
+        i_full = gl.maximum(
+            gl.minimum((gl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M, n_m), i_first
+        )
     i_end = n_m
     total = group * (i_end - i_first)
     return off_b, off_hk, h0, start_n, i_first, i_full, i_end, total
@@ -168,6 +176,7 @@ class BwdConfig:
     """The MMA partition's tile shape and layouts (8 warps, two warpgroups; _mma_layout): S / dP [BLOCK_M, BLOCK_N],
     dK / dV [BLOCK_N, HEAD_DIM], dQ_i [BLOCK_M, HEAD_DIM // DQ_SPLIT] accumulators; the NVMMA shared layouts of a
     Q / dO tile, a K / V block and a staged fp32 dQ tile."""
+
     CAUSAL: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -183,7 +192,8 @@ class BwdConfig:
     @gluon.constexpr_function
     def __init__(self, dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps):
         dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps = map(
-            unwrap, (dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps))
+            unwrap, (dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps)
+        )
         self.CAUSAL = gl.constexpr(unwrap(CAUSAL))
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -202,6 +212,7 @@ class BwdBuffers:
     """The MMA partition's shared memory and rings: K, V (one block each), the Q ring and the dO ring (SPLIT_RING:
     a ring of its own, DO_STAGES deep, released after dV; else Q's stages, with do_ready its own ready barriers and
     q_empty their release), P and dS, and the dQ staging ring (ready: dq_full, empty: dq_empty)."""
+
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     q_smem: gl.shared_memory_descriptor
@@ -215,8 +226,7 @@ class BwdBuffers:
     SPLIT_RING: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, q_ring, do_ring, dq_ring,
-                 SPLIT_RING):
+    def __init__(self, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, q_ring, do_ring, dq_ring, SPLIT_RING):
         self.k_smem = k_smem
         self.v_smem = v_smem
         self.q_smem = q_smem
@@ -235,6 +245,7 @@ class BwdScores:
     """The score arithmetic's inputs of the program's key block: lse (natural log) and delta, (batch, nheads,
     seqlen_q_pad) fp32 with one offset for both; the scale (sm_scale, and qk_scale = sm_scale * log2 e); the causal
     diagonal and the key block's first column. A per-score option is a field here and a line in _ws_step."""
+
     Lse: gl.tensor
     Delta: gl.tensor
     qk_scale: gl.tensor
@@ -253,15 +264,38 @@ class BwdScores:
 
 
 @gluon.jit
-def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                 seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_RING: gl.constexpr,
-                 DO_STAGES: gl.constexpr):
+def _ws_producer(
+    Q,
+    K,
+    V,
+    DO,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    nheads_k,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    SPLIT_RING: gl.constexpr,
+    DO_STAGES: gl.constexpr,
+):
     """1 warp: K and V once, then Q and dO of every flat position into the ring(s), each with its own ready
     barrier. SPLIT_RING: dO has a ring of its own (DO_STAGES deep, released by do_empty), else it shares Q's
     stage and its release (q_empty)."""
-    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
-                                                                            CAUSAL, BLOCK_M, BLOCK_N)
+    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(
+        seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, BLOCK_M, BLOCK_N
+    )
     q_ring = Ring(q_ready, q_empty, STAGES)
     if SPLIT_RING:
         do_ring = Ring(do_ready, do_empty, DO_STAGES)
@@ -276,25 +310,41 @@ def _ws_producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, 
     for t in range(total):
         q_ring.wait_empty(t)
         mbarrier.expect(q_ring.ready_bar(t), Q.block_type.nbytes)
-        tma.async_copy_global_to_shared(Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ring.ready_bar(t),
-                                        q_smem.index(q_ring.slot(t)))
+        tma.async_copy_global_to_shared(
+            Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ring.ready_bar(t), q_smem.index(q_ring.slot(t))
+        )
         if SPLIT_RING:
             do_ring.wait_empty(t)
         mbarrier.expect(do_ring.ready_bar(t), DO.block_type.nbytes)
-        tma.async_copy_global_to_shared(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ring.ready_bar(t),
-                                        do_smem.index(do_ring.slot(t)))
+        tma.async_copy_global_to_shared(
+            DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ring.ready_bar(t), do_smem.index(do_ring.slot(t))
+        )
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
 
 @gluon.jit
-def _ws_dq_writer(DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_STAGES: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr):
+def _ws_dq_writer(
+    DQ,
+    dq_smem,
+    dq_full,
+    dq_empty,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    nheads_k,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    DQ_STAGES: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+):
     """1 warp: TMA reduce-add of each staged dQ_i into the fp32 accumulator (batch, seqlen_q_pad, nheads, HEAD_DIM)
     at (off_b, i * BLOCK_M, hq * HEAD_DIM); the buffer goes back once the reduce has read it. DQ_SPLIT 2: dQ_i comes
     as two column halves, staged one after the other (tile u = 2 t + half)."""
-    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
-                                                                            CAUSAL, BLOCK_M, BLOCK_N)
+    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(
+        seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, BLOCK_M, BLOCK_N
+    )
     dq_ring = Ring(dq_full, dq_empty, DQ_STAGES)
     i = i_first
     hq = h0
@@ -302,8 +352,9 @@ def _ws_dq_writer(DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nh
         for half in gl.static_range(DQ_SPLIT):
             u = t * DQ_SPLIT + half
             dq_ring.wait_ready(u)
-            tma_reduce_add(DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)],
-                           dq_smem.index(dq_ring.slot(u)))
+            tma_reduce_add(
+                DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)], dq_smem.index(dq_ring.slot(u))
+            )
             tma.store_wait(pendings=0)
             dq_ring.release(u)
         i, hq = _ws_advance(i, hq, i_first, i_end)
@@ -315,7 +366,8 @@ def _stage_dq(dq, u, bufs, cfg):
     u % DQ_STAGES once the writer has finished reading that buffer's last tile, then to the writer."""
     bufs.dq_ring.wait_empty(u)
     bufs.dq_smem.index(bufs.dq_ring.slot(u))._reinterpret(
-        gl.float32, [cfg.BLOCK_M, cfg.HEAD_DIM // cfg.DQ_SPLIT], cfg.dq_tile).store(dq)
+        gl.float32, [cfg.BLOCK_M, cfg.HEAD_DIM // cfg.DQ_SPLIT], cfg.dq_tile
+    ).store(dq)
     fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
     bufs.dq_ring.arrive_ready(u)
 
@@ -374,7 +426,7 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     # K = 0, so they add nothing to dQ_i = dS K, and their own dK / dV rows are clipped by the stores -- as long as
     # P stays finite: exp(0 - lse) overflows for a row with lse < -88 and inf * 0 would put NaN into dQ. Hence the
     # exponent is capped at 0 (P <= 1, which the visible keys satisfy up to rounding) instead of a mask (spills).
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     p = gl.exp2(gl.minimum(s * sc.qk_scale - lse2[:, None], 0.0))
     if cfg.CAUSAL:  # no branch: a per-row limit, past every key of the block when it does not cross the diagonal
         lim = gl.where(masked, offs_m + sc.diag, sc.start_n + BLOCK_N)
@@ -387,7 +439,7 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     # dS = P * (dP * scale - delta * scale) -> smem; dQ_i = dS K (A = dS, B = K: MN-major B) first, so that it
     # completes before dK += dS^T Q. DQ_SPLIT 2: dQ_i in two column halves (B = the halves of K), the second issued
     # after dK, so only one half is in registers and staged at a time
-    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
     ds = p * (dp * sc.sm_scale - delta_s[:, None])
     bufs.ds_smem.store(ds.to(dtype))
     fence_async_shared()
@@ -406,23 +458,55 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     if DQ_SPLIT == 2:
         dq_tok = warpgroup_mma(bufs.ds_smem, k_op.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
         # dK ready (the second half may still run): no wgmma reads this Q stage any more
-        dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok, ))
+        dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok,))
         q_ring.release(it)
         # staged by the next position (or after the loop): tile it * 2 + 1
-        dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+        dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
     else:
         # dK ready: no wgmma reads this Q (/ dO) stage any more: back to the producer
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
         q_ring.release(it)
     return dk, dv, dq_prev
 
 
 @gluon.jit
-def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-            q_empty, do_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k, stride_lb,
-            stride_lh, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, GQA: gl.constexpr, SPLIT_RING: gl.constexpr,
-            DO_STAGES: gl.constexpr, DQ_SPLIT: gl.constexpr):
+def _ws_mma(
+    DK,
+    DV,
+    Lse,
+    Delta,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    p_smem,
+    ds_smem,
+    dq_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    dq_full,
+    dq_empty,
+    sm_scale,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    nheads_k,
+    stride_lb,
+    stride_lh,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    DQ_STAGES: gl.constexpr,
+    GQA: gl.constexpr,
+    SPLIT_RING: gl.constexpr,
+    DO_STAGES: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+):
     """The default partition (8 warps: two MMA warpgroups): the loop over flat positions and the epilogue. Layouts
     (BwdConfig): S / dP [BLOCK_M, BLOCK_N] with BLOCK_M = 64: warps_per_cta [4, 2], each warpgroup all query rows
     and half of the keys; dK / dV [BLOCK_N, D]: warps stacked along the keys (each warpgroup the same half of the
@@ -435,11 +519,23 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
         do_ring = Ring(do_ready, do_empty, DO_STAGES)
     else:
         do_ring = Ring(do_ready, q_empty, STAGES)
-    bufs = BwdBuffers(k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, q_ring, do_ring,
-                      Ring(dq_full, dq_empty, DQ_STAGES), SPLIT_RING)
+    bufs = BwdBuffers(
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        p_smem,
+        ds_smem,
+        dq_smem,
+        q_ring,
+        do_ring,
+        Ring(dq_full, dq_empty, DQ_STAGES),
+        SPLIT_RING,
+    )
 
-    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(seqlen_q, seqlen_k, nheads, nheads_k,
-                                                                            CAUSAL, BLOCK_M, BLOCK_N)
+    off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(
+        seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, BLOCK_M, BLOCK_N
+    )
     col_k = off_hk * HEAD_DIM
     qk_scale = sm_scale * LOG2E
     diag = seqlen_k - seqlen_q
@@ -482,11 +578,35 @@ def _ws_mma(DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem
 
 
 @gluon.jit(do_not_specialize=_INT_ARGS)
-def attn_bwd_ws_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, seqlen_k, seqlen_q_pad, nheads,
-                       nheads_k, stride_lb, stride_lh, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_STAGES: gl.constexpr,
-                       GQA: gl.constexpr, SPLIT_RING: gl.constexpr, DO_STAGES: gl.constexpr,
-                       DQ_SPLIT: gl.constexpr):
+def attn_bwd_ws_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    DQ,
+    Lse,
+    Delta,
+    sm_scale,
+    seqlen_q,
+    seqlen_k,
+    seqlen_q_pad,
+    nheads,
+    nheads_k,
+    stride_lb,
+    stride_lh,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    DQ_STAGES: gl.constexpr,
+    GQA: gl.constexpr,
+    SPLIT_RING: gl.constexpr,
+    DO_STAGES: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+):
     """Grid (G, cdiv(seqlen_k, BLOCK_N), batch * nheads_k / G) for G heads per group (_ws_program); launched with
     num_warps=8 (the MMA partition; the compiler adds the workers' warps). Q, K, V, DO, DK, DV: 3-D descriptors over
     (batch, seqlen, heads * headdim), blocks [1, BLOCK_M or BLOCK_N, HEAD_DIM]; DQ: the fp32 accumulator's (batch,
@@ -537,14 +657,97 @@ def attn_bwd_ws_kernel(Q, K, V, DO, DK, DV, DQ, Lse, Delta, sm_scale, seqlen_q, 
     fence_async_shared()
 
     # (the argument tuples written out: a tuple bound to a variable turns its constexprs into tensors)
-    gl.warp_specialize([
-        (_ws_mma, (DK, DV, Lse, Delta, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                   do_ready, q_empty, do_empty, dq_full, dq_empty, sm_scale, seqlen_q, seqlen_k, nheads, nheads_k,
-                   stride_lb, stride_lh, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, GQA, SPLIT_RING,
-                   DO_STAGES, DQ_SPLIT)),
-        (_ws_producer, (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                        seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, SPLIT_RING,
-                        DO_STAGES)),
-        (_ws_dq_writer, (DQ, dq_smem, dq_full, dq_empty, seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, DQ_STAGES, DQ_SPLIT)),
-    ], [1, 1], [WORKER_NREG, WORKER_NREG])
+    gl.warp_specialize(
+        [
+            (
+                _ws_mma,
+                (
+                    DK,
+                    DV,
+                    Lse,
+                    Delta,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    p_smem,
+                    ds_smem,
+                    dq_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    q_empty,
+                    do_empty,
+                    dq_full,
+                    dq_empty,
+                    sm_scale,
+                    seqlen_q,
+                    seqlen_k,
+                    nheads,
+                    nheads_k,
+                    stride_lb,
+                    stride_lh,
+                    CAUSAL,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    DQ_STAGES,
+                    GQA,
+                    SPLIT_RING,
+                    DO_STAGES,
+                    DQ_SPLIT,
+                ),
+            ),
+            (
+                _ws_producer,
+                (
+                    Q,
+                    K,
+                    V,
+                    DO,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    q_empty,
+                    do_empty,
+                    seqlen_q,
+                    seqlen_k,
+                    nheads,
+                    nheads_k,
+                    CAUSAL,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    SPLIT_RING,
+                    DO_STAGES,
+                ),
+            ),
+            (
+                _ws_dq_writer,
+                (
+                    DQ,
+                    dq_smem,
+                    dq_full,
+                    dq_empty,
+                    seqlen_q,
+                    seqlen_k,
+                    nheads,
+                    nheads_k,
+                    CAUSAL,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    DQ_STAGES,
+                    DQ_SPLIT,
+                ),
+            ),
+        ],
+        [1, 1],
+        [WORKER_NREG, WORKER_NREG],
+    )

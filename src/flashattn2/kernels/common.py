@@ -1,4 +1,5 @@
 """Constants and small helpers shared by the attention kernels (Triton only, no torch)."""
+
 import triton
 import triton.language as tl
 
@@ -7,20 +8,37 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts a base-2 logsumexp bac
 
 
 @triton.jit
-def make_desc_or_ptr(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+def make_desc_or_ptr(
+    base,
+    seqlen,
+    stride_s,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     """A (seqlen, HEAD_DIM) matrix of one (batch, head): a TMA descriptor, or the base pointer itself."""
     if USE_TMA:
         # an empty varlen sequence still gets a valid (never read) descriptor
-        return tl.make_tensor_descriptor(base, shape=[tl.maximum(seqlen, 1), HEAD_DIM], strides=[stride_s, 1],
-                                         block_shape=[BLOCK_ROWS, BLOCK_D])
+        return tl.make_tensor_descriptor(
+            base, shape=[tl.maximum(seqlen, 1), HEAD_DIM], strides=[stride_s, 1], block_shape=[BLOCK_ROWS, BLOCK_D]
+        )
     else:
         return base
 
 
 @triton.jit
-def load_rows(src, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-              BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
+def load_rows(
+    src,
+    start,
+    seqlen,
+    stride_s,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Rows [start, start + BLOCK_ROWS) of a (seqlen, HEAD_DIM) matrix; zeros past either edge."""
     if USE_TMA:
         x = src.load([start, 0])
@@ -36,8 +54,17 @@ def load_rows(src, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: 
 
 
 @triton.jit
-def store_rows(dst, x, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+def store_rows(
+    dst,
+    x,
+    start,
+    seqlen,
+    stride_s,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     """Store a [BLOCK_ROWS, BLOCK_D] tile at rows [start, ...) of a (seqlen, HEAD_DIM) matrix, clipped."""
     if USE_TMA:
         dst.store([start, 0], x)
@@ -49,8 +76,21 @@ def store_rows(dst, x, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_RO
 
 
 @triton.jit
-def tile_src(X, off_b, row0, off_h, stride_b, stride_s, stride_h, seqlen, HEAD_DIM: tl.constexpr,
-             BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr):
+def tile_src(
+    X,
+    off_b,
+    row0,
+    off_h,
+    stride_b,
+    stride_s,
+    stride_h,
+    seqlen,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+):
     """Where the (seqlen, HEAD_DIM) rows of batch entry off_b, head off_h are read or written, as
     (source, batch entry, first column) for load_tile / store_tile. HOST_DESC: X is a descriptor
     built on the host over (batch, seqlen, heads * HEAD_DIM) with a [1, BLOCK_ROWS, HEAD_DIM] box
@@ -64,8 +104,18 @@ def tile_src(X, off_b, row0, off_h, stride_b, stride_s, stride_h, seqlen, HEAD_D
 
 
 @triton.jit
-def load_tile(src, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-              BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, HOST_DESC: tl.constexpr):
+def load_tile(
+    src,
+    start,
+    seqlen,
+    stride_s,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+):
     """load_rows of a tile_src source."""
     if HOST_DESC:
         x = src[0].load([src[1], start, src[2]]).reshape(BLOCK_ROWS, BLOCK_D)
@@ -77,8 +127,18 @@ def load_tile(src, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: 
 
 
 @triton.jit
-def store_tile(dst, x, start, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr):
+def store_tile(
+    dst,
+    x,
+    start,
+    seqlen,
+    stride_s,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+):
     """store_rows of x, cast to the destination's dtype, into a tile_src destination."""
     if USE_TMA:  # a descriptor's dtype is its element type
         x = x.to(dst[0].dtype)
@@ -115,8 +175,17 @@ def visible(qi, kj, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.co
 
 
 @triton.jit
-def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr,
-                    LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def key_block_range(
+    start_m,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """For query rows [start_m, start_m + BLOCK_M): (n_lo, full_lo, full_hi, n_end).
 
     Key blocks in [full_lo, full_hi) are visible to every row and need no mask; blocks in
@@ -145,8 +214,17 @@ def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right, CAUS
 
 
 @triton.jit
-def query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr,
-                      LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def query_block_range(
+    start_n,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """For key rows [start_n, start_n + BLOCK_N): (m_lo, full_lo, full_hi, m_end).
 
     Query blocks in [full_lo, full_hi) see all of the key block; [m_lo, full_lo) and
@@ -196,8 +274,17 @@ def seq_bounds(CuSeqlens, off_b, max_seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+def dropout_keep(
+    seed,
+    rng_row0,
+    start_m,
+    start_n,
+    max_seqlen_k,
+    dropout_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TRANS: tl.constexpr,
+):
     """True where the score (query, key) of the tile [start_m, +BLOCK_M) x [start_n, +BLOCK_N)
     is kept ([BLOCK_N, BLOCK_M] when TRANS); rng_row0 = (batch * nheads + head) * max_seqlen_q.
 
@@ -241,9 +328,20 @@ def query_block_program(batch, nheads, max_seqlen_q, CAUSAL: tl.constexpr, BLOCK
 
 
 @triton.jit
-def query_program(batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK,
-                  CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, SeqOrder,
-                  SORTED: tl.constexpr):
+def query_program(
+    batch,
+    nheads,
+    group_size,
+    max_seqlen_q,
+    max_seqlen_k,
+    CuSeqlensQ,
+    CuSeqlensK,
+    CAUSAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SeqOrder,
+    SORTED: tl.constexpr,
+):
     """Where a program of the query-block grid works: (start_m, off_bh, off_b, off_h, off_hk,
     q_start, seqlen_q, k_start, seqlen_k); off_hk is the K/V head of query head off_h (GQA).
     SORTED (varlen): grid slot s works on sequence SeqOrder[s], longest first, so that the

@@ -14,6 +14,7 @@ Split-KV: split s covers keys [s * chunk, (s + 1) * chunk) -- a fixed chunk of k
 reduction order depends on its own keys only -- and writes a partial output and logsumexp in
 fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
 """
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -23,20 +24,68 @@ from .common import LN2, LOG2E, alibi_bias, tanh, visible
 
 @triton.jit
 def attn_kvcache_kernel(
-    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Alibi, CuSeqlensQ, Err,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_os, stride_ob, stride_oq, stride_oh,
-    stride_ls, stride_lb, stride_lh,
-    stride_bt, stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, seqlen_limit,
-    window_left, window_right, sm_scale, softcap,
-    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS_TENSOR: tl.constexpr,
-    SPLIT: tl.constexpr, VARLEN_Q: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr, PDL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    CacheSeqlens,
+    CacheBatchIdx,
+    LeftPad,
+    BlockTable,
+    Alibi,
+    CuSeqlensQ,
+    Err,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_os,
+    stride_ob,
+    stride_oq,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    stride_bt,
+    stride_alibi_b,
+    nheads,
+    nheads_k,
+    seqlen_q,
+    seqlen_new,
+    cache_seqlen,
+    chunk,
+    capacity,
+    n_rows,
+    seqlen_limit,
+    window_left,
+    window_right,
+    sm_scale,
+    softcap,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    PAGED: tl.constexpr,
+    BATCH_IDX: tl.constexpr,
+    LEFTPAD: tl.constexpr,
+    SEQLENS_TENSOR: tl.constexpr,
+    SPLIT: tl.constexpr,
+    VARLEN_Q: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CHECK: tl.constexpr,
+    PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
@@ -78,8 +127,15 @@ def attn_kvcache_kernel(
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
     # [BLOCK_M, BLOCK_D]
-    q = tl.load(Q + off_b * stride_qb + (q_start + qi.to(tl.int64))[:, None] * stride_qs + heads[:, None] * stride_qh
-                + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    q = tl.load(
+        Q
+        + off_b * stride_qb
+        + (q_start + qi.to(tl.int64))[:, None] * stride_qs
+        + heads[:, None] * stride_qh
+        + cols[None, :],
+        mask=row_ok[:, None] & col_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -174,18 +230,35 @@ def attn_kvcache_kernel(
     lse = (m_i + tl.math.log2(l_safe)) * LN2
     # a split (or a row) that saw no key: lse -inf for the combine, +inf in the final result
     lse = tl.where(empty, float("-inf") if SPLIT else float("inf"), lse)
-    o_ptrs = (Out + split * stride_os + off_b * stride_ob + (q_start + qi.to(tl.int64))[:, None] * stride_oq
-              + heads[:, None] * stride_oh + cols[None, :])
+    o_ptrs = (
+        Out
+        + split * stride_os
+        + off_b * stride_ob
+        + (q_start + qi.to(tl.int64))[:, None] * stride_oq
+        + heads[:, None] * stride_oh
+        + cols[None, :]
+    )
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
 
 
 @triton.jit
 def attn_combine_kernel(
-    OutPart, LsePart, Out, Lse,
-    stride_ps, stride_ls, stride_lb, stride_lh,
-    seqlen_q, nheads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    OutPart,
+    LsePart,
+    Out,
+    Lse,
+    stride_ps,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    seqlen_q,
+    nheads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Merge the splits of one row: out = sum_s exp(lse_s - lse) out_s with lse = log sum_s
@@ -218,18 +291,35 @@ def attn_combine_kernel(
         ok = sc < num_splits
         lse_c = tl.load(LsePart + sc.to(tl.int64) * stride_ls + lse_off, mask=ok, other=float("-inf"))
         w = tl.math.exp2((lse_c - lse) * LOG2E)  # 0 for a split without keys (and for all when empty)
-        part = tl.load(OutPart + sc.to(tl.int64)[:, None] * stride_ps + row_off + cols[None, :],
-                       mask=ok[:, None] & col_ok[None, :], other=0.0)
+        part = tl.load(
+            OutPart + sc.to(tl.int64)[:, None] * stride_ps + row_off + cols[None, :],
+            mask=ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc += tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
     tl.store(Out + row_off + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
     tl.store(Lse + lse_off, lse)
 
 
 @triton.jit
-def _values_out_of_range(CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, stride_bt,
-                         batch, cache_seqlen, seqlen_new, seqlen_limit, n_rows,
-                         PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr,
-                         SEQLENS_TENSOR: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr):
+def _values_out_of_range(
+    CacheSeqlens,
+    CacheBatchIdx,
+    LeftPad,
+    BlockTable,
+    stride_bt,
+    batch,
+    cache_seqlen,
+    seqlen_new,
+    seqlen_limit,
+    n_rows,
+    PAGED: tl.constexpr,
+    BATCH_IDX: tl.constexpr,
+    LEFTPAD: tl.constexpr,
+    SEQLENS_TENSOR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Whether any sequence has cache_seqlens outside [0, seqlen_limit], left padding outside
     [0, cache_seqlens], a cache row that does not exist, or a page it writes to (positions
     cache_seqlens .. + seqlen_new) that does not exist."""
@@ -262,14 +352,52 @@ def _values_out_of_range(CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, strid
 
 @triton.jit
 def kvcache_append_kernel(
-    KNew, VNew, K, V, Cos, Sin, CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, Err,
-    stride_nb, stride_ns, stride_nh, stride_wb, stride_ws, stride_wh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_cs,
-    batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit, seqlen_ro, half,
-    CHECK: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, LEFTPAD: tl.constexpr,
-    SEQLENS_TENSOR: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    KNew,
+    VNew,
+    K,
+    V,
+    Cos,
+    Sin,
+    CacheSeqlens,
+    CacheBatchIdx,
+    LeftPad,
+    BlockTable,
+    Err,
+    stride_nb,
+    stride_ns,
+    stride_nh,
+    stride_wb,
+    stride_ws,
+    stride_wh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_cs,
+    batch,
+    nheads_k,
+    seqlen_new,
+    cache_seqlen,
+    capacity,
+    n_rows,
+    seqlen_limit,
+    seqlen_ro,
+    half,
+    CHECK: tl.constexpr,
+    PAGED: tl.constexpr,
+    BATCH_IDX: tl.constexpr,
+    LEFTPAD: tl.constexpr,
+    SEQLENS_TENSOR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
     into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
@@ -281,9 +409,24 @@ def kvcache_append_kernel(
     off_b = tl.program_id(0).to(tl.int64)
     pid_t = tl.program_id(1)
     if CHECK:  # Err may already be set by the host's page check (ops.kvcache._check_pages_read)
-        if _values_out_of_range(CacheSeqlens, CacheBatchIdx, LeftPad, BlockTable, stride_bt, batch, cache_seqlen,
-                                seqlen_new, seqlen_limit, n_rows, PAGED, BATCH_IDX, LEFTPAD, SEQLENS_TENSOR,
-                                PAGE_SIZE, BLOCK_B) | (tl.load(Err) != 0):
+        if _values_out_of_range(
+            CacheSeqlens,
+            CacheBatchIdx,
+            LeftPad,
+            BlockTable,
+            stride_bt,
+            batch,
+            cache_seqlen,
+            seqlen_new,
+            seqlen_limit,
+            n_rows,
+            PAGED,
+            BATCH_IDX,
+            LEFTPAD,
+            SEQLENS_TENSOR,
+            PAGE_SIZE,
+            BLOCK_B,
+        ) | (tl.load(Err) != 0):
             tl.store(Err, 1)
             return
     if SEQLENS_TENSOR:
@@ -328,6 +471,7 @@ def kvcache_append_kernel(
             x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
         tl.store(k_rows[:, None] + h * stride_kh + cols[None, :], x, mask=mask)
-        val = tl.load(VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols[None, :], mask=mask,
-                      other=0.0)
+        val = tl.load(
+            VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols[None, :], mask=mask, other=0.0
+        )
         tl.store(v_rows[:, None] + h * stride_vh + cols[None, :], val, mask=mask)

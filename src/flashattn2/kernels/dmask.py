@@ -1,17 +1,35 @@
 """S_dmask, the testing aid flash_attn returns with dropout and return_attn_probs: for each score,
 exp(score - rowmax) where kept and -exp(score - rowmax) where dropped (0 where not visible).
 A second pass after the forward, recomputing the scores and the dropout mask."""
+
 import triton
 import triton.language as tl
 
-from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, \
-    query_program, visible
+from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, query_program, visible
 
 
 @triton.jit
-def _scores(q, k_base, start_n, offs_m, seqlen_q, seqlen_k, stride_ks, qk_scale, slope2, window_left,
-            window_right, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _scores(
+    q,
+    k_base,
+    start_n,
+    offs_m,
+    seqlen_q,
+    seqlen_k,
+    stride_ks,
+    qk_scale,
+    slope2,
+    window_left,
+    window_right,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """[BLOCK_M, BLOCK_N] base-2 scores of keys [start_n, start_n + BLOCK_N), -inf where not visible."""
     k = load_rows(k_base, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -24,47 +42,132 @@ def _scores(q, k_base, start_n, offs_m, seqlen_q, seqlen_k, stride_ks, qk_scale,
 
 @triton.jit
 def attn_dropout_mask_kernel(
-    Q, K, SDmask, Alibi, CuSeqlensQ, CuSeqlensK, Seed,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_sb, stride_sh, stride_sm,
+    Q,
+    K,
+    SDmask,
+    Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
+    Seed,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    stride_sh,
+    stride_sm,
     stride_alibi_b,
-    batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
-    sm_scale, dropout_p,
-    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    batch,
+    nheads,
+    max_seqlen_q,
+    max_seqlen_k,
+    group_size,
+    window_left,
+    window_right,
+    sm_scale,
+    dropout_p,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
-        batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK, False, IS_VARLEN,
-        BLOCK_M, CuSeqlensQ, False)
+        batch,
+        nheads,
+        group_size,
+        max_seqlen_q,
+        max_seqlen_k,
+        CuSeqlensQ,
+        CuSeqlensK,
+        False,
+        IS_VARLEN,
+        BLOCK_M,
+        CuSeqlensQ,
+        False,
+    )
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, True)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_rows(Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh, start_m, seqlen_q, stride_qs,
-                  HEAD_DIM, BLOCK_M, BLOCK_D, False, UPCAST)
+    q = load_rows(
+        Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh,
+        start_m,
+        seqlen_q,
+        stride_qs,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        False,
+        UPCAST,
+    )
     k_base = K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
-    n_lo, full_lo, full_hi, n_end = key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                    CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
+    n_lo, full_lo, full_hi, n_end = key_block_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
+    )
     # pass 1: each row's final max
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for start_n in range(n_lo, n_end, BLOCK_N):
-        s, offs_n = _scores(q, k_base, start_n, offs_m, seqlen_q, seqlen_k, stride_ks, qk_scale, slope2,
-                            window_left, window_right, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM,
-                            BLOCK_N, BLOCK_D)
+        s, offs_n = _scores(
+            q,
+            k_base,
+            start_n,
+            offs_m,
+            seqlen_q,
+            seqlen_k,
+            stride_ks,
+            qk_scale,
+            slope2,
+            window_left,
+            window_right,
+            CAUSAL,
+            LOCAL,
+            ALIBI,
+            UPCAST,
+            DOT_PRECISION,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+        )
         m_i = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     # pass 2: exp(score - rowmax), negated where dropped
     out_base = SDmask + off_b * stride_sb + off_h * stride_sh
     for start_n in range(n_lo, n_end, BLOCK_N):
-        s, offs_n = _scores(q, k_base, start_n, offs_m, seqlen_q, seqlen_k, stride_ks, qk_scale, slope2,
-                            window_left, window_right, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM,
-                            BLOCK_N, BLOCK_D)
+        s, offs_n = _scores(
+            q,
+            k_base,
+            start_n,
+            offs_m,
+            seqlen_q,
+            seqlen_k,
+            stride_ks,
+            qk_scale,
+            slope2,
+            window_left,
+            window_right,
+            CAUSAL,
+            LOCAL,
+            ALIBI,
+            UPCAST,
+            DOT_PRECISION,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+        )
         p = tl.math.exp2(s - m_shift[:, None])
         keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
         val = tl.where(keep, p, -p)
         ptrs = out_base + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :]
-        tl.store(ptrs, val.to(SDmask.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & (offs_n < seqlen_k)[None, :])
+        tl.store(
+            ptrs, val.to(SDmask.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & (offs_n < seqlen_k)[None, :]
+        )

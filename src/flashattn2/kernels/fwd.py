@@ -5,21 +5,66 @@ an online softmax keeps the running row max `m_i` and row sum `l_i` (base 2) and
 accumulator, which is divided by `l_i` once at the end. Only O and the logsumexp are written.
 Softcap, ALiBi and a local window are constexpr flags: when off they cost nothing.
 """
+
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_tile, \
-    query_program, store_tile, tanh, tile_src, visible
+from .common import (
+    LN2,
+    LOG2E,
+    alibi_bias,
+    dropout_keep,
+    head_constants,
+    key_block_range,
+    load_tile,
+    query_program,
+    store_tile,
+    tanh,
+    tile_src,
+    visible,
+)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, seqlen_k,
-               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right,
-               seed, rng_row0, max_seqlen_k, dropout_p,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_src,
+    v_src,
+    start_m,
+    n_lo,
+    n_hi,
+    seqlen_q,
+    seqlen_k,
+    stride_ks,
+    stride_vs,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    slope2,
+    window_left,
+    window_right,
+    seed,
+    rng_row0,
+    max_seqlen_k,
+    dropout_p,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
@@ -35,8 +80,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
             if ALIBI:
                 s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, slope2)
             if MASKED:
-                mask = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                               CAUSAL, LOCAL)
+                mask = visible(
+                    offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL
+                )
                 s = tl.where(mask, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
@@ -63,24 +109,72 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, n_hi, seqlen_q, se
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, Seed, SeqOrder,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
+    Seed,
+    SeqOrder,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_lse_b,
+    stride_lse_h,
     stride_alibi_b,
-    batch, nheads, max_seqlen_q, max_seqlen_k, group_size, window_left, window_right,
-    sm_scale, softcap, dropout_p,
-    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, SORTED: tl.constexpr, USE_TMA: tl.constexpr,
-    HOST_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    batch,
+    nheads,
+    max_seqlen_q,
+    max_seqlen_k,
+    group_size,
+    window_left,
+    window_right,
+    sm_scale,
+    softcap,
+    dropout_p,
+    CAUSAL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    SORTED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
-        batch, nheads, group_size, max_seqlen_q, max_seqlen_k, CuSeqlensQ, CuSeqlensK, CAUSAL, IS_VARLEN,
-        BLOCK_M, SeqOrder, SORTED)
+        batch,
+        nheads,
+        group_size,
+        max_seqlen_q,
+        max_seqlen_k,
+        CuSeqlensQ,
+        CuSeqlensK,
+        CAUSAL,
+        IS_VARLEN,
+        BLOCK_M,
+        SeqOrder,
+        SORTED,
+    )
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E
@@ -89,38 +183,193 @@ def attn_fwd_kernel(
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
 
-    q_src = tile_src(Q, off_b, q_start, off_h, stride_qb, stride_qs, stride_qh, seqlen_q, HEAD_DIM, BLOCK_M,
-                     BLOCK_D, USE_TMA, HOST_DESC)
-    k_src = tile_src(K, off_b, k_start, off_hk, stride_kb, stride_ks, stride_kh, seqlen_k, HEAD_DIM, BLOCK_N,
-                     BLOCK_D, USE_TMA, HOST_DESC)
-    v_src = tile_src(V, off_b, k_start, off_hk, stride_vb, stride_vs, stride_vh, seqlen_k, HEAD_DIM, BLOCK_N,
-                     BLOCK_D, USE_TMA, HOST_DESC)
-    o_src = tile_src(Out, off_b, q_start, off_h, stride_ob, stride_os, stride_oh, seqlen_q, HEAD_DIM, BLOCK_M,
-                     BLOCK_D, USE_TMA, HOST_DESC)
+    q_src = tile_src(
+        Q,
+        off_b,
+        q_start,
+        off_h,
+        stride_qb,
+        stride_qs,
+        stride_qh,
+        seqlen_q,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        USE_TMA,
+        HOST_DESC,
+    )
+    k_src = tile_src(
+        K,
+        off_b,
+        k_start,
+        off_hk,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        seqlen_k,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        USE_TMA,
+        HOST_DESC,
+    )
+    v_src = tile_src(
+        V,
+        off_b,
+        k_start,
+        off_hk,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        seqlen_k,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        USE_TMA,
+        HOST_DESC,
+    )
+    o_src = tile_src(
+        Out,
+        off_b,
+        q_start,
+        off_h,
+        stride_ob,
+        stride_os,
+        stride_oh,
+        seqlen_q,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        USE_TMA,
+        HOST_DESC,
+    )
 
     q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    n_lo, full_lo, full_hi, n_end = key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                    CAUSAL, LOCAL, BLOCK_M, BLOCK_N)
+    n_lo, full_lo, full_hi, n_end = key_block_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
+    )
     if LOCAL:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, n_lo, full_lo, seqlen_q, seqlen_k,
-                                   stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
-                                   window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC,
-                                   UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
-                               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
-                               window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                               False, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC,
-                               UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, start_m, full_hi, n_end, seqlen_q, seqlen_k,
-                               stride_ks, stride_vs, qk_scale, softcap_in, softcap_out, slope2,
-                               window_left, window_right, seed, rng_row0, max_seqlen_k, dropout_p,
-                               True, CAUSAL, LOCAL, SOFTCAP, ALIBI, DROPOUT, USE_TMA, HOST_DESC,
-                               UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D)
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_src,
+            v_src,
+            start_m,
+            n_lo,
+            full_lo,
+            seqlen_q,
+            seqlen_k,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            softcap_in,
+            softcap_out,
+            slope2,
+            window_left,
+            window_right,
+            seed,
+            rng_row0,
+            max_seqlen_k,
+            dropout_p,
+            True,
+            CAUSAL,
+            LOCAL,
+            SOFTCAP,
+            ALIBI,
+            DROPOUT,
+            USE_TMA,
+            HOST_DESC,
+            UPCAST,
+            DOT_PRECISION,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+        )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        start_m,
+        full_lo,
+        full_hi,
+        seqlen_q,
+        seqlen_k,
+        stride_ks,
+        stride_vs,
+        qk_scale,
+        softcap_in,
+        softcap_out,
+        slope2,
+        window_left,
+        window_right,
+        seed,
+        rng_row0,
+        max_seqlen_k,
+        dropout_p,
+        False,
+        CAUSAL,
+        LOCAL,
+        SOFTCAP,
+        ALIBI,
+        DROPOUT,
+        USE_TMA,
+        HOST_DESC,
+        UPCAST,
+        DOT_PRECISION,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        start_m,
+        full_hi,
+        n_end,
+        seqlen_q,
+        seqlen_k,
+        stride_ks,
+        stride_vs,
+        qk_scale,
+        softcap_in,
+        softcap_out,
+        slope2,
+        window_left,
+        window_right,
+        seed,
+        rng_row0,
+        max_seqlen_k,
+        dropout_p,
+        True,
+        CAUSAL,
+        LOCAL,
+        SOFTCAP,
+        ALIBI,
+        DROPOUT,
+        USE_TMA,
+        HOST_DESC,
+        UPCAST,
+        DOT_PRECISION,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+    )
 
     # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
     empty = l_i == 0.0

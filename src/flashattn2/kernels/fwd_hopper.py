@@ -60,10 +60,16 @@ No softcap, ALiBi, window or dropout (the plan, ops/planning.py, sends those to 
 bottom-right aligned (row i sees keys j <= i + seqlen_k - seqlen_q); a query block that sees no key
 gets output 0 and logsumexp +inf, as in kernels/fwd.py.
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .pipeline import Ring, Scalar, aggregate, ring_phase, unwrap
 
@@ -84,6 +90,7 @@ class FwdConfig:
     """A consumer warpgroup's tile shape and layouts (the one layout preamble): S = Q K^T [BLOCK_M, BLOCK_N] and
     O [BLOCK_M, HEAD_DIM] wgmma accumulators, each warp 16 rows; P as the register A operand of PV; the row
     vectors of S and O; the NVMMA shared layouts of a Q tile and a K / V block viewed 2-D."""
+
     CAUSAL: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -152,6 +159,7 @@ class OnlineSoftmax:
     raw scores, and the logsumexp at the end. A per-score option (a score modification, an extra logit in the
     denominator such as an attention sink) is a field here and a line in step / finish; the pipeline does not
     change."""
+
     qk_scale: gl.tensor  # > 0: _qk_scale
     start_m: Scalar
     seqlen_k: Scalar
@@ -241,11 +249,11 @@ def _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, MASKED: gl.const
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     v_op = loads.v_wait(j, True)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # S_j done; PV_{j-1} may still run
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_j done; PV_{j-1} may still run
     loads.k_done(j, False)
     p, alpha, m_i, l_i = sm.step(s, m_i, l_i, j * sm.cfg.BLOCK_N, MASKED)
     p_next = gl.convert_layout(p.to(q_op.dtype), sm.cfg.p_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     loads.v_done(j)
     acc = acc * gl.convert_layout(alpha, sm.cfg.row_o)[:, None]
     return acc, p_next, m_i, l_i
@@ -265,7 +273,7 @@ def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
     k_op = loads.k_wait(0)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     loads.first_issued()
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     loads.k_done(0, True)
     p, alpha, m_i, l_i = sm.step(s, m_i, l_i, 0, mask_from == 0)
     p_op = gl.convert_layout(p.to(q_op.dtype), cfg.p_layout)
@@ -278,7 +286,7 @@ def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
     # the last block's PV
     v_op = loads.v_wait(n_blocks, False)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     loads.v_done(n_blocks)
     return acc, m_i, l_i
 
@@ -330,6 +338,7 @@ def _program_tile(batch, nheads, seqlen_q, CAUSAL: gl.constexpr, CTA_M: gl.const
 class _WsLoads:
     """attn_fwd_ws_kernel's consumer side of the loads: K and V in rings of their own, block j at position j; each
     release also arrives for the partner when the partner's tile has no block there (blk >= n_other)."""
+
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     k_ring: Ring
@@ -376,10 +385,31 @@ class _WsLoads:
 
 
 @gluon.jit
-def _consumer(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-              stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-              ME: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(
+    Out,
+    Lse,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_bars,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    stride_lse_b,
+    stride_lse_h,
+    batch,
+    nheads,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    ME: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Consumer warpgroup ME (0: the default partition, 1: worker 0): query tile ME of the program."""
     cfg = FwdConfig(q_smem.dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, gl.num_warps())  # the partition's: 4 warps
     off_b, off_h, cta_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, NUM_CONSUMERS * BLOCK_M)
@@ -390,8 +420,7 @@ def _consumer(Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empt
     if n_blocks > 0:
         q_col = off_h * HEAD_DIM
         sm = OnlineSoftmax(_qk_scale(sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, cfg)
-        loads = _WsLoads(k_smem, v_smem, Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES), n_other,
-                         cfg)
+        loads = _WsLoads(k_smem, v_smem, Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES), n_other, cfg)
         q_buf = q_smem.index(ME)
         q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
         mbarrier.wait(q_bars.index(ME), 0)
@@ -409,9 +438,29 @@ def _produce(desc, ring, smem, blk, off_b, kv_col, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch, nheads, seqlen_q,
-              seqlen_k, group_size, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _producer(
+    Q,
+    K,
+    V,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_bars,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    batch,
+    nheads,
+    seqlen_q,
+    seqlen_k,
+    group_size,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """One warp: both Q tiles, then K_0, K_1, V_0, K_2, V_1, ..., V_{n-1} (the consumers' order of
     use, n = the longer tile's block count)."""
     off_b, off_h, cta_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, NUM_CONSUMERS * BLOCK_M)
@@ -435,9 +484,26 @@ def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, group_size,
-                       sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def attn_fwd_ws_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_lse_b,
+    stride_lse_h,
+    batch,
+    nheads,
+    seqlen_q,
+    seqlen_k,
+    group_size,
+    sm_scale,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Grid: cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads programs; launched with num_warps=4 (the
     default partition; the compiler adds the workers' warps)."""
     dtype: gl.constexpr = Q.dtype
@@ -458,16 +524,94 @@ def attn_fwd_ws_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nhe
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
-    gl.warp_specialize([
-        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                     stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                     _CONSUMER0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_consumer, (Out, Lse, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                     stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k, sm_scale,
-                     _CONSUMER1, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        (_producer, (Q, K, V, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch, nheads,
-                     seqlen_q, seqlen_k, group_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    Out,
+                    Lse,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bars,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    stride_lse_b,
+                    stride_lse_h,
+                    batch,
+                    nheads,
+                    seqlen_q,
+                    seqlen_k,
+                    sm_scale,
+                    _CONSUMER0,
+                    CAUSAL,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    Out,
+                    Lse,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bars,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    stride_lse_b,
+                    stride_lse_h,
+                    batch,
+                    nheads,
+                    seqlen_q,
+                    seqlen_k,
+                    sm_scale,
+                    _CONSUMER1,
+                    CAUSAL,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    Q,
+                    K,
+                    V,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bars,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    batch,
+                    nheads,
+                    seqlen_q,
+                    seqlen_k,
+                    group_size,
+                    CAUSAL,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [_CONSUMER_REGS, _PRODUCER_REGS],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,8 +634,19 @@ def _num_my_tiles(num_tiles, pid, nprog, SNAKE: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
-                 CTA_M: gl.constexpr, BLOCK_M: gl.constexpr):
+def _tile_coords(
+    it,
+    pid,
+    nprog,
+    batch,
+    nheads,
+    num_m,
+    seqlen_q,
+    CAUSAL: gl.constexpr,
+    SNAKE: gl.constexpr,
+    CTA_M: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+):
     """The it-th tile of CTA pid (tile it * nprog + pid; SNAKE: odd rounds reversed): (batch entry,
     head, first row). Non-causal: one head's tiles together (K/V reuse in L2); causal: heaviest
     first over all heads (_program_tile's order for more than 8 tiles per head), and the tiles
@@ -515,8 +670,15 @@ def _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL: gl.cons
 
 
 @gluon.jit
-def _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CONSUMERS: gl.constexpr):
+def _tile_max_blocks(
+    cta_m,
+    seqlen_q,
+    seqlen_k,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+):
     """The largest block count of a tile's CONSUMERS parts (_tile_blocks of each): how far the ring
     moves per tile."""
     n_max, _ = _tile_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
@@ -524,7 +686,6 @@ def _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: g
         n_t, _ = _tile_blocks(cta_m + t * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
         n_max = gl.maximum(n_max, n_t)
     return n_max
-
 
 
 @gluon.jit
@@ -561,6 +722,7 @@ class _PersistLoads:
     j - 1 are ring unit g + j (one stage of the K and V buffers behind one ready barrier), waited for once and
     released once per unit (one arrival per consumer, never for a partner: _skip_units). QBUF 2: the previous
     tile's Q buffer (prev_qi) goes back once this tile's first QK^T is issued."""
+
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     ring: Ring
@@ -613,15 +775,40 @@ class _PersistLoads:
 
 
 @gluon.jit
-def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
-                      CONSUMERS: gl.constexpr):
+def _persist_consumer(
+    args,
+    ME: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SNAKE: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    QBUF: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+):
     """Consumer warpgroup ME (0: the default partition, then workers 0 .. CONSUMERS - 2): part ME
     of each of this CTA's tiles. The k-th tile's Q is in buffer (k % QBUF) * CONSUMERS + ME, phase
     ring_phase(k, QBUF); the tile's K/V ring units g .. g + n_blocks, then the epilogue, whose O store
     is left in flight (QBUF 2: its buffer goes back during the next tile, or is waited for at the very end)."""
-    (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h, batch, nheads,
-     seqlen_q, seqlen_k, sm_scale) = args
+    (
+        Out,
+        Lse,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        q_empty,
+        ready,
+        empty,
+        stride_lse_b,
+        stride_lse_h,
+        batch,
+        nheads,
+        seqlen_q,
+        seqlen_k,
+        sm_scale,
+    ) = args
     cfg = FwdConfig(q_smem.dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, gl.num_warps())  # the partition's: 4 warps
     ring = Ring(ready, empty, STAGES)
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
@@ -632,8 +819,9 @@ def _persist_consumer(args, ME: gl.constexpr, CAUSAL: gl.constexpr, SNAKE: gl.co
     qk_scale = _qk_scale(sm_scale)
     g = 0
     for it in range(n_my):
-        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL, SNAKE,
-                                           CTA_M, BLOCK_M)
+        off_b, off_h, cta_m = _tile_coords(
+            it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL, SNAKE, CTA_M, BLOCK_M
+        )
         start_m = cta_m + ME * BLOCK_M
         n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
@@ -681,14 +869,23 @@ def _persist_produce(K, V, ring, k_smem, v_smem, u, j, n_max, off_b, kv_col, BLO
 
 
 @gluon.jit
-def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
-                      CONSUMERS: gl.constexpr):
+def _persist_producer(
+    args,
+    CAUSAL: gl.constexpr,
+    SNAKE: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    QBUF: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+):
     """One warp, per tile: ring unit 0 (K_0), Q_0 .. Q_{CONSUMERS-1} (each once its buffer is free),
     then units 1 .. n: (K_1, V_0), (K_2, V_1), ..., (V_{n-1}) (n = the longest part's block count).
     args: the kernel's `producer` tuple (its runtime values; a tuple drops constexprs)."""
-    (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k,
-     group_size) = args
+    (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k, group_size) = (
+        args
+    )
     ring = Ring(ready, empty, STAGES)
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
@@ -697,8 +894,9 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
     n_my = _num_my_tiles(num_m * batch * nheads, pid, nprog, SNAKE)
     g = 0
     for it in range(n_my):
-        off_b, off_h, cta_m = _tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL, SNAKE,
-                                           CTA_M, BLOCK_M)
+        off_b, off_h, cta_m = _tile_coords(
+            it, pid, nprog, batch, nheads, num_m, seqlen_q, CAUSAL, SNAKE, CTA_M, BLOCK_M
+        )
         # >= 1: the tile's last part starts in [0, seqlen_q) (_tile_coords' shift leaves it there)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
         q_col = off_h * HEAD_DIM
@@ -723,10 +921,29 @@ def _persist_producer(args, CAUSAL: gl.constexpr, SNAKE: gl.constexpr, HEAD_DIM:
 
 # do_not_specialize: one compiled variant per configuration whatever the shapes
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "nheads", "seqlen_q", "seqlen_k", "group_size"])
-def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch, nheads, seqlen_q, seqlen_k,
-                            group_size, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            QBUF: gl.constexpr, SNAKE: gl.constexpr, CONSUMERS: gl.constexpr):
+def attn_fwd_persist_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_lse_b,
+    stride_lse_h,
+    batch,
+    nheads,
+    seqlen_q,
+    seqlen_k,
+    group_size,
+    sm_scale,
+    CAUSAL: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    QBUF: gl.constexpr,
+    SNAKE: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+):
     """Grid: min(#SMs, cdiv(seqlen_q, CONSUMERS * BLOCK_M) * batch * nheads) CTAs; launched with
     num_warps=4 (the default partition; the compiler adds the workers' warps). CONSUMERS 2 or 3
     consumer warpgroups (_CONSUMER_REGS registers each for 2, _CONSUMER3_REGS for 3), one producer warp."""
@@ -749,27 +966,76 @@ def attn_fwd_persist_kernel(Q, K, V, Out, Lse, stride_lse_b, stride_lse_h, batch
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
     # the partitions' runtime arguments, one tuple each (a tuple drops constexprs, which go apart)
-    consumer = (Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, stride_lse_b, stride_lse_h, batch,
-                nheads, seqlen_q, seqlen_k, sm_scale)
-    producer = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, batch, nheads, seqlen_q, seqlen_k,
-                group_size)
+    consumer = (
+        Out,
+        Lse,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        q_empty,
+        ready,
+        empty,
+        stride_lse_b,
+        stride_lse_h,
+        batch,
+        nheads,
+        seqlen_q,
+        seqlen_k,
+        sm_scale,
+    )
+    producer = (
+        Q,
+        K,
+        V,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_ready,
+        q_empty,
+        ready,
+        empty,
+        batch,
+        nheads,
+        seqlen_q,
+        seqlen_k,
+        group_size,
+    )
     # (a list per count: a Gluon kernel cannot build one from CONSUMERS, nor hold a function in a tuple)
     if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_persist_consumer, (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
-                                 CONSUMERS)),
-            (_persist_consumer, (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
-                                 CONSUMERS)),
-            (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _persist_consumer,
+                    (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
+                (
+                    _persist_consumer,
+                    (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
+                (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )
     else:
         gl.static_assert(CONSUMERS == 3, "the persistent forward has 2 or 3 consumer warpgroups")
-        gl.warp_specialize([
-            (_persist_consumer, (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
-                                 CONSUMERS)),
-            (_persist_consumer, (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
-                                 CONSUMERS)),
-            (_persist_consumer, (consumer, _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF,
-                                 CONSUMERS)),
-            (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
-        ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _persist_consumer,
+                    (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
+                (
+                    _persist_consumer,
+                    (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
+                (
+                    _persist_consumer,
+                    (consumer, _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
+                (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+            ],
+            [4, 4, 1],
+            [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS],
+        )

@@ -15,6 +15,7 @@ Gluon 3.6 has no public aggregate: `aggregate` is triton.language.core._aggregat
 (gluon.language.nvidia.blackwell.float2) use; ops._runtime.hopper_kernels() falls back to the Triton kernels when a
 private name is gone (AttributeError / ImportError).
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
@@ -45,6 +46,7 @@ class Ring:
     """STAGES buffers' ready and empty mbarriers ([STAGES, 1] each): position i is buffer i % STAGES, phase
     ring_phase(i). Readers: wait_ready(i), then release(i); the filler: wait_empty(i), then a TMA onto ready_bar(i)
     (or arrive_ready(i))."""
+
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     STAGES: gl.constexpr

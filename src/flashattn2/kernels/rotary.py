@@ -1,16 +1,34 @@
 """Rotary embedding, in place on the first rotary_dim features of each row: GPT-NeoX halves
 (features j and j + rotary_dim/2) or GPT-J pairs (2j and 2j + 1). CONJ rotates by minus the
 angle, which is the backward. Positions outside [0, seqlen_ro) are left unrotated."""
+
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def rotary_kernel(X, Cos, Sin, CuSeqlens, Offsets,
-                  stride_xb, stride_xs, stride_xh, stride_cs,
-                  seqlen, nheads, seqlen_ro, half, offset,
-                  IS_VARLEN: tl.constexpr, OFFSETS_TENSOR: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  CONJ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def rotary_kernel(
+    X,
+    Cos,
+    Sin,
+    CuSeqlens,
+    Offsets,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    stride_cs,
+    seqlen,
+    nheads,
+    seqlen_ro,
+    half,
+    offset,
+    IS_VARLEN: tl.constexpr,
+    OFFSETS_TENSOR: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CONJ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     if IS_VARLEN:

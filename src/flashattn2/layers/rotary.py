@@ -5,6 +5,7 @@ with flash_attn's signatures and layouts.
 
 cos/sin are (seqlen_ro, rotary_dim / 2); rotary_dim <= headdim, and the features past it are
 left as they are. interleaved=False is GPT-NeoX (halves), True is GPT-J (pairs)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ from ..ops import rotary as _rotary
 
 def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):
     if cos.dim() != 2 or cos.shape != sin.shape:
-        raise ArgumentError(f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} "
-                         f"and {tuple(sin.shape)}")
+        raise ArgumentError(
+            f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     headdim = x.shape[-1]
     if 2 * cos.shape[1] > headdim:
         raise ArgumentError(f"rotary_dim {2 * cos.shape[1]} (2 * cos.shape[1]) exceeds headdim {headdim}")
@@ -38,8 +40,10 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):
     if isinstance(seqlen_offsets, torch.Tensor):
         batch = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
-            raise ArgumentError(f"seqlen_offsets must be an int or an int32/int64 ({batch},) tensor, got "
-                             f"{seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}")
+            raise ArgumentError(
+                f"seqlen_offsets must be an int or an int32/int64 ({batch},) tensor, got "
+                f"{seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}"
+            )
         if seqlen_offsets.device != x.device:
             raise ArgumentError(f"seqlen_offsets is on {seqlen_offsets.device}, {what} on {x.device}")
     elif int(seqlen_offsets) < 0:
@@ -104,8 +108,7 @@ class ApplyRotaryEmb(torch.autograd.Function):
     """apply_rotary_emb's autograd Function; apply() takes its arguments in the same order."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
-                max_seqlen=None):
+    def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
         _check(x, cos, sin, seqlen_offsets, cu_seqlens)
         out = x if inplace else x.clone()
         _rotary.rotate_(out, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen=max_seqlen)
@@ -123,8 +126,7 @@ class ApplyRotaryEmb(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None
 
 
-def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
-                     max_seqlen=None):
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
     """x (batch, seqlen, nheads, headdim), or (total, nheads, headdim) with cu_seqlens (batch + 1,)
     int32 and max_seqlen; cos/sin (seqlen_ro, rotary_dim / 2) in x's dtype; seqlen_offsets an
     int or a (batch,) tensor (token i of sequence b is at position i + seqlen_offsets[b], as in
@@ -146,10 +148,12 @@ def _qk_views(qkv, num_heads_q):
         return qkv[:, :, 0], qkv[:, :, 1]
     if qkv.dim() == 4:
         if num_heads_q is None or (qkv.shape[2] - num_heads_q) % 2 or num_heads_q >= qkv.shape[2]:
-            raise ArgumentError("a 4-d qkv needs num_heads_q with nheads_q + 2 * nheads_k = qkv.shape[2], got "
-                                f"num_heads_q={num_heads_q} and shape {tuple(qkv.shape)}")
+            raise ArgumentError(
+                "a 4-d qkv needs num_heads_q with nheads_q + 2 * nheads_k = qkv.shape[2], got "
+                f"num_heads_q={num_heads_q} and shape {tuple(qkv.shape)}"
+            )
         hk = (qkv.shape[2] - num_heads_q) // 2
-        return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + hk]
+        return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q : num_heads_q + hk]
     raise ArgumentError(f"qkv must be 5-d (batch, seqlen, 3, nheads, headdim) or 4-d, got {tuple(qkv.shape)}")
 
 
@@ -157,8 +161,7 @@ class ApplyRotaryEmbQKV_(torch.autograd.Function):
     """apply_rotary_emb_qkv_'s autograd Function; apply() takes its arguments in the same order."""
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
-                num_heads_q=None):
+    def forward(ctx, qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None):
         cos_k = cos if cos_k is None else cos_k
         sin_k = sin if sin_k is None else sin_k
         q, k = _qk_views(qkv, num_heads_q)
@@ -181,8 +184,7 @@ class ApplyRotaryEmbQKV_(torch.autograd.Function):
         return dqkv, None, None, None, None, None, None, None
 
 
-def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
-                          num_heads_q=None):
+def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None):
     """In place on qkv (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, nheads_q + 2 *
     nheads_k, headdim) with num_heads_q (GQA): rotates q and k (k with cos_k/sin_k when given).
     Returns qkv."""
@@ -231,8 +233,9 @@ class RotaryEmbedding(torch.nn.Module):
     fp16/bf16). False builds them in inv_freq's dtype, as older flash_attn releases could, to
     match models trained in pure bf16."""
 
-    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, device=None, *,
-                 pos_idx_in_fp32=True):
+    def __init__(
+        self, dim: int, base=10000.0, interleaved=False, scale_base=None, device=None, *, pos_idx_in_fp32=True
+    ):
         super().__init__()
         if dim % 2:
             raise ArgumentError(f"rotary dim must be even, got {dim}")
@@ -250,8 +253,13 @@ class RotaryEmbedding(torch.nn.Module):
         return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
 
     def _update_cos_sin_cache(self, seqlen, device=None, dtype=None):
-        if (seqlen > self._seq_len_cached or self._cos_cached is None or self._cos_cached.device != device
-                or self._cos_cached.dtype != dtype or (self.training and self._cos_cached.is_inference())):
+        if (
+            seqlen > self._seq_len_cached
+            or self._cos_cached is None
+            or self._cos_cached.device != device
+            or self._cos_cached.dtype != dtype
+            or (self.training and self._cos_cached.is_inference())
+        ):
             self._seq_len_cached = seqlen
             if self.pos_idx_in_fp32:
                 t = torch.arange(seqlen, device=device, dtype=torch.float32)
@@ -277,13 +285,23 @@ class RotaryEmbedding(torch.nn.Module):
             self._update_cos_sin_cache(seqlen + int(seqlen_offset), device=qkv.device, dtype=qkv.dtype)
         cos, sin = self._cos_cached, self._sin_cached
         if kv is None:
-            return apply_rotary_emb_qkv_(qkv, cos, sin, interleaved=self.interleaved, seqlen_offsets=seqlen_offset,
-                                         num_heads_q=num_heads_q)
+            return apply_rotary_emb_qkv_(
+                qkv, cos, sin, interleaved=self.interleaved, seqlen_offsets=seqlen_offset, num_heads_q=num_heads_q
+            )
         q = apply_rotary_emb(qkv, cos, sin, interleaved=self.interleaved, inplace=True, seqlen_offsets=seqlen_offset)
         kv = apply_rotary_emb_kv_(kv, cos, sin, interleaved=self.interleaved, seqlen_offsets=seqlen_offset)
         return q, kv
 
 
-__all__ = ["rotate_half", "apply_rotary_emb_torch", "ApplyRotaryEmb", "apply_rotary_emb", "apply_rotary_emb_func",
-           "ApplyRotaryEmbQKV_", "apply_rotary_emb_qkv_", "ApplyRotaryEmbKV_", "apply_rotary_emb_kv_",
-           "RotaryEmbedding"]
+__all__ = [
+    "rotate_half",
+    "apply_rotary_emb_torch",
+    "ApplyRotaryEmb",
+    "apply_rotary_emb",
+    "apply_rotary_emb_func",
+    "ApplyRotaryEmbQKV_",
+    "apply_rotary_emb_qkv_",
+    "ApplyRotaryEmbKV_",
+    "apply_rotary_emb_kv_",
+    "RotaryEmbedding",
+]

@@ -6,6 +6,7 @@ token per step through `flash_attn_with_kvcache`. `GPTConfig.attention` picks wh
 attention, for the end-to-end benchmark: flashattn2's kernels, PyTorch's SDPA flash or cuDNN
 kernels, or plain PyTorch ("naive", the attention matrix in memory).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,14 @@ class SDPAAttention(nn.Module):
         k, v = kv.unbind(dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         with sdpa_kernel(self.backend):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                                 is_causal=self.causal, enable_gqa=k.shape[1] != q.shape[1])
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=self.causal,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
         return out.transpose(1, 2)
 
 
@@ -64,15 +71,27 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = MHA(config.n_embd, config.n_head, num_heads_kv=config.n_kv_head, qkv_proj_bias=config.bias,
-                        out_proj_bias=config.bias, dropout=config.dropout, causal=True, layer_idx=layer_idx,
-                        rotary_emb_dim=config.rotary_dim, use_flash_attn=config.attention != "naive")
+        self.attn = MHA(
+            config.n_embd,
+            config.n_head,
+            num_heads_kv=config.n_kv_head,
+            qkv_proj_bias=config.bias,
+            out_proj_bias=config.bias,
+            dropout=config.dropout,
+            causal=True,
+            layer_idx=layer_idx,
+            rotary_emb_dim=config.rotary_dim,
+            use_flash_attn=config.attention != "naive",
+        )
         if config.attention.startswith("sdpa"):
             self.attn.inner_cross_attn = SDPAAttention(config.attention, causal=True, dropout=config.dropout)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias),
-                                 nn.Dropout(config.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias),
+            nn.GELU(),
+            nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias),
+            nn.Dropout(config.dropout),
+        )
 
     def forward(self, x, inference_params=None):
         x = x + self.attn(self.ln_1(x), inference_params=inference_params)
@@ -120,8 +139,9 @@ class GPT(nn.Module):
             if positions is None:
                 start = 0 if inference_params is None else inference_params.seqlen_offset
                 if start + seqlen > self.config.block_size:
-                    raise ArgumentError(f"GPT: positions up to {start + seqlen} exceed block_size "
-                                     f"{self.config.block_size}")
+                    raise ArgumentError(
+                        f"GPT: positions up to {start + seqlen} exceed block_size {self.config.block_size}"
+                    )
                 positions = torch.arange(start, start + seqlen, device=idx.device)
             x = x + self.wpe(positions)
         x = self.drop(x)
@@ -149,8 +169,11 @@ class GPT(nn.Module):
         if max_seqlen > self.config.block_size and self.wpe is not None:
             raise ArgumentError(f"GPT: max_seqlen {max_seqlen} exceeds block_size {self.config.block_size}")
         batch, seqlen = idx.shape
-        params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch,
-                                 lengths_per_sample=torch.full((batch,), seqlen, dtype=torch.int32, device=idx.device))
+        params = InferenceParams(
+            max_seqlen=max_seqlen,
+            max_batch_size=batch,
+            lengths_per_sample=torch.full((batch,), seqlen, dtype=torch.int32, device=idx.device),
+        )
         logits, _ = self(idx, inference_params=params)
         params.seqlen_offset = seqlen  # decoding from now on: MHA takes the KV-cache kernel path
         return logits[:, -1], params

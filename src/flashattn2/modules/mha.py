@@ -7,6 +7,7 @@
   rotary, ALiBi, a local window, varlen input, `key_padding_mask`, and KV-cache decoding through
   `flash_attn_with_kvcache` (`inference_params`, see `flashattn2.utils.generation`).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..api import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
-                   flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+from ..api import (
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
 from ..bert_padding import index_first_axis, pad_input, unpad_input
 from ..errors import ArgumentError, ArgumentTypeError
 from ..layers.rotary import RotaryEmbedding
@@ -25,6 +31,7 @@ from ..layers.rotary import RotaryEmbedding
 def get_alibi_slopes(nheads: int) -> list[float]:
     """ALiBi's per-head slopes (Press et al.): a geometric sequence, interleaved when nheads is
     not a power of two."""
+
     def power_of_2(n):
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
         return [start * start**i for i in range(n)]
@@ -44,11 +51,13 @@ def _check_window_and_slopes(window_size, alibi_slopes):
     opposite positional orders (as flash_attn's do), so a swap is a likely mistake."""
     # the values are checked by the attention functions
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ArgumentTypeError(f"window_size must be a pair (left, right), -1 for unbounded, got "
-                                f"{type(window_size).__name__}")
+        raise ArgumentTypeError(
+            f"window_size must be a pair (left, right), -1 for unbounded, got {type(window_size).__name__}"
+        )
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
-        raise ArgumentTypeError(f"alibi_slopes must be None or a (nheads,) or (batch, nheads) tensor, got "
-                                f"{type(alibi_slopes).__name__}")
+        raise ArgumentTypeError(
+            f"alibi_slopes must be None or a (nheads,) or (batch, nheads) tensor, got {type(alibi_slopes).__name__}"
+        )
 
 
 class _FlashAttention(nn.Module):
@@ -69,8 +78,13 @@ class _FlashAttention(nn.Module):
         return None if self.alibi_slopes is None else self.alibi_slopes.float()
 
     def _options(self, causal):
-        return dict(softmax_scale=self.softmax_scale, causal=self.causal if causal is None else causal,
-                    alibi_slopes=self.slopes(), window_size=self.window_size, deterministic=self.deterministic)
+        return dict(
+            softmax_scale=self.softmax_scale,
+            causal=self.causal if causal is None else causal,
+            alibi_slopes=self.slopes(),
+            window_size=self.window_size,
+            deterministic=self.deterministic,
+        )
 
 
 class FlashSelfAttention(_FlashAttention):
@@ -84,8 +98,15 @@ class FlashSelfAttention(_FlashAttention):
         (total, nheads, headdim). causal overrides the constructor's for this call.
     """
 
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1),
-                 alibi_slopes=None, deterministic=False):
+    def __init__(
+        self,
+        causal=False,
+        softmax_scale=None,
+        attention_dropout=0.0,
+        window_size=(-1, -1),
+        alibi_slopes=None,
+        deterministic=False,
+    ):
         super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
 
     def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
@@ -109,8 +130,15 @@ class FlashCrossAttention(_FlashAttention):
         Causal with seqlen_q != seqlen_k is aligned to the bottom-right corner.
     """
 
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0, alibi_slopes=None,
-                 window_size=(-1, -1), deterministic=False):
+    def __init__(
+        self,
+        causal=False,
+        softmax_scale=None,
+        attention_dropout=0.0,
+        alibi_slopes=None,
+        window_size=(-1, -1),
+        deterministic=False,
+    ):
         super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
 
     def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
@@ -124,8 +152,9 @@ class FlashCrossAttention(_FlashAttention):
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
         elif max_seqlen_k is None:
             raise ArgumentError("FlashCrossAttention: cu_seqlens_k needs max_seqlen_k")
-        return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
-                                               _dropout_p(self), **self._options(causal))
+        return flash_attn_varlen_kvpacked_func(
+            q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, _dropout_p(self), **self._options(causal)
+        )
 
 
 def _reference_attention(q, k, v, causal, softmax_scale, key_padding_mask, drop, self_attention):
@@ -168,8 +197,16 @@ class SelfAttention(nn.Module):
 
     def attend(self, q, k, v, causal=None, key_padding_mask=None):
         """The same on q, k, v (batch, seqlen, nheads(_k), headdim) apart."""
-        return _reference_attention(q, k, v, self.causal if causal is None else causal, self.softmax_scale,
-                                    key_padding_mask, self.drop, self_attention=True)
+        return _reference_attention(
+            q,
+            k,
+            v,
+            self.causal if causal is None else causal,
+            self.softmax_scale,
+            key_padding_mask,
+            self.drop,
+            self_attention=True,
+        )
 
 
 class CrossAttention(SelfAttention):
@@ -178,8 +215,16 @@ class CrossAttention(SelfAttention):
 
     def forward(self, q, kv, causal=None, key_padding_mask=None):
         k, v = kv.unbind(dim=2)
-        return _reference_attention(q, k, v, self.causal if causal is None else causal, self.softmax_scale,
-                                    key_padding_mask, self.drop, self_attention=False)
+        return _reference_attention(
+            q,
+            k,
+            v,
+            self.causal if causal is None else causal,
+            self.softmax_scale,
+            key_padding_mask,
+            self.drop,
+            self_attention=False,
+        )
 
 
 def _update_kv_cache(kv, inference_params, layer_idx):
@@ -189,16 +234,25 @@ def _update_kv_cache(kv, inference_params, layer_idx):
     num_heads, head_dim = kv.shape[-2:]
     cache = inference_params.key_value_memory_dict.get(layer_idx)
     if cache is None:
-        cache = torch.empty(inference_params.max_batch_size, inference_params.max_seqlen, 2, num_heads, head_dim,
-                            dtype=kv.dtype, device=kv.device)
+        cache = torch.empty(
+            inference_params.max_batch_size,
+            inference_params.max_seqlen,
+            2,
+            num_heads,
+            head_dim,
+            dtype=kv.dtype,
+            device=kv.device,
+        )
         inference_params.key_value_memory_dict[layer_idx] = cache
     batch_start = inference_params.batch_size_offset
     batch_end = batch_start + kv.shape[0]
     seq_start = inference_params.seqlen_offset
     seq_end = seq_start + kv.shape[1]
     if batch_end > cache.shape[0] or seq_end > cache.shape[1]:
-        raise ArgumentError(f"inference_params: the KV cache holds {tuple(cache.shape[:2])} (batch, seqlen); "
-                         f"writing rows {batch_start}:{batch_end}, positions {seq_start}:{seq_end}")
+        raise ArgumentError(
+            f"inference_params: the KV cache holds {tuple(cache.shape[:2])} (batch, seqlen); "
+            f"writing rows {batch_start}:{batch_end}, positions {seq_start}:{seq_end}"
+        )
     cache[batch_start:batch_end, seq_start:seq_end] = kv
     return cache[batch_start:batch_end, :seq_end]
 
@@ -225,11 +279,32 @@ class MHA(nn.Module):
         Returns (batch, seqlen, embed_dim) (or (total, embed_dim)).
     """
 
-    def __init__(self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True,
-                 out_proj_bias=True, dropout=0.0, softmax_scale=None, causal=False, layer_idx=None, dwconv=False,
-                 rotary_emb_dim=0, rotary_emb_base=10000.0, rotary_emb_scale_base=None,
-                 rotary_emb_interleaved=False, use_alibi=False, window_size=(-1, -1), fused_bias_fc=False,
-                 use_flash_attn=False, return_residual=False, checkpointing=False, device=None, dtype=None):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        num_heads_kv=None,
+        cross_attn=False,
+        qkv_proj_bias=True,
+        out_proj_bias=True,
+        dropout=0.0,
+        softmax_scale=None,
+        causal=False,
+        layer_idx=None,
+        dwconv=False,
+        rotary_emb_dim=0,
+        rotary_emb_base=10000.0,
+        rotary_emb_scale_base=None,
+        rotary_emb_interleaved=False,
+        use_alibi=False,
+        window_size=(-1, -1),
+        fused_bias_fc=False,
+        use_flash_attn=False,
+        return_residual=False,
+        checkpointing=False,
+        device=None,
+        dtype=None,
+    ):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
@@ -239,8 +314,9 @@ class MHA(nn.Module):
             raise ArgumentError(f"MHA: num_heads ({num_heads}) must be a multiple of num_heads_kv ({num_heads_kv})")
         self.head_dim = embed_dim // num_heads
         if rotary_emb_dim < 0 or rotary_emb_dim > self.head_dim or rotary_emb_dim % 2:
-            raise ArgumentError(f"MHA: rotary_emb_dim ({rotary_emb_dim}) must be even and at most the head "
-                             f"dimension ({self.head_dim})")
+            raise ArgumentError(
+                f"MHA: rotary_emb_dim ({rotary_emb_dim}) must be even and at most the head dimension ({self.head_dim})"
+            )
         if dwconv:
             raise NotImplementedError("MHA(dwconv=True) (depthwise convolution of q/k/v) is not supported")
         if not use_flash_attn and (use_alibi or tuple(window_size) != (-1, -1)):
@@ -251,8 +327,13 @@ class MHA(nn.Module):
         self.use_flash_attn, self.return_residual, self.checkpointing = use_flash_attn, return_residual, checkpointing
         alibi_slopes = torch.tensor(get_alibi_slopes(num_heads), device=device) if use_alibi else None
         if rotary_emb_dim > 0:
-            self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base, scale_base=rotary_emb_scale_base,
-                                              interleaved=rotary_emb_interleaved, device=device)
+            self.rotary_emb = RotaryEmbedding(
+                rotary_emb_dim,
+                base=rotary_emb_base,
+                scale_base=rotary_emb_scale_base,
+                interleaved=rotary_emb_interleaved,
+                device=device,
+            )
         kv_dim = 2 * self.head_dim * num_heads_kv
         if cross_attn:
             self.Wq = nn.Linear(embed_dim, embed_dim, bias=qkv_proj_bias, **factory)
@@ -261,8 +342,13 @@ class MHA(nn.Module):
             self.Wqkv = nn.Linear(embed_dim, embed_dim + kv_dim, bias=qkv_proj_bias, **factory)
         if use_flash_attn:
             # by keyword: the two modules take window_size and alibi_slopes in opposite orders
-            options = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
-                           window_size=window_size, alibi_slopes=alibi_slopes)
+            options = dict(
+                causal=causal,
+                softmax_scale=softmax_scale,
+                attention_dropout=dropout,
+                window_size=window_size,
+                alibi_slopes=alibi_slopes,
+            )
             self.inner_attn = FlashSelfAttention(**options)
             self.inner_cross_attn = FlashCrossAttention(**options)
         else:
@@ -273,8 +359,9 @@ class MHA(nn.Module):
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
         """An empty KV cache (batch_size, max_seqlen, 2, num_heads_kv, headdim) for this layer."""
         dtype = self.out_proj.weight.dtype if dtype is None else dtype
-        return torch.empty(batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim, dtype=dtype,
-                           device=self.out_proj.weight.device)
+        return torch.empty(
+            batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim, dtype=dtype, device=self.out_proj.weight.device
+        )
 
     def _update_kv_cache(self, kv, inference_params):
         if self.layer_idx is None:
@@ -295,11 +382,21 @@ class MHA(nn.Module):
             self.rotary_emb._update_cos_sin_cache(inference_params.max_seqlen, device=q.device, dtype=q.dtype)
             cos, sin = self.rotary_emb._cos_cached, self.rotary_emb._sin_cached
         inner = self.inner_cross_attn
-        return flash_attn_with_kvcache(q, cache[:, :, 0], cache[:, :, 1], kv[:, :, 0], kv[:, :, 1], rotary_cos=cos,
-                                       rotary_sin=sin, cache_seqlens=cache_seqlens, softmax_scale=inner.softmax_scale,
-                                       causal=inner.causal, window_size=inner.window_size,
-                                       rotary_interleaved=rotate and self.rotary_emb.interleaved,
-                                       alibi_slopes=inner.slopes())
+        return flash_attn_with_kvcache(
+            q,
+            cache[:, :, 0],
+            cache[:, :, 1],
+            kv[:, :, 0],
+            kv[:, :, 1],
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=cache_seqlens,
+            softmax_scale=inner.softmax_scale,
+            causal=inner.causal,
+            window_size=inner.window_size,
+            rotary_interleaved=rotate and self.rotary_emb.interleaved,
+            alibi_slopes=inner.slopes(),
+        )
 
     def _attend(self, q, kv, inference_params, **kwargs):
         """q (..., nheads, headdim), kv (..., 2, nheads_kv, headdim), rotated unless the decoding
@@ -321,8 +418,13 @@ class MHA(nn.Module):
     def _fused_rotary(self, inference_params) -> bool:
         """Whether flash_attn_with_kvcache rotates q and k itself (decoding steps, rotary dim a
         multiple of 16, as flash_attn's MHA decides)."""
-        return (self.rotary_emb_dim > 0 and self.rotary_emb_dim % 16 == 0 and self.use_flash_attn
-                and inference_params is not None and inference_params.seqlen_offset > 0)
+        return (
+            self.rotary_emb_dim > 0
+            and self.rotary_emb_dim % 16 == 0
+            and self.use_flash_attn
+            and inference_params is not None
+            and inference_params.seqlen_offset > 0
+        )
 
     def _project(self, x, x_kv, mixer_subset, inference_params):
         """(q (..., nheads, headdim), kv (..., 2, nheads_kv, headdim)), rotary applied (in place,
@@ -346,12 +448,21 @@ class MHA(nn.Module):
             else:
                 qkv = self.rotary_emb(qkv, seqlen_offset=offset, max_seqlen=max_seqlen, num_heads_q=self.num_heads)
         if not self.cross_attn:
-            q = qkv[..., :self.num_heads, :]
-            kv = qkv[..., self.num_heads:, :].unflatten(-2, (2, self.num_heads_kv))
+            q = qkv[..., : self.num_heads, :]
+            kv = qkv[..., self.num_heads :, :].unflatten(-2, (2, self.num_heads_kv))
         return q, kv
 
-    def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
-                inference_params=None, **kwargs):
+    def forward(
+        self,
+        x,
+        x_kv=None,
+        key_padding_mask=None,
+        cu_seqlens=None,
+        max_seqlen=None,
+        mixer_subset=None,
+        inference_params=None,
+        **kwargs,
+    ):
         if cu_seqlens is not None:
             if max_seqlen is None:
                 raise ArgumentError("MHA: cu_seqlens needs max_seqlen")
@@ -367,11 +478,15 @@ class MHA(nn.Module):
             raise ArgumentError("MHA: x_kv and mixer_subset are for cross-attention (cross_attn=True)")
         if key_padding_mask is not None and self.use_flash_attn:
             if self.cross_attn:
-                raise NotImplementedError("MHA: key_padding_mask with cross_attn and use_flash_attn=True; "
-                                          "pass cu_seqlens for q and cu_seqlens_k for the keys instead")
+                raise NotImplementedError(
+                    "MHA: key_padding_mask with cross_attn and use_flash_attn=True; "
+                    "pass cu_seqlens for q and cu_seqlens_k for the keys instead"
+                )
             if key_padding_mask.shape != x.shape[:2] or key_padding_mask.dtype != torch.bool:
-                raise ArgumentError(f"MHA: key_padding_mask must be bool of shape {tuple(x.shape[:2])}, got "
-                                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+                raise ArgumentError(
+                    f"MHA: key_padding_mask must be bool of shape {tuple(x.shape[:2])}, got "
+                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                )
         q, kv = self._project(x, x_kv, mixer_subset, inference_params)
         if key_padding_mask is not None and self.use_flash_attn:
             # drop the padded tokens, attend varlen, pad again (padded queries' rows come back 0)

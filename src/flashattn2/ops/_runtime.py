@@ -2,6 +2,7 @@
 interpreter, allocation (poisonable by tests) and the TMA scratch allocator.
 The kernels are imported on first use. TRITON_INTERPRET=1 must be set before triton is first
 imported (torch's custom-op machinery imports it), so in practice before Python starts."""
+
 from __future__ import annotations
 
 import contextlib

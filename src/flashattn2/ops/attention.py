@@ -4,6 +4,7 @@ the Triton ones (ops.launch_triton).
 Inputs arrive validated (api.py / checks.py): (batch, seqlen, nheads, headdim) with the last
 dimension contiguous, one dtype, one device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,14 @@ def _arch(device: torch.device) -> str:
     return "interp" if _runtime.interpreted() else planning.arch_of(device)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, mods: ScoreMods,
-            varlen: Varlen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    mods: ScoreMods,
+    varlen: Varlen | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q in q's dtype; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
     key = launch_gluon.forward_key(q, k, v, mods) if varlen is None and not _runtime.interpreted() else None
     if key is not None:
@@ -35,8 +42,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
         out.zero_(), lse.fill_(float("inf"))
         return out.to(q.dtype), lse
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
-    features = planning.Features(varlen=varlen is not None, score_mods=not ScoreMods.only_causal(flags),
-                                 gluon=launch_gluon.ready("fwd", arch, geo, q, q, k, v, out))
+    features = planning.Features(
+        varlen=varlen is not None,
+        score_mods=not ScoreMods.only_causal(flags),
+        gluon=launch_gluon.ready("fwd", arch, geo, q, q, k, v, out),
+    )
     plan = planning.plan(arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd")
     if plan.kernel != "fwd":
         launch_gluon.forward(plan, q, k, v, out, lse, geo, softmax_scale, key)
@@ -45,11 +55,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     return out.to(q.dtype), lse
 
 
-def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-             softmax_scale: float, mods: ScoreMods, varlen: Varlen | None = None,
-             deterministic: bool = True) -> None:
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    softmax_scale: float,
+    mods: ScoreMods,
+    varlen: Varlen | None = None,
+    deterministic: bool = True,
+) -> None:
     """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are
     fine). `dlse` is the gradient flowing into the returned logsumexp, or None. deterministic=False
     lets the plan take the Gluon backward (dQ added in any order: its last bits may move run to run)."""
@@ -71,14 +92,16 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     arch = _arch(q.device)
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
     features = planning.Features(
-        varlen=varlen is not None, score_mods=not ScoreMods.only_causal(flags), deterministic=deterministic,
-        gluon=not deterministic and launch_gluon.ready("bwd", arch, geo, q, q, k, v, dout))
+        varlen=varlen is not None,
+        score_mods=not ScoreMods.only_causal(flags),
+        deterministic=deterministic,
+        gluon=not deterministic and launch_gluon.ready("bwd", arch, geo, q, q, k, v, dout),
+    )
     plan = planning.plan(arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd")
     if plan.kernel == "bwd_hopper":
         launch_gluon.backward(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, softmax_scale, key)
         return
-    launch_triton.backward(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, runtime, flags,
-                           softmax_scale)
+    launch_triton.backward(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, runtime, flags, softmax_scale)
 
 
 dropout_probs = launch_triton.dropout_probs

@@ -1,4 +1,5 @@
 """Argument validation shared by the public entry points: every error names the argument."""
+
 from __future__ import annotations
 
 import weakref
@@ -77,8 +78,14 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     if torch.compiler.is_compiling():
         return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
     seen_q, seen_k = known(cu_seqlens_q), known(cu_seqlens_k)
-    if (seen_q is not None and seen_k is not None and seen_q[0] <= totals[0] and seen_k[0] <= totals[1]
-            and seen_q[1] <= maxes[0] and seen_k[1] <= maxes[1]):
+    if (
+        seen_q is not None
+        and seen_k is not None
+        and seen_q[0] <= totals[0]
+        and seen_k[0] <= totals[1]
+        and seen_q[1] <= maxes[0]
+        and seen_k[1] <= maxes[1]
+    ):
         return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
     cus = (cu_seqlens_q, cu_seqlens_k)
     if q.device.type != "cuda":
@@ -99,6 +106,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
             entry = _entry(given)
             if entry is not None:
                 _remember(copy, entry[3], entry[4])
+
     return *clamped, maxes[0], maxes[1], verify
 
 
@@ -153,8 +161,10 @@ def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
         if cu.device != q.device:
             raise ArgumentError(f"{name} is on {cu.device}, q on {q.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ArgumentError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
-                         "must have the same length (batch + 1)")
+        raise ArgumentError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+            "must have the same length (batch + 1)"
+        )
 
 
 def _max_seqlens(max_seqlen_q, max_seqlen_k) -> list[int]:
@@ -176,15 +186,18 @@ def _check_cu_values(both, totals, maxes, tensors=None):
     """Check the values (rows of `both`, on the host); remember `tensors` (the given
     cu_seqlens_q/k) as checked when they pass."""
     seen, orders = [], []
-    for name, cu, total, max_seqlen in (("cu_seqlens_q", both[0], totals[0], maxes[0]),
-                                        ("cu_seqlens_k", both[1], totals[1], maxes[1])):
+    for name, cu, total, max_seqlen in (
+        ("cu_seqlens_q", both[0], totals[0], maxes[0]),
+        ("cu_seqlens_k", both[1], totals[1], maxes[1]),
+    ):
         lengths = cu[1:] - cu[:-1]
         orders.append(torch.argsort(lengths, descending=True, stable=True).to(torch.int32))
         if cu[0] != 0 or (lengths < 0).any():
             raise ArgumentError(f"{name} must start at 0 and be non-decreasing, got {cu.tolist()}")
         if cu[-1] > total:
-            raise ArgumentError(f"{name} ends at {int(cu[-1])}, past the {total} rows of "
-                             f"{'q' if name.endswith('q') else 'k/v'}")
+            raise ArgumentError(
+                f"{name} ends at {int(cu[-1])}, past the {total} rows of {'q' if name.endswith('q') else 'k/v'}"
+            )
         longest = int(lengths.max()) if lengths.numel() else 0
         if longest > max_seqlen:
             raise ArgumentError(f"a sequence of length {longest} exceeds max_seqlen_{name[-1]}={max_seqlen}")
@@ -203,7 +216,8 @@ def check_device(device: torch.device, name: str) -> None:
         if not _runtime.interpreted():
             raise ArgumentError(
                 f"{name} is a CPU tensor: flashattn2 runs on CUDA GPUs, or on the CPU through Triton's "
-                "interpreter when TRITON_INTERPRET=1 is set in the environment before Python starts")
+                "interpreter when TRITON_INTERPRET=1 is set in the environment before Python starts"
+            )
         return
     raise ArgumentError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
 
@@ -233,8 +247,10 @@ def check_alibi(alibi_slopes, q, batch: int) -> None:
         raise ArgumentTypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     nheads = q.shape[-2]
     if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ArgumentError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
-                         f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
+        raise ArgumentError(
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+            f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
+        )
     if alibi_slopes.device != q.device:
         raise ArgumentError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
 
@@ -259,8 +275,21 @@ def _index_tensor(name, t, shape, dtypes=(torch.int32,)):
         raise ArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                  cache_leftpad, block_table, num_splits, alibi_slopes):
+def check_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    num_splits,
+    alibi_slopes,
+):
     """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments; the values that live on
     the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check)."""
     _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
@@ -290,8 +319,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
             if t.dtype != q.dtype or t.device != q.device:
                 raise ArgumentTypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
-                raise ArgumentError(f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, "
-                                 f"headdim={head_dim}), got {tuple(t.shape)}")
+                raise ArgumentError(
+                    f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, "
+                    f"headdim={head_dim}), got {tuple(t.shape)}"
+                )
         if k.shape != v.shape:
             raise ArgumentError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
         if cache_seqlens is None:
@@ -302,8 +333,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         if k is None:
             raise ArgumentError("rotary_cos/rotary_sin need the new k/v: the rotary embedding is applied on append")
         if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
-            raise ArgumentError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2), got "
-                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+            raise ArgumentError(
+                f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2), got "
+                f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}"
+            )
         if 2 * rotary_cos.shape[1] > head_dim:
             raise ArgumentError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds headdim {head_dim}")
         if rotary_cos.dtype != q.dtype or rotary_sin.dtype != q.dtype:
@@ -313,27 +346,41 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if isinstance(cache_seqlens, torch.Tensor):
         _index_tensor("cache_seqlens", cache_seqlens, (batch,))
     elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or cache_seqlens < 0):
-        raise ArgumentTypeError(f"cache_seqlens must be an int >= 0 or an int32 ({batch},) tensor, got {cache_seqlens!r}")
+        raise ArgumentTypeError(
+            f"cache_seqlens must be an int >= 0 or an int32 ({batch},) tensor, got {cache_seqlens!r}"
+        )
     _index_tensor("cache_batch_idx", cache_batch_idx, (batch,))
     if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
-        raise ArgumentError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: give cache_batch_idx, or a "
-                         "cache with a row per sequence")
+        raise ArgumentError(
+            f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: give cache_batch_idx, or a "
+            "cache with a row per sequence"
+        )
     _index_tensor("cache_leftpad", cache_leftpad, (batch,))
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ArgumentError(f"block_table must be (batch={batch}, max_blocks), got "
-                             f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
+            raise ArgumentError(
+                f"block_table must be (batch={batch}, max_blocks), got "
+                f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}"
+            )
         _index_tensor("block_table", block_table, block_table.shape)
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if k is not None and k.shape[1] > capacity:
-        raise ArgumentError(f"seqlen_new={k.shape[1]} new tokens do not fit the cache's "
-                         f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
+        raise ArgumentError(
+            f"seqlen_new={k.shape[1]} new tokens do not fit the cache's "
+            f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions"
+        )
     if paged:
         if cache_batch_idx is not None:
-            raise NotImplementedError("cache_batch_idx with a paged cache (block_table) is not supported, as in "
-                                      "flash_attn: index the block table instead")
-    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("cache_leftpad", cache_leftpad), ("block_table", block_table)):
+            raise NotImplementedError(
+                "cache_batch_idx with a paged cache (block_table) is not supported, as in "
+                "flash_attn: index the block table instead"
+            )
+    for name, t in (
+        ("cache_seqlens", cache_seqlens),
+        ("cache_batch_idx", cache_batch_idx),
+        ("cache_leftpad", cache_leftpad),
+        ("block_table", block_table),
+    ):
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if not isinstance(num_splits, int) or num_splits < 0:
@@ -341,22 +388,26 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     check_alibi(alibi_slopes, q, batch)
 
 
-def check_kvcache_seqlen(seqlen: int, capacity: int, seqlen_new: int, rotary_cos, q_positions: int,
-                         paged: bool) -> None:
+def check_kvcache_seqlen(
+    seqlen: int, capacity: int, seqlen_new: int, rotary_cos, q_positions: int, paged: bool
+) -> None:
     """cache_seqlens (an int, or the largest of a tensor's values): the append stays inside the
     cache and the rotary table covers the positions rotated."""
     if seqlen < 0:
         raise ArgumentError(f"cache_seqlens must be >= 0, got {seqlen}")
     if seqlen + seqlen_new > capacity:
-        raise ArgumentError(f"cache_seqlens + seqlen_new reaches {seqlen + seqlen_new}, past the cache's "
-                         f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions")
+        raise ArgumentError(
+            f"cache_seqlens + seqlen_new reaches {seqlen + seqlen_new}, past the cache's "
+            f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions"
+        )
     rotary_end = seqlen + max(seqlen_new, q_positions)
     if rotary_cos is not None and rotary_end > rotary_cos.shape[0]:
         raise ArgumentError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs {rotary_end}")
 
 
-def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                         q_positions=1):
+def check_kvcache_values(
+    k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, q_positions=1
+):
     """The checks that read device values, in one host sync: appends stay inside the cache, the
     pages a sequence uses exist, left padding and batch indices are in range, rotary tables
     cover every position (the new keys', and q_positions queries from cache_seqlens on). The
@@ -396,8 +447,10 @@ def check_kvcache_values(k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx,
         cols = torch.arange(table.shape[1])[None, :]
         live = table[cols < used[:, None]]
         if live.numel() and (int(live.min()) < 0 or int(live.max()) >= k_cache.shape[0]):
-            raise ArgumentError(f"block_table entries must index the {k_cache.shape[0]} blocks of k_cache, got values "
-                             f"in [{int(live.min())}, {int(live.max())}]")
+            raise ArgumentError(
+                f"block_table entries must index the {k_cache.shape[0]} blocks of k_cache, got values "
+                f"in [{int(live.min())}, {int(live.max())}]"
+            )
 
 
 def _to_host(*tensors):
@@ -409,15 +462,25 @@ def _to_host(*tensors):
     out, at = [], 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            out.append(flat[at:at + t.numel()].reshape(t.shape))
+            out.append(flat[at : at + t.numel()].reshape(t.shape))
             at += t.numel()
         else:
             out.append(None)
     return out
 
 
-def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                       dropout_p, alibi_slopes=None):
+def check_varlen_paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    block_table,
+    dropout_p,
+    alibi_slopes=None,
+):
     """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then the values
     of cu_seqlens and block_table in one host read (outside torch.compile)."""
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
@@ -458,6 +521,8 @@ def check_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     used = (lengths + page - 1) // page
     live = table[torch.arange(table.shape[1])[None, :] < used[:, None]]
     if live.numel() and (int(live.min()) < 0 or int(live.max()) >= k_cache.shape[0]):
-        raise ArgumentError(f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
-                         f"[{int(live.min())}, {int(live.max())}]")
+        raise ArgumentError(
+            f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
+            f"[{int(live.min())}, {int(live.max())}]"
+        )
     return maxes[0]

@@ -1,5 +1,6 @@
 """Where a call's rows live: dense (batch, seqlen, nheads, headdim) or varlen (total, nheads, headdim) with
 cu_seqlens; the strides and lengths the kernels take, and the tail rows of a varlen output."""
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ class Varlen:
     in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, (batch + 1,)); likewise k and v.
     known_*/order_*: what checks remembers of a cu_seqlens whose values were checked ((last
     value, longest sequence) and the sequences longest first), or None; `of` looks them up."""
+
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
@@ -57,8 +59,15 @@ class Geometry:
             batch, seqlen_q, nheads, head_dim = q.shape
             return Geometry(batch, nheads, k.shape[2], head_dim, seqlen_q, k.shape[1], None)
         _, nheads, head_dim = q.shape
-        return Geometry(varlen.cu_seqlens_q.shape[0] - 1, nheads, k.shape[1], head_dim,
-                         varlen.max_seqlen_q, varlen.max_seqlen_k, varlen)
+        return Geometry(
+            varlen.cu_seqlens_q.shape[0] - 1,
+            nheads,
+            k.shape[1],
+            head_dim,
+            varlen.max_seqlen_q,
+            varlen.max_seqlen_k,
+            varlen,
+        )
 
     def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, seqlen, head) strides in elements; varlen has no batch stride."""
@@ -111,6 +120,12 @@ def fill_tails(*slots) -> None:
         return
     args += args[:7] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
     block_r = 64
-    launcher.launch(_runtime.kernels().fill.fill_tail_kernel, (cdiv(max(totals), block_r),),
-        *args, slots[0][1].shape[0] - 1, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128,
+    launcher.launch(
+        _runtime.kernels().fill.fill_tail_kernel,
+        (cdiv(max(totals), block_r),),
+        *args,
+        slots[0][1].shape[0] - 1,
+        SLOTS=len(slots),
+        BLOCK_R=block_r,
+        BLOCK_C=128,
     )

@@ -2,6 +2,7 @@
 rotate q, then attend over the cache, split over keys when the batch is too small to fill the
 GPU, and merge the splits. The caller (ops.registry) makes q's device the current one, as
 for the attention launchers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ class Cache:
     """The cache as the kernel reads it. Contiguous: k/v (batch_cache, capacity, nheads_k,
     headdim), row cache_batch_idx[b] (or b) for sequence b. Paged: k/v (num_blocks, page_size,
     nheads_k, headdim) and block_table (batch, max_blocks)."""
+
     k: torch.Tensor
     v: torch.Tensor
     seqlens: torch.Tensor | None  # int32 (batch,), or None with seqlen_int
@@ -45,6 +47,7 @@ class Check:
     """Device-side checking of the cache tensors' values: err (int32 (1,), zero) is set by a
     kernel that finds a value out of range; cache_seqlens may not exceed seqlen_limit (the
     capacity less the new tokens, and the rotary table's end less the positions rotated)."""
+
     err: torch.Tensor
     seqlen_limit: int
     key: object = None  # where the caller keeps err between calls
@@ -79,23 +82,48 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     bt = cache.block_table
     dummy = k_new
     block_t = min(16, 1 << (seqlen_new - 1).bit_length())
-    launcher.launch(_runtime.kernels().decode.kvcache_append_kernel, (batch, -(-seqlen_new // block_t)),
-        k_new, v_new, cache.k, cache.v, cos, sin,
+    launcher.launch(
+        _runtime.kernels().decode.kvcache_append_kernel,
+        (batch, -(-seqlen_new // block_t)),
+        k_new,
+        v_new,
+        cache.k,
+        cache.v,
+        cos,
+        sin,
         cache.seqlens if cache.seqlens is not None else dummy,
         cache.batch_idx if cache.batch_idx is not None else dummy,
         cache.leftpad if cache.leftpad is not None else dummy,
         bt if bt is not None else dummy,
         check.err if check is not None else dummy,
-        *k_new.stride()[:3], *v_new.stride()[:3], *cache.k.stride()[:3], *cache.v.stride()[:3],
-        bt.stride(0) if bt is not None else 0, cos.stride(0),
-        batch, nheads_k, seqlen_new, cache.seqlen_int, cache.capacity, cache.k.shape[0],
+        *k_new.stride()[:3],
+        *v_new.stride()[:3],
+        *cache.k.stride()[:3],
+        *cache.v.stride()[:3],
+        bt.stride(0) if bt is not None else 0,
+        cos.stride(0),
+        batch,
+        nheads_k,
+        seqlen_new,
+        cache.seqlen_int,
+        cache.capacity,
+        cache.k.shape[0],
         check.seqlen_limit if check is not None else cache.capacity - seqlen_new,
-        cos.shape[0] if rotary is not None else 0, cos.shape[1] if rotary is not None else 0,
-        CHECK=check is not None, PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None,
-        LEFTPAD=cache.leftpad is not None, SEQLENS_TENSOR=cache.seqlens is not None,
-        PAGE_SIZE=cache.page_size if bt is not None else 1, ROTARY=rotary is not None, INTERLEAVED=interleaved,
-        HEAD_DIM=head_dim, BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())), BLOCK_T=block_t,
-        BLOCK_D=block_d(head_dim), num_warps=4 if head_dim * block_t >= 1024 else 2,
+        cos.shape[0] if rotary is not None else 0,
+        cos.shape[1] if rotary is not None else 0,
+        CHECK=check is not None,
+        PAGED=bt is not None,
+        BATCH_IDX=cache.batch_idx is not None,
+        LEFTPAD=cache.leftpad is not None,
+        SEQLENS_TENSOR=cache.seqlens is not None,
+        PAGE_SIZE=cache.page_size if bt is not None else 1,
+        ROTARY=rotary is not None,
+        INTERLEAVED=interleaved,
+        HEAD_DIM=head_dim,
+        BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())),
+        BLOCK_T=block_t,
+        BLOCK_D=block_d(head_dim),
+        num_warps=4 if head_dim * block_t >= 1024 else 2,
     )
 
 
@@ -135,19 +163,19 @@ def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Te
 # bf16, 32 query heads, MHA and GQA-8, batch 1/8/64, cache 1k-128k); the numbers name points
 # where the entry won or came within 2%:
 DECODE_TILES = {
-    ("contiguous", True): (128, 4, 2),   # MHA 1x32k 3626 GB/s, 1x128k 4017; GQA 8x32k 3996
+    ("contiguous", True): (128, 4, 2),  # MHA 1x32k 3626 GB/s, 1x128k 4017; GQA 8x32k 3996
     ("contiguous", False): (128, 4, 3),  # GQA 64x8k 4462 (stages 2: 3995), 64x128k 4659; MHA 64x32k 4580
-    ("page-block", True): (128, 8, 2),   # page 256: MHA 1x32k 3662, 1x128k 4118; GQA 1x32k 2195
+    ("page-block", True): (128, 8, 2),  # page 256: MHA 1x32k 3662, 1x128k 4118; GQA 1x32k 2195
     ("page-block", False): (128, 8, 3),  # page 256: MHA 8x8k 4247, 64x32k 4550; GQA 64x8k 4403
-    ("page-row", True): (128, 4, 2),     # page 16: MHA 1x128k 4000; GQA 8x32k 4000
-    ("page-row", False): (128, 8, 2),    # page 16: MHA 8x8k 4043, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317
+    ("page-row", True): (128, 4, 2),  # page 16: MHA 1x128k 4000; GQA 8x32k 4000
+    ("page-row", False): (128, 8, 2),  # page 16: MHA 8x8k 4043, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317
     #                                      (64/4/3 wins at batch 64, 4513 and 4509, but loses 20% at batch 8)
     # Contiguous refinements, H200 sweep of 9 and 5 tiles (CUDA-graph GB/s,
     # median of 3 interleaved rounds, two runs for the non-split points):
-    ("contiguous-short", True): (64, 4, 3),    # splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 (128/4/2:
+    ("contiguous-short", True): (64, 4, 3),  # splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 (128/4/2:
     #   2610), 1x8k 1444 (1389); MHA 1x8k 2769 (2685). Longer splits keep 128/4/2: GQA 8x32k (8k keys a
     #   split) 4249 vs 4225, MHA 1x128k (16k) 4431 vs 4399
-    ("contiguous-many", False): (128, 4, 2),   # >= MANY_PROGRAMS programs (3 resident per SM, not 1):
+    ("contiguous-many", False): (128, 4, 2),  # >= MANY_PROGRAMS programs (3 resident per SM, not 1):
     #   MHA 64x1k 4318 and 4320 (128/4/3: 4224, 4225), 64x8k 4629 (4545). With fewer, 128/4/3 stays:
     #   GQA 64x8k 4455 vs 3995, GQA 64x1k 3355 vs 3268, MHA 8x8k 4288 vs 4294
 }
@@ -167,8 +195,9 @@ def _block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def _tiles(rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: str = "contiguous",
-           split: bool = True) -> tuple[int, int, int, int]:
+def _tiles(
+    rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: str = "contiguous", split: bool = True
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decoding reads K/V once per group: the rows are
     few (group x seqlen_q), the keys many. Other head dims keep the bytes of a key block of the
     headdim-128 entry; fp32 halves it and drops the pipeline so that headdim 256 fits the 99 KB
@@ -201,8 +230,9 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
     return max(1, min(MAX_SPLITS, 2 * sm_count // programs, n_blocks))
 
 
-def plan(cache: Cache, rows: int, batch: int, head_dim: int, elem_bytes: int, num_splits: int, sm_count: int,
-         interp: bool) -> tuple[int, int, int, int, int, int]:
+def plan(
+    cache: Cache, rows: int, batch: int, head_dim: int, elem_bytes: int, num_splits: int, sm_count: int, interp: bool
+) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, chunk) of a decode call: rows = group x
     seqlen_q rows per program; each split reads chunk keys (a multiple of BLOCK_N)."""
     programs = -(-rows // _block_m(rows)) * batch * cache.k.shape[2]
@@ -222,9 +252,16 @@ def plan(cache: Cache, rows: int, batch: int, head_dim: int, elem_bytes: int, nu
     return block_m, block_n, warps, stages, splits, chunk
 
 
-def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float, mods: ScoreMods,
-            num_splits: int, varlen_q: tuple[torch.Tensor, int] | None = None,
-            check: Check | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    q: torch.Tensor,
+    cache: Cache,
+    seqlen_new: int,
+    softmax_scale: float,
+    mods: ScoreMods,
+    num_splits: int,
+    varlen_q: tuple[torch.Tensor, int] | None = None,
+    check: Check | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append).
     Returns out like q and lse fp32 (batch, nheads, seqlen_q). With varlen_q = (cu_seqlens_q,
     max_seqlen_q), q is (total_q, nheads, headdim) and lse (nheads, total_q) (paged prefill).
@@ -249,14 +286,15 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         return out.to(q.dtype), lse
     sm_count = 64 if interp else _runtime.sm_count(q.device)
     rows = group * seqlen_q
-    block_m, block_n, warps, stages, splits, chunk = plan(cache, rows, batch, head_dim, q.element_size(), num_splits,
-                                                          sm_count, interp)
+    block_m, block_n, warps, stages, splits, chunk = plan(
+        cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp
+    )
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
     if splits > 1:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
         n_out = -(-splits * q.numel() // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
         work = _runtime.empty((n_out + splits * lse.numel(),), torch.float32, q.device)
-        dst = work[:splits * q.numel()].view(splits, *q.shape)
+        dst = work[: splits * q.numel()].view(splits, *q.shape)
         dst_lse = work[n_out:].view(splits, *lse_shape)
     else:
         dst, dst_lse = out.unsqueeze(0), lse.unsqueeze(0)
@@ -276,8 +314,14 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
     kernels = _runtime.kernels().decode
     bt = cache.block_table
     k, v = cache.k, cache.v
-    launcher.launch(kernels.attn_kvcache_kernel, (batch * nheads_k, -(-rows // block_m), splits),
-        q, k, v, dst, dst_lse,
+    launcher.launch(
+        kernels.attn_kvcache_kernel,
+        (batch * nheads_k, -(-rows // block_m), splits),
+        q,
+        k,
+        v,
+        dst,
+        dst_lse,
         cache.seqlens if cache.seqlens is not None else lse,
         cache.batch_idx if cache.batch_idx is not None else lse,
         cache.leftpad if cache.leftpad is not None else lse,
@@ -285,31 +329,71 @@ def forward(q: torch.Tensor, cache: Cache, seqlen_new: int, softmax_scale: float
         runtime["Alibi"],
         varlen_q[0] if varlen_q is not None else lse,
         check.err if check is not None else lse,
-        *q_strides, *k.stride()[:3], *v.stride()[:3],
-        *dst_strides, *lse_strides,
-        bt.stride(0) if bt is not None else 0, runtime["stride_alibi_b"],
-        nheads, nheads_k, seqlen_q, seqlen_new, cache.seqlen_int, chunk, cache.capacity, k.shape[0],
+        *q_strides,
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *dst_strides,
+        *lse_strides,
+        bt.stride(0) if bt is not None else 0,
+        runtime["stride_alibi_b"],
+        nheads,
+        nheads_k,
+        seqlen_q,
+        seqlen_new,
+        cache.seqlen_int,
+        chunk,
+        cache.capacity,
+        k.shape[0],
         check.seqlen_limit if check is not None else cache.capacity,
-        runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"],
+        runtime["window_left"],
+        runtime["window_right"],
+        softmax_scale,
+        runtime["softcap"],
         **flags,
-        PAGED=bt is not None, BATCH_IDX=cache.batch_idx is not None, LEFTPAD=cache.leftpad is not None,
-        SEQLENS_TENSOR=cache.seqlens is not None, SPLIT=splits > 1, VARLEN_Q=varlen_q is not None,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", PAGE_SIZE=cache.page_size if bt is not None else 1,
-        CHECK=check is not None, PDL=pdl,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim),
-        num_warps=warps, num_stages=stages,
+        PAGED=bt is not None,
+        BATCH_IDX=cache.batch_idx is not None,
+        LEFTPAD=cache.leftpad is not None,
+        SEQLENS_TENSOR=cache.seqlens is not None,
+        SPLIT=splits > 1,
+        VARLEN_Q=varlen_q is not None,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast else "tf32",
+        PAGE_SIZE=cache.page_size if bt is not None else 1,
+        CHECK=check is not None,
+        PDL=pdl,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d(head_dim),
+        num_warps=warps,
+        num_stages=stages,
     )
     if splits > 1:
         # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
         b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
         lse_b = 0 if varlen_q is not None else lse.stride(0)
         lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
-        launcher.launch(kernels.attn_combine_kernel, (b_ * sq_ * nheads,),
-            dst, dst_lse, out, lse,
-            dst.stride(0), dst_lse.stride(0), lse_b, lse_h,
-            sq_, nheads, splits,
-            HEAD_DIM=head_dim, BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=16,
-            BLOCK_D=block_d(head_dim), PDL=pdl, num_warps=2, launch_pdl=pdl,
+        launcher.launch(
+            kernels.attn_combine_kernel,
+            (b_ * sq_ * nheads,),
+            dst,
+            dst_lse,
+            out,
+            lse,
+            dst.stride(0),
+            dst_lse.stride(0),
+            lse_b,
+            lse_h,
+            sq_,
+            nheads,
+            splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
+            CHUNK_S=16,
+            BLOCK_D=block_d(head_dim),
+            PDL=pdl,
+            num_warps=2,
+            launch_pdl=pdl,
         )
     if varlen_q is not None:
         known = checks.known(varlen_q[0])

@@ -3,6 +3,7 @@
 A training or serving loop repeats a few call signatures, and on the H200's host making the choices below cost
 about a third of a forward's host time: each launch's arguments beyond the tensors are kept per signature
 (ForwardLaunch, BackwardLaunch in FWD_PLANS / BWD_PLANS, keyed by forward_key / backward_key)."""
+
 from __future__ import annotations
 
 import torch
@@ -41,6 +42,7 @@ def remember(plans: dict, key, launch) -> None:
 
 class ForwardLaunch:
     """The Gluon forward of one call signature: kernel, tile rows, grid size, integer arguments, constexprs."""
+
     __slots__ = ("kernel", "rows", "lse_shape", "tiles", "persist", "ints", "kwargs")
 
     def __init__(self, plan: Plan, geo: Geometry, lse_shape):
@@ -51,8 +53,15 @@ class ForwardLaunch:
         self.rows, self.lse_shape = (cfg.block_m, cfg.block_n), lse_shape
         self.tiles = cdiv(geo.max_seqlen_q, plan.rows) * geo.batch * geo.nheads
         self.ints = (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k)
-        self.kwargs = dict(CAUSAL=plan.causal, HEAD_DIM=geo.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                           STAGES=cfg.num_stages, **dict(plan.constexprs), num_warps=plan.num_warps)
+        self.kwargs = dict(
+            CAUSAL=plan.causal,
+            HEAD_DIM=geo.head_dim,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.num_stages,
+            **dict(plan.constexprs),
+            num_warps=plan.num_warps,
+        )
 
     def run(self, q, k, v, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         out = _runtime.empty(q.shape, q.dtype, q.device)
@@ -64,9 +73,20 @@ class ForwardLaunch:
         rows_m, rows_n = self.rows
         s = lse.stride()
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
-        launcher.launch(self.kernel, grid,
-            host_desc(q, rows_m, gluon=True), host_desc(k, rows_n, gluon=True), host_desc(v, rows_n, gluon=True),
-            host_desc(out, rows_m, gluon=True), lse, s[0], s[1], *self.ints, softmax_scale, **self.kwargs)
+        launcher.launch(
+            self.kernel,
+            grid,
+            host_desc(q, rows_m, gluon=True),
+            host_desc(k, rows_n, gluon=True),
+            host_desc(v, rows_n, gluon=True),
+            host_desc(out, rows_m, gluon=True),
+            lse,
+            s[0],
+            s[1],
+            *self.ints,
+            softmax_scale,
+            **self.kwargs,
+        )
 
 
 FWD_PLANS: dict = {}
@@ -78,9 +98,24 @@ def forward_key(q, k, v, mods: ScoreMods):
     layout follows from q's shape."""
     if mods.alibi_slopes is not None or mods.dropout_p != 0:
         return None
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16, mods.causal, mods.window_left, mods.window_right,
-            mods.softcap, planning.forced())
+    return (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
+        mods.causal,
+        mods.window_left,
+        mods.window_right,
+        mods.softcap,
+        planning.forced(),
+    )
 
 
 def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, softmax_scale: float, key=None) -> None:
@@ -92,7 +127,7 @@ def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, softmax_scale: float, 
 
 def _divisors(n: int) -> list[int]:
     """The divisors of n >= 1, ascending."""
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
@@ -124,6 +159,7 @@ class BackwardLaunch:
     the zeroed fp32 dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not
     such a multiple, lse (contiguous) padded the same way (+inf; delta 0: the padded rows contribute nothing).
     Then the kernel, then dQ cast from the accumulator into dq."""
+
     __slots__ = ("kernels", "geo", "arch", "plan", "seqlen_q_pad", "grid", "pre")
 
     def __init__(self, plan: Plan, geo: Geometry, arch: str, dtype: torch.dtype):
@@ -152,16 +188,34 @@ class BackwardLaunch:
         lse = lse_pad if lse_pad is not None else lse
         # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
         # else into buffers copied back
-        gk, gv = (g if g.dtype == q.dtype and g.stride(2) == geo.head_dim and use_tma(arch, g)
-                  else _runtime.empty(g.shape, q.dtype, g.device) for g in (dk, dv))
+        gk, gv = (
+            g
+            if g.dtype == q.dtype and g.stride(2) == geo.head_dim and use_tma(arch, g)
+            else _runtime.empty(g.shape, q.dtype, g.device)
+            for g in (dk, dv)
+        )
         bm, bn = cfg.block_m, cfg.block_n
         lse_strides = delta.stride()
-        launcher.launch(self.kernels.attn_bwd_ws_kernel, self.grid,
-            host_desc(q, bm, gluon=True), host_desc(k, bn, gluon=True), host_desc(v, bn, gluon=True),
-            host_desc(dout, bm, gluon=True), host_desc(gk, bn, gluon=True), host_desc(gv, bn, gluon=True),
+        launcher.launch(
+            self.kernels.attn_bwd_ws_kernel,
+            self.grid,
+            host_desc(q, bm, gluon=True),
+            host_desc(k, bn, gluon=True),
+            host_desc(v, bn, gluon=True),
+            host_desc(dout, bm, gluon=True),
+            host_desc(gk, bn, gluon=True),
+            host_desc(gv, bn, gluon=True),
             host_desc(acc, bm, gluon=True, cols=geo.head_dim // rings["DQ_SPLIT"]),
-            lse, delta, softmax_scale,
-            seqlen_q, seqlen_k, seqlen_q_pad, geo.nheads, geo.nheads_k, lse_strides[0], lse_strides[1],
+            lse,
+            delta,
+            softmax_scale,
+            seqlen_q,
+            seqlen_k,
+            seqlen_q_pad,
+            geo.nheads,
+            geo.nheads_k,
+            lse_strides[0],
+            lse_strides[1],
             CAUSAL=plan.causal,
             HEAD_DIM=geo.head_dim,
             BLOCK_M=bm,
@@ -185,14 +239,36 @@ def backward_key(dout, q, k, v, out, dlse, mods: ScoreMods):
     dropout, or None. (Where dK/dV are written is decided at each call.)"""
     if mods.alibi_slopes is not None or mods.dropout_p != 0:
         return None
-    return (q.shape, k.shape, v.shape, out.shape, dout.shape, q.stride(), k.stride(), v.stride(), out.stride(),
-            dout.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, q.device,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | dout.data_ptr()) % 16, dlse is None,
-            mods.causal, mods.window_left, mods.window_right, mods.softcap, planning.forced())
+    return (
+        q.shape,
+        k.shape,
+        v.shape,
+        out.shape,
+        dout.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        out.stride(),
+        dout.stride(),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        out.dtype,
+        dout.dtype,
+        q.device,
+        (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | dout.data_ptr()) % 16,
+        dlse is None,
+        mods.causal,
+        mods.window_left,
+        mods.window_right,
+        mods.softcap,
+        planning.forced(),
+    )
 
 
-def backward(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometry, arch: str,
-             softmax_scale: float, key=None) -> None:
+def backward(
+    plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometry, arch: str, softmax_scale: float, key=None
+) -> None:
     """The Gluon backward (the plan's bwd_hopper) into dq, dk, dv; remembered under key."""
     launch = BackwardLaunch(plan, geo, arch, q.dtype)
     launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale)

@@ -1,5 +1,6 @@
 """The Triton kernels' launches (kernels/fwd.py, kernels/bwd.py, kernels/dmask.py): every arch, every option,
 dense and varlen. What runs is decided before (ops.planning's Plan); this allocates, builds the arguments, launches."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,13 @@ def sources(geo: Geometry, tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple
     otherwise the tensors (the kernels make their own descriptors). Host-built descriptors: backward 1.04-1.41x
     at 512 and 2k tokens, the forward 1.0-1.33x (H200, bitwise-equal outputs)."""
     tensors = [t for t, _ in pairs]
-    if not (planning.forced().host_desc is not False and tma and geo.varlen is None
-            and geo.head_dim == block_d(geo.head_dim) and all(t.stride(2) == geo.head_dim for t in tensors)):
+    if not (
+        planning.forced().host_desc is not False
+        and tma
+        and geo.varlen is None
+        and geo.head_dim == block_d(geo.head_dim)
+        and all(t.stride(2) == geo.head_dim for t in tensors)
+    ):
         return tensors, False
     return [host_desc(t, rows) for t, rows in pairs], True
 
@@ -49,22 +55,36 @@ def score_scalars(runtime: dict, softmax_scale: float) -> tuple:
     return runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"], runtime["dropout_p"]
 
 
-def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, arch: str, runtime: dict, flags: dict,
-            softmax_scale: float) -> None:
+def forward(
+    plan: Plan, q, k, v, out, lse, geo: Geometry, arch: str, runtime: dict, flags: dict, softmax_scale: float
+) -> None:
     """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too)."""
     cfg = plan.tile
     grid = (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
     # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
     order, is_sorted = geo.order("k", lse)
     tma = tma_flags(q, arch, q, k, v, out)
-    srcs, host = sources(geo, tma["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
-                         (out, cfg.block_m))
-    launcher.launch(_runtime.kernels().fwd.attn_fwd_kernel, grid,
-        *srcs, lse, runtime["Alibi"], *geo.cu_seqlens(lse), runtime["Seed"], order,
-        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out),
+    srcs, host = sources(geo, tma["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))
+    launcher.launch(
+        _runtime.kernels().fwd.attn_fwd_kernel,
+        grid,
+        *srcs,
+        lse,
+        runtime["Alibi"],
+        *geo.cu_seqlens(lse),
+        runtime["Seed"],
+        order,
+        *geo.strides(q),
+        *geo.strides(k),
+        *geo.strides(v),
+        *geo.strides(out),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
+        geo.batch,
+        geo.nheads,
+        geo.max_seqlen_q,
+        geo.max_seqlen_k,
+        geo.nheads // geo.nheads_k,
         *score_scalars(runtime, softmax_scale),
         **flags,
         IS_VARLEN=geo.varlen is not None,
@@ -83,8 +103,17 @@ def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, arch: str, runtime: di
         fill_tails((out, cu_q, 0.0, 0, known_q), (lse, cu_q, float("inf"), 1, known_q))
 
 
-def preprocess(out, dout, lse, dlse, geo: Geometry, delta: torch.Tensor, seqlen_pad: int | None = None,
-               lse_pad: torch.Tensor | None = None, acc: torch.Tensor | None = None) -> tuple:
+def preprocess(
+    out,
+    dout,
+    lse,
+    dlse,
+    geo: Geometry,
+    delta: torch.Tensor,
+    seqlen_pad: int | None = None,
+    lse_pad: torch.Tensor | None = None,
+    acc: torch.Tensor | None = None,
+) -> tuple:
     """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded).
     With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
     seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
@@ -96,10 +125,25 @@ def preprocess(out, dout, lse, dlse, geo: Geometry, delta: torch.Tensor, seqlen_
     pre_m = 64 if bd <= 128 else 32
     acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
     grid = (cdiv(rows, pre_m) * geo.batch * geo.nheads,)
-    ints = (*geo.strides(out), *geo.strides(dout), *geo.lse_strides(lse), *geo.lse_strides(delta), *acc_strides,
-            geo.nheads, geo.max_seqlen_q, rows)
-    kwargs = dict(HAS_DLSE=dlse is not None, IS_VARLEN=geo.varlen is not None, PADDED=padded,
-                  COPY_LSE=lse_pad is not None, HEAD_DIM=geo.head_dim, BLOCK_M=pre_m, BLOCK_D=bd)
+    ints = (
+        *geo.strides(out),
+        *geo.strides(dout),
+        *geo.lse_strides(lse),
+        *geo.lse_strides(delta),
+        *acc_strides,
+        geo.nheads,
+        geo.max_seqlen_q,
+        rows,
+    )
+    kwargs = dict(
+        HAS_DLSE=dlse is not None,
+        IS_VARLEN=geo.varlen is not None,
+        PADDED=padded,
+        COPY_LSE=lse_pad is not None,
+        HEAD_DIM=geo.head_dim,
+        BLOCK_M=pre_m,
+        BLOCK_D=bd,
+    )
     pre = (grid, ints, kwargs)
     launch_preprocess(pre, out, dout, lse, dlse, delta, geo.cu_seqlens(lse)[0], lse_pad, acc if padded else delta)
     return pre
@@ -109,13 +153,40 @@ def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_p
     """The delta preprocess launch with preprocess's (grid, integer arguments, keywords); the
     tensors absent from the call (dlse, lse_pad) get delta in their places (never read)."""
     grid, ints, kwargs = pre
-    launcher.launch(_runtime.kernels().bwd.attn_bwd_preprocess_kernel, grid,
-        out, dout, delta, dlse if dlse is not None else delta, cu_seqlens, lse,
-        lse_pad if lse_pad is not None else delta, acc, *ints, **kwargs)
+    launcher.launch(
+        _runtime.kernels().bwd.attn_bwd_preprocess_kernel,
+        grid,
+        out,
+        dout,
+        delta,
+        dlse if dlse is not None else delta,
+        cu_seqlens,
+        lse,
+        lse_pad if lse_pad is not None else delta,
+        acc,
+        *ints,
+        **kwargs,
+    )
 
 
-def backward(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometry, arch: str, runtime: dict,
-             mod_flags: dict, softmax_scale: float) -> None:
+def backward(
+    plan: Plan,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    dq,
+    dk,
+    dv,
+    geo: Geometry,
+    arch: str,
+    runtime: dict,
+    mod_flags: dict,
+    softmax_scale: float,
+) -> None:
     """kernels/bwd.py: the delta preprocess, dK/dV (one program per key block over its query blocks), then dQ
     (one program per query block over its key blocks): deterministic, no atomics."""
     K = _runtime.kernels().bwd
@@ -144,15 +215,44 @@ def backward(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometr
 
     cfg = plan.tile
     (sq, sk, sv, sdo, sdk, sdv), host = sources(
-        geo, flags["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
-        (gk, cfg.block_n), (gv, cfg.block_n))
-    launcher.launch(K.attn_bwd_dkdv_kernel, (cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
-        sq, sk, sv, sdo, lse, delta, sdk, sdv, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_q,
-        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gk),
+        geo,
+        flags["USE_TMA"],
+        (q, cfg.block_m),
+        (k, cfg.block_n),
+        (v, cfg.block_n),
+        (dout, cfg.block_m),
+        (gk, cfg.block_n),
+        (gv, cfg.block_n),
+    )
+    launcher.launch(
+        K.attn_bwd_dkdv_kernel,
+        (cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
+        sq,
+        sk,
+        sv,
+        sdo,
+        lse,
+        delta,
+        sdk,
+        sdv,
+        runtime["Alibi"],
+        cu_q,
+        cu_k,
+        runtime["Seed"],
+        order_q,
+        *geo.strides(q),
+        *geo.strides(k),
+        *geo.strides(v),
+        *geo.strides(dout),
+        *geo.strides(gk),
         *geo.strides(gv),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group,
+        geo.nheads,
+        geo.nheads_k,
+        geo.max_seqlen_q,
+        geo.max_seqlen_k,
+        group,
         *score_scalars(runtime, softmax_scale),
         **common,
         SORTED=sorted_q,
@@ -164,14 +264,41 @@ def backward(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometr
     )
     cfg = plan.dq_tile
     (sq, sk, sv, sdo, sdq), host = sources(
-        geo, flags["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
-        (gq, cfg.block_m))
-    launcher.launch(K.attn_bwd_dq_kernel, (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
-        sq, sk, sv, sdo, lse, delta, sdq, runtime["Alibi"], cu_q, cu_k, runtime["Seed"], order_k,
-        *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(dout), *geo.strides(gq),
+        geo,
+        flags["USE_TMA"],
+        (q, cfg.block_m),
+        (k, cfg.block_n),
+        (v, cfg.block_n),
+        (dout, cfg.block_m),
+        (gq, cfg.block_m),
+    )
+    launcher.launch(
+        K.attn_bwd_dq_kernel,
+        (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
+        sq,
+        sk,
+        sv,
+        sdo,
+        lse,
+        delta,
+        sdq,
+        runtime["Alibi"],
+        cu_q,
+        cu_k,
+        runtime["Seed"],
+        order_k,
+        *geo.strides(q),
+        *geo.strides(k),
+        *geo.strides(v),
+        *geo.strides(dout),
+        *geo.strides(gq),
         *geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group,
+        geo.batch,
+        geo.nheads,
+        geo.max_seqlen_q,
+        geo.max_seqlen_k,
+        group,
         *score_scalars(runtime, softmax_scale),
         **common,
         SORTED=sorted_k,
@@ -186,8 +313,9 @@ def backward(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometr
             dst.copy_(src)
 
 
-def dropout_probs(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: ScoreMods,
-                  varlen: Varlen | None = None) -> torch.Tensor:
+def dropout_probs(
+    q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: ScoreMods, varlen: Varlen | None = None
+) -> torch.Tensor:
     """S_dmask (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype: exp(score -
     rowmax) where kept, its negative where dropped, 0 where not visible (a testing aid)."""
     geo = Geometry.of(q, k, varlen)
@@ -199,14 +327,30 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: 
         return probs.to(q.dtype)
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, probs)
     block_m, block_n = 64, 64
-    launcher.launch(_runtime.kernels().dmask.attn_dropout_mask_kernel, (cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,),
-        q, k, probs, runtime["Alibi"], *geo.cu_seqlens(probs), runtime["Seed"],
-        *geo.strides(q), *geo.strides(k),
-        probs.stride(0), probs.stride(1), probs.stride(2),
+    launcher.launch(
+        _runtime.kernels().dmask.attn_dropout_mask_kernel,
+        (cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,),
+        q,
+        k,
+        probs,
+        runtime["Alibi"],
+        *geo.cu_seqlens(probs),
+        runtime["Seed"],
+        *geo.strides(q),
+        *geo.strides(k),
+        probs.stride(0),
+        probs.stride(1),
+        probs.stride(2),
         runtime["stride_alibi_b"],
-        geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k,
-        runtime["window_left"], runtime["window_right"],
-        softmax_scale, runtime["dropout_p"],
+        geo.batch,
+        geo.nheads,
+        geo.max_seqlen_q,
+        geo.max_seqlen_k,
+        geo.nheads // geo.nheads_k,
+        runtime["window_left"],
+        runtime["window_right"],
+        softmax_scale,
+        runtime["dropout_p"],
         CAUSAL=flags["CAUSAL"],
         LOCAL=flags["LOCAL"],
         ALIBI=flags["ALIBI"],

@@ -2,6 +2,7 @@
 descriptors encoded once. Written against triton 3.6's JITFunction and launcher (WRITTEN_FOR); on another
 Triton every launch takes Triton's own path (SUPPORTED), as it does with FLASHATTN2_DIRECT_LAUNCH=0, under a
 profiler's launch hooks and in the interpreter."""
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,7 @@ def _binder(kernel, args: tuple, kwargs: dict):
     """A function of (args, kwargs) that returns (the key, the launcher's arguments), generated
     for the types of this call's arguments; None for arguments of other types."""
     params = kernel.params
-    tail = [p.name for p in params[len(args):]]
+    tail = [p.name for p in params[len(args) :]]
     missing = [n for n in tail if n not in kwargs]
     if missing:
         raise TypeError(f"launch of {kernel.__name__}: parameters {missing} not given by keyword")
@@ -98,6 +99,7 @@ class HostDesc(tuple):
     a Triton kernel, the shared-memory layout (NVMMASharedLayout) for a Gluon one. Direct
     launches encode it themselves (_tma_map); Triton's own path gets the TensorDescriptor it
     stands for (_for_triton)."""
+
     __slots__ = ()
 
 
@@ -118,7 +120,12 @@ def _for_triton(args: tuple) -> tuple:
                 desc = object.__new__(GluonDescriptor)
                 desc.layout = a[4]
             desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (
-                a[0], list(a[1]), list(a[2]), list(a[3]), "zero")
+                a[0],
+                list(a[1]),
+                list(a[2]),
+                list(a[3]),
+                "zero",
+            )
             a = desc
         out.append(a)
     return tuple(out)
@@ -152,9 +159,18 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         args = _for_triton(args)
     elif described is not None:  # host-built descriptors: encoded here, each one once
         run, args = described.launch, described.expand(args)
-    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-        torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-        None, None, None, *args)
+    run(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device),
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+    )
 
 
 # Host-built tensor descriptors (ops.tma.host_desc): Triton's launcher encodes every
@@ -202,13 +218,19 @@ def _described(compiled):
         raw = inner.__closure__[inner.__code__.co_freevars.index("launcher")].cell_contents
     except (AttributeError, ValueError, TypeError, IndexError):
         return _TRITON_ENCODES
-    if (not metas or len(metas) != len(positions) or any(m["fp4_padded"] for m in metas)
-            or run.global_scratch_size or run.profile_scratch_size):
+    if (
+        not metas
+        or len(metas) != len(positions)
+        or any(m["fp4_padded"] for m in metas)
+        or run.global_scratch_size
+        or run.profile_scratch_size
+    ):
         return _TRITON_ENCODES
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-    encoded = [(m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], tuple(m["block_size"]))
-               for m in metas]
+    encoded = [
+        (m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], tuple(m["block_size"])) for m in metas
+    ]
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
 
     def launch(gx, gy, gz, stream, function, *args):
@@ -234,8 +256,8 @@ def _tma_map(desc, meta) -> list:
         import triton
 
         cu_map = triton.runtime.driver.active.utils.fill_tma_descriptor(
-            key[0], swizzle, elem_size, elem_type, list(block), list(shape), list(strides),
-            1 if padding == "nan" else 0)
+            key[0], swizzle, elem_size, elem_type, list(block), list(shape), list(strides), 1 if padding == "nan" else 0
+        )
         found = _TMA_MAPS[key] = [cu_map, *shape, *strides]
     return found
 
@@ -246,8 +268,11 @@ def _triton_choice(kernel, device: int, args: tuple, kwargs: dict):
     from triton.runtime.jit import compute_cache_key
 
     knobs = _triton_knobs()
-    kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
-                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    kwargs = dict(
+        kwargs,
+        debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+        instrumentation_mode=knobs.compilation.instrumentation_mode,
+    )
     kernel_cache, key_cache, _, _, binder = kernel.device_caches[device]
     _, specialization, options = binder(*args, **kwargs)
     chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, options))

@@ -1,5 +1,6 @@
 """A call's options by name: Options from the API to the custom ops (whose parameters they are, in order), and
 ScoreMods, how the kernels form and mask the scores."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ class Options:
     """flashattn2::fwd's (and bwd's) arguments between v and alibi_slopes: the sequences of a varlen call
     (cu_seqlens None: dense), dropout with its Philox seed, the scale and the score modifiers. op_args() gives
     them in the ops' order."""
+
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
@@ -29,20 +31,53 @@ class Options:
         return self.cu_seqlens_q is not None
 
     def op_args(self) -> tuple:
-        return (self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, self.dropout_p,
-                self.seed, self.softmax_scale, self.causal, self.window_left, self.window_right, self.softcap)
+        return (
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            self.dropout_p,
+            self.seed,
+            self.softmax_scale,
+            self.causal,
+            self.window_left,
+            self.window_right,
+            self.softcap,
+        )
 
     def tensors(self) -> tuple:
         """The tensors among the options (what autograd saves): cu_seqlens_q, cu_seqlens_k, seed."""
         return self.cu_seqlens_q, self.cu_seqlens_k, self.seed
 
     def without_tensors(self) -> "Options":
-        return Options(None, None, self.max_seqlen_q, self.max_seqlen_k, self.dropout_p, None, self.softmax_scale,
-                       self.causal, self.window_left, self.window_right, self.softcap)
+        return Options(
+            None,
+            None,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            self.dropout_p,
+            None,
+            self.softmax_scale,
+            self.causal,
+            self.window_left,
+            self.window_right,
+            self.softcap,
+        )
 
     def with_tensors(self, cu_seqlens_q, cu_seqlens_k, seed) -> "Options":
-        return Options(cu_seqlens_q, cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, self.dropout_p, seed,
-                       self.softmax_scale, self.causal, self.window_left, self.window_right, self.softcap)
+        return Options(
+            cu_seqlens_q,
+            cu_seqlens_k,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            self.dropout_p,
+            seed,
+            self.softmax_scale,
+            self.causal,
+            self.window_left,
+            self.window_right,
+            self.softcap,
+        )
 
 
 N_OP_ARGS = len(Options().op_args())
@@ -56,6 +91,7 @@ class ScoreMods:
     that becomes the CAUSAL path, any other finite edge the LOCAL path, where an unbounded edge
     is replaced by one that cannot bind (seqlen_q + seqlen_k).
     """
+
     causal: bool = False
     window_left: int = -1
     window_right: int = -1
@@ -80,8 +116,9 @@ class ScoreMods:
             Seed=self.seed if self.dropout_p > 0 else like,
             dropout_p=self.dropout_p,
         )
-        flags = dict(CAUSAL=causal, LOCAL=local, SOFTCAP=self.softcap > 0, ALIBI=alibi is not None,
-                     DROPOUT=self.dropout_p > 0)
+        flags = dict(
+            CAUSAL=causal, LOCAL=local, SOFTCAP=self.softcap > 0, ALIBI=alibi is not None, DROPOUT=self.dropout_p > 0
+        )
         return runtime, flags
 
     @staticmethod

@@ -1,4 +1,5 @@
 """Launcher of the rotary kernel: rotate x's first rotary_dim features in place."""
+
 from __future__ import annotations
 
 import torch
@@ -6,9 +7,16 @@ import torch
 from . import _runtime, launcher
 
 
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-            seqlen_offsets: int | torch.Tensor = 0, cu_seqlens: torch.Tensor | None = None,
-            conjugate: bool = False, max_seqlen: int | None = None) -> torch.Tensor:
+def rotate_(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    conjugate: bool = False,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """x (batch, seqlen, nheads, headdim) or (total, nheads, headdim) with cu_seqlens (and
     max_seqlen, else the total bounds the programs), last dim contiguous; cos/sin
     (seqlen_ro, rotary_dim / 2). Returns x, rotated in place."""
@@ -41,11 +49,28 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
         cu_seqlens = cu_seqlens.contiguous()
     grid = (-(-seqlen // block_m), batch)
     with _runtime.device_of(x):
-        launcher.launch(_runtime.kernels().rotary.rotary_kernel, grid,
-            x, cos, sin, cu_seqlens, seqlen_offsets if offsets_tensor else None,
-            stride_b, stride_s, stride_h, cos.stride(0),
-            seqlen, nheads, cos.shape[0], half, 0 if offsets_tensor else int(seqlen_offsets),
-            IS_VARLEN=varlen, OFFSETS_TENSOR=offsets_tensor, INTERLEAVED=interleaved, CONJ=conjugate,
-            BLOCK_M=block_m, BLOCK_H=block_h,
+        launcher.launch(
+            _runtime.kernels().rotary.rotary_kernel,
+            grid,
+            x,
+            cos,
+            sin,
+            cu_seqlens,
+            seqlen_offsets if offsets_tensor else None,
+            stride_b,
+            stride_s,
+            stride_h,
+            cos.stride(0),
+            seqlen,
+            nheads,
+            cos.shape[0],
+            half,
+            0 if offsets_tensor else int(seqlen_offsets),
+            IS_VARLEN=varlen,
+            OFFSETS_TENSOR=offsets_tensor,
+            INTERLEAVED=interleaved,
+            CONJ=conjugate,
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
         )
     return x

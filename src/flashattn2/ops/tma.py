@@ -1,5 +1,6 @@
 """TMA on the host: whether tensors allow it (alignment), and host-built descriptors over dense
 (batch, seqlen, heads * headdim) views, for the Triton kernels and (with their shared-memory layout) the Gluon ones."""
+
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,6 @@
 """Reference attention in plain PyTorch, with flash_attn's semantics (layout, bottom-right causal
 alignment, GQA head mapping, empty rows giving zeros and logsumexp +inf)."""
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,19 @@ def local_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal=False,
     return mask
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window_size=(-1, -1),
-                  softcap=0.0, alibi_slopes=None, dropout_mask=None, dropout_p=0.0):
+def attention_ref(
+    q,
+    k,
+    v,
+    causal=False,
+    softmax_scale=None,
+    upcast=True,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_mask=None,
+    dropout_p=0.0,
+):
     """Attention on (batch, seqlen, nheads, headdim) inputs; returns (out, lse).
 
     upcast=True computes in float32 (float64 for float32 inputs): the oracle. upcast=False does
@@ -57,8 +69,11 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window
         scores = torch.tanh(scores / softcap) * softcap
     if alibi_slopes is not None:
         slopes = alibi_slopes.reshape(-1, nheads)[:, :, None, None].to(scores.dtype)
-        dist = (torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
-                - torch.arange(seqlen_k, device=q.device)[None, :]).abs()
+        dist = (
+            torch.arange(seqlen_q, device=q.device)[:, None]
+            + (seqlen_k - seqlen_q)
+            - torch.arange(seqlen_k, device=q.device)[None, :]
+        ).abs()
         scores = scores - slopes * dist.to(scores.dtype)
     if causal or tuple(window_size) != (-1, -1):
         visible = local_mask(seqlen_q, seqlen_k, window_size, causal, q.device)

@@ -1,4 +1,5 @@
 """flash_attn_with_kvcache in plain PyTorch: append (with rotary), then attend over the cache."""
+
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,26 @@ from .attention import attention_ref
 from .rotary import rotary_ref
 
 
-def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True):
+def kvcache_ref(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    upcast=True,
+):
     """Returns (out, lse, k_cache_after, v_cache_after); the caches given are not modified.
 
     Sequence b's keys are cache positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of
@@ -40,13 +58,13 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
             row = b if cache_batch_idx is None else int(cache_batch_idx[b])
             kb, vb = k_cache[row], v_cache[row]
         start = int(seqlens[b])
-        qb = q[b:b + 1]
+        qb = q[b : b + 1]
         if k is not None:
-            kn, vn = k[b:b + 1], v[b:b + 1]
+            kn, vn = k[b : b + 1], v[b : b + 1]
             if rotary_cos is not None:
                 kn = rotary_ref(kn, rotary_cos, rotary_sin, rotary_interleaved, start)
-            kb[start:start + kn.shape[1]] = kn[0]
-            vb[start:start + kn.shape[1]] = vn[0]
+            kb[start : start + kn.shape[1]] = kn[0]
+            vb[start : start + kn.shape[1]] = vn[0]
             end = start + kn.shape[1]
             if paged:
                 k_cache[pages] = kb.unflatten(0, (len(pages), -1))
@@ -57,15 +75,24 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
             if causal or local:
                 qb = rotary_ref(qb, rotary_cos, rotary_sin, rotary_interleaved, start)
             else:  # every query at position cache_seqlens[b]
-                angle_cos = rotary_cos[start:start + 1].expand(seqlen_q, -1)
-                angle_sin = rotary_sin[start:start + 1].expand(seqlen_q, -1)
+                angle_cos = rotary_cos[start : start + 1].expand(seqlen_q, -1)
+                angle_sin = rotary_sin[start : start + 1].expand(seqlen_q, -1)
                 qb = rotary_ref(qb, angle_cos, angle_sin, rotary_interleaved, 0)
         lo = int(leftpad[b])
         slopes = None
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
-        out, lse = attention_ref(qb, kb[None, lo:end], vb[None, lo:end], causal=causal, softmax_scale=softmax_scale,
-                                 upcast=upcast, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+        out, lse = attention_ref(
+            qb,
+            kb[None, lo:end],
+            vb[None, lo:end],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            upcast=upcast,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=slopes,
+        )
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_cache, v_cache

@@ -1,4 +1,5 @@
 """Rotary position embedding in plain PyTorch (the oracle for layers.rotary and the KV cache)."""
+
 from __future__ import annotations
 
 import torch

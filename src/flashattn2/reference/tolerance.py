@@ -1,6 +1,7 @@
 """flash_attn's tolerance rule, in one place for the tests, the benchmark's gate and the tools:
 our max error against a high-precision reference may be at most `factor` times the error of
 PyTorch doing the same math in the input dtype, plus a small floor."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The decoding state MHA reads (flash_attn.utils.generation.InferenceParams)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
