@@ -7,13 +7,16 @@
 #
 #   env        GPU, clocks, versions
 #   new-tests  the GPU tests written since the last GPU run, and the paths they touch
-#   tests      the whole suite on the GPU (-n 14)
+#   tests      the whole suite on the GPU (-n 14): ~160 s on a machine that has compiled the kernels, over 600 s on
+#              a fresh one (it compiles them all): give it a call that follows another within the machine's idle
+#              release (30 s), or a call of its own
 #   order-tests  the tests of the Gluon backward's grouped grid and of the paths it touches
 #   ab-order   bench ab: the Gluon backward's grouped grid against the head-major one (bwd_order=head-major), causal,
 #              fp16, every head dim and length, with cuDNN
 #   ab-base-fp16 / ab-base-bf16   bench ab against a baseline package (python tools/baseline_pkg.py SHA .devout/base,
-#              carried to the device): forward and backward, d64/128/256, causal both, 512-16k, 3 rounds
-#   ab-base-decode  bench decode against the same baseline, 3 alternating rounds (contiguous and paged caches)
+#              carried to the device): forward and backward, d64/128/256, causal both, 512-16k, 4 rounds (an even
+#              number: each side first in half of them; with 3 the first setting is first in two)
+#   ab-base-decode  bench decode against the same baseline, 4 alternating rounds (contiguous and paged caches)
 #   ab-fwd     bench ab: the persistent forward's tiles by key length (the table's short rows) against one
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
@@ -83,12 +86,12 @@ for s in "$@"; do
     tests)
       stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
     ab-base-fp16|ab-base-bf16)
-      stage "$s" 590 python3 -m flashattn2 bench ab --csv "$OUT/ab-base.csv" --modes fwd,bwd --rounds 3 --no-progress \
+      stage "$s" 590 python3 -m flashattn2 bench ab --csv "$OUT/ab-base.csv" --modes fwd,bwd --rounds 4 --no-progress \
         --no-cudnn --setting default --setting pkg:flashattn2_base --dtypes "${s#ab-base-}" --headdims 64,128,256 \
         --seqlens 512,1024,2048,4096,8192,16384 --causal 0,1 ;;
     ab-base-decode)
       stage ab-base-decode 400 python3 -m flashattn2 bench decode --csv "$OUT/decode-base.csv" --baseline flashattn2_base \
-        --rounds 3 --providers flashattn2 --layouts contiguous,paged-16,paged-256 ;;
+        --rounds 4 --providers flashattn2 --layouts contiguous,paged-16,paged-256 ;;
     ab-fwd)
       stage ab-fwd 300 bash -c "python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
           --setting default --setting fwd_hopper_persist=64x128w12s3 --setting fwd_hopper_persist=128x64w8s2 \
