@@ -132,6 +132,15 @@ def _rings(split: bool, do_stages: int | None, dq_split: int, dq_stages: int) ->
     return (("SPLIT_RING", split), ("DO_STAGES", do_stages), ("DQ_SPLIT", dq_split), ("DQ_STAGES", dq_stages))
 
 
+def _triton(arch: str, d: int, elem_bytes: int, fwd: TileConfig, dkdv: TileConfig, dq: TileConfig, why: str):
+    """The Triton rows of one (arch, head-dim bucket, bytes per element): the forward, and the backward (dK/dV
+    tile, dQ tile)."""
+    return (
+        Row("fwd", arch, d, elem_bytes, "fwd", fwd, why),
+        Row("bwd", arch, d, elem_bytes, "bwd_dkdv", dkdv, why, dq_tile=dq),
+    )
+
+
 T = TileConfig
 # The Gluon backward's causal program order: heads in groups whose Q and dO (a kv head's query heads') stay in
 # L2 (50 MB on the H200), each group key block by key block, heaviest first. H200 fp16 bench ab, grouped /
@@ -196,51 +205,28 @@ _SM90 = [
         why="Triton sweep: 189/184 full/causal, 187/141 at 2k (SDPA flash 259/253)"),
 ]
 # sm80 and sm86: FA2's A100 tiles (paper, section 4) and smaller ones for 99 KB of shared memory; not measured
-# here, tools/compile_check.py keeps them inside each target's shared memory.
-_TRITON = {  # (arch, head-dim bucket) -> forward, dK/dV, dQ tiles
-    ("sm80", 64): (T(128, 64, 4, 3), T(64, 128, 8, 2), T(128, 64, 8, 2)),
-    ("sm80", 128): (T(128, 64, 8, 2), T(64, 128, 8, 1), T(128, 64, 8, 1)),
-    ("sm80", 256): (T(64, 64, 8, 1), T(64, 64, 8, 1), T(64, 64, 8, 1)),
-    ("sm86", 64): (T(128, 64, 4, 2), T(64, 64, 4, 2), T(64, 64, 4, 2)),
-    ("sm86", 128): (T(64, 64, 4, 2), T(64, 64, 4, 1), T(64, 64, 4, 1)),
-    ("sm86", 256): (T(64, 32, 4, 1), T(32, 32, 4, 1), T(32, 32, 4, 1)),
-}
-# fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared memory in bounds
-# (a correctness path, not tuned); every arch.
-_FP32 = {64: T(64, 32, 4, 2), 128: T(32, 32, 4, 1), 256: T(16, 16, 4, 1)}
+# here, tools/compile_check.py keeps them inside each target's shared memory. Each line: the forward's tile, the
+# dK/dV and the dQ tiles.
+_OTHER = [
+    *_triton("sm80", 64, 2,  T(128, 64, 4, 3), T(64, 128, 8, 2), T(128, 64, 8, 2), "FA2's A100 tiles"),
+    *_triton("sm80", 128, 2, T(128, 64, 8, 2), T(64, 128, 8, 1), T(128, 64, 8, 1), "FA2's A100 tiles"),
+    *_triton("sm80", 256, 2, T(64, 64, 8, 1),  T(64, 64, 8, 1),  T(64, 64, 8, 1),  "FA2's A100 tiles"),
+    *_triton("sm86", 64, 2,  T(128, 64, 4, 2), T(64, 64, 4, 2),  T(64, 64, 4, 2),  "fits 99 KB"),
+    *_triton("sm86", 128, 2, T(64, 64, 4, 2),  T(64, 64, 4, 1),  T(64, 64, 4, 1),  "fits 99 KB"),
+    *_triton("sm86", 256, 2, T(64, 32, 4, 1),  T(32, 32, 4, 1),  T(32, 32, 4, 1),  "fits 99 KB"),
+    # fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared memory in bounds (a
+    # correctness path, not tuned); every arch
+    *(row for arch in ("sm90", "sm80", "sm86") for row in (
+        *_triton(arch, 64, 4,  T(64, 32, 4, 2), T(64, 32, 4, 2), T(64, 32, 4, 2), "fp32: CUDA-core dots, small tiles"),
+        *_triton(arch, 128, 4, T(32, 32, 4, 1), T(32, 32, 4, 1), T(32, 32, 4, 1), "fp32: CUDA-core dots, small tiles"),
+        *_triton(arch, 256, 4, T(16, 16, 4, 1), T(16, 16, 4, 1), T(16, 16, 4, 1), "fp32: CUDA-core dots, small tiles"),
+    )),
+]
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
 INTERP = T(64, 64, 4, 1)
 # fmt: on
 
-TABLE: tuple[Row, ...] = (
-    *_SM90,
-    *(
-        row
-        for (arch, d), (f, dkdv, dq) in _TRITON.items()
-        for row in (
-            Row("fwd", arch, d, 2, "fwd", f, why="FA2's A100 tiles" if arch == "sm80" else "fits 99 KB"),
-            Row(
-                "bwd",
-                arch,
-                d,
-                2,
-                "bwd_dkdv",
-                dkdv,
-                dq_tile=dq,
-                why="FA2's A100 tiles" if arch == "sm80" else "fits 99 KB",
-            ),
-        )
-    ),
-    *(
-        row
-        for arch in ARCHS[:3]
-        for d, t in _FP32.items()
-        for row in (
-            Row("fwd", arch, d, 4, "fwd", t, why="fp32: CUDA-core dots, small tiles"),
-            Row("bwd", arch, d, 4, "bwd_dkdv", t, dq_tile=t, why="fp32: CUDA-core dots, small tiles"),
-        )
-    ),
-)
+TABLE: tuple[Row, ...] = (*_SM90, *_OTHER)
 _ROWS: dict[tuple[str, str, int, int], tuple[Row, ...]] = {}
 for _row in TABLE:
     _key = (_row.direction, _row.arch, _row.head_dim, _row.elem_bytes)
