@@ -92,6 +92,7 @@ def run(
     sides = [Setting(s) for s in settings]
     cudnn_fn = providers()["sdpa_cudnn"][1] if cudnn else None
     rows = []
+    meta = None  # run_metadata(), at the first point written
     for dtype_name, headdim, causal, seqlen in itertools.product(dtypes, headdims, causals, seqlens):
         dtype = DTYPES[dtype_name]
         heads = nheads or hidden // headdim
@@ -143,14 +144,14 @@ def run(
                     )
                 )
         if out_csv:  # each point as it is done: a run cut short keeps what it measured
-            _append(out_csv, rows[-len(names) * len(modes) :], rounds)
+            meta = meta or run_metadata()  # once a run (its git sha is a subprocess)
+            _append(out_csv, rows[-len(names) * len(modes) :], rounds, meta)
         if progress:
             print(f"ab: {dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} done", flush=True)
     return rows
 
 
-def _append(out_csv: str, rows: list[dict], rounds: int) -> None:
-    meta = run_metadata()
+def _append(out_csv: str, rows: list[dict], rounds: int, meta: dict) -> None:
     with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
         for r in rows:
             provider = r["setting"] if r["setting"] == "sdpa_cudnn" else f"flashattn2[{r['setting']}]"

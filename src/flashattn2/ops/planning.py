@@ -38,6 +38,7 @@ HEAD_DIM_BUCKETS = (64, 128, 256)  # BLOCK_D <= 64 share the 64 rows
 #   fwd_hopper_ws: the warp-specialized Gluon forward (two consumer warpgroups of block_m rows);
 #   bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps its MMA partition's).
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "fwd_hopper_persist", "fwd_hopper_ws", "bwd_hopper")
+GLUON_KERNELS = frozenset({"fwd_hopper_persist", "fwd_hopper_ws", "bwd_hopper"})  # what hopper=False turns off
 DIRECTIONS = ("fwd", "bwd")
 
 
@@ -204,6 +205,8 @@ _SM90 = [
     Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(64, 64, 8, 2), dq_tile=T(128, 32, 8, 2),
         why="Triton sweep: 189/184 full/causal, 187/141 at 2k (SDPA flash 259/253)"),
 ]
+# The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
+INTERP = T(64, 64, 4, 1)
 # sm80 and sm86: FA2's A100 tiles (paper, section 4) and smaller ones for 99 KB of shared memory; not measured
 # here, tools/compile_check.py keeps them inside each target's shared memory. Each line: the forward's tile, the
 # dK/dV and the dQ tiles.
@@ -221,9 +224,9 @@ _OTHER = [
         *_triton(arch, 128, 4, T(32, 32, 4, 1), T(32, 32, 4, 1), T(32, 32, 4, 1), "fp32: CUDA-core dots, small tiles"),
         *_triton(arch, 256, 4, T(16, 16, 4, 1), T(16, 16, 4, 1), T(16, 16, 4, 1), "fp32: CUDA-core dots, small tiles"),
     )),
+    *(row for d in HEAD_DIM_BUCKETS for elem_bytes in (2, 4)
+      for row in _triton("interp", d, elem_bytes, INTERP, INTERP, INTERP, "the interpreter: few big steps")),
 ]
-# The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
-INTERP = T(64, 64, 4, 1)
 # fmt: on
 
 TABLE: tuple[Row, ...] = (*_SM90, *_OTHER)
@@ -328,11 +331,8 @@ def force(
         for name, value in dict(arch=arch, hopper=hopper, tma=tma, host_desc=host_desc, bwd_order=bwd_order).items()
         if value is not None
     }
-    token = _FORCED.set(replace(now, tiles=tuple(sorted(merged.items())), **switches))
-    try:
+    with entered(replace(now, tiles=tuple(sorted(merged.items())), **switches)):
         yield
-    finally:
-        _FORCED.reset(token)
 
 
 @contextlib.contextmanager
@@ -363,18 +363,14 @@ def plan(
 
 @functools.lru_cache(maxsize=4096)
 def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, forced: Forced) -> Plan:
-    if arch == "interp":
-        kernel = "fwd" if direction == "fwd" else "bwd_dkdv"
-        tile = forced.tile(kernel) or INTERP
-        return Plan(kernel, tile, "the interpreter: few big steps", causal, dq_tile=forced.tile("bwd_dq") or INTERP)
     hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
     for row in _ROWS[(direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)]:
         if (row.causal is not None and row.causal != causal) or (
             row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k
         ):
             continue
-        if row.kernel not in ("fwd", "bwd_dkdv") and not (
-            hopper and REQUIRES[row.kernel](features, dtype, head_dim, max_seqlen_k)
+        if (row.kernel in GLUON_KERNELS and not hopper) or not REQUIRES[row.kernel](
+            features, dtype, head_dim, max_seqlen_k
         ):
             continue
         return _derive(row, forced, causal)
