@@ -108,3 +108,34 @@ def test_compile_fullgraph_varlen():
     compiled = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
     for g, e in zip(compiled, eager):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck_with_a_sink():
+    """The sink is fwd's last argument; bwd writes its gradient into dsink (a mutated argument)."""
+    q, k, v = make_qkv((1, 33, 47, 4, 2, 32), torch.float16, requires_grad=False)
+    sink = torch.randn(4, device=q.device)
+    args = _args((True, -1, -1, 0.0, False))
+    torch.library.opcheck(registry.fwd, (q, k, v, *args, sink))
+    out, lse = registry.fwd(q, k, v, *args, sink)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = torch.empty_like(sink)
+    bwd_args = (torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, *args, True, sink, dsink)
+    torch.library.opcheck(registry.bwd, bwd_args)
+    assert torch.isfinite(dsink).all()
+
+
+def test_compile_fullgraph_with_a_sink():
+    """torch.compile traces the op with its sink; the compiled backward (the op's register_autograd) returns the
+    sink's gradient, equal to eager's."""
+    torch._dynamo.reset()
+    q, k, v = (randn(2, 40, 4, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    sink = torch.randn(4, device=q.device).requires_grad_()
+
+    def step(q, k, v, sink):
+        return flashattn2.flash_attn_func(q, k, v, causal=True, learnable_sink=sink).square().sum()
+
+    eager = torch.autograd.grad(step(q, k, v, sink), (q, k, v, sink))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v, sink), (q, k, v, sink))
+    for g, e in zip(grads, eager):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

@@ -28,19 +28,21 @@ from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 _DENSE = (None, None, 0, 0)  # Options' sequence fields (cu_seqlens_q/k, max_seqlen_q/k) when dense
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes) -> Options:
+def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink=None) -> Options:
     """Validate; return the call's Options. With dropout, the Philox seed is drawn from torch's generator for q's
     device, so torch.manual_seed makes runs reproducible; the backward reuses it."""
     checks.check_qkv(q, k, v, varlen=False, empty_ok=True)
+    checks.check_sink(sink, q)
     return _options(q, _DENSE, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
 def _prepare_varlen(
-    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink=None
 ):
     """_prepare for varlen; returns (options, verify): call verify() once the kernels are queued,
     it raises on bad cu_seqlens values without stalling the GPU (checks.check_cu_seqlens)."""
     checks.check_qkv(q, k, v, varlen=True)
+    checks.check_sink(sink, q)
     *seq_args, verify = checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k, q, k)
     options = _options(
         q, seq_args, cu_q.shape[0] - 1, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
@@ -62,15 +64,17 @@ def _scale(q, softmax_scale) -> float:
     return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
-def _attention(q, k, v, options: Options, alibi_slopes, deterministic):
+def _attention(q, k, v, options: Options, alibi_slopes, deterministic, sink=None):
     """The fwd op while torch.compile traces (with its autograd registration); in eager mode its
     body, through the Attention autograd.Function when a gradient is needed: the op's dispatch
     and autograd wrapper cost host time on every call and only tracing needs them."""
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, *options.op_args(), alibi_slopes)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return Attention.apply(q, k, v, alibi_slopes, bool(deterministic), options)
-    return run_fwd(q, k, v, *options.op_args(), alibi_slopes)
+        return _fwd_op(q, k, v, *options.op_args(), alibi_slopes, sink)
+    if torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    ):
+        return Attention.apply(q, k, v, alibi_slopes, sink, bool(deterministic), options)
+    return run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
 
 
 def _empty(q, k) -> bool:
@@ -106,6 +110,8 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, with FlashAttention-2.
 
@@ -129,6 +135,12 @@ def flash_attn_func(
             order, so its last bits may move run to run (README, "deterministic"). Under
             torch.compile the backward is the deterministic one either way.
         return_attn_probs: also return the logsumexp and S_dmask (empty without dropout).
+        learnable_sink (keyword-only): float32 (nheads,), an attention sink: one logit per query head that
+            joins every row's softmax denominator and has no value (gpt-oss's sinks, FA4's learnable_sink):
+            out_i = sum_j exp(s_ij - L_i) v_j with L_i = log(exp(sink_h) + sum_j exp(s_ij)). The returned
+            logsumexp is L (a row that sees no key: out 0, logsumexp sink_h); the backward gives its gradient
+            -sum_{batch, i} exp(sink_h - L_i) * (rowsum(dout_i * out_i) - dlse_i). Composes with every other
+            option; S_dmask does not include it.
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype.
         softmax_lse (with return_attn_probs): (batch, nheads, seqlen_q) float32, the natural
@@ -139,11 +151,11 @@ def flash_attn_func(
             exp(score - rowmax) where kept and -exp(score - rowmax) where dropped (0 outside the
             visible region), a testing aid computed by a second pass.
     """
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
     if _empty(q, k):
-        out, lse = EmptyAttention.apply(q, k, v)
+        out, lse = EmptyAttention.apply(q, k, v, learnable_sink)
     else:
-        out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
+        out, lse = _attention(q, k, v, options, alibi_slopes, deterministic, learnable_sink)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -157,6 +169,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); the backward writes one dqkv.
 
@@ -164,11 +178,11 @@ def flash_attn_qkvpacked_func(
     """
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
     if _empty(q, k):
-        out, lse = EmptyAttention.apply(q, k, v)
+        out, lse = EmptyAttention.apply(q, k, v, learnable_sink)
     else:
-        out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), options)
+        out, lse = PackedAttention.apply(None, qkv, alibi_slopes, learnable_sink, "qkv", bool(deterministic), options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -183,16 +197,18 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2,
     nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
     if _empty(q, k):
-        out, lse = EmptyAttention.apply(q, k, v)
+        out, lse = EmptyAttention.apply(q, k, v, learnable_sink)
     else:
-        out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), options)
+        out, lse = PackedAttention.apply(q, kv, alibi_slopes, learnable_sink, "kv", bool(deterministic), options)
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
 
@@ -213,6 +229,8 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_func on sequences of different lengths packed along the first dimension.
 
@@ -253,6 +271,7 @@ def flash_attn_varlen_func(
             alibi_slopes,
             return_attn_probs,
             block_table,
+            learnable_sink,
         )
     options, verify = _prepare_varlen(
         q,
@@ -268,8 +287,9 @@ def flash_attn_varlen_func(
         window_size,
         softcap,
         alibi_slopes,
+        learnable_sink,
     )
-    out, lse = _attention(q, k, v, options, alibi_slopes, deterministic)
+    out, lse = _attention(q, k, v, options, alibi_slopes, deterministic, learnable_sink)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
@@ -290,9 +310,11 @@ def _varlen_paged(
     alibi_slopes,
     return_attn_probs,
     block_table,
+    learnable_sink,
 ):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+    checks.check_sink(learnable_sink, q)
     max_q = checks.check_varlen_paged(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
     )
@@ -312,6 +334,7 @@ def _varlen_paged(
         right,
         float(softcap),
         alibi_slopes,
+        learnable_sink,
     )
     if not return_attn_probs:
         return out
@@ -330,6 +353,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
     checks.check_packed("qkv", qkv, 3, varlen=True)
@@ -348,8 +373,9 @@ def flash_attn_varlen_qkvpacked_func(
         window_size,
         softcap,
         alibi_slopes,
+        learnable_sink,
     )
-    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, "qkv", bool(deterministic), options)
+    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, learnable_sink, "qkv", bool(deterministic), options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
@@ -369,6 +395,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k,
     headdim); the backward writes one dkv."""
@@ -388,8 +416,9 @@ def flash_attn_varlen_kvpacked_func(
         window_size,
         softcap,
         alibi_slopes,
+        learnable_sink,
     )
-    out, lse = PackedAttention.apply(q, kv, alibi_slopes, "kv", bool(deterministic), options)
+    out, lse = PackedAttention.apply(q, kv, alibi_slopes, learnable_sink, "kv", bool(deterministic), options)
     verify()
     return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
 
@@ -414,6 +443,8 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    learnable_sink=None,
 ):
     """Attention over a KV cache, for decoding and chunked prefill (inference: no backward).
 
@@ -440,6 +471,8 @@ def flash_attn_with_kvcache(
         num_splits: split each sequence's keys over this many programs and merge the partial
             results; 0 chooses from the GPU's size, 1 disables splitting.
         return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q), float32.
+        learnable_sink (keyword-only): float32 (nheads,), as flash_attn_func's; with splits it joins once, when
+            they are merged.
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
@@ -465,6 +498,7 @@ def flash_attn_with_kvcache(
         num_splits,
         alibi_slopes,
     )
+    checks.check_sink(learnable_sink, q)
     checks.check_options(0.0, softmax_scale, window_size, softcap)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     # flash_attn's rule: a window edge that reaches past the cache is no edge (this decides
@@ -517,6 +551,7 @@ def flash_attn_with_kvcache(
             bool(rotary_interleaved),
             alibi_slopes,
             int(num_splits),
+            learnable_sink,
             check=check,
         )
         bad = check is not None and bool(check.err.item())

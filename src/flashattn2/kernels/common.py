@@ -367,3 +367,14 @@ def head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI: tl.constexp
     if DROPOUT:
         seed = tl.load(Seed)
     return slope2, seed
+
+
+@triton.jit
+def sink_join(m_i, l_i, sink2):
+    """A row's online softmax after its sink joins the denominator: (m, l, alpha) with m = max(m_i, sink2),
+    l = l_i * alpha + exp2(sink2 - m) and alpha = exp2(m_i - m) the factor of the accumulator (sink2: the sink's
+    logit in base 2). The sink has no value row. A row that saw no key (m_i -inf, l_i 0, accumulator 0) gets
+    m = sink2, l = 1, alpha = 0: output 0 and logsumexp the sink's logit; l >= 1 always."""
+    m = tl.maximum(m_i, sink2)
+    alpha = tl.math.exp2(m_i - m)
+    return m, l_i * alpha + tl.math.exp2(sink2 - m), alpha

@@ -13,13 +13,16 @@ from rows cu_seqlens_q[b] .. of a packed (total_q, nheads, headdim) q.
 Split-KV: split s covers keys [s * chunk, (s + 1) * chunk) -- a fixed chunk of keys, so a row's
 reduction order depends on its own keys only -- and writes a partial output and logsumexp in
 fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
+
+A learnable sink (SINK: a logit per query head in every row's denominator) joins once: in the program's
+final step without splits, in the combine with them (never in a split's partial logsumexp).
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import LN2, LOG2E, alibi_bias, tanh, visible
+from .common import LN2, LOG2E, alibi_bias, sink_join, tanh, visible
 
 
 @triton.jit
@@ -34,6 +37,7 @@ def attn_kvcache_kernel(
     LeftPad,
     BlockTable,
     Alibi,
+    Sinks,
     CuSeqlensQ,
     Err,
     stride_qb,
@@ -71,6 +75,7 @@ def attn_kvcache_kernel(
     LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    SINK: tl.constexpr,
     PAGED: tl.constexpr,
     BATCH_IDX: tl.constexpr,
     LEFTPAD: tl.constexpr,
@@ -224,6 +229,9 @@ def attn_kvcache_kernel(
 
     if CHECK:
         tl.store(Err, 1, mask=bad | page_bad)
+    if SINK and not SPLIT:  # with splits, the combine adds the sink
+        m_i, l_i, alpha = sink_join(m_i, l_i, tl.load(Sinks + heads, mask=row_ok, other=0.0) * LOG2E)
+        acc = acc * alpha[:, None]
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]
@@ -248,6 +256,7 @@ def attn_combine_kernel(
     LsePart,
     Out,
     Lse,
+    Sinks,
     stride_ps,
     stride_ls,
     stride_lb,
@@ -255,6 +264,7 @@ def attn_combine_kernel(
     seqlen_q,
     nheads,
     num_splits,
+    SINK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
@@ -262,7 +272,8 @@ def attn_combine_kernel(
     PDL: tl.constexpr,
 ):
     """Merge the splits of one row: out = sum_s exp(lse_s - lse) out_s with lse = log sum_s
-    exp(lse_s); a row that no split saw gets out 0 and lse +inf. Row r (the program) is (batch,
+    exp(lse_s) (SINK: and exp(sink) of the row's head, which has no value); a row that no split saw gets out 0
+    and lse +inf (SINK: the sink's logit). Row r (the program) is (batch,
     query, head) in the order of the contiguous (batch, seqlen_q, nheads, headdim) out and of
     each split's part; the logsumexps are (splits,) batch, nheads, seqlen_q with the given
     strides. One program per row, the splits read CHUNK_S at a time: a batch of one sequence
@@ -278,8 +289,13 @@ def attn_combine_kernel(
     s = tl.arange(0, BLOCK_S)
     lse_s = tl.load(LsePart + s.to(tl.int64) * stride_ls + lse_off, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
+    if SINK:
+        sink = tl.load(Sinks + h)
+        m = tl.maximum(m, sink)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.math.exp2((lse_s - m_shift) * LOG2E), 0)
+    if SINK:
+        total += tl.math.exp2((sink - m_shift) * LOG2E)
     empty = total == 0.0
     lse = tl.where(empty, float("inf"), m_shift + tl.math.log2(tl.where(empty, 1.0, total)) * LN2)
     cols = tl.arange(0, BLOCK_D)

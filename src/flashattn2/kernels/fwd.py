@@ -3,7 +3,8 @@
 One program per (query block, batch, head): the Q tile stays on chip while K/V tiles stream past;
 an online softmax keeps the running row max `m_i` and row sum `l_i` (base 2) and an unscaled fp32
 accumulator, which is divided by `l_i` once at the end. Only O and the logsumexp are written.
-Softcap, ALiBi and a local window are constexpr flags: when off they cost nothing.
+Softcap, ALiBi, a local window and a learnable sink (a logit per head in every row's denominator, joined once
+after the key loop) are constexpr flags: when off they cost nothing.
 """
 
 import triton
@@ -18,6 +19,7 @@ from .common import (
     key_block_range,
     load_tile,
     query_program,
+    sink_join,
     store_tile,
     tanh,
     tile_src,
@@ -115,6 +117,7 @@ def attn_fwd_kernel(
     Out,
     Lse,
     Alibi,
+    Sinks,
     CuSeqlensQ,
     CuSeqlensK,
     Seed,
@@ -149,6 +152,7 @@ def attn_fwd_kernel(
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
+    SINK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SORTED: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -371,7 +375,10 @@ def attn_fwd_kernel(
         BLOCK_D,
     )
 
-    # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention)
+    if SINK:
+        m_i, l_i, alpha = sink_join(m_i, l_i, tl.load(Sinks + off_h) * LOG2E)
+        acc = acc * alpha[:, None]
+    # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention; with a sink, the sink's logit)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     if DROPOUT:

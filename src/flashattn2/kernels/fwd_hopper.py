@@ -146,6 +146,15 @@ def _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
+def _sink2(Sinks, off_h, SINK: gl.constexpr):
+    """The head's learnable sink logit in base 2 (OnlineSoftmax.sink2), or 0 without one."""
+    if SINK:
+        return gl.load(Sinks + off_h) * LOG2E
+    else:
+        return 0.0
+
+
+@gluon.jit
 def _qk_scale(sm_scale):
     """The scores' scale in base 2, at least 1e-30: softmax_scale 0 (allowed, >= 0 is checked) would
     make a masked score's -inf * 0 a NaN in the softmax's folded FMA; at 1e-30 every exp2 still rounds
@@ -164,14 +173,18 @@ class OnlineSoftmax:
     start_m: Scalar
     seqlen_k: Scalar
     diag: Scalar  # seqlen_k - seqlen_q: row i sees keys j <= i + diag (causal, bottom-right aligned)
+    sink2: Scalar  # SINK: the head's learnable sink logit in base 2 (in every row's denominator, no value row)
+    SINK: gl.constexpr
     cfg: FwdConfig
 
     @gluon.constexpr_function
-    def __init__(self, qk_scale, start_m, seqlen_k, diag, cfg):
+    def __init__(self, qk_scale, start_m, seqlen_k, diag, sink2, SINK, cfg):
         self.qk_scale = qk_scale
         self.start_m = gl.constexpr(start_m) if isinstance(start_m, int) else start_m
         self.seqlen_k = gl.constexpr(seqlen_k) if isinstance(seqlen_k, int) else seqlen_k
         self.diag = gl.constexpr(diag) if isinstance(diag, int) else diag
+        self.sink2 = gl.constexpr(sink2) if isinstance(sink2, (int, float)) else sink2
+        self.SINK = gl.constexpr(unwrap(SINK))
         self.cfg = cfg
 
     @gluon.jit
@@ -205,12 +218,20 @@ class OnlineSoftmax:
 
     @gluon.jit
     def finish(self, m_i, l_i):
-        """The logsumexp (natural log) and the divisor of O: (lse, l). A row that saw no key: logsumexp +inf and
-        divisor 1, so O = 0 (flash-attn 2's convention)."""
+        """The logsumexp (natural log) and the factor of O's accumulator: (lse, 1 / l). A row that saw no key:
+        logsumexp +inf and factor 1, so O = 0 (flash-attn 2's convention). SINK: the sink joins the denominator
+        here, once (m = max(m_i, sink2), l = l_i * alpha + exp2(sink2 - m), factor alpha / l with
+        alpha = exp2(m_i - m)); a row that saw no key then has O = 0 and logsumexp the sink's logit, as
+        kernels/common.py's sink_join."""
+        if self.SINK:
+            m = gl.maximum(m_i, self.sink2)
+            alpha = gl.exp2(m_i - m)
+            l_all = l_i * alpha + gl.exp2(self.sink2 - m)
+            return (m + gl.log2(l_all)) * LN2, alpha / l_all
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-        return lse, l_safe
+        return lse, 1.0 / l_safe
 
 
 @gluon.jit
@@ -218,10 +239,10 @@ def _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_o
     """The logsumexp and O = acc / l (OnlineSoftmax.finish), through the Q tile's buffer (every wgmma that read Q
     has been waited for) and a TMA store that clips rows past seqlen_q, waited for if WAIT (the persistent kernel
     hands the buffer back later)."""
-    lse, l_safe = sm.finish(m_i, l_i)
+    lse, scale = sm.finish(m_i, l_i)
     offs_m = sm.start_m + gl.arange(0, sm.cfg.BLOCK_M, layout=sm.cfg.row_s)
     gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
-    o = acc * gl.convert_layout(1.0 / l_safe, sm.cfg.row_o)[:, None]
+    o = acc * gl.convert_layout(scale, sm.cfg.row_o)[:, None]
     q_op.store(o.to(q_op.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(Out, [off_b, sm.start_m, q_col], q_buf)
@@ -388,6 +409,7 @@ class _WsLoads:
 def _consumer(
     Out,
     Lse,
+    Sinks,
     q_smem,
     k_smem,
     v_smem,
@@ -405,6 +427,7 @@ def _consumer(
     sm_scale,
     ME: gl.constexpr,
     CAUSAL: gl.constexpr,
+    SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -419,7 +442,8 @@ def _consumer(
     lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
     if n_blocks > 0:
         q_col = off_h * HEAD_DIM
-        sm = OnlineSoftmax(_qk_scale(sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, cfg)
+        sink2 = _sink2(Sinks, off_h, SINK)
+        sm = OnlineSoftmax(_qk_scale(sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, sink2, SINK, cfg)
         loads = _WsLoads(k_smem, v_smem, Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES), n_other, cfg)
         q_buf = q_smem.index(ME)
         q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
@@ -490,6 +514,7 @@ def attn_fwd_ws_kernel(
     V,
     Out,
     Lse,
+    Sinks,
     stride_lse_b,
     stride_lse_h,
     batch,
@@ -499,6 +524,7 @@ def attn_fwd_ws_kernel(
     group_size,
     sm_scale,
     CAUSAL: gl.constexpr,
+    SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -531,6 +557,7 @@ def attn_fwd_ws_kernel(
                 (
                     Out,
                     Lse,
+                    Sinks,
                     q_smem,
                     k_smem,
                     v_smem,
@@ -548,6 +575,7 @@ def attn_fwd_ws_kernel(
                     sm_scale,
                     _CONSUMER0,
                     CAUSAL,
+                    SINK,
                     HEAD_DIM,
                     BLOCK_M,
                     BLOCK_N,
@@ -559,6 +587,7 @@ def attn_fwd_ws_kernel(
                 (
                     Out,
                     Lse,
+                    Sinks,
                     q_smem,
                     k_smem,
                     v_smem,
@@ -576,6 +605,7 @@ def attn_fwd_ws_kernel(
                     sm_scale,
                     _CONSUMER1,
                     CAUSAL,
+                    SINK,
                     HEAD_DIM,
                     BLOCK_M,
                     BLOCK_N,
@@ -779,6 +809,7 @@ def _persist_consumer(
     args,
     ME: gl.constexpr,
     CAUSAL: gl.constexpr,
+    SINK: gl.constexpr,
     SNAKE: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -794,6 +825,7 @@ def _persist_consumer(
     (
         Out,
         Lse,
+        Sinks,
         q_smem,
         k_smem,
         v_smem,
@@ -832,7 +864,7 @@ def _persist_consumer(
             lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
             q_col = off_h * HEAD_DIM
             loads = _PersistLoads(k_smem, v_smem, ring, g, q_empty, prev_qi, it > 0, QBUF, cfg)
-            sm = OnlineSoftmax(qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, cfg)
+            sm = OnlineSoftmax(qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, _sink2(Sinks, off_h, SINK), SINK, cfg)
             q_buf = q_smem.index(qi)
             q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
             acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
@@ -927,6 +959,7 @@ def attn_fwd_persist_kernel(
     V,
     Out,
     Lse,
+    Sinks,
     stride_lse_b,
     stride_lse_h,
     batch,
@@ -936,6 +969,7 @@ def attn_fwd_persist_kernel(
     group_size,
     sm_scale,
     CAUSAL: gl.constexpr,
+    SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -969,6 +1003,7 @@ def attn_fwd_persist_kernel(
     consumer = (
         Out,
         Lse,
+        Sinks,
         q_smem,
         k_smem,
         v_smem,
@@ -1007,11 +1042,11 @@ def attn_fwd_persist_kernel(
             [
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (consumer, _CONSUMER0, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
                 ),
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (consumer, _CONSUMER1, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
                 ),
                 (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
             ],
@@ -1024,15 +1059,15 @@ def attn_fwd_persist_kernel(
             [
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER0, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (consumer, _CONSUMER0, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
                 ),
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER1, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (consumer, _CONSUMER1, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
                 ),
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER2, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (consumer, _CONSUMER2, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
                 ),
                 (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
             ],

@@ -31,7 +31,7 @@ def forward(
     if key is not None:
         launch = launch_gluon.FWD_PLANS.get(key)
         if launch is not None:
-            return launch.run(q, k, v, softmax_scale)
+            return launch.run(q, k, v, softmax_scale, mods.sinks)
     geo = Geometry.of(q, k, varlen)
     arch = _arch(q.device)
     out = _runtime.empty(q.shape, launch_triton.out_dtype(q.dtype, arch), q.device)
@@ -49,7 +49,7 @@ def forward(
     )
     plan = planning.plan(arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd")
     if plan.kernel != "fwd":
-        launch_gluon.forward(plan, q, k, v, out, lse, geo, softmax_scale, key)
+        launch_gluon.forward(plan, q, k, v, out, lse, geo, softmax_scale, mods.sinks, key)
         return out, lse
     launch_triton.forward(plan, q, k, v, out, lse, geo, arch, runtime, flags, softmax_scale)
     return out.to(q.dtype), lse
@@ -70,10 +70,12 @@ def backward(
     mods: ScoreMods,
     varlen: Varlen | None = None,
     deterministic: bool = True,
+    dsink: torch.Tensor | None = None,
 ) -> None:
     """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are
-    fine). `dlse` is the gradient flowing into the returned logsumexp, or None. deterministic=False
-    lets the plan take the Gluon backward (dQ added in any order: its last bits may move run to run)."""
+    fine), and with mods.sinks their gradient into dsink. `dlse` is the gradient flowing into the returned
+    logsumexp, or None. deterministic=False lets the plan take the Gluon backward (dQ added in any order: its last
+    bits may move run to run)."""
     # the kernels read lse, dlse and delta with one set of strides, lse's: all contiguous
     # (registry.bwd_impl makes lse and dlse so; direct callers may not)
     lse = lse if lse.is_contiguous() else lse.contiguous()
@@ -83,11 +85,13 @@ def backward(
         key = launch_gluon.backward_key(dout, q, k, v, out, dlse, mods)
         launch = launch_gluon.BWD_PLANS.get(key)
         if launch is not None:
-            launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale)
+            launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods.sinks, dsink)
             return
     geo = Geometry.of(q, k, varlen)
     if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
+        if dsink is not None:  # no key: O = 0, so delta = -dlse
+            launch_triton.sink_grad_(dsink, mods.sinks, lse, torch.zeros_like(lse) if dlse is None else -dlse)
         return
     arch = _arch(q.device)
     runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
@@ -99,9 +103,13 @@ def backward(
     )
     plan = planning.plan(arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd")
     if plan.kernel == "bwd_hopper":
-        launch_gluon.backward(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, softmax_scale, key)
+        launch_gluon.backward(
+            plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, softmax_scale, mods.sinks, dsink, key
+        )
         return
-    launch_triton.backward(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, runtime, flags, softmax_scale)
+    launch_triton.backward(
+        plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, runtime, flags, softmax_scale, dsink
+    )
 
 
 dropout_probs = launch_triton.dropout_probs

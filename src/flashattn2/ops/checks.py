@@ -255,6 +255,23 @@ def check_alibi(alibi_slopes, q, batch: int) -> None:
         raise ArgumentError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
 
 
+def check_sink(learnable_sink, q) -> None:
+    """learnable_sink: None, or float32 (nheads,) on q's device (one logit per query head)."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise ArgumentTypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
+    if learnable_sink.dtype != torch.float32:
+        raise ArgumentTypeError(f"learnable_sink must be float32, got {learnable_sink.dtype}")
+    nheads = q.shape[-2]
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ArgumentError(
+            f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(learnable_sink.shape)}"
+        )
+    if learnable_sink.device != q.device:
+        raise ArgumentError(f"learnable_sink is on {learnable_sink.device}, q on {q.device}")
+
+
 def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
     """qkv (batch, seqlen, 3, nheads, headdim) or kv (batch, seqlen_k, 2, nheads_k, headdim);
     in varlen qkv (total, 3, nheads, headdim) or kv (total_k, 2, nheads_k, headdim)."""

@@ -283,6 +283,8 @@ def forward(
     lse = _runtime.empty(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or batch == 0 or seqlen_q == 0 or cache.capacity == 0:
         out.zero_(), lse.fill_(float("inf"))
+        if mods.sinks is not None and cache.capacity == 0 and lse.numel():  # the rows see only the sink
+            lse.copy_(mods.sinks[:, None].expand_as(lse))
         return out.to(q.dtype), lse
     sm_count = 64 if interp else _runtime.sm_count(q.device)
     rows = group * seqlen_q
@@ -327,6 +329,7 @@ def forward(
         cache.leftpad if cache.leftpad is not None else lse,
         bt if bt is not None else lse,
         runtime["Alibi"],
+        runtime["Sinks"],
         varlen_q[0] if varlen_q is not None else lse,
         check.err if check is not None else lse,
         *q_strides,
@@ -380,6 +383,7 @@ def forward(
             dst_lse,
             out,
             lse,
+            runtime["Sinks"],
             dst.stride(0),
             dst_lse.stride(0),
             lse_b,
@@ -387,6 +391,7 @@ def forward(
             sq_,
             nheads,
             splits,
+            SINK=flags["SINK"],
             HEAD_DIM=head_dim,
             BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
             CHUNK_S=16,

@@ -10,7 +10,7 @@ import torch
 
 from . import _runtime, launcher, planning
 from .geometry import Geometry, cdiv
-from .launch_triton import launch_preprocess, preprocess
+from .launch_triton import launch_preprocess, preprocess, sink_grad_
 from .options import ScoreMods
 from .planning import Plan
 from .tma import host_desc, use_tma
@@ -41,11 +41,12 @@ def remember(plans: dict, key, launch) -> None:
 
 
 class ForwardLaunch:
-    """The Gluon forward of one call signature: kernel, tile rows, grid size, integer arguments, constexprs."""
+    """The Gluon forward of one call signature: kernel, tile rows, grid size, integer arguments, constexprs (sink:
+    whether the call has a learnable sink, the tensor passed to each run)."""
 
     __slots__ = ("kernel", "rows", "lse_shape", "tiles", "persist", "ints", "kwargs")
 
-    def __init__(self, plan: Plan, geo: Geometry, lse_shape):
+    def __init__(self, plan: Plan, geo: Geometry, lse_shape, sink: bool):
         kernels = _runtime.hopper_kernels().fwd
         self.persist = plan.kernel == "fwd_hopper_persist"
         self.kernel = kernels.attn_fwd_persist_kernel if self.persist else kernels.attn_fwd_ws_kernel
@@ -55,6 +56,7 @@ class ForwardLaunch:
         self.ints = (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k)
         self.kwargs = dict(
             CAUSAL=plan.causal,
+            SINK=sink,
             HEAD_DIM=geo.head_dim,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -63,13 +65,13 @@ class ForwardLaunch:
             num_warps=plan.num_warps,
         )
 
-    def run(self, q, k, v, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q, k, v, softmax_scale: float, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
         out = _runtime.empty(q.shape, q.dtype, q.device)
         lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
-        self.launch(q, k, v, out, lse, softmax_scale)
+        self.launch(q, k, v, out, lse, softmax_scale, sinks)
         return out, lse
 
-    def launch(self, q, k, v, out, lse, softmax_scale: float) -> None:
+    def launch(self, q, k, v, out, lse, softmax_scale: float, sinks=None) -> None:
         rows_m, rows_n = self.rows
         s = lse.stride()
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
@@ -81,6 +83,7 @@ class ForwardLaunch:
             host_desc(v, rows_n, gluon=True),
             host_desc(out, rows_m, gluon=True),
             lse,
+            sinks if sinks is not None else lse,
             s[0],
             s[1],
             *self.ints,
@@ -95,7 +98,7 @@ FWD_PLANS: dict = {}
 def forward_key(q, k, v, mods: ScoreMods):
     """What the Gluon forward's choices read (ForwardLaunch), for a dense call without ALiBi or
     dropout; None otherwise (those are not remembered). The output is new and contiguous: its
-    layout follows from q's shape."""
+    layout follows from q's shape. A sink enters as present or not (its tensor is an argument of each run)."""
     if mods.alibi_slopes is not None or mods.dropout_p != 0:
         return None
     return (
@@ -114,14 +117,15 @@ def forward_key(q, k, v, mods: ScoreMods):
         mods.window_left,
         mods.window_right,
         mods.softcap,
+        mods.sinks is not None,
         planning.forced(),
     )
 
 
-def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, softmax_scale: float, key=None) -> None:
+def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, softmax_scale: float, sinks=None, key=None) -> None:
     """The Gluon forward (the plan's fwd_hopper_persist or fwd_hopper_ws) into out and lse; remembered under key."""
-    launch = ForwardLaunch(plan, geo, lse.shape)
-    launch.launch(q, k, v, out, lse, softmax_scale)
+    launch = ForwardLaunch(plan, geo, lse.shape, sinks is not None)
+    launch.launch(q, k, v, out, lse, softmax_scale, sinks)
     remember(FWD_PLANS, key, launch)
 
 
@@ -173,7 +177,7 @@ class BackwardLaunch:
         self.grid = bwd_grid(cdiv(geo.max_seqlen_k, cfg.block_n), n_bh, l2_heads(plan.l2_group_bytes, n_bh, head_bytes))
         self.pre = None  # the preprocess launch's grid and integer arguments (preprocess), at the first run
 
-    def run(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale: float) -> None:
+    def run(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale: float, sinks=None, dsink=None) -> None:
         geo, plan, arch = self.geo, self.plan, self.arch
         cfg, rings = plan.tile, dict(plan.constexprs)
         seqlen_q, seqlen_k, seqlen_q_pad = geo.max_seqlen_q, geo.max_seqlen_k, self.seqlen_q_pad
@@ -186,6 +190,8 @@ class BackwardLaunch:
         else:  # (dense: lse in cu_seqlens' place, never read)
             launch_preprocess(self.pre, out, dout, lse, dlse, delta, lse, lse_pad, acc)
         lse = lse_pad if lse_pad is not None else lse
+        if sinks is not None:  # from the padded lse and delta (padded rows: +inf and 0, adding nothing)
+            sink_grad_(dsink, sinks, lse, delta)
         # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
         # else into buffers copied back
         gk, gv = (
@@ -262,14 +268,31 @@ def backward_key(dout, q, k, v, out, dlse, mods: ScoreMods):
         mods.window_left,
         mods.window_right,
         mods.softcap,
+        mods.sinks is not None,
         planning.forced(),
     )
 
 
 def backward(
-    plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo: Geometry, arch: str, softmax_scale: float, key=None
+    plan: Plan,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    dq,
+    dk,
+    dv,
+    geo: Geometry,
+    arch: str,
+    softmax_scale: float,
+    sinks=None,
+    dsink=None,
+    key=None,
 ) -> None:
-    """The Gluon backward (the plan's bwd_hopper) into dq, dk, dv; remembered under key."""
+    """The Gluon backward (the plan's bwd_hopper) into dq, dk, dv (and the sink's gradient); remembered under key."""
     launch = BackwardLaunch(plan, geo, arch, q.dtype)
-    launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale)
+    launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, sinks, dsink)
     remember(BWD_PLANS, key, launch)

@@ -71,6 +71,7 @@ def forward(
         *srcs,
         lse,
         runtime["Alibi"],
+        runtime["Sinks"],
         *geo.cu_seqlens(lse),
         runtime["Seed"],
         order,
@@ -169,6 +170,18 @@ def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_p
     )
 
 
+def sink_grad_(dsink: torch.Tensor, sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> None:
+    """d sink_h = -sum over batch and rows of exp(sink_h - lse_i) * delta_i, into dsink (fp32 (nheads,)). lse and
+    delta share a layout whose second-to-last dimension is the head ((batch, nheads, rows) dense, (nheads, total)
+    varlen); rows with lse +inf (varlen tails, padding) add 0 whatever delta holds there. torch reductions: a fixed
+    order, no atomics (deterministic=True stays bitwise)."""
+    w = torch.exp(sinks[:, None] - lse)
+    term = torch.where(w > 0, w * delta, 0.0)
+    dims = tuple(d for d in range(term.dim()) if d != term.dim() - 2)
+    torch.sum(term, dim=dims, out=dsink)
+    dsink.neg_()
+
+
 def backward(
     plan: Plan,
     dout,
@@ -186,9 +199,11 @@ def backward(
     runtime: dict,
     mod_flags: dict,
     softmax_scale: float,
+    dsink: torch.Tensor | None = None,
 ) -> None:
     """kernels/bwd.py: the delta preprocess, dK/dV (one program per key block over its query blocks), then dQ
-    (one program per query block over its key blocks): deterministic, no atomics."""
+    (one program per query block over its key blocks): deterministic, no atomics. A sink changes only lse (which
+    P = exp(S - lse) reads) and adds its gradient from lse and delta (sink_grad_)."""
     K = _runtime.kernels().bwd
     bd = block_d(geo.head_dim)
     cu_q, cu_k = geo.cu_seqlens(lse)
@@ -197,6 +212,9 @@ def backward(
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
     delta = _runtime.empty(lse.shape, torch.float32, q.device)
     preprocess(out, dout, lse, dlse, geo, delta)
+    mod_flags = dict(mod_flags)
+    if mod_flags.pop("SINK"):
+        sink_grad_(dsink, runtime["Sinks"], lse, delta)
 
     # where the kernels write: the interpreter writes fp32 and torch casts (copied into dq, dk, dv at the end)
     gq, gk, gv = dq, dk, dv

@@ -99,6 +99,8 @@ class ScoreMods:
     alibi_slopes: torch.Tensor | None = None
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None  # int64 (1,): the Philox seed, drawn from torch's generator
+    # float32 (nheads,): one learnable logit per query head in every row's softmax denominator, with no value
+    sinks: torch.Tensor | None = None
 
     def kernel_args(self, seqlen_q: int, seqlen_k: int, like: torch.Tensor):
         """(pointer/runtime arguments, constexpr flags) for the kernels."""
@@ -115,13 +117,19 @@ class ScoreMods:
             softcap=self.softcap if self.softcap > 0 else 1.0,
             Seed=self.seed if self.dropout_p > 0 else like,
             dropout_p=self.dropout_p,
+            Sinks=self.sinks if self.sinks is not None else like,
         )
         flags = dict(
-            CAUSAL=causal, LOCAL=local, SOFTCAP=self.softcap > 0, ALIBI=alibi is not None, DROPOUT=self.dropout_p > 0
+            CAUSAL=causal,
+            LOCAL=local,
+            SOFTCAP=self.softcap > 0,
+            ALIBI=alibi is not None,
+            DROPOUT=self.dropout_p > 0,
+            SINK=self.sinks is not None,
         )
         return runtime, flags
 
     @staticmethod
     def only_causal(flags: dict) -> bool:
-        """Whether kernel_args' flags ask for nothing beyond a causal mask (what the Gluon kernels do)."""
+        """Whether kernel_args' flags ask for nothing beyond a causal mask and a sink (what the Gluon kernels do)."""
         return not (flags["LOCAL"] or flags["SOFTCAP"] or flags["ALIBI"] or flags["DROPOUT"])

@@ -20,10 +20,12 @@ def _for_kernels(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed) -> ScoreMods:
+def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks=None) -> ScoreMods:
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
-    return ScoreMods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    return ScoreMods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
 
 
 def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen | None:
@@ -48,12 +50,13 @@ def fwd_impl(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flashattn2::fwd: dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with
     cu_seqlens; (out, lse). Eager callers run this body directly: the op's dispatch costs tens of
     microseconds of host time per call and only torch.compile needs it (run_fwd chooses)."""
     q, k, v = (_for_kernels(t) for t in (q, k, v))
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, learnable_sink)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
         return attention.forward(q, k, v, softmax_scale, mods, varlen)
@@ -101,20 +104,23 @@ def bwd_impl(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     deterministic: bool = True,
+    learnable_sink: torch.Tensor | None = None,
+    dsink: torch.Tensor | None = None,
 ) -> None:
-    """flashattn2::bwd: writes dq, dk, dv (see fwd_impl for eager callers). deterministic=False
-    lets a Hopper GPU take the Gluon backward (dQ added in any order)."""
+    """flashattn2::bwd: writes dq, dk, dv, and with learnable_sink its gradient into dsink (fp32 (nheads,))
+    (see fwd_impl for eager callers). deterministic=False lets a Hopper GPU take the Gluon backward (dQ added in
+    any order)."""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, learnable_sink)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with _runtime.device_of(q):
-        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen, deterministic)
+        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen, deterministic, dsink)
 
 
-bwd = torch.library.custom_op("flashattn2::bwd", bwd_impl, mutates_args=("dq", "dk", "dv"))
+bwd = torch.library.custom_op("flashattn2::bwd", bwd_impl, mutates_args=("dq", "dk", "dv", "dsink"))
 
 
 def run_bwd(*args):
@@ -161,33 +167,41 @@ def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
     return q.new_empty((batch, q.shape[-2], round128(seqlen_q), round128(seqlen_k)))
 
 
-def _save(ctx, q, k, v, out, lse, alibi_slopes, options: Options) -> None:
+def _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options: Options) -> None:
     """What a backward needs: the tensors, the options, and the forward's planning.force() state (the backward
     runs in autograd's thread, which does not see it)."""
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *options.tensors())
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, *options.tensors())
     ctx.options = options.without_tensors()
     # (torch.compile traces this, and not ContextVar.get: its backward is the op's, planned where it runs)
     ctx.forced = None if torch.compiler.is_compiling() else planning.forced()
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *args, alibi_slopes = inputs
-    _save(ctx, q, k, v, *output, alibi_slopes, Options(*args))
+    q, k, v, *args, alibi_slopes, sink = inputs
+    _save(ctx, q, k, v, *output, alibi_slopes, sink, Options(*args))
 
 
 def _saved(ctx):
-    """What _save saved: (q, k, v, out, lse, alibi_slopes, options)."""
-    q, k, v, out, lse, alibi_slopes, *tensors = ctx.saved_tensors
-    return q, k, v, out, lse, alibi_slopes, ctx.options.with_tensors(*tensors)
+    """What _save saved: (q, k, v, out, lse, alibi_slopes, sink, options)."""
+    q, k, v, out, lse, alibi_slopes, sink, *tensors = ctx.saved_tensors
+    return q, k, v, out, lse, alibi_slopes, sink, ctx.options.with_tensors(*tensors)
+
+
+def _dsink(sink: torch.Tensor | None) -> torch.Tensor | None:
+    """The sink's gradient buffer (fp32, its shape) the backward writes, or None without a sink."""
+    return None if sink is None else _runtime.empty(sink.shape, torch.float32, sink.device)
 
 
 def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
-    q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
+    q, k, v, out, lse, alibi_slopes, sink, options = _saved(ctx)
     dout = _grad_of_out(dout, out)
     dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
+    dsink = _dsink(sink)
     with planning.entered(ctx.forced):
-        (backward_op or bwd)(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, deterministic)
-    return dq, dk, dv, *(None,) * (1 + N_OP_ARGS)
+        (backward_op or bwd)(
+            dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, deterministic, sink, dsink
+        )
+    return dq, dk, dv, *(None,) * (1 + N_OP_ARGS), dsink
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -206,33 +220,42 @@ class Attention(torch.autograd.Function):
     callers of torch.ops.flashattn2.fwd (those backwards are deterministic)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, deterministic, options: Options):
-        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes)
-        _save(ctx, q, k, v, out, lse, alibi_slopes, options)
+    def forward(ctx, q, k, v, alibi_slopes, sink, deterministic, options: Options):
+        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
+        _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
         ctx.deterministic = deterministic
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = _backward(ctx, dout, dlse, run_bwd, ctx.deterministic)[:3]
-        return dq, dk, dv, None, None, None
+        grads = _backward(ctx, dout, dlse, run_bwd, ctx.deterministic)
+        return *grads[:3], None, grads[-1], None, None
 
 
 class EmptyAttention(torch.autograd.Function):
     """Dense attention with no query or no key position (seqlen_q or seqlen_k 0), which flash_attn
-    accepts: out zeros, lse +inf (rows that see no key), gradients zeros. No kernel runs."""
+    accepts: out zeros, lse +inf (rows that see no key; with a sink, the sink's logit), gradients zeros
+    (the sink's: the lse gradient summed over batch and rows, since lse = sink there). No kernel runs."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, sink=None):
+        ctx.save_for_backward(q, k, v, sink)
         ctx.set_materialize_grads(False)
-        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("inf"), dtype=torch.float32, device=q.device)
+        shape = (q.shape[0], q.shape[2], q.shape[1])
+        if sink is None:
+            lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device)
+        else:
+            lse = sink.detach().float()[:, None].expand(shape).contiguous()
         return q.new_zeros(q.shape), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return tuple(torch.zeros_like(t) for t in ctx.saved_tensors)
+        q, k, v, sink = ctx.saved_tensors
+        dsink = None
+        if sink is not None:
+            dsink = torch.zeros_like(sink) if dlse is None else dlse.sum(dim=(0, 2)).to(sink.dtype)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
 
 
 class PackedAttention(torch.autograd.Function):
@@ -244,22 +267,23 @@ class PackedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, packed, alibi_slopes, packing, deterministic, options: Options):
+    def forward(ctx, q, packed, alibi_slopes, sink, packing, deterministic, options: Options):
         dim = 1 if options.varlen else 2
         if packing == "qkv":
             q, k, v = packed.unbind(dim=dim)
         else:
             k, v = packed.unbind(dim=dim)
-        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes)
-        _save(ctx, q, k, v, out, lse, alibi_slopes, options)
+        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
+        _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
         ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi_slopes, options = _saved(ctx)
+        q, k, v, out, lse, alibi_slopes, sink, options = _saved(ctx)
         dim = ctx.dim
+        dsink = _dsink(sink)
         if ctx.packing == "qkv":
             dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
             dq, dk, dv = dpacked.unbind(dim=dim)
@@ -282,8 +306,10 @@ class PackedAttention(torch.autograd.Function):
                 *options.op_args(),
                 alibi_slopes,
                 ctx.deterministic,
+                sink,
+                dsink,
             )
-        return (None if ctx.packing == "qkv" else dq), dpacked, None, None, None, None
+        return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None
 
 
 def fwd_kvcache_impl(
@@ -307,6 +333,7 @@ def fwd_kvcache_impl(
     rotary_interleaved,
     alibi_slopes,
     num_splits,
+    learnable_sink=None,
     check=None,
 ):
     """The body of flashattn2::fwd_kvcache (eager callers run it directly, see fwd_impl). check:
@@ -328,7 +355,7 @@ def fwd_kvcache_impl(
             seqlen_new = k.shape[1]
             if rotary is not None:
                 q = kvcache.rotate_q(q, cache, rotary, per_token=causal or window_left >= 0 or window_right >= 0)
-        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
+        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None, learnable_sink)
         # an append that ran checked every value the attention reads (pages included)
         appended = k is not None and k.shape[0] * k.shape[1] > 0
         return kvcache.forward(
@@ -358,6 +385,7 @@ def fwd_kvcache(
     rotary_interleaved: bool,
     alibi_slopes: torch.Tensor | None,
     num_splits: int,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over
     the cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int
@@ -383,6 +411,7 @@ def fwd_kvcache(
         rotary_interleaved,
         alibi_slopes,
         num_splits,
+        learnable_sink,
     )
 
 
@@ -417,6 +446,7 @@ def fwd_varlen_paged(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_varlen_func over a paged K/V (forward only): q (total_q, nheads, headdim),
     k_cache/v_cache (num_blocks, page_size, nheads_k, headdim), sequence b's keys are its first
@@ -425,7 +455,7 @@ def fwd_varlen_paged(
         cu_k = cu_seqlens_k.contiguous()
         seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
         cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, None, None, block_table.contiguous())
-        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
+        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None, learnable_sink)
         return kvcache.forward(
             _for_kernels(q), cache, 0, softmax_scale, mods, 0, varlen_q=(cu_seqlens_q.contiguous(), max_seqlen_q)
         )

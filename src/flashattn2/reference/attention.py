@@ -41,6 +41,7 @@ def attention_ref(
     alibi_slopes=None,
     dropout_mask=None,
     dropout_p=0.0,
+    learnable_sink=None,
 ):
     """Attention on (batch, seqlen, nheads, headdim) inputs; returns (out, lse).
 
@@ -54,6 +55,8 @@ def attention_ref(
     alibi_slopes ((nheads,) or (batch, nheads)), minus slope * |i + seqlen_k - seqlen_q - j|;
     then the causal / window mask. dropout_mask ((batch, nheads, seqlen_q, seqlen_k) bool, True =
     kept) multiplies the probabilities by mask / (1 - dropout_p) before they meet v.
+    learnable_sink ((nheads,)): one more logit per head in every row's softmax, dropped before v (a row
+    that sees no key then has out 0 and lse the sink's logit). Differentiable: the oracle of its gradient.
     """
     dtype = q.dtype
     if upcast:
@@ -78,9 +81,14 @@ def attention_ref(
     if causal or tuple(window_size) != (-1, -1):
         visible = local_mask(seqlen_q, seqlen_k, window_size, causal, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(scores.dtype)[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
     empty = torch.isneginf(lse)
     attn = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    if learnable_sink is not None:
+        attn = attn[..., :-1]
     if dropout_mask is not None:
         attn = attn.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", attn.to(v.dtype), v)

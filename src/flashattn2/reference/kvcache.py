@@ -27,6 +27,7 @@ def kvcache_ref(
     rotary_interleaved=True,
     alibi_slopes=None,
     upcast=True,
+    learnable_sink=None,
 ):
     """Returns (out, lse, k_cache_after, v_cache_after); the caches given are not modified.
 
@@ -92,6 +93,7 @@ def kvcache_ref(
             window_size=window_size,
             softcap=softcap,
             alibi_slopes=slopes,
+            learnable_sink=learnable_sink,
         )
         outs.append(out)
         lses.append(lse)
