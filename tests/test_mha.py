@@ -254,3 +254,41 @@ def test_mha_cross_attn_return_residual_is_x():
         out, residual = mha(x, **kwargs)
         assert residual is x
     assert out.shape == (2, 1, EMBED)
+
+
+def test_mha_learnable_sink():
+    """MHA(learnable_sink=True): an fp32 parameter per head that reaches the kernels in training (its gradient
+    that of the reference attention with the sink), with padding, and in decoding (the steps equal the full
+    forward)."""
+    torch.manual_seed(0)
+    mha = MHA(EMBED, HEADS, num_heads_kv=2, causal=True, layer_idx=0, use_flash_attn=True, learnable_sink=True,
+              device=DEVICE, dtype=torch.float32)  # fmt: skip
+    assert mha.learnable_sink.dtype == torch.float32 and mha.learnable_sink.shape == (HEADS,)
+    with torch.no_grad():
+        mha.learnable_sink.copy_(torch.randn(HEADS) * 2)
+    x = randn(2, SEQLEN, EMBED, dtype=torch.float32)
+    out = mha(x)
+    (dsink,) = torch.autograd.grad(out.square().sum(), (mha.learnable_sink,))
+    # the same layer by hand: its projections, the reference attention with the sink, its output projection
+    q, kv = mha._project(x, None, None, None)
+    context, _ = attention_ref(q, kv[:, :, 0], kv[:, :, 1], causal=True, learnable_sink=mha.learnable_sink)
+    ref = mha.out_proj(context.float().flatten(-2))
+    (ref_dsink,) = torch.autograd.grad(ref.square().sum(), (mha.learnable_sink,))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dsink, ref_dsink, rtol=1e-3, atol=1e-3)
+    # padding: the kept tokens' rows as the call without the padded tail
+    mask = torch.ones(2, SEQLEN, dtype=torch.bool, device=DEVICE)
+    mask[1, SEQLEN // 2 :] = False
+    padded = mha(x, key_padding_mask=mask)
+    torch.testing.assert_close(padded[1, : SEQLEN // 2], mha(x[1:, : SEQLEN // 2])[0], rtol=1e-4, atol=1e-4)
+    # decoding through inference_params against the full causal forward
+    params = InferenceParams(max_seqlen=SEQLEN, max_batch_size=2)
+    prompt = SEQLEN - 4
+    with torch.no_grad():
+        steps = [mha(x[:, :prompt], inference_params=params)]
+        for t in range(prompt, SEQLEN):
+            params.seqlen_offset = t
+            steps.append(mha(x[:, t : t + 1], inference_params=params))
+    torch.testing.assert_close(torch.cat(steps, dim=1), out.detach(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="learnable_sink need use_flash_attn=True"):
+        MHA(EMBED, HEADS, learnable_sink=True, device=DEVICE)

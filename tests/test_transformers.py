@@ -128,8 +128,69 @@ def test_attention_function_errors():
         integration.attention_forward(module, q, q, q, torch.ones(1, 1, 5, 5, device=DEVICE, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="output_attentions"):
         integration.attention_forward(module, q, q, q, None, output_attentions=True)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        integration.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2, device=DEVICE))
+    with pytest.raises(NotImplementedError, match="head_mask"):
+        integration.attention_forward(module, q, q, q, None, head_mask=torch.zeros(2, device=DEVICE))
+
+
+def tiny_gpt_oss(attn):
+    """gpt-oss from a config: attention sinks (s_aux), sliding-window layers alternating with full ones, GQA; the
+    sinks drawn large enough to matter (the config's initialization leaves them near 0)."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4 * SEQLEN,
+    )
+    torch.manual_seed(1234)
+    model = transformers.GptOssForCausalLM(config).to(DEVICE)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(HEADS) * 2)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def test_gpt_oss_sinks_match_eager(monkeypatch):
+    """s_aux reaches the kernels as learnable_sink: fp32 logits and gradients (the sinks' included) equal the eager
+    implementation's on a left-padded batch, and greedy generate() gives the same tokens. (transformers would swap
+    a "flash" implementation gpt-oss does not list for one it does: the integration lists flashattn2.)"""
+    ids, mask = padded_batch()
+    keep = mask.bool()
+    weights = torch.randn(int(mask.sum()), VOCAB, device=DEVICE) / VOCAB
+    launched = []
+    real_launch = launcher.launch
+    monkeypatch.setattr(
+        launcher,
+        "launch",
+        lambda kernel, *a, **kw: (launched.append(kernel.__name__), real_launch(kernel, *a, **kw))[1],
+    )
+    results = []
+    for attn in ("flashattn2", "eager"):
+        model = tiny_gpt_oss(attn)
+        assert model.config._attn_implementation == attn
+        logits = model(ids, attention_mask=mask).logits
+        (logits[keep] * weights).sum().backward()
+        sinks = [layer.self_attn.sinks.grad for layer in model.model.layers]
+        q_proj = model.model.layers[0].self_attn.q_proj.weight.grad
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        results.append((logits[keep], sinks, q_proj, tokens))
+    ours, eager = results
+    assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched  # flashattn2's kernels ran
+    torch.testing.assert_close(ours[0], eager[0], rtol=1e-4, atol=1e-4)
+    for g, e in zip(ours[1], eager[1]):
+        assert e.abs().max() > 0
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours[2], eager[2], rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours[3], eager[3])
 
 
 @pytest.mark.parametrize(

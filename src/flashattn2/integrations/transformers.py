@@ -10,7 +10,7 @@ transformers (>= 5) is an optional dependency: `pip install flashattn2[transform
 
 The model gets flash-attention-style masks (`None`, or the 2-D padding mask), as for
 "flash_attention_2": causal is bottom-right aligned when the queries are the last tokens of the
-keys (decoding, chunked prefill).
+keys (decoding, chunked prefill). A model's attention sinks (gpt-oss's `s_aux`) become learnable_sink.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def attention_forward(
         raise NotImplementedError(
             "attn_implementation='flashattn2' does not return attention weights (output_attentions=True); use 'eager'"
         )
-    for name in ("s_aux", "position_bias", "head_mask"):
+    for name in ("position_bias", "head_mask"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='flashattn2': the model passes {name}, not supported")
     if query.shape[-1] != value.shape[-1]:
@@ -74,6 +74,9 @@ def attention_forward(
         softcap=softcap or 0.0,
         window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1),
     )
+    s_aux = kwargs.get("s_aux")  # gpt-oss's attention sinks: a logit per query head, in the model's dtype
+    if s_aux is not None:
+        options["learnable_sink"] = s_aux.float()
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and attention_mask is None:
@@ -150,6 +153,25 @@ def _serve_flash_imports(flash_utils, name: str) -> None:
     flash_utils._lazy_imports = _lazy_imports
 
 
+# Models that list the flash-attention kernels they accept (`_compatible_flash_implementations`: transformers swaps
+# any other implementation whose name holds "flash" for the first of them) and whose needs flashattn2 meets:
+# module -> the pretrained class holding the list. gpt-oss lists the kernels with attention sinks.
+_COMPATIBLE_MODELS = {"transformers.models.gpt_oss.modeling_gpt_oss": "GptOssPreTrainedModel"}
+
+
+def _declare_compatible(name: str) -> None:
+    import importlib
+
+    for module_name, cls_name in _COMPATIBLE_MODELS.items():
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError):  # an older or newer transformers without the model
+            continue
+        listed = getattr(cls, "_compatible_flash_implementations", None)
+        if listed is not None and name not in listed:
+            cls._compatible_flash_implementations = [*listed, name]
+
+
 def register(name: str = NAME) -> None:
     """Register the attention function and its mask (flash-attention style) with transformers
     under name (any name; "flashattn2" on import)."""
@@ -159,6 +181,7 @@ def register(name: str = NAME) -> None:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, flash_attention_mask)
     _serve_flash_imports(modeling_flash_attention_utils, name)
+    _declare_compatible(name)
 
 
 register()

@@ -77,13 +77,14 @@ class _FlashAttention(nn.Module):
         """The ALiBi slopes as the kernels take them (fp32), or None."""
         return None if self.alibi_slopes is None else self.alibi_slopes.float()
 
-    def _options(self, causal):
+    def _options(self, causal, learnable_sink=None):
         return dict(
             softmax_scale=self.softmax_scale,
             causal=self.causal if causal is None else causal,
             alibi_slopes=self.slopes(),
             window_size=self.window_size,
             deterministic=self.deterministic,
+            learnable_sink=learnable_sink,
         )
 
 
@@ -92,10 +93,11 @@ class FlashSelfAttention(_FlashAttention):
 
     FlashSelfAttention(causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1),
                        alibi_slopes=None, deterministic=False)
-    forward(qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+    forward(qkv, causal=None, cu_seqlens=None, max_seqlen=None, *, learnable_sink=None):
         qkv: (batch, seqlen, 3, nheads, headdim), or (total, 3, nheads, headdim) with cu_seqlens
         ((batch + 1,) int32) and max_seqlen (int). Returns (batch, seqlen, nheads, headdim) or
-        (total, nheads, headdim). causal overrides the constructor's for this call.
+        (total, nheads, headdim). causal overrides the constructor's for this call; learnable_sink:
+        float32 (nheads,) attention sinks (flash_attn_func's).
     """
 
     def __init__(
@@ -109,12 +111,13 @@ class FlashSelfAttention(_FlashAttention):
     ):
         super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
 
-    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None, *, learnable_sink=None):
+        options = self._options(causal, learnable_sink)
         if cu_seqlens is None:
-            return flash_attn_qkvpacked_func(qkv, _dropout_p(self), **self._options(causal))
+            return flash_attn_qkvpacked_func(qkv, _dropout_p(self), **options)
         if max_seqlen is None:
             raise ArgumentError("FlashSelfAttention: cu_seqlens needs max_seqlen")
-        return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, _dropout_p(self), **self._options(causal))
+        return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, _dropout_p(self), **options)
 
 
 class FlashCrossAttention(_FlashAttention):
@@ -127,7 +130,8 @@ class FlashCrossAttention(_FlashAttention):
         q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim), nheads
         a multiple of nheads_k. Varlen: q (total_q, ...), kv (total_k, ...) with cu_seqlens /
         max_seqlen for q and cu_seqlens_k / max_seqlen_k for kv (defaulting to q's: self-attention).
-        Causal with seqlen_q != seqlen_k is aligned to the bottom-right corner.
+        Causal with seqlen_q != seqlen_k is aligned to the bottom-right corner. Keyword-only
+        learnable_sink: float32 (nheads,) attention sinks (flash_attn_func's).
     """
 
     def __init__(
@@ -141,11 +145,23 @@ class FlashCrossAttention(_FlashAttention):
     ):
         super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
 
-    def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
+    def forward(
+        self,
+        q,
+        kv,
+        causal=None,
+        cu_seqlens=None,
+        max_seqlen=None,
+        cu_seqlens_k=None,
+        max_seqlen_k=None,
+        *,
+        learnable_sink=None,
+    ):
+        options = self._options(causal, learnable_sink)
         if cu_seqlens is None:
             if cu_seqlens_k is not None:
                 raise ArgumentError("FlashCrossAttention: cu_seqlens_k without cu_seqlens")
-            return flash_attn_kvpacked_func(q, kv, _dropout_p(self), **self._options(causal))
+            return flash_attn_kvpacked_func(q, kv, _dropout_p(self), **options)
         if max_seqlen is None:
             raise ArgumentError("FlashCrossAttention: cu_seqlens needs max_seqlen")
         if cu_seqlens_k is None:
@@ -153,7 +169,7 @@ class FlashCrossAttention(_FlashAttention):
         elif max_seqlen_k is None:
             raise ArgumentError("FlashCrossAttention: cu_seqlens_k needs max_seqlen_k")
         return flash_attn_varlen_kvpacked_func(
-            q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, _dropout_p(self), **self._options(causal)
+            q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, _dropout_p(self), **options
         )
 
 
@@ -267,7 +283,9 @@ class MHA(nn.Module):
     (flash_attn's default) runs the plain-PyTorch SelfAttention/CrossAttention instead of the
     kernels. fused_bias_fc=True takes nn.Linear (the same math as flash_attn's fused layer).
     return_residual: forward returns (out, x). checkpointing recomputes the attention in the
-    backward. layer_idx names this layer's KV cache in inference_params.
+    backward. layer_idx names this layer's KV cache in inference_params. Keyword-only learnable_sink=True
+    (use_flash_attn=True) adds learnable attention sinks, a float32 parameter `learnable_sink` (num_heads,)
+    starting at 0: one logit per head in every row's softmax denominator (gpt-oss), in training and decoding.
 
     forward(x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
             inference_params=None):
@@ -304,6 +322,8 @@ class MHA(nn.Module):
         checkpointing=False,
         device=None,
         dtype=None,
+        *,
+        learnable_sink=False,
     ):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -319,8 +339,8 @@ class MHA(nn.Module):
             )
         if dwconv:
             raise NotImplementedError("MHA(dwconv=True) (depthwise convolution of q/k/v) is not supported")
-        if not use_flash_attn and (use_alibi or tuple(window_size) != (-1, -1)):
-            raise ArgumentError("MHA: use_alibi and window_size need use_flash_attn=True")
+        if not use_flash_attn and (use_alibi or tuple(window_size) != (-1, -1) or learnable_sink):
+            raise ArgumentError("MHA: use_alibi, window_size and learnable_sink need use_flash_attn=True")
         self.embed_dim, self.num_heads, self.num_heads_kv = embed_dim, num_heads, num_heads_kv
         self.cross_attn, self.causal, self.layer_idx = cross_attn, causal, layer_idx
         self.dwconv, self.rotary_emb_dim = False, rotary_emb_dim
@@ -355,6 +375,8 @@ class MHA(nn.Module):
             self.inner_attn = SelfAttention(causal, softmax_scale, dropout)
             self.inner_cross_attn = CrossAttention(causal, softmax_scale, dropout)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory)
+        # float32 whatever the layer's dtype: the kernels take the sinks in fp32
+        self.learnable_sink = nn.Parameter(torch.zeros(num_heads, device=device)) if learnable_sink else None
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
         """An empty KV cache (batch_size, max_seqlen, 2, num_heads_kv, headdim) for this layer."""
@@ -396,6 +418,7 @@ class MHA(nn.Module):
             window_size=inner.window_size,
             rotary_interleaved=rotate and self.rotary_emb.interleaved,
             alibi_slopes=inner.slopes(),
+            learnable_sink=self.learnable_sink,
         )
 
     def _attend(self, q, kv, inference_params, **kwargs):
@@ -404,7 +427,8 @@ class MHA(nn.Module):
         if inference_params is not None and inference_params.seqlen_offset > 0 and self.use_flash_attn:
             return self._decode(q, kv, inference_params, rotate=self._fused_rotary(inference_params))
         if inference_params is not None:  # prefill, or any step of the PyTorch path
-            return self.inner_cross_attn(q, self._update_kv_cache(kv, inference_params))
+            sink = {} if self.learnable_sink is None else dict(learnable_sink=self.learnable_sink)
+            return self.inner_cross_attn(q, self._update_kv_cache(kv, inference_params), **sink)
         attend = self.inner_cross_attn
         if not self.use_flash_attn and not self.cross_attn:  # with padding, self-attention's causal rule
             attend = self._self_attend
@@ -487,6 +511,8 @@ class MHA(nn.Module):
                     f"MHA: key_padding_mask must be bool of shape {tuple(x.shape[:2])}, got "
                     f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
                 )
+        if self.learnable_sink is not None:
+            kwargs = dict(learnable_sink=self.learnable_sink, **kwargs)
         q, kv = self._project(x, x_kv, mixer_subset, inference_params)
         if key_padding_mask is not None and self.use_flash_attn:
             # drop the padded tokens, attend varlen, pad again (padded queries' rows come back 0)
