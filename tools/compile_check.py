@@ -31,7 +31,7 @@ from flashattn2.ops.tma import host_desc  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 T = planning.TileConfig
@@ -114,13 +114,21 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
     return types
 
 
-# the plain causal path, and every option at once (LOCAL excludes CAUSAL)
+# the plain causal path, and every option at once (LOCAL excludes CAUSAL); SINK is the forward's alone (the
+# backward's launcher takes it out: a sink changes only lse there)
 VARIANTS = {
-    "causal": dict(CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, IS_VARLEN=False, SORTED=False),
-    "varlen-local-softcap-alibi-dropout": dict(
-        CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, DROPOUT=True, IS_VARLEN=True, SORTED=True
+    "causal": dict(
+        CAUSAL=True, LOCAL=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, SINK=False, IS_VARLEN=False, SORTED=False
+    ),
+    "varlen-local-softcap-alibi-dropout-sink": dict(
+        CAUSAL=False, LOCAL=True, SOFTCAP=True, ALIBI=True, DROPOUT=True, SINK=True, IS_VARLEN=True, SORTED=True
     ),
 }
+
+
+def _kernel_flags(kernel: str, flags: dict) -> dict:
+    """A VARIANTS entry as `kernel` takes it (the backward's kernels have no SINK)."""
+    return flags if kernel == "fwd" else {f: on for f, on in flags.items() if f != "SINK"}
 
 
 # the rows of each tensor's tile: query-side tensors BLOCK_M, key-side BLOCK_N
@@ -148,6 +156,7 @@ def _gluon_cases(arch, row):
         plan = planning._derive(row, planning.Forced(), causal)
         cfg = plan.tile
         constexprs = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages)
+        sink = False
         constexprs.update(plan.constexprs)
         if row.kernel == "bwd_hopper":
             constexprs["GQA"] = causal
@@ -162,7 +171,10 @@ def _gluon_cases(arch, row):
                 row.kernel
             ]  # a new name must be added here
             types = _gluon_descriptor_types(elem_bytes, d, cfg)
+            # the forward's sink with the causal setting (the finish's other branch; no other shared memory)
+            sink = constexprs["SINK"] = causal
             label = "causal" if causal else "full"
+        label += "-sink" if sink else ""
         yield f"{arch}-d{d}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
 
 
@@ -186,7 +198,7 @@ def cases(arch):
                         continue
                     # bf16 needs the same shared memory as fp16
                     constexprs = dict(
-                        **flags,
+                        **_kernel_flags(kernel, flags),
                         USE_TMA=use_tma,
                         HOST_DESC=host,
                         UPCAST=fp32,
@@ -233,7 +245,7 @@ def cases(arch):
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path
     variants = {
-        ("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True),
+        ("contiguous", False): dict(PAGED=False, BATCH_IDX=True, PAGE_SIZE=1, CHECK=True, SINK=True),
         ("contiguous", True): dict(PAGED=False, SPLIT=True, CAUSAL=True, PAGE_SIZE=1, PDL=arch == "sm90"),
         ("contiguous-short", True): dict(
             PAGED=False, SPLIT=True, SEQLENS_TENSOR=True, PAGE_SIZE=1, CHECK=True, PDL=arch == "sm90"
@@ -253,6 +265,7 @@ def cases(arch):
             SPLIT=True,
             VARLEN_Q=True,
             CHECK=True,
+            SINK=True,
         ),
     }
     off = dict(
@@ -260,6 +273,7 @@ def cases(arch):
         LOCAL=False,
         SOFTCAP=False,
         ALIBI=False,
+        SINK=False,
         PAGED=False,
         BATCH_IDX=False,
         LEFTPAD=False,
@@ -316,7 +330,7 @@ def cases(arch):
                 T(16, 16, 4, 1),
                 None,
             )
-        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim, PDL=arch == "sm90")
+        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim, PDL=arch == "sm90", SINK=True)
         yield (
             f"{arch}-combine-d{head_dim}",
             decode.attn_combine_kernel,
@@ -376,7 +390,7 @@ def length_one_cases(arch):
             for use_tma, _ in paths:
                 for variant, flags in variants.items():
                     constexprs = dict(
-                        **flags,
+                        **_kernel_flags(kernel, flags),
                         **ints,
                         USE_TMA=use_tma,
                         HOST_DESC=False,

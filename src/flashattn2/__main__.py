@@ -63,7 +63,9 @@ def _parser():
         help="features / decode: a package built by tools/baseline_pkg.py to compare with (features: "
         "'features off'; decode: timed beside flashattn2 in alternating rounds)",
     )
-    ap.add_argument("--cases", default="varlen,window,off,on", help="features: which cases")
+    ap.add_argument(
+        "--cases", default="varlen,window,off,on,sinks", help="features: which cases (varlen, window, off, on, sinks)"
+    )
     ap.add_argument("--batches", default="1,8,64", help="decode: batch sizes")
     ap.add_argument("--caches", default="1024,8192,32768,131072", help="decode: cache lengths")
     ap.add_argument("--kv-heads", default="32,8", help="decode: K/V heads (32 query heads)")

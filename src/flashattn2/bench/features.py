@@ -7,7 +7,11 @@ features`):
   (the same work per query), as a time ratio;
 - off: every feature off against a baseline build of the core kernel (an older commit's package
   loaded under another name, see tools/baseline_pkg.py), alternated over rounds so drift cancels;
-- on: each feature on (softcap, ALiBi, a window, dropout) against the same call with it off.
+- on: each feature on (softcap, ALiBi, a window, dropout) against the same call with it off;
+- sinks: a learnable sink (requiring grad) against none, 2k-16k tokens a sequence (16k in all), causal and not,
+  alternated over SINK_ROUNDS rounds; and decoding (CUDA graphs, GQA-8, bf16 K/V of 8 x 8k and 64 x 8k tokens,
+  one split and the automatic splits) with and without one (its rows' tflops column holds GB/s of K/V read, their
+  note says so).
 
 Every case is checked against the reference (forward and backward) before it is timed.
 """
@@ -44,6 +48,8 @@ FIELDS = [
 # eight sequences of mixed lengths (not multiples of a block) that add up to 16k tokens
 MIXED = (3971, 509, 2813, 1157, 3070, 641, 2300, 1923)
 ROUNDS = 3
+SINK_ROUNDS = 4  # even: each side first in half of them
+SINK_LENGTHS = (2048, 4096, 8192, 16384)
 
 
 def _flops(lengths_q, lengths_k, nheads, headdim, causal, mode, window=None):
@@ -145,7 +151,7 @@ def run(
     headdim=128,
     modes=("fwd", "bwd", "fwd_bwd"),
     baseline=None,
-    cases=("varlen", "window", "off", "on"),
+    cases=("varlen", "window", "off", "on", "sinks"),
 ):
     meta = run_metadata()
     with appending(out_csv, FIELDS) as (writer, fh):
@@ -299,7 +305,89 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                         base_times = times
                     else:
                         print(f"{tag} {c} {name} vs off (same-FLOP TFLOP/s ratio): " + _pair(times, base_times, fl, fl))
+        if "sinks" in cases:
+            _sinks(out, dtype_name, dtype, headdim, nheads, modes)
     return out.rows
+
+
+def _alternated(calls: dict, time_one) -> dict:
+    """{name: {mode: median ms}} over SINK_ROUNDS rounds of time_one(call) -> {mode: ms}, the calls alternated,
+    odd rounds in reverse order."""
+    acc: dict = {name: {} for name in calls}
+    names = list(calls)
+    for r in range(SINK_ROUNDS):
+        for name in names if r % 2 == 0 else names[::-1]:
+            for m, ms in time_one(calls[name]).items():
+                acc[name].setdefault(m, []).append(ms)
+    return {name: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for name, d in acc.items()}
+
+
+def _sinks(out, dtype_name, dtype, headdim, nheads, modes):
+    """The sinks case (module docstring): prefill / training, then decoding."""
+    tag = f"{dtype_name} d{headdim}"
+    sink = (torch.randn(nheads, device="cuda") * 2).requires_grad_()
+    for causal in (False, True):
+        c = "causal" if causal else "full"
+        for seqlen in SINK_LENGTHS:
+            batch = 16384 // seqlen
+            inputs = _dense(batch, seqlen, nheads, headdim, dtype)
+            calls = {
+                "no sink": _api_dense(flashattn2, causal=causal),
+                "sink": _api_dense(flashattn2, causal=causal, learnable_sink=sink),
+            }
+            note = _check(calls["sink"], _ref_dense(causal=causal, learnable_sink=sink), [t[:1, :1024] for t in inputs])
+            med = _alternated(calls, lambda call: time_modes(call, inputs, modes)) if not note else {}
+            fl = lambda m, c=causal, b=batch, s=seqlen: _flops([s] * b, [s] * b, nheads, headdim, c, m)  # noqa: E731
+            for name in calls:
+                out.add(
+                    f"sinks-{c}", name, dtype_name, headdim, nheads, f"{batch}x{seqlen}", med.get(name, {}), fl, note
+                )
+            if med:
+                print(f"{tag} {c} {batch}x{seqlen} sink vs none: " + _pair(med["sink"], med["no sink"], fl, fl))
+    _sinks_decode(out, dtype_name, dtype, headdim)
+
+
+def _sinks_decode(out, dtype_name, dtype, headdim):
+    """flash_attn_with_kvcache with and without a sink, GB/s of K/V read, CUDA graphs."""
+    from ..api import set_kvcache_checks
+    from .decode import _time
+
+    nheads, nheads_k, cache_len = 32, 4, 8192
+    sink = torch.randn(nheads, device="cuda")
+    previous = set_kvcache_checks(False)
+    try:
+        for batch in (8, 64):
+            for splits in (1, 0):
+                k_cache = torch.randn(batch, cache_len, nheads_k, headdim, device="cuda", dtype=dtype)
+                v_cache = torch.randn_like(k_cache)
+                q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=dtype)
+                lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+
+                def step(s, q=q, k=k_cache, v=v_cache, lens=lens, splits=splits):
+                    return lambda: flashattn2.flash_attn_with_kvcache(
+                        q, k, v, cache_seqlens=lens, num_splits=splits, learnable_sink=s
+                    )
+
+                calls = {"no sink": step(None), "sink": step(sink)}
+                med = _alternated(calls, lambda call: {"fwd": _time(call, "graph")})
+                read = 2 * k_cache.numel() * k_cache.element_size()
+                shape = f"{batch}x{cache_len} GQA {nheads}/{nheads_k} splits {splits or 'auto'}"
+                for name, times in med.items():
+                    out.add(
+                        "sinks-decode",
+                        name,
+                        dtype_name,
+                        headdim,
+                        nheads,
+                        shape,
+                        times,
+                        lambda m, read=read: read * 1e3,
+                        "GB/s",
+                    )
+                ratio = med["no sink"]["fwd"] / med["sink"]["fwd"]
+                print(f"{dtype_name} d{headdim} decode {shape}: sink speed / none {ratio:.3f}")
+    finally:
+        set_kvcache_checks(previous)
 
 
 def _pair(a, b, fa, fb) -> str:
