@@ -37,7 +37,7 @@ def test_opcheck_bwd(with_dlse, options):
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, *args))
+    torch.library.opcheck(registry.bwd, (dout, q, k, v, out, lse, dlse, dq, dk, dv, *args, None, None))
 
 
 class TinyAttention(torch.nn.Module):
@@ -92,7 +92,8 @@ def test_opcheck_varlen():
     out, lse = registry.fwd(q.detach(), k.detach(), v.detach(), *args)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     torch.library.opcheck(
-        registry.bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, dq, dk, dv, *args)
+        registry.bwd,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, dq, dk, dv, *args, None, None),
     )
 
 
@@ -119,7 +120,7 @@ def test_opcheck_with_a_sink():
     out, lse = registry.fwd(q, k, v, *args, sink)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dsink = torch.empty_like(sink)
-    bwd_args = (torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, *args, True, sink, dsink)
+    bwd_args = (torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, *args, sink, dsink, True)
     torch.library.opcheck(registry.bwd, bwd_args)
     assert torch.isfinite(dsink).all()
 

@@ -396,6 +396,8 @@ def _flash_attn_backward(
         right,
         softcap,
         alibi_slopes,
+        None,
+        None,
         bool(deterministic),
     )
     return _softmax_d(dout, out, dropout_p, varlen=False)
@@ -463,6 +465,8 @@ def _flash_attn_varlen_backward(
         right,
         softcap,
         alibi_slopes,
+        None,
+        None,
         bool(deterministic),
     )
     verify()

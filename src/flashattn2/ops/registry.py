@@ -103,13 +103,14 @@ def bwd_impl(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    learnable_sink: torch.Tensor | None,
+    dsink: torch.Tensor | None,
     deterministic: bool = True,
-    learnable_sink: torch.Tensor | None = None,
-    dsink: torch.Tensor | None = None,
 ) -> None:
     """flashattn2::bwd: writes dq, dk, dv, and with learnable_sink its gradient into dsink (fp32 (nheads,))
     (see fwd_impl for eager callers). deterministic=False lets a Hopper GPU take the Gluon backward (dQ added in
-    any order)."""
+    any order). (dsink, a mutated argument, has no default: the dispatcher drops trailing arguments equal to
+    their defaults, and a mutated one dropped breaks torch 2.11's in-place bookkeeping.)"""
     dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
@@ -199,7 +200,7 @@ def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
     dsink = _dsink(sink)
     with planning.entered(ctx.forced):
         (backward_op or bwd)(
-            dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, deterministic, sink, dsink
+            dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, sink, dsink, deterministic
         )
     return dq, dk, dv, *(None,) * (1 + N_OP_ARGS), dsink
 
@@ -305,9 +306,9 @@ class PackedAttention(torch.autograd.Function):
                 dv,
                 *options.op_args(),
                 alibi_slopes,
-                ctx.deterministic,
                 sink,
                 dsink,
+                ctx.deterministic,
             )
         return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None
 
