@@ -31,7 +31,7 @@ from flashattn2.ops.tma import host_desc  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 T = planning.TileConfig
@@ -216,7 +216,9 @@ def cases(arch):
                     yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types
     # the Triton backward's preprocess (varlen, an lse gradient) and the Gluon backward's (padded rows, the dQ
     # accumulator zeroed, lse copied)
-    pre = dict(HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256)
+    pre = dict(
+        HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, SINK=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256
+    )
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
     pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
     yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
@@ -415,6 +417,7 @@ def length_one_cases(arch):
         IS_VARLEN=False,
         PADDED=False,
         COPY_LSE=False,
+        SINK=False,
         HEAD_DIM=head_dim,
         BLOCK_M=32,
         BLOCK_D=planning.head_dim_bucket(head_dim),

@@ -41,6 +41,8 @@ def attn_bwd_preprocess_kernel(
     Lse,
     LsePad,
     DQAcc,
+    Sinks,
+    SinkPart,
     stride_ob,
     stride_os,
     stride_oh,
@@ -61,6 +63,7 @@ def attn_bwd_preprocess_kernel(
     IS_VARLEN: tl.constexpr,
     PADDED: tl.constexpr,
     COPY_LSE: tl.constexpr,
+    SINK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -71,7 +74,9 @@ def attn_bwd_preprocess_kernel(
     # dense inputs only): what that kernel reads besides, written in the same pass -- Delta's rows
     # up to seqlen_pad (0 past max_seqlen_q), the fp32 dQ accumulator's rows (batch, seqlen_pad,
     # nheads, HEAD_DIM) zeroed, and with COPY_LSE the logsumexp copied into LsePad (Delta's
-    # layout, +inf past max_seqlen_q), so padded rows get P = 0.
+    # layout, +inf past max_seqlen_q), so padded rows get P = 0. SINK: the program's share of the learnable
+    # sink's gradient, -sum over its rows of exp(sink - lse) * Delta, into SinkPart[program] (0 for a program
+    # past its sequence): the launcher sums the shares per head in a fixed order (no atomics).
     num_m_blocks = tl.cdiv(seqlen_pad, BLOCK_M)
     pid_m = tl.program_id(0) % num_m_blocks
     off_bh = tl.program_id(0) // num_m_blocks
@@ -81,6 +86,8 @@ def attn_bwd_preprocess_kernel(
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
     rows_end = seqlen_pad if PADDED else seqlen_q
     if start_m >= rows_end:
+        if SINK:
+            tl.store(SinkPart + tl.program_id(0), 0.0)
         return
     o = load_rows(
         Out + off_b * stride_ob + q_start * stride_os + off_h * stride_oh,
@@ -111,9 +118,13 @@ def attn_bwd_preprocess_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     out_row0 = off_b * stride_delta_b + off_h * stride_delta_h + q_start
     tl.store(Delta + out_row0 + offs_m, delta, mask=offs_m < rows_end)
-    if COPY_LSE:
+    if COPY_LSE or SINK:
         lse = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf"))
+    if COPY_LSE:
         tl.store(LsePad + out_row0 + offs_m, lse, mask=offs_m < rows_end)
+    if SINK:  # rows past seqlen_q: lse +inf, weight 0 (delta there is 0 too)
+        w = tl.math.exp2((tl.load(Sinks + off_h) - lse) * LOG2E)
+        tl.store(SinkPart + tl.program_id(0), -tl.sum(tl.where(w > 0.0, w * delta, 0.0), 0))
     if PADDED:
         zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         store_rows(

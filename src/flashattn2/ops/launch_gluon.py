@@ -10,7 +10,7 @@ import torch
 
 from . import _runtime, launcher, planning
 from .geometry import Geometry, cdiv
-from .launch_triton import launch_preprocess, preprocess, sink_grad_
+from .launch_triton import SinkGrad, launch_preprocess, preprocess
 from .options import ScoreMods
 from .planning import Plan
 from .tma import host_desc, use_tma
@@ -185,13 +185,12 @@ class BackwardLaunch:
         # the kernel reads lse and delta with one set of strides (lse arrives contiguous): a tail needs a padded copy
         lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if seqlen_q_pad != seqlen_q else None
         acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
+        sink = SinkGrad(sinks, dsink, geo.batch) if sinks is not None else None
         if self.pre is None:  # strides and shapes all follow from the key's
-            self.pre = preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc)
+            self.pre = preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc, sink)
         else:  # (dense: lse in cu_seqlens' place, never read)
-            launch_preprocess(self.pre, out, dout, lse, dlse, delta, lse, lse_pad, acc)
+            launch_preprocess(self.pre, out, dout, lse, dlse, delta, lse, lse_pad, acc, sink)
         lse = lse_pad if lse_pad is not None else lse
-        if sinks is not None:  # from the padded lse and delta (padded rows: +inf and 0, adding nothing)
-            sink_grad_(dsink, sinks, lse, delta)
         # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
         # else into buffers copied back
         gk, gv = (

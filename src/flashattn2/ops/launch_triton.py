@@ -114,8 +114,10 @@ def preprocess(
     seqlen_pad: int | None = None,
     lse_pad: torch.Tensor | None = None,
     acc: torch.Tensor | None = None,
+    sink: SinkGrad | None = None,
 ) -> tuple:
-    """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded).
+    """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded); with `sink`,
+    the learnable sink's gradient too (SinkGrad).
     With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
     seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
     `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch. Returns the
@@ -141,19 +143,38 @@ def preprocess(
         IS_VARLEN=geo.varlen is not None,
         PADDED=padded,
         COPY_LSE=lse_pad is not None,
+        SINK=sink is not None,
         HEAD_DIM=geo.head_dim,
         BLOCK_M=pre_m,
         BLOCK_D=bd,
     )
     pre = (grid, ints, kwargs)
-    launch_preprocess(pre, out, dout, lse, dlse, delta, geo.cu_seqlens(lse)[0], lse_pad, acc if padded else delta)
+    cu = geo.cu_seqlens(lse)[0]
+    launch_preprocess(pre, out, dout, lse, dlse, delta, cu, lse_pad, acc if padded else delta, sink)
     return pre
 
 
-def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_pad, acc) -> None:
+class SinkGrad:
+    """The learnable sink's gradient, d sink_h = -sum over batch and rows of exp(sink_h - lse_i) * delta_i: each
+    preprocess program writes its rows' share into `parts` ((batch, nheads, row blocks) in the grid's order), then
+    one torch reduction per head into `dsink` (fp32 (nheads,)) -- a fixed order, no atomics: deterministic=True
+    stays bitwise."""
+
+    __slots__ = ("sinks", "dsink", "batch", "parts")
+
+    def __init__(self, sinks: torch.Tensor, dsink: torch.Tensor, batch: int):
+        self.sinks, self.dsink, self.batch, self.parts = sinks, dsink, batch, None
+
+    def finish(self) -> None:
+        torch.sum(self.parts.view(self.batch, self.dsink.shape[0], -1), dim=(0, 2), out=self.dsink)
+
+
+def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_pad, acc, sink=None) -> None:
     """The delta preprocess launch with preprocess's (grid, integer arguments, keywords); the
-    tensors absent from the call (dlse, lse_pad) get delta in their places (never read)."""
+    tensors absent from the call (dlse, lse_pad, a sink's) get delta in their places (never read)."""
     grid, ints, kwargs = pre
+    if sink is not None:
+        sink.parts = _runtime.empty(grid, torch.float32, delta.device)
     launcher.launch(
         _runtime.kernels().bwd.attn_bwd_preprocess_kernel,
         grid,
@@ -165,13 +186,18 @@ def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_p
         lse,
         lse_pad if lse_pad is not None else delta,
         acc,
+        sink.sinks if sink is not None else delta,
+        sink.parts if sink is not None else delta,
         *ints,
         **kwargs,
     )
+    if sink is not None:
+        sink.finish()
 
 
 def sink_grad_(dsink: torch.Tensor, sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> None:
-    """d sink_h = -sum over batch and rows of exp(sink_h - lse_i) * delta_i, into dsink (fp32 (nheads,)). lse and
+    """d sink_h = -sum over batch and rows of exp(sink_h - lse_i) * delta_i, into dsink (fp32 (nheads,)), in torch:
+    for a backward that runs no kernel (no keys; the kernels' backward has SinkGrad in its preprocess). lse and
     delta share a layout whose second-to-last dimension is the head ((batch, nheads, rows) dense, (nheads, total)
     varlen); rows with lse +inf (varlen tails, padding) add 0 whatever delta holds there. torch reductions: a fixed
     order, no atomics (deterministic=True stays bitwise)."""
@@ -203,7 +229,7 @@ def backward(
 ) -> None:
     """kernels/bwd.py: the delta preprocess, dK/dV (one program per key block over its query blocks), then dQ
     (one program per query block over its key blocks): deterministic, no atomics. A sink changes only lse (which
-    P = exp(S - lse) reads) and adds its gradient from lse and delta (sink_grad_)."""
+    P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess)."""
     K = _runtime.kernels().bwd
     bd = block_d(geo.head_dim)
     cu_q, cu_k = geo.cu_seqlens(lse)
@@ -211,10 +237,9 @@ def backward(
 
     # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
     delta = _runtime.empty(lse.shape, torch.float32, q.device)
-    preprocess(out, dout, lse, dlse, geo, delta)
     mod_flags = dict(mod_flags)
-    if mod_flags.pop("SINK"):
-        sink_grad_(dsink, runtime["Sinks"], lse, delta)
+    sink = SinkGrad(runtime["Sinks"], dsink, geo.batch) if mod_flags.pop("SINK") else None
+    preprocess(out, dout, lse, dlse, geo, delta, sink=sink)
 
     # where the kernels write: the interpreter writes fp32 and torch casts (copied into dq, dk, dv at the end)
     gq, gk, gv = dq, dk, dv
