@@ -237,39 +237,31 @@ def check_options(dropout_p, softmax_scale, window_size, softcap) -> None:
         raise NotImplementedError("dropout_p > 0 with softcap > 0 is not supported (as in flash_attn)")
 
 
+def _head_floats(name: str, t, q, shapes: dict) -> None:
+    """t: a float32 tensor on q's device whose shape is one of `shapes` ({shape: its description}); None passes."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ArgumentTypeError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        raise ArgumentError(f"{name} must have shape {' or '.join(shapes.values())}, got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
+
+
 def check_alibi(alibi_slopes, q, batch: int) -> None:
     """alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on q's device."""
-    if alibi_slopes is None:
-        return
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise ArgumentTypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise ArgumentTypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     nheads = q.shape[-2]
-    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ArgumentError(
-            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
-            f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
-        )
-    if alibi_slopes.device != q.device:
-        raise ArgumentError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+    shapes = {(nheads,): f"(nheads,) = ({nheads},)", (batch, nheads): f"(batch, nheads) = ({batch}, {nheads})"}
+    _head_floats("alibi_slopes", alibi_slopes, q, shapes)
 
 
 def check_sink(learnable_sink, q) -> None:
     """learnable_sink: None, or float32 (nheads,) on q's device (one logit per query head)."""
-    if learnable_sink is None:
-        return
-    if not isinstance(learnable_sink, torch.Tensor):
-        raise ArgumentTypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
-    if learnable_sink.dtype != torch.float32:
-        raise ArgumentTypeError(f"learnable_sink must be float32, got {learnable_sink.dtype}")
     nheads = q.shape[-2]
-    if tuple(learnable_sink.shape) != (nheads,):
-        raise ArgumentError(
-            f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(learnable_sink.shape)}"
-        )
-    if learnable_sink.device != q.device:
-        raise ArgumentError(f"learnable_sink is on {learnable_sink.device}, q on {q.device}")
+    _head_floats("learnable_sink", learnable_sink, q, {(nheads,): f"(nheads,) = ({nheads},)"})
 
 
 def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
