@@ -34,7 +34,7 @@ def qkv(b=1, sq=16, sk=16, h=2, hk=2, d=32, dtype=f16):
         pytest.param(lambda: (qkv()[0], qkv(d=64)[1], qkv(d=64)[2]), ValueError, "headdim", id="headdim-mismatch"),
         pytest.param(lambda: (qkv()[0], qkv(sk=9)[1], qkv()[2]), ValueError, "same shape", id="kv-shape"),
         pytest.param(lambda: qkv(h=6, hk=4), ValueError, "multiple of nheads", id="gqa-ratio"),
-        pytest.param(lambda: qkv(d=264), NotImplementedError, "headdim 264", id="headdim-264"),
+        pytest.param(lambda: qkv(d=520), NotImplementedError, "headdim 520", id="headdim-520"),
         pytest.param(lambda: qkv(h=0, hk=0), ValueError, ">= 1", id="no-heads"),
     ],
 )

@@ -158,6 +158,71 @@ def tiny_gpt_oss(attn):
     return model
 
 
+def tiny_deepseek_v3(attn):
+    """DeepSeek-V3 from a config: MLA with q/k head dim (nope + rope) 48 and v's 32 (the real model's 192/128 in
+    miniature), q through a LoRA, one dense and one MoE layer."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=HIDDEN,
+        moe_intermediate_size=HIDDEN // 2,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_position_embeddings=4 * SEQLEN,
+    )
+    torch.manual_seed(1234)
+    model = transformers.DeepseekV3ForCausalLM(config).to(DEVICE)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def test_deepseek_v3_value_head_dim_matches_eager(monkeypatch):
+    """v's head dim (32) differs from q's (48): the kernels take v as it is (transformers passes it unpadded), and
+    fp32 logits, gradients and greedy generate() equal the eager implementation's on a left-padded batch."""
+    ids, mask = padded_batch()
+    keep = mask.bool()
+    weights = torch.randn(int(mask.sum()), VOCAB, device=DEVICE) / VOCAB
+    widths = []
+    real_forward = integration.attention_forward
+
+    def spy(module, query, key, value, *args, **kwargs):
+        widths.append((query.shape[-1], value.shape[-1]))
+        return real_forward(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention_forward", spy)
+    transformers.AttentionInterface.register("flashattn2", spy)
+    try:
+        results = []
+        for attn in ("flashattn2", "eager"):
+            model = tiny_deepseek_v3(attn)
+            logits = model(ids, attention_mask=mask).logits
+            (logits[keep] * weights).sum().backward()
+            grads = [model.model.layers[i].self_attn.kv_b_proj.weight.grad for i in range(2)]
+            with torch.no_grad():
+                tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            results.append((logits[keep], grads, tokens))
+    finally:
+        transformers.AttentionInterface.register("flashattn2", real_forward)
+    assert widths and set(widths) == {(48, 32)}  # the unpadded value reached the integration
+    ours, eager = results
+    torch.testing.assert_close(ours[0], eager[0], rtol=1e-4, atol=1e-4)
+    for g, e in zip(ours[1], eager[1]):
+        assert e.abs().max() > 0
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours[2], eager[2])
+
+
 def test_gpt_oss_sinks_match_eager(monkeypatch):
     """s_aux reaches the kernels as learnable_sink: fp32 logits and gradients (the sinks' included) equal the eager
     implementation's on a left-padded batch, and greedy generate() gives the same tokens. (transformers would swap

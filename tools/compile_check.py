@@ -27,6 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
 from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
+from flashattn2.ops.geometry import block_d  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
@@ -207,6 +208,9 @@ def cases(arch):
                         BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n,
                         BLOCK_D=bucket,
+                        # v's as wide as q's: the widest pair the bucket holds (its tiles fit any narrower v)
+                        HEAD_DIM_V=bucket,
+                        BLOCK_DV=bucket,
                     )
                     types = _descriptor_types(kernel, elem_bytes, bucket, cfg) if host else None
                     name = (
@@ -220,6 +224,8 @@ def cases(arch):
         HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, SINK=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256
     )
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
+    wide = dict(pre, HEAD_DIM=512, BLOCK_M=16, BLOCK_D=512)  # v's head dim 512: the launcher's 16 rows
+    yield f"{arch}-preprocess-d512", bwd.attn_bwd_preprocess_kernel, 2, wide, T(16, 16, 4, 1)
     pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
     yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
     yield (
@@ -285,11 +291,18 @@ def cases(arch):
         CHECK=False,
         PDL=False,
     )
-    for head_dim in (64, 128, 256):
+    # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
+    for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (512, 512), (576, 512)):
+        bd, bdv = block_d(head_dim), block_d(head_dim_v)
+        name_d = f"d{head_dim}" if head_dim == head_dim_v else f"d{head_dim}-{head_dim_v}"
         for elem_bytes in (2, 4):
+            if arch == "sm86" and elem_bytes == 4 and bd + bdv > 1024:  # ops.kvcache.forward refuses it there
+                continue
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
-                    block_m, block_n, warps, stages = kvcache._tiles(rows, head_dim, False, elem_bytes, path, split)
+                    block_m, block_n, warps, stages = kvcache._tiles(
+                        rows, head_dim, False, elem_bytes, path, split, head_dim_v
+                    )
                     flags = dict(
                         off,
                         **chosen,
@@ -298,11 +311,13 @@ def cases(arch):
                         HEAD_DIM=head_dim,
                         BLOCK_M=block_m,
                         BLOCK_N=block_n,
-                        BLOCK_D=head_dim,
+                        BLOCK_D=bd,
+                        HEAD_DIM_V=head_dim_v,
+                        BLOCK_DV=bdv,
                     )
                     types = {"Out": "*fp32"} if split else None
                     yield (
-                        f"{arch}-kvcache-d{head_dim}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
+                        f"{arch}-kvcache-{name_d}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
                         decode.attn_kvcache_kernel,
                         elem_bytes,
                         flags,
@@ -322,19 +337,21 @@ def cases(arch):
                 HEAD_DIM=head_dim,
                 BLOCK_B=256,
                 BLOCK_T=16,
-                BLOCK_D=head_dim,
+                BLOCK_D=bd,
+                HEAD_DIM_V=head_dim_v,
+                BLOCK_DV=bdv,
             )
             yield (
-                f"{arch}-append-d{head_dim}-{'paged' if paged else 'rotary'}",
+                f"{arch}-append-{name_d}-{'paged' if paged else 'rotary'}",
                 decode.kvcache_append_kernel,
                 2,
                 append,
                 T(16, 16, 4, 1),
                 None,
             )
-        combine = dict(HEAD_DIM=head_dim, BLOCK_S=128, CHUNK_S=16, BLOCK_D=head_dim, PDL=arch == "sm90", SINK=True)
+        combine = dict(HEAD_DIM=head_dim_v, BLOCK_S=128, CHUNK_S=16, BLOCK_D=bdv, PDL=arch == "sm90", SINK=True)
         yield (
-            f"{arch}-combine-d{head_dim}",
+            f"{arch}-combine-{name_d}",
             decode.attn_combine_kernel,
             2,
             combine,
@@ -402,6 +419,8 @@ def length_one_cases(arch):
                         BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n,
                         BLOCK_D=planning.head_dim_bucket(head_dim),
+                        HEAD_DIM_V=head_dim,
+                        BLOCK_DV=planning.head_dim_bucket(head_dim),
                     )
                     lengths = "-".join(f"{n.removeprefix('max_')}1" for n in ints)
                     yield (

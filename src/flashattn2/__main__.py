@@ -64,7 +64,9 @@ def _parser():
         "'features off'; decode: timed beside flashattn2 in alternating rounds)",
     )
     ap.add_argument(
-        "--cases", default="varlen,window,off,on,sinks", help="features: which cases (varlen, window, off, on, sinks)"
+        "--cases",
+        default="varlen,window,off,on,sinks",
+        help="features: which cases (varlen, window, off, on, sinks; dv, d512, mla: bench/headdims.py)",
     )
     ap.add_argument("--batches", default="1,8,64", help="decode: batch sizes")
     ap.add_argument("--caches", default="1024,8192,32768,131072", help="decode: cache lengths")

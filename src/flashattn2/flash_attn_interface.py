@@ -144,9 +144,10 @@ def _grad_buffers(q, k, v, dq, dk, dv):
     return out
 
 
-def _check_backward_inputs(dout, out, softmax_lse, q, lse_shape) -> None:
-    _like("dout", dout, q.shape, q.dtype, q.device)
-    _like("out", out, q.shape, q.dtype, q.device)
+def _check_backward_inputs(dout, out, softmax_lse, q, v, lse_shape) -> None:
+    out_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim
+    _like("dout", dout, out_shape, q.dtype, q.device)
+    _like("out", out, out_shape, q.dtype, q.device)
     _like("softmax_lse", softmax_lse, lse_shape, torch.float32, q.device)
 
 
@@ -367,7 +368,7 @@ def _flash_attn_backward(
     """
     checks.check_qkv(q, k, v, varlen=False)
     batch, seqlen_q, nheads, _ = q.shape
-    _check_backward_inputs(dout, out, softmax_lse, q, (batch, nheads, seqlen_q))
+    _check_backward_inputs(dout, out, softmax_lse, q, v, (batch, nheads, seqlen_q))
     dropout_p, scale, left, right, softcap = _options(
         q, batch, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
     )
@@ -433,7 +434,7 @@ def _flash_attn_varlen_backward(
     cu_seqlens[-1] get a zero gradient whatever zero_tensors says (flash_attn's zero_tensors=True
     gives that). Returns softmax_d (nheads, total_q) float32."""
     checks.check_qkv(q, k, v, varlen=True)
-    _check_backward_inputs(dout, out, softmax_lse, q, (q.shape[1], q.shape[0]))
+    _check_backward_inputs(dout, out, softmax_lse, q, v, (q.shape[1], q.shape[0]))
     cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
     )

@@ -11,7 +11,9 @@ features`):
 - sinks: a learnable sink (requiring grad) against none, 2k-16k tokens a sequence (16k in all), causal and not,
   alternated over SINK_ROUNDS rounds; and decoding (CUDA graphs, GQA-8, bf16 K/V of 8 x 8k and 64 x 8k tokens,
   one split and the automatic splits) with and without one (its rows' tflops column holds GB/s of K/V read, their
-  note says so).
+  note says so);
+- dv, d512, mla: head dims past flash_attn 2.x (bench/headdims.py: a value head dim of its own, head dim 512, MLA
+  decoding), beside SDPA's backends.
 
 Every case is checked against the reference (forward and backward) before it is timed.
 """
@@ -25,6 +27,7 @@ import torch
 
 import flashattn2
 from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref
+from . import headdims
 from .kernels import DTYPES, problems, run_metadata, time_modes
 from .results import appending
 
@@ -307,6 +310,12 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                         print(f"{tag} {c} {name} vs off (same-FLOP TFLOP/s ratio): " + _pair(times, base_times, fl, fl))
         if "sinks" in cases:
             _sinks(out, dtype_name, dtype, headdim, nheads, modes)
+        if "dv" in cases:
+            headdims.dv_case(out, dtype_name, dtype, modes)
+        if "d512" in cases:
+            headdims.d512_case(out, dtype_name, dtype, modes)
+        if "mla" in cases:
+            headdims.mla_case(out, dtype_name, dtype)
     return out.rows
 
 

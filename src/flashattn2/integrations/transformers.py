@@ -10,7 +10,8 @@ transformers (>= 5) is an optional dependency: `pip install flashattn2[transform
 
 The model gets flash-attention-style masks (`None`, or the 2-D padding mask), as for
 "flash_attention_2": causal is bottom-right aligned when the queries are the last tokens of the
-keys (decoding, chunked prefill). A model's attention sinks (gpt-oss's `s_aux`) become learnable_sink.
+keys (decoding, chunked prefill). A model's attention sinks (gpt-oss's `s_aux`) become learnable_sink; a value head
+dim of its own (DeepSeek-V3's 192/128) runs as it is, without padding v.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query (batch, nheads, seqlen_q, headdim), key/value
-    (batch, nheads_kv, seqlen_k, headdim); attention_mask None or (batch, seqlen_k), True/1 for the
-    tokens to keep. Returns ((batch, seqlen_q, nheads, headdim), None)."""
+    """transformers' attention interface: query (batch, nheads, seqlen_q, headdim), key (batch, nheads_kv, seqlen_k,
+    headdim), value (batch, nheads_kv, seqlen_k, headdim_v: DeepSeek-V3's differs from query's, unpadded);
+    attention_mask None or (batch, seqlen_k), True/1 for the tokens to keep. Returns ((batch, seqlen_q, nheads,
+    headdim_v), None)."""
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "attn_implementation='flashattn2' does not return attention weights (output_attentions=True); use 'eager'"
@@ -59,11 +61,6 @@ def attention_forward(
     for name in ("position_bias", "head_mask"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='flashattn2': the model passes {name}, not supported")
-    if query.shape[-1] != value.shape[-1]:
-        raise NotImplementedError(
-            "attn_implementation='flashattn2': value head dim differs from query's "
-            f"({value.shape[-1]} vs {query.shape[-1]})"
-        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     batch, seqlen_q = q.shape[:2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

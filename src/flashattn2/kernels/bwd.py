@@ -68,7 +68,8 @@ def attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Delta = rowsum(dO * O) - dLse, into Delta (strides stride_delta_*; DLse has the logsumexp's).
+    # Delta = rowsum(dO * O) - dLse, into Delta (strides stride_delta_*; DLse has the logsumexp's). HEAD_DIM is
+    # O's and dO's (v's head dim; q's too where PADDED: the Gluon backward runs only then).
     # The logsumexp's gradient dS += P * dLse folds into the same term: dS = P * (dP - Delta).
     # The grid covers seqlen_pad rows (max_seqlen_q unless PADDED). PADDED (the Gluon backward,
     # dense inputs only): what that kernel reads besides, written in the same pass -- Delta's rows
@@ -220,6 +221,8 @@ def _dkdv_inner(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(m_lo, m_hi, BLOCK_M):
@@ -251,8 +254,8 @@ def _dkdv_inner(
             )
         else:
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        do = load_tile(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
-        # [BLOCK_N, BLOCK_D]
+        do = load_tile(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
+        # dv: [BLOCK_N, BLOCK_DV]
         if DROPOUT:
             keepT = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
@@ -333,6 +336,8 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
     num_n_blocks = tl.cdiv(max_seqlen_k, BLOCK_N)
@@ -376,16 +381,16 @@ def attn_bwd_dkdv_kernel(
         stride_vs,
         stride_vh,
         seqlen_k,
-        HEAD_DIM,
+        HEAD_DIM_V,
         BLOCK_N,
-        BLOCK_D,
+        BLOCK_DV,
         USE_TMA,
         HOST_DESC,
     )
     k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
-    v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+    v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     m_lo, full_lo, full_hi, m_end = query_block_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
@@ -419,9 +424,9 @@ def attn_bwd_dkdv_kernel(
             stride_dos,
             stride_doh,
             seqlen_q,
-            HEAD_DIM,
+            HEAD_DIM_V,
             BLOCK_M,
-            BLOCK_D,
+            BLOCK_DV,
             USE_TMA,
             HOST_DESC,
         )
@@ -468,6 +473,8 @@ def attn_bwd_dkdv_kernel(
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
+            HEAD_DIM_V,
+            BLOCK_DV,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -509,6 +516,8 @@ def attn_bwd_dkdv_kernel(
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
+            HEAD_DIM_V,
+            BLOCK_DV,
         )
         if LOCAL:
             dk, dv = _dkdv_inner(
@@ -551,6 +560,8 @@ def attn_bwd_dkdv_kernel(
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_D,
+                HEAD_DIM_V,
+                BLOCK_DV,
             )
 
     dk_dst = tile_src(
@@ -577,14 +588,14 @@ def attn_bwd_dkdv_kernel(
         stride_dvs,
         stride_dvh,
         seqlen_k,
-        HEAD_DIM,
+        HEAD_DIM_V,
         BLOCK_N,
-        BLOCK_D,
+        BLOCK_DV,
         USE_TMA,
         HOST_DESC,
     )
     store_tile(dk_dst, dk * sm_scale, start_n, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_DESC)
-    store_tile(dv_dst, dv, start_n, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_DESC)
+    store_tile(dv_dst, dv, start_n, seqlen_k, stride_dvs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, HOST_DESC)
 
 
 @triton.jit
@@ -627,6 +638,8 @@ def _dq_inner(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -656,7 +669,7 @@ def _dq_inner(
             )
         else:
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
             keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
@@ -726,6 +739,8 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
         batch,
@@ -773,9 +788,9 @@ def attn_bwd_dq_kernel(
         stride_dos,
         stride_doh,
         seqlen_q,
-        HEAD_DIM,
+        HEAD_DIM_V,
         BLOCK_M,
-        BLOCK_D,
+        BLOCK_DV,
         USE_TMA,
         HOST_DESC,
     )
@@ -803,14 +818,14 @@ def attn_bwd_dq_kernel(
         stride_vs,
         stride_vh,
         seqlen_k,
-        HEAD_DIM,
+        HEAD_DIM_V,
         BLOCK_N,
-        BLOCK_D,
+        BLOCK_DV,
         USE_TMA,
         HOST_DESC,
     )
     q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
-    do = load_tile(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+    do = load_tile(do_src, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
     row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     lse2 = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
     delta = load_vec(Delta + row0, start_m, seqlen_q, BLOCK_M, 0.0)
@@ -861,6 +876,8 @@ def attn_bwd_dq_kernel(
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
+            HEAD_DIM_V,
+            BLOCK_DV,
         )
     dq = _dq_inner(
         dq,
@@ -901,6 +918,8 @@ def attn_bwd_dq_kernel(
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
     )
     dq = _dq_inner(
         dq,
@@ -941,6 +960,8 @@ def attn_bwd_dq_kernel(
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
     )
 
     dq_dst = tile_src(

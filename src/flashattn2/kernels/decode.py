@@ -91,6 +91,8 @@ def attn_kvcache_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
@@ -131,6 +133,8 @@ def attn_kvcache_kernel(
     row_ok = qi < seqlen_q
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
+    cols_v = tl.arange(0, BLOCK_DV)
+    col_v_ok = cols_v < HEAD_DIM_V
     # [BLOCK_M, BLOCK_D]
     q = tl.load(
         Q
@@ -178,7 +182,7 @@ def attn_kvcache_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     page_bad = tl.full([], 0, tl.int1)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         kj = start_n + tl.arange(0, BLOCK_N)
@@ -200,9 +204,8 @@ def attn_kvcache_kernel(
             pos = (kj + left_pad).to(tl.int64)
             k_off = pos * stride_ks
             v_off = pos * stride_vs
-        kv_mask = k_ok[:, None] & col_ok[None, :]
         # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_base + k_off[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + k_off[:, None] + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         # [BLOCK_M, BLOCK_N]
@@ -220,7 +223,8 @@ def attn_kvcache_kernel(
         p = tl.math.exp2(s - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_off[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        # [BLOCK_N, BLOCK_DV]
+        v = tl.load(v_base + v_off[:, None] + cols_v[None, :], mask=k_ok[:, None] & col_v_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None]
@@ -244,9 +248,9 @@ def attn_kvcache_kernel(
         + off_b * stride_ob
         + (q_start + qi.to(tl.int64))[:, None] * stride_oq
         + heads[:, None] * stride_oh
-        + cols[None, :]
+        + cols_v[None, :]
     )
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_v_ok[None, :])
     tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
 
 
@@ -414,6 +418,8 @@ def kvcache_append_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
     into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
@@ -464,6 +470,8 @@ def kvcache_append_kernel(
         v_rows = V + row * stride_vb + pos.to(tl.int64) * stride_vs
     cols = tl.arange(0, BLOCK_D)
     mask = t_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    cols_v = tl.arange(0, BLOCK_DV)
+    mask_v = t_ok[:, None] & (cols_v < HEAD_DIM_V)[None, :]
     t64 = t.to(tl.int64)
     if ROTARY:
         rot = cols < 2 * half
@@ -488,6 +496,8 @@ def kvcache_append_kernel(
             x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
         tl.store(k_rows[:, None] + h * stride_kh + cols[None, :], x, mask=mask)
         val = tl.load(
-            VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols[None, :], mask=mask, other=0.0
+            VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols_v[None, :],
+            mask=mask_v,
+            other=0.0,
         )
-        tl.store(v_rows[:, None] + h * stride_vh + cols[None, :], val, mask=mask)
+        tl.store(v_rows[:, None] + h * stride_vh + cols_v[None, :], val, mask=mask_v)

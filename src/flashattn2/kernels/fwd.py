@@ -66,6 +66,8 @@ def _fwd_inner(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -101,8 +103,8 @@ def _fwd_inner(
             # the normaliser keeps every score; only the values mixed into O are dropped
             keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
-        # [BLOCK_M, BLOCK_D]
+        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
+        # [BLOCK_M, BLOCK_DV]
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -163,6 +165,8 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
@@ -226,9 +230,9 @@ def attn_fwd_kernel(
         stride_vs,
         stride_vh,
         seqlen_k,
-        HEAD_DIM,
+        HEAD_DIM_V,
         BLOCK_N,
-        BLOCK_D,
+        BLOCK_DV,
         USE_TMA,
         HOST_DESC,
     )
@@ -241,9 +245,9 @@ def attn_fwd_kernel(
         stride_os,
         stride_oh,
         seqlen_q,
-        HEAD_DIM,
+        HEAD_DIM_V,
         BLOCK_M,
-        BLOCK_D,
+        BLOCK_DV,
         USE_TMA,
         HOST_DESC,
     )
@@ -251,7 +255,7 @@ def attn_fwd_kernel(
     q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_lo, full_lo, full_hi, n_end = key_block_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
@@ -295,6 +299,8 @@ def attn_fwd_kernel(
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
+            HEAD_DIM_V,
+            BLOCK_DV,
         )
     acc, l_i, m_i = _fwd_inner(
         acc,
@@ -334,6 +340,8 @@ def attn_fwd_kernel(
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
     )
     acc, l_i, m_i = _fwd_inner(
         acc,
@@ -373,6 +381,8 @@ def attn_fwd_kernel(
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
     )
 
     if SINK:
@@ -385,7 +395,7 @@ def attn_fwd_kernel(
         acc = acc * (1.0 / (1.0 - dropout_p))
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    store_tile(o_src, acc, start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_DESC)
+    store_tile(o_src, acc, start_m, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA, HOST_DESC)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     lse_row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     tl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)

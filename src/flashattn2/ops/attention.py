@@ -26,15 +26,15 @@ def forward(
     mods: ScoreMods,
     varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out like q in q's dtype; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
+    """out like q in q's dtype with v's head dim; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
     key = launch_gluon.forward_key(q, k, v, mods) if varlen is None and not _runtime.interpreted() else None
     if key is not None:
         launch = launch_gluon.FWD_PLANS.get(key)
         if launch is not None:
             return launch.run(q, k, v, softmax_scale, mods.sinks)
-    geo = Geometry.of(q, k, varlen)
+    geo = Geometry.of(q, k, varlen, v)
     arch = _arch(q.device)
-    out = _runtime.empty(q.shape, launch_triton.out_dtype(q.dtype, arch), q.device)
+    out = _runtime.empty((*q.shape[:-1], geo.head_dim_v), launch_triton.out_dtype(q.dtype, arch), q.device)
     lse = _runtime.empty(geo.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0:
         return out.to(q.dtype), lse
@@ -47,7 +47,7 @@ def forward(
         score_mods=not ScoreMods.only_causal(flags),
         gluon=launch_gluon.ready("fwd", arch, geo, q, q, k, v, out),
     )
-    plan = planning.plan(arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd")
+    plan = planning.plan(arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd")
     if plan.kernel != "fwd":
         launch_gluon.forward(plan, q, k, v, out, lse, geo, softmax_scale, mods.sinks, key)
         return out, lse
@@ -87,7 +87,7 @@ def backward(
         if launch is not None:
             launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods.sinks, dsink)
             return
-    geo = Geometry.of(q, k, varlen)
+    geo = Geometry.of(q, k, varlen, v)
     if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         if dsink is not None:  # no key: O = 0, so delta = -dlse
@@ -101,7 +101,7 @@ def backward(
         deterministic=deterministic,
         gluon=not deterministic and launch_gluon.ready("bwd", arch, geo, q, q, k, v, dout),
     )
-    plan = planning.plan(arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd")
+    plan = planning.plan(arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd")
     if plan.kernel == "bwd_hopper":
         launch_gluon.backward(
             plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, softmax_scale, mods.sinks, dsink, key

@@ -10,7 +10,9 @@ from . import _runtime
 from ..errors import ArgumentError, ArgumentTypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # q/k's and v's, each
+# flash_attn_with_kvcache: q/k up to the MLA decode shape, a 512-wide latent and its 64 rotary columns (v 512)
+MAX_HEAD_DIM_KVCACHE = 576
 
 
 def _tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -23,40 +25,47 @@ def _tensor(name: str, t, ndim: int, layout: str) -> None:
 
 
 def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False) -> None:
-    """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim); in varlen
-    q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim). empty_ok: a dense seqlen of 0
-    is accepted (the caller runs no kernel then)."""
+    """q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim), v (batch, seqlen_k,
+    nheads_k, headdim_v); in varlen q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim / headdim_v).
+    v's head dim may differ from q's and k's (the output has v's). empty_ok: a dense seqlen of 0 is accepted (the
+    caller runs no kernel then)."""
     ndim = 3 if varlen else 4
     prefix = "(total_q, " if varlen else "(batch, seqlen_q, "
     prefix_k = "(total_k, " if varlen else "(batch, seqlen_k, "
     _tensor("q", q, ndim, prefix + "nheads, headdim)")
     _tensor("k", k, ndim, prefix_k + "nheads_k, headdim)")
-    _tensor("v", v, ndim, prefix_k + "nheads_k, headdim)")
+    _tensor("v", v, ndim, prefix_k + "nheads_k, headdim_v)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ArgumentTypeError(f"q, k and v must have one dtype: q is {q.dtype}, {name} is {t.dtype}")
         if t.device != q.device:
             raise ArgumentError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
-    if k.shape != v.shape:
-        raise ArgumentError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ArgumentError(
+            f"k and v must have the same shape but for the head dim, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     nheads, head_dim = q.shape[-2:]
     nheads_k, head_dim_k = k.shape[-2:]
     if not varlen and k.shape[0] != q.shape[0]:
         raise ArgumentError(f"batch size of k/v ({k.shape[0]}) differs from q's ({q.shape[0]})")
     if head_dim_k != head_dim:
-        raise ArgumentError(f"headdim of k/v ({head_dim_k}) differs from q's ({head_dim})")
+        raise ArgumentError(f"headdim of k ({head_dim_k}) differs from q's ({head_dim})")
     empty = not varlen and not empty_ok and min(q.shape[1], k.shape[1]) < 1
-    if head_dim < 1 or nheads < 1 or nheads_k < 1 or empty:
-        raise ArgumentError(f"seqlens, nheads and headdim must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    check_heads(nheads, nheads_k, head_dim, q.device, "k/v")
+    if head_dim < 1 or v.shape[-1] < 1 or nheads < 1 or nheads_k < 1 or empty:
+        raise ArgumentError(
+            f"seqlens, nheads and headdims must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    check_heads(nheads, nheads_k, head_dim, q.device, "k/v", v.shape[-1])
 
 
-def check_heads(nheads, nheads_k, head_dim, device, kv_name) -> None:
-    """The GQA ratio, the head-dim limit and q's device."""
+def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, limit=MAX_HEAD_DIM) -> None:
+    """The GQA ratio, the head-dim limits (q/k's up to `limit`, v's up to MAX_HEAD_DIM) and q's device."""
     if nheads % nheads_k:
         raise ArgumentError(f"GQA: nheads of q ({nheads}) must be a multiple of nheads of {kv_name} ({nheads_k})")
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(f"headdim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    if head_dim > limit:
+        raise NotImplementedError(f"headdim {head_dim} > {limit} is not supported")
+    if head_dim_v is not None and head_dim_v > MAX_HEAD_DIM:
+        raise NotImplementedError(f"headdim of v ({head_dim_v}) > {MAX_HEAD_DIM} is not supported")
     check_device(device, "q")
 
 
@@ -303,9 +312,9 @@ def check_kvcache(
     the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check)."""
     _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
-    layout = "(num_blocks, page_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
-    _tensor("k_cache", k_cache, 4, layout)
-    _tensor("v_cache", v_cache, 4, layout)
+    layout = "(num_blocks, page_size, nheads_k, " if paged else "(batch_cache, seqlen_cache, nheads_k, "
+    _tensor("k_cache", k_cache, 4, layout + "headdim)")
+    _tensor("v_cache", v_cache, 4, layout + "headdim_v)")
     batch, seqlen_q, nheads, head_dim = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
@@ -314,26 +323,29 @@ def check_kvcache(
             raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
         if t.stride(-1) != 1:
             raise ArgumentError(f"{name} must be contiguous in its last dimension (it is written in place)")
-    if k_cache.shape != v_cache.shape:
-        raise ArgumentError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ArgumentError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have one shape but for the "
+            "head dim"
+        )
     nheads_k = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ArgumentError(f"headdim of k_cache ({k_cache.shape[3]}) differs from q's ({head_dim})")
-    check_heads(nheads, nheads_k, head_dim, q.device, "the cache")
+    check_heads(nheads, nheads_k, head_dim, q.device, "the cache", v_cache.shape[3], MAX_HEAD_DIM_KVCACHE)
     if (k is None) != (v is None):
         raise ArgumentError("k and v must be given together (or neither)")
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
             _tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
             if t.dtype != q.dtype or t.device != q.device:
                 raise ArgumentTypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
-            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+            if t.shape[0] != batch or t.shape[2:] != cache.shape[2:]:
                 raise ArgumentError(
                     f"{name} must be (batch={batch}, seqlen_new, nheads_k={nheads_k}, "
-                    f"headdim={head_dim}), got {tuple(t.shape)}"
+                    f"headdim={cache.shape[3]}), got {tuple(t.shape)}"
                 )
-        if k.shape != v.shape:
-            raise ArgumentError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+        if k.shape[:3] != v.shape[:3]:
+            raise ArgumentError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape but for the head dim")
         if cache_seqlens is None:
             raise ArgumentError("appending k/v needs cache_seqlens (where each sequence's new tokens go)")
     if (rotary_cos is None) != (rotary_sin is None):
@@ -493,20 +505,21 @@ def check_varlen_paged(
     """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then the values
     of cu_seqlens and block_table in one host read (outside torch.compile)."""
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
-    layout = "(num_blocks, page_size, nheads_k, headdim) with block_table"
-    _tensor("k", k_cache, 4, layout)
-    _tensor("v", v_cache, 4, layout)
+    _tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    _tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim_v) with block_table")
     for name, t in (("k", k_cache), ("v", v_cache)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ArgumentTypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
         if t.stride(-1) != 1:
             raise ArgumentError(f"{name} must be contiguous in its last dimension")
-    if k_cache.shape != v_cache.shape:
-        raise ArgumentError(f"k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} must have one shape")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ArgumentError(
+            f"k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)} must have one shape but for the head dim"
+        )
     nheads, head_dim = q.shape[1:]
     if k_cache.shape[3] != head_dim:
         raise ArgumentError(f"headdim of k ({k_cache.shape[3]}) differs from q's ({head_dim})")
-    check_heads(nheads, k_cache.shape[2], head_dim, q.device, "k/v")
+    check_heads(nheads, k_cache.shape[2], head_dim, q.device, "k/v", v_cache.shape[3])
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 with block_table (paged K/V) is not supported: it is forward-only")
     _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)

@@ -48,26 +48,34 @@ class Geometry:
     batch: int
     nheads: int
     nheads_k: int
-    head_dim: int
+    head_dim: int  # q's and k's
     max_seqlen_q: int
     max_seqlen_k: int
     varlen: Varlen | None
+    head_dim_v: int  # v's and the output's (head_dim unless the call has a value head dim of its own)
 
     @staticmethod
-    def of(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> "Geometry":
+    def of(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None, v: torch.Tensor | None = None) -> "Geometry":
+        head_dim = q.shape[-1]
+        head_dim_v = head_dim if v is None else v.shape[-1]
         if varlen is None:
-            batch, seqlen_q, nheads, head_dim = q.shape
-            return Geometry(batch, nheads, k.shape[2], head_dim, seqlen_q, k.shape[1], None)
-        _, nheads, head_dim = q.shape
+            batch, seqlen_q, nheads, _ = q.shape
+            return Geometry(batch, nheads, k.shape[2], head_dim, seqlen_q, k.shape[1], None, head_dim_v)
         return Geometry(
             varlen.cu_seqlens_q.shape[0] - 1,
-            nheads,
+            q.shape[1],
             k.shape[1],
             head_dim,
             varlen.max_seqlen_q,
             varlen.max_seqlen_k,
             varlen,
+            head_dim_v,
         )
+
+    @property
+    def plan_head_dim(self) -> int:
+        """The head dim the plan table is read by: the wider of q/k's and v's (the tiles hold both)."""
+        return max(self.head_dim, self.head_dim_v)
 
     def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, seqlen, head) strides in elements; varlen has no batch stride."""

@@ -59,6 +59,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     every program first checks every sequence's values (cache_seqlens, cache_leftpad,
     cache_batch_idx, the pages written) and none writes if one is out of range."""
     batch, seqlen_new, nheads_k, head_dim = k_new.shape
+    head_dim_v = v_new.shape[-1]
     if batch == 0 or seqlen_new == 0:
         return
     # the kernel reads rows of k/v with unit stride
@@ -123,6 +124,8 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
         BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())),
         BLOCK_T=block_t,
         BLOCK_D=block_d(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=block_d(head_dim_v),
         num_warps=4 if head_dim * block_t >= 1024 else 2,
     )
 
@@ -191,24 +194,39 @@ def _path(cache: Cache, block_n: int) -> str:
     return "page-row"
 
 
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+def _block_m(rows: int, head_dim: int = 128, head_dim_v: int = 128) -> int:
+    """Rows per program: the packed rows, at most what keeps q and the fp32 accumulator of one program within 96 KB
+    of registers (head dims past 256: 32 rows at 512/512, 16 for the MLA shape 576/512)."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    while block_m > 16 and block_m * (2 * block_d(head_dim) + 4 * block_d(head_dim_v)) > 96 * 1024:
+        block_m //= 2
+    return block_m
 
 
 def _tiles(
-    rows: int, head_dim: int, interp: bool, elem_bytes: int = 2, path: str = "contiguous", split: bool = True
+    rows: int,
+    head_dim: int,
+    interp: bool,
+    elem_bytes: int = 2,
+    path: str = "contiguous",
+    split: bool = True,
+    head_dim_v: int | None = None,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decoding reads K/V once per group: the rows are
-    few (group x seqlen_q), the keys many. Other head dims keep the bytes of a key block of the
+    few (group x seqlen_q), the keys many. Other head dims keep the bytes of a key block (K and V) of the
     headdim-128 entry; fp32 halves it and drops the pipeline so that headdim 256 fits the 99 KB
-    of shared memory of sm86/89 (compile_check)."""
-    block_m = _block_m(rows)
+    of shared memory of sm86/89 (compile_check). head_dim_v: v's, when it differs from q's and k's."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    block_m = _block_m(rows, head_dim, head_dim_v)
     if interp:
         return block_m, 16, 1, 1
     block_n, warps, stages = DECODE_TILES[(path, split)]
-    block_n = max(32, min(256, block_n * 128 // max(64, block_d(head_dim))))
+    widths = max(64, block_d(head_dim)) + max(64, block_d(head_dim_v))
+    block_n = max(32, min(256, block_n * 256 // widths))
     if elem_bytes == 4:
-        return block_m, max(16, block_n // (4 if head_dim > 128 else 2)), 4, 1
+        return block_m, max(16, block_n // (4 if max(head_dim, head_dim_v) > 128 else 2)), 4, 1
+    if widths > 512:  # past 256/256: one stage (a 32-key block of K and V is 64 KB at 512/512, 96 KB at 576/512)
+        stages = 1
     return block_m, block_n, warps, stages
 
 
@@ -231,24 +249,36 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
 
 
 def plan(
-    cache: Cache, rows: int, batch: int, head_dim: int, elem_bytes: int, num_splits: int, sm_count: int, interp: bool
+    cache: Cache,
+    rows: int,
+    batch: int,
+    head_dim: int,
+    elem_bytes: int,
+    num_splits: int,
+    sm_count: int,
+    interp: bool,
+    head_dim_v: int | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, chunk) of a decode call: rows = group x
-    seqlen_q rows per program; each split reads chunk keys (a multiple of BLOCK_N)."""
-    programs = -(-rows // _block_m(rows)) * batch * cache.k.shape[2]
+    seqlen_q rows per program; each split reads chunk keys (a multiple of BLOCK_N). head_dim_v: v's, when it
+    differs from q's and k's."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    programs = -(-rows // _block_m(rows, head_dim, head_dim_v)) * batch * cache.k.shape[2]
     split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
     # the tile's path; the kernel itself takes the one-page-per-block addressing when its
     # PAGE_SIZE and BLOCK_N allow it
     path = _path(cache, DECODE_TILES[("page-block", split)][0])
     if path == "contiguous" and not split and programs >= MANY_PROGRAMS:
         path = "contiguous-many"
-    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, path, split)
+    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, path, split, head_dim_v)
     splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
     chunk = -(-cache.capacity // (splits * block_n)) * block_n
     splits = -(-cache.capacity // chunk)
     if path == "contiguous" and splits > 1 and chunk <= SHORT_SPLIT:
         # a smaller key block (it divides the chunk: both are powers of two, this one smaller)
-        block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, "contiguous-short", True)
+        block_m, block_n, warps, stages = _tiles(
+            rows, head_dim, interp, elem_bytes, "contiguous-short", True, head_dim_v
+        )
     return block_m, block_n, warps, stages, splits, chunk
 
 
@@ -268,6 +298,7 @@ def forward(
     Values read from the cache tensors are clamped into range; with check, a value out of range
     also sets check.err."""
     nheads, head_dim = q.shape[-2:]
+    head_dim_v = cache.v.shape[-1]
     if varlen_q is not None:
         cu_q, seqlen_q = varlen_q
         batch, total_q = cu_q.shape[0] - 1, q.shape[0]
@@ -279,7 +310,7 @@ def forward(
     group = nheads // nheads_k
     interp = _runtime.interpreted()
     out_dtype = torch.float32 if interp else q.dtype
-    out = _runtime.empty(q.shape, out_dtype, q.device)
+    out = _runtime.empty((*q.shape[:-1], head_dim_v), out_dtype, q.device)
     lse = _runtime.empty(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or batch == 0 or seqlen_q == 0 or cache.capacity == 0:
         out.zero_(), lse.fill_(float("inf"))
@@ -289,14 +320,14 @@ def forward(
     sm_count = 64 if interp else _runtime.sm_count(q.device)
     rows = group * seqlen_q
     block_m, block_n, warps, stages, splits, chunk = plan(
-        cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp
+        cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp, head_dim_v
     )
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
     if splits > 1:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
-        n_out = -(-splits * q.numel() // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
+        n_out = -(-splits * out.numel() // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
         work = _runtime.empty((n_out + splits * lse.numel(),), torch.float32, q.device)
-        dst = work[: splits * q.numel()].view(splits, *q.shape)
+        dst = work[: splits * out.numel()].view(splits, *out.shape)
         dst_lse = work[n_out:].view(splits, *lse_shape)
     else:
         dst, dst_lse = out.unsqueeze(0), lse.unsqueeze(0)
@@ -312,6 +343,11 @@ def forward(
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
     arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
+    if arch == "sm86" and upcast and block_d(head_dim) + block_d(head_dim_v) > 1024:
+        raise NotImplementedError(
+            f"flash_attn_with_kvcache in fp32 with head dims {head_dim}/{head_dim_v} on {arch}: its smallest tile needs "
+            "128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
+        )
     pdl = splits > 1 and _runtime.PDL and arch == "sm90"
     kernels = _runtime.kernels().decode
     bt = cache.block_table
@@ -368,6 +404,8 @@ def forward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=block_d(head_dim_v),
         num_warps=warps,
         num_stages=stages,
     )
@@ -392,10 +430,10 @@ def forward(
             nheads,
             splits,
             SINK=flags["SINK"],
-            HEAD_DIM=head_dim,
+            HEAD_DIM=head_dim_v,
             BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
             CHUNK_S=16,
-            BLOCK_D=block_d(head_dim),
+            BLOCK_D=block_d(head_dim_v),
             PDL=pdl,
             num_warps=2,
             launch_pdl=pdl,

@@ -21,8 +21,9 @@ _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2
 def ready(direction: str, arch: str, geo: Geometry, q: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """What planning.Features.gluon says for a call: sm_90 exactly (wgmma, which sm_100 lacks), the Gluon module
     for `direction` ("fwd", "bwd") importing under this Triton, dense inputs, and every tensor with its heads
-    adjacent in memory (3-D descriptors over (batch, seqlen, heads * headdim)) and TMA's alignment."""
-    if not (arch == "sm90" and geo.varlen is None and planning.wgmma(q.device)):
+    adjacent in memory (3-D descriptors over (batch, seqlen, heads * headdim)) and TMA's alignment; v's head dim
+    q's (a value head dim of its own runs the Triton kernels)."""
+    if not (arch == "sm90" and geo.varlen is None and geo.head_dim_v == geo.head_dim and planning.wgmma(q.device)):
         return False
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:

@@ -32,7 +32,7 @@ def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
 
 def sources(geo: Geometry, tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple[list, bool]:
     """(the kernel's tensor arguments, HOST_DESC) for (tensor, rows of its tile) pairs: with the
-    TMA path on dense inputs whose head dim is a power of two and whose heads are adjacent in
+    TMA path on dense inputs whose head dims are powers of two and whose heads are adjacent in
     memory, descriptors (launcher.HostDesc) over (batch, seqlen, heads * headdim) with a
     [1, rows, headdim] box (unless force(host_desc=False); use_tma checked the 16-byte alignment TMA needs);
     otherwise the tensors (the kernels make their own descriptors). Host-built descriptors: backward 1.04-1.41x
@@ -42,8 +42,7 @@ def sources(geo: Geometry, tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple
         planning.forced().host_desc is not False
         and tma
         and geo.varlen is None
-        and geo.head_dim == block_d(geo.head_dim)
-        and all(t.stride(2) == geo.head_dim for t in tensors)
+        and all(t.shape[-1] == block_d(t.shape[-1]) and t.stride(2) == t.shape[-1] for t in tensors)
     ):
         return tensors, False
     return [host_desc(t, rows) for t, rows in pairs], True
@@ -96,6 +95,8 @@ def forward(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_D=block_d(geo.head_dim),
+        HEAD_DIM_V=geo.head_dim_v,
+        BLOCK_DV=block_d(geo.head_dim_v),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -124,8 +125,8 @@ def preprocess(
     launch's (grid, integer arguments, keywords): the Gluon backward's cached plan repeats it with them."""
     padded = seqlen_pad is not None
     rows = seqlen_pad if padded else geo.max_seqlen_q
-    bd = block_d(geo.head_dim)
-    pre_m = 64 if bd <= 128 else 32
+    bd = block_d(geo.head_dim_v)  # O's and dO's (the dQ accumulator's: PADDED runs only where they are q's)
+    pre_m = 64 if bd <= 128 else 32 if bd <= 256 else 16
     acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
     grid = (cdiv(rows, pre_m) * geo.batch * geo.nheads,)
     ints = (
@@ -144,7 +145,7 @@ def preprocess(
         PADDED=padded,
         COPY_LSE=lse_pad is not None,
         SINK=sink is not None,
-        HEAD_DIM=geo.head_dim,
+        HEAD_DIM=geo.head_dim_v,
         BLOCK_M=pre_m,
         BLOCK_D=bd,
     )
@@ -251,7 +252,15 @@ def backward(
         fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
     flags = tma_flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
-    common = dict(**mod_flags, IS_VARLEN=is_varlen, **flags, HEAD_DIM=geo.head_dim, BLOCK_D=bd)
+    common = dict(
+        **mod_flags,
+        IS_VARLEN=is_varlen,
+        **flags,
+        HEAD_DIM=geo.head_dim,
+        BLOCK_D=bd,
+        HEAD_DIM_V=geo.head_dim_v,
+        BLOCK_DV=block_d(geo.head_dim_v),
+    )
     # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
     order_q, sorted_q = geo.order("q", cu_q)
     order_k, sorted_k = geo.order("k", cu_k)

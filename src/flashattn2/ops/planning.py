@@ -29,7 +29,8 @@ from . import _runtime
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block); sm80: A100 / A800 /
 # Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB); interp: Triton's CPU interpreter
 ARCHS = ("sm90", "sm80", "sm86", "interp")
-HEAD_DIM_BUCKETS = (64, 128, 256)  # BLOCK_D <= 64 share the 64 rows
+HEAD_DIM_BUCKETS = (64, 128, 256, 512)  # BLOCK_D <= 64 share the 64 rows; a call's bucket is its wider head dim's
+GLUON_HEAD_DIMS = (64, 128, 256)  # the Gluon kernels' (q, k and v alike)
 # The kernels a plan names (force() takes a tile for each):
 #   fwd, bwd_dkdv + bwd_dq: the Triton kernels (kernels/fwd.py, kernels/bwd.py), every arch and option;
 #   fwd_hopper_persist: the persistent warp-specialized Gluon forward (kernels/fwd_hopper.py; grid = #SMs;
@@ -143,6 +144,11 @@ def _triton(arch: str, d: int, elem_bytes: int, fwd: TileConfig, dkdv: TileConfi
 
 
 T = TileConfig
+# (direction, arch, head-dim bucket, bytes per element) that no tile runs: plan() raises NotImplementedError saying why
+UNSUPPORTED = {
+    ("bwd", "sm86", 512, 4): "the fp32 backward with a head dim past 256 needs 130 KB of shared memory at its smallest "
+    "tile (16x16); this GPU has 99 KB per block (fp16 and bf16 run)",
+}
 # The Gluon backward's causal program order: heads in groups whose Q and dO (a kv head's query heads') stay in
 # L2 (50 MB on the H200), each group key block by key block, heaviest first. H200 fp16 bench ab, grouped /
 # head-major, causal 512-16k: d256 1.00-1.11, d128 1.01-1.06, d64 0.96-1.03 (a second run 0.98-1.02).
@@ -204,6 +210,9 @@ _SM90 = [
         why="split ring, dQ_i in two halves: 1.19-1.26x, causal 1.11-1.22x of one ring 64x64 s1 (0.92-1.10x cuDNN)"),
     Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(64, 64, 8, 2), dq_tile=T(128, 32, 8, 2),
         why="Triton sweep: 189/184 full/causal, 187/141 at 2k (SDPA flash 259/253)"),
+    # head dims past 256 (q/k or v): Triton only
+    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(32, 32, 8, 1), T(32, 32, 8, 1),
+             "d512: fits 227 KB and the register file; not swept"),
 ]
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
 INTERP = T(64, 64, 4, 1)
@@ -214,22 +223,26 @@ _OTHER = [
     *_triton("sm80", 64, 2,  T(128, 64, 4, 3), T(64, 128, 8, 2), T(128, 64, 8, 2), "FA2's A100 tiles"),
     *_triton("sm80", 128, 2, T(128, 64, 8, 2), T(64, 128, 8, 1), T(128, 64, 8, 1), "FA2's A100 tiles"),
     *_triton("sm80", 256, 2, T(64, 64, 8, 1),  T(64, 64, 8, 1),  T(64, 64, 8, 1),  "FA2's A100 tiles"),
+    *_triton("sm80", 512, 2, T(64, 32, 8, 1),  T(32, 32, 8, 1),  T(32, 32, 8, 1),  "fits 163 KB"),
     *_triton("sm86", 64, 2,  T(128, 64, 4, 2), T(64, 64, 4, 2),  T(64, 64, 4, 2),  "fits 99 KB"),
     *_triton("sm86", 128, 2, T(64, 64, 4, 2),  T(64, 64, 4, 1),  T(64, 64, 4, 1),  "fits 99 KB"),
     *_triton("sm86", 256, 2, T(64, 32, 4, 1),  T(32, 32, 4, 1),  T(32, 32, 4, 1),  "fits 99 KB"),
+    *_triton("sm86", 512, 2, T(32, 32, 4, 1),  T(16, 16, 4, 1),  T(32, 16, 4, 1),  "fits 99 KB"),
     # fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared memory in bounds (a
     # correctness path, not tuned); every arch
     *(row for arch in ("sm90", "sm80", "sm86") for row in (
         *_triton(arch, 64, 4,  T(64, 32, 4, 2), T(64, 32, 4, 2), T(64, 32, 4, 2), "fp32: CUDA-core dots, small tiles"),
         *_triton(arch, 128, 4, T(32, 32, 4, 1), T(32, 32, 4, 1), T(32, 32, 4, 1), "fp32: CUDA-core dots, small tiles"),
         *_triton(arch, 256, 4, T(16, 16, 4, 1), T(16, 16, 4, 1), T(16, 16, 4, 1), "fp32: CUDA-core dots, small tiles"),
-    )),
+        *_triton(arch, 512, 4, T(16, 16, 4, 1), T(16, 16, 4, 1), T(16, 16, 4, 1), "fp32: CUDA-core dots, small tiles"),
+    ) if (row.direction, row.arch, row.head_dim, row.elem_bytes) not in UNSUPPORTED),
     *(row for d in HEAD_DIM_BUCKETS for elem_bytes in (2, 4)
       for row in _triton("interp", d, elem_bytes, INTERP, INTERP, INTERP, "the interpreter: few big steps")),
 ]
 # fmt: on
 
 TABLE: tuple[Row, ...] = (*_SM90, *_OTHER)
+assert not any((r.direction, r.arch, r.head_dim, r.elem_bytes) in UNSUPPORTED for r in TABLE)
 _ROWS: dict[tuple[str, str, int, int], tuple[Row, ...]] = {}
 for _row in TABLE:
     _key = (_row.direction, _row.arch, _row.head_dim, _row.elem_bytes)
@@ -238,12 +251,12 @@ for _row in TABLE:
 
 def _gluon_applies(features: Features, dtype: torch.dtype, head_dim: int, max_seqlen_k: int) -> bool:
     """The Gluon kernels: dense fp16/bf16 inputs with head dim 64, 128 or 256, causal or not and no other score
-    modification, keys present, on a device and tensors they run on (Features.gluon)."""
+    modification, keys present, on a device and tensors they run on (Features.gluon: v's head dim q's too)."""
     return (
         features.gluon
         and not features.varlen
         and not features.score_mods
-        and head_dim in HEAD_DIM_BUCKETS
+        and head_dim in GLUON_HEAD_DIMS
         and dtype in (torch.float16, torch.bfloat16)
         and max_seqlen_k > 0
     )
@@ -364,7 +377,12 @@ def plan(
 @functools.lru_cache(maxsize=4096)
 def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, forced: Forced) -> Plan:
     hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
-    for row in _ROWS[(direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)]:
+    key = (direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)
+    if key in UNSUPPORTED:
+        raise NotImplementedError(
+            f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
+        )
+    for row in _ROWS[key]:
         if (row.causal is not None and row.causal != causal) or (
             row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k
         ):

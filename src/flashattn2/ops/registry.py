@@ -77,7 +77,7 @@ def _(q, k, v, cu_seqlens_q, *_):
         lse_shape = (batch, nheads, seqlen_q)
     else:
         lse_shape = (q.shape[1], q.shape[0])
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(lse_shape, dtype=torch.float32)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def bwd_impl(
@@ -248,7 +248,7 @@ class EmptyAttention(torch.autograd.Function):
             lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device)
         else:
             lse = sink.detach().float()[:, None].expand(shape).contiguous()
-        return q.new_zeros(q.shape), lse
+        return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -427,9 +427,9 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @fwd_kvcache.register_fake
-def _(q, *_):
+def _(q, k_cache, v_cache, *_):
     batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1])), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashattn2::fwd_varlen_paged", mutates_args=())
@@ -463,8 +463,8 @@ def fwd_varlen_paged(
 
 
 @fwd_varlen_paged.register_fake
-def _(q, *_):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _(q, k_cache, v_cache, *_):
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _paged_backward(ctx, dout, dlse):

@@ -1,0 +1,331 @@
+"""Head dims past flash_attn 2.x: a value head dim of its own (v.shape[-1] != q.shape[-1]: the output and dV have
+v's) and head dims up to 512 for q/k and v each (576/512 in flash_attn_with_kvcache: the MLA decode shape).
+Forward, logsumexp and gradients against the reference by flash_attn's rule; dense, varlen, KV cache (contiguous,
+paged, splits, a V cache that is a view of the K cache), the private functions, torch.compile; errors."""
+
+import pytest
+import torch
+
+import flashattn2
+from cases import cu_seqlens, randn
+from conftest import DEVICE, ON_GPU
+from flashattn2 import flash_attn_interface
+from flashattn2.errors import ArgumentError
+from flashattn2.ops import planning, registry
+from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
+from flashattn2.reference.kvcache import kvcache_ref
+from tolerance import assert_close
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim of q/k, headdim of v)
+if ON_GPU:
+    SHAPES = [
+        (2, 1000, 1000, 8, 2, 192, 128),  # DeepSeek-V3's
+        (1, 2049, 2049, 4, 4, 192, 128),
+        (2, 777, 1300, 4, 1, 128, 64),
+        (2, 800, 600, 4, 2, 64, 128),
+        (1, 1000, 1000, 4, 4, 256, 128),
+        (1, 700, 900, 4, 2, 96, 256),
+        (1, 1024, 1024, 4, 4, 512, 512),
+        (2, 513, 700, 4, 2, 512, 128),
+        (1, 600, 600, 4, 4, 128, 512),
+        (1, 333, 1, 2, 2, 320, 200),
+        (1, 1, 333, 2, 2, 448, 384),
+    ]
+    DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+else:
+    SHAPES = [
+        (2, 70, 90, 4, 2, 48, 32),
+        (1, 50, 40, 2, 1, 32, 80),
+        (1, 40, 40, 2, 2, 192, 128),
+        (1, 33, 20, 2, 2, 512, 512),
+        (1, 1, 30, 2, 2, 16, 512),
+    ]
+    DTYPES = [pytest.param(torch.float16, id="fp16")]
+SHAPE_PARAMS = [pytest.param(s, id="b{}-sq{}-sk{}-h{}-hk{}-d{}-dv{}".format(*s)) for s in SHAPES]
+CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+
+
+def make(shape, dtype, requires_grad=True):
+    b, sq, sk, h, hk, d, dv = shape
+    return (
+        randn(b, sq, h, d, dtype=dtype, requires_grad=requires_grad),
+        randn(b, sk, hk, d, dtype=dtype, requires_grad=requires_grad),
+        randn(b, sk, hk, dv, dtype=dtype, requires_grad=requires_grad),
+    )
+
+
+def check_against_reference(name, q, k, v, out, lse, grads, do, **opts):
+    ref_out, ref_lse = attention_ref(q, k, v, **opts)
+    low_out, low_lse = attention_ref(q, k, v, upcast=False, **opts)
+    assert out.shape == (*q.shape[:-1], v.shape[-1])
+    assert_close(f"{name} out", out, ref_out, low_out, FWD_FACTOR)
+    seen = torch.isfinite(ref_lse)  # rows that see no key: +inf
+    assert torch.equal(torch.isposinf(lse), ~seen), f"{name} lse: +inf where no key is seen, only there"
+    assert_close(f"{name} lse", lse[seen], ref_lse[seen], low_lse.float()[seen], FWD_FACTOR)
+    if grads is None:
+        return
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do.to(ref_out.dtype))
+    low_grads = torch.autograd.grad(low_out, (q, k, v), do)
+    for gname, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(f"{name} {gname}", g, r, lo, BWD_FACTOR)
+
+
+DETERMINISTIC = [pytest.param(True, id="det")] + ([pytest.param(False, id="nondet")] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("deterministic", DETERMINISTIC)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPE_PARAMS)
+def test_head_dims(shape, dtype, causal, deterministic):
+    q, k, v = make(shape, dtype)
+    out, lse, _ = flashattn2.flash_attn_func(
+        q, k, v, causal=causal, deterministic=deterministic, return_attn_probs=True
+    )
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    check_against_reference("dense", q, k, v, out, lse, grads, do, causal=causal)
+
+
+OPTIONS = [
+    pytest.param(dict(causal=True, window_size=(37, 0)), id="window"),
+    pytest.param(dict(softcap=3.0, alibi=True), id="softcap-alibi"),
+    pytest.param(dict(causal=True, sink=True), id="causal-sink"),
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS)
+@pytest.mark.parametrize("dims", [(192, 128), (64, 32)] if ON_GPU else [(48, 32)], ids=lambda d: f"d{d[0]}-dv{d[1]}")
+def test_with_options(dims, opts):
+    shape = (2, 600, 700, 4, 2, *dims) if ON_GPU else (2, 50, 60, 4, 2, *dims)
+    q, k, v = make(shape, torch.bfloat16 if ON_GPU else torch.float16)
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(4, device=DEVICE) * 0.3
+    sink = torch.randn(4, device=DEVICE) if opts.pop("sink", False) else None
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sink, **opts)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    check_against_reference("options", q, k, v, out, lse, grads, do, learnable_sink=sink, **opts)
+
+
+def test_with_dropout():
+    """Dropout with v's head dim: the mask recovered from S_dmask (which only q and k shape), the reference with it."""
+    p = 0.2
+    q, k, v = make((2, 300, 400, 4, 2, 96, 64) if ON_GPU else (1, 40, 50, 2, 2, 48, 32), torch.float16)
+    out, lse, s_dmask = flashattn2.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    keep = s_dmask[:, :, : q.shape[1], : k.shape[1]] >= 0
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    opts = dict(causal=True, dropout_mask=keep, dropout_p=p)
+    check_against_reference("dropout", q, k, v, out, lse, grads, do, **opts)
+
+
+def test_value_a_view_of_the_keys():
+    """v = k[..., :dv], heads adjacent with k's stride (MLA's layout): the stride test alone would admit it to the
+    Gluon kernels (v.stride(2) == q's head dim), which assume v's head dim is q's."""
+    dqk, dv = (128, 64) if ON_GPU else (64, 32)
+    q = randn(2, 512 if ON_GPU else 40, 4, dqk, dtype=torch.bfloat16, requires_grad=True)
+    kv = randn(2, 512 if ON_GPU else 40, 4, dqk, dtype=torch.bfloat16, requires_grad=True)
+    k, v = kv, kv[..., :dv]
+    assert v.stride(2) == q.shape[-1]
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    do = torch.randn_like(out)
+    (dq, dkv) = torch.autograd.grad(out, (q, kv), do)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = attention_ref(q2, k2, v2, causal=True)
+    low_out, low_lse = attention_ref(q2, k2, v2, causal=True, upcast=False)
+    assert_close("out", out, ref_out, low_out, FWD_FACTOR)
+    rq, rk, rv = torch.autograd.grad(ref_out, (q2, k2, v2), do.float())
+    lq, lk, lv = torch.autograd.grad(low_out, (q2, k2, v2), do)
+    ref_dkv, low_dkv = rk.clone(), lk.clone()
+    ref_dkv[..., :dv] += rv
+    low_dkv[..., :dv] += lv
+    assert_close("dq", dq, rq, lq, BWD_FACTOR)
+    assert_close("dkv", dkv, ref_dkv, low_dkv, BWD_FACTOR)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (512, 256)] if ON_GPU else [(48, 32), (32, 80)])
+def test_varlen(dims):
+    """Per sequence, the reference on that sequence alone; rows past cu_seqlens[-1] stay 0 / +inf."""
+    lengths_q, lengths_k = ([300, 0, 1000, 1], [500, 7, 1000, 90]) if ON_GPU else ([17, 0, 40, 1], [30, 5, 40, 9])
+    h, hk, extra = 4, 2, 3
+    dqk, dv = dims
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    q = randn(sum(lengths_q) + extra, h, dqk, dtype=torch.float16, requires_grad=True)
+    k = randn(sum(lengths_k), hk, dqk, dtype=torch.float16, requires_grad=True)
+    v = randn(sum(lengths_k), hk, dv, dtype=torch.float16, requires_grad=True)
+    mq, mk = max(lengths_q), max(lengths_k)
+    out, lse, _ = flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, return_attn_probs=True)
+    assert out.shape == (q.shape[0], h, dv)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert torch.equal(out[-extra:], torch.zeros_like(out[-extra:])) and torch.isposinf(lse[:, -extra:]).all()
+    assert torch.equal(grads[0][-extra:], torch.zeros_like(grads[0][-extra:]))
+    for b in range(len(lengths_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qb, kb, vb = (t[None, s].detach().clone().requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks)))
+        ro, rl = attention_ref(qb, kb, vb, causal=True)
+        lo, _ = attention_ref(qb, kb, vb, causal=True, upcast=False)
+        assert_close(f"seq {b} out", out[qs][None], ro, lo, FWD_FACTOR)
+        torch.testing.assert_close(lse[:, qs], rl[0], rtol=1e-4, atol=1e-4)
+        rg = torch.autograd.grad(ro, (qb, kb, vb), do[qs][None].float())
+        lg = torch.autograd.grad(lo, (qb, kb, vb), do[qs][None])
+        for name, g, r, low in zip(("dq", "dk", "dv"), (grads[0][qs], grads[1][ks], grads[2][ks]), rg, lg):
+            assert_close(f"seq {b} {name}", g[None], r, low, BWD_FACTOR)
+
+
+def test_packed_kv_and_private_functions():
+    """The private functions (what ring-flash-attention calls) with v's head dim: out, softmax_lse, and the
+    backward's dq/dk/dv and softmax_d, against the public call."""
+    q, k, v = make((2, 100, 120, 4, 2, 64, 32) if ON_GPU else (1, 30, 40, 2, 1, 48, 32), torch.float16)
+    out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    do = torch.randn_like(out)
+    ref = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out2, lse2, _, rng = flash_attn_interface._flash_attn_forward(qd, kd, vd, 0.0, None, True, -1, -1, 0.0, None, False)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+    softmax_d = flash_attn_interface._flash_attn_backward(
+        do, qd, kd, vd, out2, lse2, dq, dk, dv, 0.0, None, True, -1, -1, 0.0, None, True, rng
+    )
+    for g, r in zip((dq, dk, dv), ref):
+        assert torch.equal(g, r)
+    torch.testing.assert_close(softmax_d, (do.float() * out.float()).sum(-1).transpose(1, 2), rtol=1e-3, atol=1e-3)
+
+
+def _paged(cache, perm, page):
+    """A (batch, capacity, hk, d) cache as pages (num_blocks, page, hk, d) in the order perm (the block table)."""
+    blocks = perm.numel()
+    pages = torch.empty(blocks, page, *cache.shape[2:], dtype=cache.dtype, device=DEVICE)
+    pages[perm.flatten().long()] = cache.reshape(blocks, page, *cache.shape[2:])
+    return pages
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 3], ids=["no-split", "auto", "splits-3"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 256), (512, 512)] if ON_GPU else [(48, 32), (16, 80)])
+def test_kvcache(dims, paged, num_splits):
+    """Appending k/v of their own head dims, then attending: the new tokens land in each cache, the output has v's
+    head dim."""
+    dqk, dv = dims
+    batch, h, hk, seqlen_q, capacity, page = 3, 8, 2, 2, 512 if ON_GPU else 48, 16
+    q = randn(batch, seqlen_q, h, dqk, dtype=torch.float16)
+    k_cache = randn(batch, capacity, hk, dqk, dtype=torch.float16)
+    v_cache = randn(batch, capacity, hk, dv, dtype=torch.float16)
+    k_new, v_new = randn(batch, 2, hk, dqk, dtype=torch.float16), randn(batch, 2, hk, dv, dtype=torch.float16)
+    seqlens = torch.tensor([0, 5, capacity - 2], dtype=torch.int32, device=DEVICE)
+    ref = kvcache_ref(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
+    low = kvcache_ref(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True, upcast=False)
+    table = None
+    if paged:
+        table = torch.randperm(batch * capacity // page, device=DEVICE).view(batch, -1).to(torch.int32)
+        k_cache, v_cache = _paged(k_cache, table, page), _paged(v_cache, table, page)
+    out, lse = flashattn2.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        cache_seqlens=seqlens,
+        block_table=table,
+        causal=True,
+        num_splits=num_splits,
+        return_softmax_lse=True,
+    )
+    assert out.shape == (batch, seqlen_q, h, dv)
+    assert_close("out", out, ref[0], low[0], FWD_FACTOR)
+    torch.testing.assert_close(lse, ref[1].float(), rtol=1e-3, atol=1e-3)
+    got_k = k_cache[table.long()].flatten(1, 2) if paged else k_cache
+    got_v = v_cache[table.long()].flatten(1, 2) if paged else v_cache
+    assert torch.equal(got_k, ref[2]) and torch.equal(got_v, ref[3])
+
+
+@pytest.mark.parametrize("num_splits", [1, 0], ids=["no-split", "auto"])
+def test_mla_decode(num_splits):
+    """The MLA decode shape: q/k 576, v 512 -- one latent head, its value the K cache's first 512 columns (v_cache a
+    view of k_cache: read where it lies, written once by the append), paged, 128 query heads (16 on the CPU)."""
+    heads, batch, page = (128, 4, 64) if ON_GPU else (16, 2, 16)
+    capacity = 1024 if ON_GPU else 64
+    q = randn(batch, 1, heads, 576, dtype=torch.bfloat16) * 0.1
+    blocks = batch * capacity // page
+    kv_pages = randn(blocks, page, 1, 576, dtype=torch.bfloat16)
+    table = torch.randperm(blocks, device=DEVICE).view(batch, -1).to(torch.int32)
+    seqlens = torch.tensor([capacity - 1, 3, capacity // 2, 0][:batch], dtype=torch.int32, device=DEVICE)
+    k_new = randn(batch, 1, 1, 576, dtype=torch.bfloat16)
+    kv_before = kv_pages.clone()
+    out, lse = flashattn2.flash_attn_with_kvcache(
+        q,
+        kv_pages,
+        kv_pages[..., :512],
+        k_new,
+        k_new[..., :512],
+        cache_seqlens=seqlens,
+        block_table=table,
+        softmax_scale=192**-0.5,
+        num_splits=num_splits,
+        return_softmax_lse=True,
+    )
+    args = dict(cache_seqlens=seqlens, block_table=table, softmax_scale=192**-0.5)
+    ref = kvcache_ref(q, kv_before, kv_before[..., :512], k_new, k_new[..., :512], **args)
+    low = kvcache_ref(q, kv_before, kv_before[..., :512], k_new, k_new[..., :512], upcast=False, **args)
+    assert out.shape == (batch, 1, heads, 512)
+    assert_close("mla out", out, ref[0], low[0], FWD_FACTOR)
+    torch.testing.assert_close(lse, ref[1].float(), rtol=1e-3, atol=1e-3)
+    assert torch.equal(kv_pages, ref[2])
+
+
+def test_compile_and_opcheck():
+    """The ops' fake implementations give the output v's head dim: opcheck, and torch.compile(fullgraph=True) with
+    a backward equal to eager's."""
+    q, k, v = make((1, 33, 47, 4, 2, 48, 32), torch.float16, requires_grad=False)
+    args = (None, None, 0, 0, 0.0, None, 0.25, True, -1, -1, 0.0, None)
+    torch.library.opcheck(registry.fwd, (q, k, v, *args))
+    out, lse = registry.fwd(q, k, v, *args)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.library.opcheck(registry.bwd, (torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, *args, None, None))
+    torch._dynamo.reset()
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+
+    def step(q, k, v):
+        return flashattn2.flash_attn_func(q, k, v, causal=True).square().sum()
+
+    eager = torch.autograd.grad(step(q, k, v), (q, k, v))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for g, e in zip(torch.autograd.grad(compiled(q, k, v), (q, k, v)), eager):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_errors():
+    q = randn(1, 8, 2, 64, dtype=torch.float16)
+    k = randn(1, 8, 2, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="headdim 520 > 512"):
+        flashattn2.flash_attn_func(randn(1, 8, 2, 520, dtype=torch.float16), k[..., :1].expand(1, 8, 2, 520), k)
+    with pytest.raises(NotImplementedError, match=r"headdim of v \(544\) > 512"):
+        flashattn2.flash_attn_func(q, k, randn(1, 8, 2, 544, dtype=torch.float16))
+    with pytest.raises(ArgumentError, match="same shape but for the head dim"):
+        flashattn2.flash_attn_func(q, k, randn(1, 9, 2, 32, dtype=torch.float16))
+    with pytest.raises(ArgumentError, match=r"headdim of k \(32\) differs from q's \(64\)"):
+        flashattn2.flash_attn_func(q, k[..., :32], k)
+    cache = randn(1, 16, 1, 608, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="headdim 608 > 576"):
+        flashattn2.flash_attn_with_kvcache(randn(1, 1, 2, 608, dtype=torch.float16), cache, cache[..., :512])
+    with pytest.raises(ArgumentError, match="v must be"):
+        kc, vc = randn(1, 16, 1, 64, dtype=torch.float16), randn(1, 16, 1, 32, dtype=torch.float16)
+        flashattn2.flash_attn_with_kvcache(q[:, :1], kc, vc, kc[:, :1], kc[:, :1], cache_seqlens=1)
+
+
+def test_plans_read_the_wider_head_dim():
+    """The table is read by the wider of the two head dims (its tiles hold both), and past 256 no Gluon row
+    applies."""
+    features = planning.Features(gluon=True, deterministic=False)
+    wide = planning.plan("sm90", torch.bfloat16, 512, True, 4096, features, "fwd")
+    assert wide.kernel == "fwd" and wide.tile == planning.T(64, 64, 8, 1)
+    assert planning.plan("sm90", torch.bfloat16, 512, True, 4096, features, "bwd").kernel == "bwd_dkdv"
+    with pytest.raises(NotImplementedError, match="99 KB"):
+        planning.plan("sm86", torch.float32, 384, False, 100, planning.Features(), "bwd")
+    from flashattn2.ops.geometry import Geometry
+
+    q, k, v = make((1, 5, 5, 2, 2, 192, 128), torch.float16, False)
+    geo = Geometry.of(q, k, None, v)
+    assert (geo.head_dim, geo.head_dim_v, geo.plan_head_dim) == (192, 128, 192)
