@@ -329,3 +329,18 @@ def test_plans_read_the_wider_head_dim():
     q, k, v = make((1, 5, 5, 2, 2, 192, 128), torch.float16, False)
     geo = Geometry.of(q, k, None, v)
     assert (geo.head_dim, geo.head_dim_v, geo.plan_head_dim) == (192, 128, 192)
+
+
+def test_decode_tiles():
+    """The decode tiles for any pair of head dims: powers of two (tl.arange's), the key block's bytes those of the
+    d128 entry's at most, one stage past 256/256 (shared memory), fewer rows for wide heads (registers)."""
+    from flashattn2.ops import kvcache
+
+    for d, dv in [(64, 64), (128, 128), (192, 128), (96, 40), (64, 256), (320, 200), (512, 512), (576, 512)]:
+        for path, split in kvcache.DECODE_TILES:
+            for rows in (1, 16, 128):
+                block_m, block_n, _, stages = kvcache._tiles(rows, d, False, 2, path, split, dv)
+                assert block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0, (d, dv, path, block_n)
+                if d + dv > 512:
+                    assert stages == 1 and block_m <= 32
+    assert kvcache._tiles(128, 576, False, 2, "page-block", True, 512)[:2] == (16, 32)

@@ -222,7 +222,7 @@ def _tiles(
         return block_m, 16, 1, 1
     block_n, warps, stages = DECODE_TILES[(path, split)]
     widths = max(64, block_d(head_dim)) + max(64, block_d(head_dim_v))
-    block_n = max(32, min(256, block_n * 256 // widths))
+    block_n = max(32, min(256, 1 << (block_n * 256 // widths).bit_length() - 1))  # a power of two, rounded down
     if elem_bytes == 4:
         return block_m, max(16, block_n // (4 if max(head_dim, head_dim_v) > 128 else 2)), 4, 1
     if widths > 512:  # past 256/256: one stage (a 32-key block of K and V is 64 KB at 512/512, 96 KB at 576/512)
