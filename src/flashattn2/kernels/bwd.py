@@ -17,12 +17,14 @@ from .common import (
     dropout_keep,
     head_constants,
     key_block_range,
+    load_cols,
     load_rows,
     load_tile,
     load_vec,
     query_program,
     query_block_range,
     seq_bounds,
+    store_cols,
     store_rows,
     store_tile,
     tanh,
@@ -188,6 +190,10 @@ def _dkdv_inner(
     v,
     q_src,
     do_src,
+    q_cols,
+    do_cols,
+    ncols_k,
+    ncols_v,
     lse_ptr,
     delta_ptr,
     start_n,
@@ -223,6 +229,9 @@ def _dkdv_inner(
     BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DSPLIT: tl.constexpr,
+    CWK: tl.constexpr,
+    CWV: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(m_lo, m_hi, BLOCK_M):
@@ -259,9 +268,14 @@ def _dkdv_inner(
         if DROPOUT:
             keepT = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
-            dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            pT_kept = tl.where(keepT, pT * inv_keep, 0.0)
         else:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            pT_kept = pT
+        if DSPLIT == 1:
+            dv = tl.dot(pT_kept.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        else:  # this program's columns of dV: dO's chunk
+            do_c = load_cols(do_cols, start_m, seqlen_q, stride_dos, ncols_v, BLOCK_M, CWV, UPCAST)
+            dv = tl.dot(pT_kept.to(do_c.dtype), do_c, dv, input_precision=DOT_PRECISION)
         delta = load_vec(delta_ptr, start_m, seqlen_q, BLOCK_M, 0.0)
         # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -271,7 +285,11 @@ def _dkdv_inner(
         if SOFTCAP:
             dsT = dsT * factorT
         dsT = dsT.to(q.dtype)
-        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if DSPLIT == 1:
+            dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        else:  # this program's columns of dK: Q's chunk
+            q_c = load_cols(q_cols, start_m, seqlen_q, stride_qs, ncols_k, BLOCK_M, CWK, UPCAST)
+            dk = tl.dot(dsT, q_c.to(q.dtype), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -338,8 +356,16 @@ def attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DSPLIT: tl.constexpr,
 ):
-    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here
+    # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here. DSPLIT > 1 (head
+    # dims past 256): DSPLIT programs per key block (the grid's second axis), each P and dS whole and its own
+    # 1 / DSPLIT of dK's and dV's columns, so that the accumulators fit the registers
+    CWK: tl.constexpr = BLOCK_D // DSPLIT if BLOCK_D // DSPLIT >= 16 else 16  # (a dot's dims are 16 at least)
+    CWV: tl.constexpr = BLOCK_DV // DSPLIT if BLOCK_DV // DSPLIT >= 16 else 16
+    chunk = tl.program_id(1)
+    ncols_k = HEAD_DIM - chunk * CWK
+    ncols_v = HEAD_DIM_V - chunk * CWV
     num_n_blocks = tl.cdiv(max_seqlen_k, BLOCK_N)
     pid_n = tl.program_id(0) % num_n_blocks
     off_bhk = tl.program_id(0) // num_n_blocks
@@ -389,8 +415,8 @@ def attn_bwd_dkdv_kernel(
     )
     k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
     v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, CWK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, CWV], dtype=tl.float32)
 
     m_lo, full_lo, full_hi, m_end = query_block_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
@@ -431,6 +457,10 @@ def attn_bwd_dkdv_kernel(
             HOST_DESC,
         )
         row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
+        q_cols, do_cols = Q, DOut  # (read only with DSPLIT > 1, where they are pointers: no host descriptors)
+        if DSPLIT > 1:
+            q_cols = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh + chunk * CWK
+            do_cols = DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh + chunk * CWV
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, False)
         rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
         dk, dv = _dkdv_inner(
@@ -440,6 +470,10 @@ def attn_bwd_dkdv_kernel(
             v,
             q_src,
             do_src,
+            q_cols,
+            do_cols,
+            ncols_k,
+            ncols_v,
             Lse + row0,
             Delta + row0,
             start_n,
@@ -475,6 +509,9 @@ def attn_bwd_dkdv_kernel(
             BLOCK_D,
             HEAD_DIM_V,
             BLOCK_DV,
+            DSPLIT,
+            CWK,
+            CWV,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -483,6 +520,10 @@ def attn_bwd_dkdv_kernel(
             v,
             q_src,
             do_src,
+            q_cols,
+            do_cols,
+            ncols_k,
+            ncols_v,
             Lse + row0,
             Delta + row0,
             start_n,
@@ -518,6 +559,9 @@ def attn_bwd_dkdv_kernel(
             BLOCK_D,
             HEAD_DIM_V,
             BLOCK_DV,
+            DSPLIT,
+            CWK,
+            CWV,
         )
         if LOCAL:
             dk, dv = _dkdv_inner(
@@ -527,6 +571,10 @@ def attn_bwd_dkdv_kernel(
                 v,
                 q_src,
                 do_src,
+                q_cols,
+                do_cols,
+                ncols_k,
+                ncols_v,
                 Lse + row0,
                 Delta + row0,
                 start_n,
@@ -562,6 +610,9 @@ def attn_bwd_dkdv_kernel(
                 BLOCK_D,
                 HEAD_DIM_V,
                 BLOCK_DV,
+                DSPLIT,
+                CWK,
+                CWV,
             )
 
     dk_dst = tile_src(
@@ -594,8 +645,14 @@ def attn_bwd_dkdv_kernel(
         USE_TMA,
         HOST_DESC,
     )
-    store_tile(dk_dst, dk * sm_scale, start_n, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_DESC)
-    store_tile(dv_dst, dv, start_n, seqlen_k, stride_dvs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, HOST_DESC)
+    if DSPLIT == 1:
+        store_tile(dk_dst, dk * sm_scale, start_n, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_DESC)
+        store_tile(dv_dst, dv, start_n, seqlen_k, stride_dvs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, HOST_DESC)
+    else:
+        dk_cols = DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh + chunk * CWK
+        dv_cols = DV + off_b * stride_dvb + k_start * stride_dvs + off_hk * stride_dvh + chunk * CWV
+        store_cols(dk_cols, dk * sm_scale, start_n, seqlen_k, stride_dks, ncols_k, BLOCK_N, CWK)
+        store_cols(dv_cols, dv, start_n, seqlen_k, stride_dvs, ncols_v, BLOCK_N, CWV)
 
 
 @triton.jit
@@ -607,6 +664,8 @@ def _dq_inner(
     delta,
     k_src,
     v_src,
+    k_cols,
+    ncols_k,
     start_m,
     n_lo,
     n_hi,
@@ -640,6 +699,8 @@ def _dq_inner(
     BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DSPLIT: tl.constexpr,
+    CWK: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -677,8 +738,11 @@ def _dq_inner(
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * factor
-        # [BLOCK_M, BLOCK_D]
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        if DSPLIT == 1:  # [BLOCK_M, BLOCK_D]
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        else:  # this program's columns of dQ: K's chunk
+            k_c = load_cols(k_cols, start_n, seqlen_k, stride_ks, ncols_k, BLOCK_N, CWK, UPCAST)
+            dq = tl.dot(ds.to(k.dtype), k_c.to(k.dtype), dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -741,6 +805,7 @@ def attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DSPLIT: tl.constexpr,
 ):
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
         batch,
@@ -758,6 +823,14 @@ def attn_bwd_dq_kernel(
     )
     if start_m >= seqlen_q:
         return
+    # DSPLIT > 1 (head dims past 256): DSPLIT programs per query block (the grid's second axis), each dS whole and
+    # its own 1 / DSPLIT of dQ's columns
+    CWK: tl.constexpr = BLOCK_D // DSPLIT if BLOCK_D // DSPLIT >= 16 else 16  # (a dot's dims are 16 at least)
+    chunk = tl.program_id(1)
+    ncols_k = HEAD_DIM - chunk * CWK
+    k_cols = K  # (read only with DSPLIT > 1, where it is a pointer: no host descriptors)
+    if DSPLIT > 1:
+        k_cols = K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh + chunk * CWK
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
@@ -829,7 +902,7 @@ def attn_bwd_dq_kernel(
     row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     lse2 = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
     delta = load_vec(Delta + row0, start_m, seqlen_q, BLOCK_M, 0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, CWK], dtype=tl.float32)
 
     # the last key block is masked even without causal: zero-filled K rows past seqlen_k would
     # otherwise give P = exp(-L), harmless only while it stays finite
@@ -845,6 +918,8 @@ def attn_bwd_dq_kernel(
             delta,
             k_src,
             v_src,
+            k_cols,
+            ncols_k,
             start_m,
             n_lo,
             full_lo,
@@ -878,6 +953,8 @@ def attn_bwd_dq_kernel(
             BLOCK_D,
             HEAD_DIM_V,
             BLOCK_DV,
+            DSPLIT,
+            CWK,
         )
     dq = _dq_inner(
         dq,
@@ -887,6 +964,8 @@ def attn_bwd_dq_kernel(
         delta,
         k_src,
         v_src,
+        k_cols,
+        ncols_k,
         start_m,
         full_lo,
         full_hi,
@@ -920,6 +999,8 @@ def attn_bwd_dq_kernel(
         BLOCK_D,
         HEAD_DIM_V,
         BLOCK_DV,
+        DSPLIT,
+        CWK,
     )
     dq = _dq_inner(
         dq,
@@ -929,6 +1010,8 @@ def attn_bwd_dq_kernel(
         delta,
         k_src,
         v_src,
+        k_cols,
+        ncols_k,
         start_m,
         full_hi,
         n_end,
@@ -962,6 +1045,8 @@ def attn_bwd_dq_kernel(
         BLOCK_D,
         HEAD_DIM_V,
         BLOCK_DV,
+        DSPLIT,
+        CWK,
     )
 
     dq_dst = tile_src(
@@ -979,4 +1064,8 @@ def attn_bwd_dq_kernel(
         USE_TMA,
         HOST_DESC,
     )
-    store_tile(dq_dst, dq * sm_scale, start_m, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_DESC)
+    if DSPLIT == 1:
+        store_tile(dq_dst, dq * sm_scale, start_m, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_DESC)
+    else:
+        dq_cols = DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh + chunk * CWK
+        store_cols(dq_cols, dq * sm_scale, start_m, seqlen_q, stride_dqs, ncols_k, BLOCK_M, CWK)

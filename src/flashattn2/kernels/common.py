@@ -151,6 +151,30 @@ def store_tile(
 
 
 @triton.jit
+def load_cols(
+    base, start, seqlen, stride_s, ncols, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr
+):
+    """Rows [start, start + BLOCK_ROWS) of a (seqlen, ncols) column slice at base (ncols a runtime count: a head-dim
+    chunk, possibly past the head dim's end, then all zeros); pointer loads."""
+    rows = start + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    x = tl.load(ptrs, mask=(rows[:, None] < seqlen) & (cols[None, :] < ncols), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def store_cols(base, x, start, seqlen, stride_s, ncols, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x (cast to base's dtype) into rows [start, ...) of a (seqlen, ncols) column slice at base, clipped."""
+    rows = start + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(rows[:, None] < seqlen) & (cols[None, :] < ncols))
+
+
+@triton.jit
 def load_vec(ptr, start, seqlen, BLOCK: tl.constexpr, other):
     """Elements [start, start + BLOCK) of a per-row fp32 vector, `other` past its end."""
     offs = start + tl.arange(0, BLOCK)

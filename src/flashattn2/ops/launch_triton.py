@@ -252,6 +252,9 @@ def backward(
         fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
     flags = tma_flags(q, arch, q, k, v, dout, gq, gk, gv)
     group = geo.nheads // geo.nheads_k
+    # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
+    # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
+    dsplit = dict(plan.constexprs).get("DSPLIT", 1)
     common = dict(
         **mod_flags,
         IS_VARLEN=is_varlen,
@@ -260,6 +263,7 @@ def backward(
         BLOCK_D=bd,
         HEAD_DIM_V=geo.head_dim_v,
         BLOCK_DV=block_d(geo.head_dim_v),
+        DSPLIT=dsplit,
     )
     # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
     order_q, sorted_q = geo.order("q", cu_q)
@@ -268,7 +272,7 @@ def backward(
     cfg = plan.tile
     (sq, sk, sv, sdo, sdk, sdv), host = sources(
         geo,
-        flags["USE_TMA"],
+        flags["USE_TMA"] and dsplit == 1,
         (q, cfg.block_m),
         (k, cfg.block_n),
         (v, cfg.block_n),
@@ -278,7 +282,7 @@ def backward(
     )
     launcher.launch(
         K.attn_bwd_dkdv_kernel,
-        (cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k,),
+        (cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k, dsplit),
         sq,
         sk,
         sv,
@@ -317,7 +321,7 @@ def backward(
     cfg = plan.dq_tile
     (sq, sk, sv, sdo, sdq), host = sources(
         geo,
-        flags["USE_TMA"],
+        flags["USE_TMA"] and dsplit == 1,
         (q, cfg.block_m),
         (k, cfg.block_n),
         (v, cfg.block_n),
@@ -326,7 +330,7 @@ def backward(
     )
     launcher.launch(
         K.attn_bwd_dq_kernel,
-        (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,),
+        (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads, dsplit),
         sq,
         sk,
         sv,

@@ -134,12 +134,15 @@ def _rings(split: bool, do_stages: int | None, dq_split: int, dq_stages: int) ->
     return (("SPLIT_RING", split), ("DO_STAGES", do_stages), ("DQ_SPLIT", dq_split), ("DQ_STAGES", dq_stages))
 
 
-def _triton(arch: str, d: int, elem_bytes: int, fwd: TileConfig, dkdv: TileConfig, dq: TileConfig, why: str):
+def _triton(
+    arch: str, d: int, elem_bytes: int, fwd: TileConfig, dkdv: TileConfig, dq: TileConfig, why: str, dsplit: int = 1
+):
     """The Triton rows of one (arch, head-dim bucket, bytes per element): the forward, and the backward (dK/dV
-    tile, dQ tile)."""
+    tile, dQ tile; dsplit > 1: each block's dK, dV and dQ columns over that many programs, kernels/bwd.py's
+    DSPLIT)."""
     return (
         Row("fwd", arch, d, elem_bytes, "fwd", fwd, why),
-        Row("bwd", arch, d, elem_bytes, "bwd_dkdv", dkdv, why, dq_tile=dq),
+        Row("bwd", arch, d, elem_bytes, "bwd_dkdv", dkdv, why, dq_tile=dq, constexprs=(("DSPLIT", dsplit),)),
     )
 
 
@@ -211,8 +214,8 @@ _SM90 = [
     Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(64, 64, 8, 2), dq_tile=T(128, 32, 8, 2),
         why="Triton sweep: 189/184 full/causal, 187/141 at 2k (SDPA flash 259/253)"),
     # head dims past 256 (q/k or v): Triton only
-    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(32, 32, 8, 1), T(32, 32, 8, 1),
-             "d512: fits 227 KB and the register file; not swept"),
+    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(32, 64, 4, 1), T(64, 32, 4, 1),
+             "d512: fits 227 KB and the register file; not swept", dsplit=4),
 ]
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
 INTERP = T(64, 64, 4, 1)
@@ -237,7 +240,8 @@ _OTHER = [
         *_triton(arch, 512, 4, T(16, 16, 4, 1), T(16, 16, 4, 1), T(16, 16, 4, 1), "fp32: CUDA-core dots, small tiles"),
     ) if (row.direction, row.arch, row.head_dim, row.elem_bytes) not in UNSUPPORTED),
     *(row for d in HEAD_DIM_BUCKETS for elem_bytes in (2, 4)
-      for row in _triton("interp", d, elem_bytes, INTERP, INTERP, INTERP, "the interpreter: few big steps")),
+      for row in _triton("interp", d, elem_bytes, INTERP, INTERP, INTERP, "the interpreter: few big steps",
+                         dsplit=2 if d > 256 else 1)),  # (the split backward, tested on the CPU)
 ]
 # fmt: on
 
