@@ -329,6 +329,17 @@ def test_plans_read_the_wider_head_dim():
     q, k, v = make((1, 5, 5, 2, 2, 192, 128), torch.float16, False)
     geo = Geometry.of(q, k, None, v)
     assert (geo.head_dim, geo.head_dim_v, geo.plan_head_dim) == (192, 128, 192)
+    # the 256 bucket's rows for a narrower v (DeepSeek-V3's 192/128): its own tiles; an equal v keeps the d256 ones
+    narrow = planning.plan("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd", 128)
+    equal = planning.plan("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd")
+    assert narrow.tile == planning.T(128, 64, 8, 3) and equal.tile == planning.T(128, 64, 8, 2)
+    narrow = planning.plan("sm90", torch.bfloat16, 192, True, 8192, planning.Features(), "bwd", 128)
+    assert (narrow.tile, narrow.dq_tile) == (planning.T(32, 64, 4, 2), planning.T(128, 64, 8, 2))
+    assert planning.plan("sm90", torch.bfloat16, 128, True, 8192, planning.Features(), "bwd", 256).tile != narrow.tile
+    # past 256 the backward's columns are split (DSPLIT), on the CPU too
+    assert dict(planning.plan("interp", torch.float16, 512, True, 64, planning.Features(), "bwd").constexprs) == {
+        "DSPLIT": 2
+    }
 
 
 def test_decode_tiles():

@@ -137,14 +137,19 @@ _QUERY_SIDE = {"Q", "Out", "DOut", "DQ"}
 _KEY_SIDE = {"K", "V", "DK", "DV"}
 
 
-def _descriptor_types(kernel, elem_bytes, head_dim, cfg):
-    """Signature types of the host-built descriptors (3-D, box [1, rows, head_dim])."""
+_VALUE_SIDE = {"V", "Out", "DOut", "DV"}  # v's head dim
+
+
+def _descriptor_types(kernel, elem_bytes, head_dim, cfg, head_dim_v=None):
+    """Signature types of the host-built descriptors (3-D, box [1, rows, head_dim]; v's head dim for the value
+    side)."""
     fn = KERNELS[kernel]
     types = {}
     for name in fn.arg_names:
         if name in _QUERY_SIDE or name in _KEY_SIDE:
             rows = cfg.block_m if name in _QUERY_SIDE else cfg.block_n
-            types[name] = f"tensordesc<{TYPE[elem_bytes]}[1,{rows},{head_dim}]>"
+            cols = head_dim_v or head_dim if name in _VALUE_SIDE else head_dim
+            types[name] = f"tensordesc<{TYPE[elem_bytes]}[1,{rows},{cols}]>"
     return types
 
 
@@ -208,17 +213,18 @@ def cases(arch):
                         BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n,
                         BLOCK_D=bucket,
-                        # v's as wide as q's: the widest pair the bucket holds (its tiles fit any narrower v)
-                        HEAD_DIM_V=bucket,
-                        BLOCK_DV=bucket,
+                        # v's as wide as the row allows: the widest pair it holds (its tiles fit any narrower v)
+                        HEAD_DIM_V=row.head_dim_v or bucket,
+                        BLOCK_DV=row.head_dim_v or bucket,
                     )
                     if kernel != "fwd":
                         constexprs["DSPLIT"] = dict(row.constexprs).get("DSPLIT", 1)
                         if constexprs["DSPLIT"] > 1 and host:  # its column chunks are pointers (launch_triton)
                             continue
-                    types = _descriptor_types(kernel, elem_bytes, bucket, cfg) if host else None
+                    types = _descriptor_types(kernel, elem_bytes, bucket, cfg, row.head_dim_v) if host else None
+                    dims = f"d{bucket}" + (f"-dv{row.head_dim_v}" if row.head_dim_v else "")
                     name = (
-                        f"{arch}-d{bucket}-{TYPE[elem_bytes]}-{kernel}-"
+                        f"{arch}-{dims}-{TYPE[elem_bytes]}-{kernel}-"
                         f"{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}"
                     )
                     yield name, KERNELS[kernel], elem_bytes, constexprs, cfg, types

@@ -47,7 +47,9 @@ def forward(
         score_mods=not ScoreMods.only_causal(flags),
         gluon=launch_gluon.ready("fwd", arch, geo, q, q, k, v, out),
     )
-    plan = planning.plan(arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd")
+    plan = planning.plan(
+        arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd", geo.head_dim_v
+    )
     if plan.kernel != "fwd":
         launch_gluon.forward(plan, q, k, v, out, lse, geo, softmax_scale, mods.sinks, key)
         return out, lse
@@ -101,7 +103,9 @@ def backward(
         deterministic=deterministic,
         gluon=not deterministic and launch_gluon.ready("bwd", arch, geo, q, q, k, v, dout),
     )
-    plan = planning.plan(arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd")
+    plan = planning.plan(
+        arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd", geo.head_dim_v
+    )
     if plan.kernel == "bwd_hopper":
         launch_gluon.backward(
             plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, softmax_scale, mods.sinks, dsink, key

@@ -1,9 +1,10 @@
 """Which kernel and tile run a dense attention call: one table (TABLE) and one pure function (plan).
 
-    plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction) -> Plan
+    plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v=None) -> Plan
 
 reads TABLE's rows for (direction, arch, head-dim bucket, bytes per element) in order and returns the
-first whose kernel the call can run (Features, REQUIRES) and whose causal and key-length bounds hold.
+first whose kernel the call can run (Features, REQUIRES) and whose causal, key-length and value-head-dim bounds
+hold. head_dim is the wider of q/k's and v's (the bucket), head_dim_v v's (None: head_dim).
 Every list of rows ends with a Triton kernel that runs everything, so a plan always exists. Each row
 says in one line which measurement chose it; the full numbers, the runners-up and the rejected
 variants are in bench/results/provenance-nvidia-h200.md, the method in docs/tuning.md.
@@ -104,6 +105,7 @@ class Row:
     max_seqlen_k: int | None = None  # applies up to this many keys (None: any)
     dq_tile: TileConfig | None = None  # direction "bwd" with kernel bwd_dkdv: the dQ pass's tile
     constexprs: tuple[tuple[str, object], ...] = ()
+    head_dim_v: int | None = None  # applies when v's head-dim bucket is at most this (None: any)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,9 @@ _SM90 = [
         why="512-16k 513-636, causal 255-645 (cuDNN 512-670, 325-618); 1 Q buffer 0.84-0.99x"),
     Row("fwd", "sm90", 128, 2, "fwd", T(128, 64, 4, 2),
         why="Triton sweep: 527/488 full/causal, 470/358 at 2k (128x128 w8 s3: 486/467)"),
-    # forward, d256
+    # forward, d256 (and a value head dim of its own: DeepSeek-V3's 192/128)
+    Row("fwd", "sm90", 256, 2, "fwd", T(128, 64, 8, 3), head_dim_v=128,
+        why="192/128 Triton sweep at 8k: 463/439 full/causal (the d256 row's 128x64 s2: 380/338)"),
     Row("fwd", "sm90", 256, 2, "fwd_hopper_ws", T(64, 64, 4, 2),
         why="512-16k 498-693, causal 326-716 (cuDNN 508-629, 336-528)"),
     Row("fwd", "sm90", 256, 2, "fwd", T(128, 64, 8, 2),
@@ -208,14 +212,18 @@ _SM90 = [
         why="512-16k 386-540, causal 273-511 (s3 x1 dQ tile: 393-525; cuDNN 341-583, 213-578)"),
     Row("bwd", "sm90", 128, 2, "bwd_dkdv", T(64, 128, 8, 3), dq_tile=T(128, 32, 4, 3),
         why="Triton sweep: 370/357 full/causal, 315/237 at 2k (dK/dV 32x64 w4 s3: 353/345)"),
-    # backward, d256
+    # backward, d256 (192/128 first)
+    Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(32, 64, 4, 2), dq_tile=T(128, 64, 8, 2), head_dim_v=128,
+        why="192/128 Triton sweep at 8k: 337 full (the d256 row's tiles 217; dK/dV 64x64 s3 184)"),
     Row("bwd", "sm90", 256, 2, "bwd_hopper", T(64, 64, 8, 2), constexprs=_rings(True, 1, 2, 1),
         why="split ring, dQ_i in two halves: 1.19-1.26x, causal 1.11-1.22x of one ring 64x64 s1 (0.92-1.10x cuDNN)"),
     Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(64, 64, 8, 2), dq_tile=T(128, 32, 8, 2),
         why="Triton sweep: 189/184 full/causal, 187/141 at 2k (SDPA flash 259/253)"),
     # head dims past 256 (q/k or v): Triton only
-    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(32, 64, 4, 1), T(64, 32, 4, 1),
-             "d512: fits 227 KB and the register file; not swept", dsplit=4),
+    # d512 at 4k, 16 heads: fwd 64x64 w8 231 TFLOP/s (64x32 139, 128x64 110); bwd with dK/dV/dQ in 4 column chunks
+    # 62.9 (2 chunks 56.4, 8 chunks 43.0; one chunk 4.6-12.7 in every tile: the accumulators spill)
+    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(64, 64, 4, 1), T(64, 32, 4, 1),
+             "d512 at 4k: fwd 231, bwd 62.9 TFLOP/s (SDPA efficient 139 / 38)", dsplit=4),
 ]
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
 INTERP = T(64, 64, 4, 1)
@@ -226,11 +234,11 @@ _OTHER = [
     *_triton("sm80", 64, 2,  T(128, 64, 4, 3), T(64, 128, 8, 2), T(128, 64, 8, 2), "FA2's A100 tiles"),
     *_triton("sm80", 128, 2, T(128, 64, 8, 2), T(64, 128, 8, 1), T(128, 64, 8, 1), "FA2's A100 tiles"),
     *_triton("sm80", 256, 2, T(64, 64, 8, 1),  T(64, 64, 8, 1),  T(64, 64, 8, 1),  "FA2's A100 tiles"),
-    *_triton("sm80", 512, 2, T(64, 32, 8, 1),  T(32, 32, 8, 1),  T(32, 32, 8, 1),  "fits 163 KB"),
+    *_triton("sm80", 512, 2, T(64, 32, 8, 1),  T(32, 64, 4, 1),  T(64, 32, 4, 1),  "fits 163 KB", dsplit=4),
     *_triton("sm86", 64, 2,  T(128, 64, 4, 2), T(64, 64, 4, 2),  T(64, 64, 4, 2),  "fits 99 KB"),
     *_triton("sm86", 128, 2, T(64, 64, 4, 2),  T(64, 64, 4, 1),  T(64, 64, 4, 1),  "fits 99 KB"),
     *_triton("sm86", 256, 2, T(64, 32, 4, 1),  T(32, 32, 4, 1),  T(32, 32, 4, 1),  "fits 99 KB"),
-    *_triton("sm86", 512, 2, T(32, 32, 4, 1),  T(16, 16, 4, 1),  T(32, 16, 4, 1),  "fits 99 KB"),
+    *_triton("sm86", 512, 2, T(32, 32, 4, 1),  T(16, 32, 4, 1),  T(32, 32, 4, 1),  "fits 99 KB", dsplit=4),
     # fp32 inputs run full-precision dots on CUDA cores: small tiles keep registers and shared memory in bounds (a
     # correctness path, not tuned); every arch
     *(row for arch in ("sm90", "sm80", "sm86") for row in (
@@ -372,14 +380,22 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 def plan(
-    arch: str, dtype: torch.dtype, head_dim: int, causal: bool, max_seqlen_k: int, features: Features, direction: str
+    arch: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    causal: bool,
+    max_seqlen_k: int,
+    features: Features,
+    direction: str,
+    head_dim_v: int | None = None,
 ) -> Plan:
     """The plan of one call (see the module docstring), under what force() holds."""
-    return _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, _FORCED.get())
+    v_bucket = head_dim_bucket(head_dim if head_dim_v is None else head_dim_v)
+    return _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, v_bucket, _FORCED.get())
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, forced: Forced) -> Plan:
+def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, v_bucket, forced: Forced) -> Plan:
     hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
     key = (direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)
     if key in UNSUPPORTED:
@@ -387,8 +403,10 @@ def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, forc
             f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
         )
     for row in _ROWS[key]:
-        if (row.causal is not None and row.causal != causal) or (
-            row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k
+        if (
+            (row.causal is not None and row.causal != causal)
+            or (row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k)
+            or (row.head_dim_v is not None and v_bucket > row.head_dim_v)
         ):
             continue
         if (row.kernel in GLUON_KERNELS and not hopper) or not REQUIRES[row.kernel](
