@@ -220,10 +220,11 @@ _SM90 = [
     Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(64, 64, 8, 2), dq_tile=T(128, 32, 8, 2),
         why="Triton sweep: 189/184 full/causal, 187/141 at 2k (SDPA flash 259/253)"),
     # head dims past 256 (q/k or v): Triton only
-    # d512 at 4k, 16 heads: fwd 64x64 w8 231 TFLOP/s (64x32 139, 128x64 110); bwd with dK/dV/dQ in 4 column chunks
-    # 62.9 (2 chunks 56.4, 8 chunks 43.0; one chunk 4.6-12.7 in every tile: the accumulators spill)
-    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(64, 64, 4, 1), T(64, 32, 4, 1),
-             "d512 at 4k: fwd 231, bwd 62.9 TFLOP/s (SDPA efficient 139 / 38)", dsplit=4),
+    # d512 at 4k, 4 heads: fwd 64x64 w8 231 TFLOP/s (64x32 139, 128x64 110); bwd with dK/dV/dQ in 4 column chunks,
+    # dK/dV 32x64 w4: 53.9 (2 chunks 56.4, 8 chunks 43.0; one chunk 4.6-12.7 in every tile: the accumulators
+    # spill). dK/dV 64x64 w4 read 62.9 but hit an illegal memory access at 128/512 on the H200 (not explained)
+    *_triton("sm90", 512, 2, T(64, 64, 8, 1), T(32, 64, 4, 1), T(64, 32, 4, 1),
+             "d512 at 4k: fwd 231, bwd 53.9 TFLOP/s (SDPA efficient 139 / 38)", dsplit=4),
 ]
 # The interpreter: ~4 ms per program step whatever the tile (TRITON-ON-CPU.md), so big tiles: every kernel.
 INTERP = T(64, 64, 4, 1)
