@@ -248,3 +248,34 @@ def test_rounds_below_one_are_refused(capsys):
 
     assert main(["bench", "--rounds", "0"]) == 2
     assert "--rounds must be 1 or more, got 0" in capsys.readouterr().out
+
+
+def test_headdims_tables_by_length(tmp_path):
+    """The head-dim cases (bench/headdims.py) get a table per case with one row per length, flashattn2 first, a
+    refused peer said so, and the MLA rows beside the copy; the features table of the other cases stays."""
+    from flashattn2.bench import features
+
+    path = tmp_path / "f.csv"
+    meta = dict(dtype="bf16", nheads=16, gpu="GPU", torch="2", triton="3", date="d", git_sha="abc")
+    rows = []
+    for shape, ours, cudnn in (("2x8192", "458.1", "602.0"), ("8x2048", "403.0", "595.0")):
+        for variant, f in (("flashattn2 192/128", ours), ("sdpa_cudnn 192/128", cudnn), ("sdpa_flash 192/128", "nan")):
+            for mode in ("fwd", "bwd") if f != "nan" else ("fwd",):
+                rows.append(dict(case="dv-full", variant=variant, headdim="192/128", shape=shape, mode=mode, ms="1",
+                                 tflops=f if mode == "fwd" else "300.0", note="", **meta))  # fmt: skip
+    rows.append(dict(case="mla-decode", variant="flashattn2", headdim="576/512", shape="64x16384", mode="fwd", ms="1",
+                     tflops="171.0", note="GB/s; 0.063x the copy's", **meta))  # fmt: skip
+    rows.append(dict(case="mla-decode", variant="device copy", headdim="576/512", shape="64x16384", mode="fwd", ms="1",
+                     tflops="2705.0", note="GB/s read + written", **meta))  # fmt: skip
+    rows.append(dict(case="window", variant="causal 8x2k", headdim="128", shape="8x2048", mode="fwd", ms="2",
+                     tflops="400", note="", **meta))  # fmt: skip
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=features.FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    text = features.markdown(path)
+    assert "### window, bf16, headdim 128" in text
+    table = text[text.index("### dv-full") :]
+    assert "| shape | flashattn2 192/128 | sdpa_cudnn 192/128 | sdpa_flash 192/128 |" in table
+    assert table.index("| 8x2048 | 403 / 300 | 595 / 300 | not accepted |") < table.index("| 2x8192 | 458 / 300 |")
+    assert "| 64x16384 | 171 | 2705 | GB/s; 0.063x the copy's |" in text

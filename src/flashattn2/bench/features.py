@@ -414,8 +414,10 @@ def markdown(path) -> str:
     the case's first variant, with the git sha of the run."""
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
+    heads = [r for r in rows if r["case"].startswith(headdims.CASES)]  # tables by length (bench/headdims.py)
+    rows = [r for r in rows if not r["case"].startswith(headdims.CASES)]
     if not rows:
-        return "no rows"
+        return headdims.markdown(heads) if heads else "no rows"
     latest: dict = {}
     for r in rows:
         latest[(r["case"], r["dtype"], r["headdim"], r["variant"], r["mode"])] = r
@@ -451,4 +453,6 @@ def markdown(path) -> str:
             if any_row["note"]:
                 lines.append(f"| note: {any_row['note']} |")
         lines.append("")
+    if heads:
+        lines.append(headdims.markdown(heads))
     return "\n".join(lines)

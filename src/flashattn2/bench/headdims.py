@@ -196,3 +196,51 @@ def mla_case(out, dtype_name, dtype):
                 print(f"{dtype_name} mla {shape}: {gbs:.0f} GB/s, copy {copy_gbs:.0f} GB/s; {note}")
     finally:
         set_kvcache_checks(previous)
+
+
+CASES = ("dv-", "d512-", "mla-")  # the features CSV's case names this module writes
+_ORDER = {  # table columns: flashattn2 first, then its own reference point, then the peers
+    "dv": [
+        "flashattn2 192/128",
+        "flashattn2 d128",
+        "sdpa_cudnn 192/128",
+        "sdpa_flash 192/128",
+        "sdpa_efficient 192/128",
+    ],
+    "d512": ["flashattn2 d512", "sdpa_cudnn d512", "sdpa_flash d512", "sdpa_efficient d512", "sdpa_math d512"],
+}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows of these cases (features CSV rows) as tables by length: TFLOP/s forward / backward per variant, and
+    the MLA decode's GB/s beside the device copy's."""
+    import collections
+
+    lines = []
+    by = collections.defaultdict(dict)
+    for r in rows:
+        by[(r["case"], r["shape"])].setdefault(r["variant"], {})[r["mode"]] = r
+    for case in sorted({c for c, _ in by if not c.startswith("mla")}):
+        shapes = sorted({s for c, s in by if c == case}, key=lambda s: int(s.split("x")[1]))
+        order = _ORDER[case.split("-")[0]]
+        names = [v for v in order if any(v in by[(case, s)] for s in shapes)]
+        shas = sorted({r["git_sha"] for (c, _), vs in by.items() if c == case for d in vs.values() for r in d.values()})
+        lines += [f"### {case}, TFLOP/s forward / backward (git {', '.join(shas)})\n"]
+        lines += ["| shape | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        for s in shapes:
+            cells = [s]
+            for n in names:
+                d = by[(case, s)].get(n, {})
+                f, b = d.get("fwd", {}).get("tflops", "nan"), d.get("bwd", {}).get("tflops")
+                cells.append("not accepted" if f == "nan" else f"{float(f):.0f}" + (f" / {float(b):.0f}" if b else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    mla = {s: vs for (c, s), vs in by.items() if c.startswith("mla")}
+    if mla:
+        lines += ["### mla-decode: GB/s of distinct cache bytes, beside a device copy (read + written)\n"]
+        lines += ["| shape | flashattn2 | device copy | note |", "|---|---|---|---|"]
+        for s, vs in mla.items():
+            ours, copy = vs["flashattn2"]["fwd"], vs["device copy"]["fwd"]
+            lines.append(f"| {s} | {float(ours['tflops']):.0f} | {float(copy['tflops']):.0f} | {ours['note']} |")
+        lines.append("")
+    return "\n".join(lines)

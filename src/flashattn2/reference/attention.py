@@ -43,7 +43,8 @@ def attention_ref(
     dropout_p=0.0,
     learnable_sink=None,
 ):
-    """Attention on (batch, seqlen, nheads, headdim) inputs; returns (out, lse).
+    """Attention on (batch, seqlen, nheads, headdim) inputs (v's head dim may differ from q's and k's: out has
+    v's); returns (out, lse).
 
     upcast=True computes in float32 (float64 for float32 inputs): the oracle. upcast=False does
     the same math in the input dtype, as PyTorch would: its error against the oracle is the
