@@ -279,3 +279,16 @@ def test_headdims_tables_by_length(tmp_path):
     assert "| shape | flashattn2 192/128 | sdpa_cudnn 192/128 | sdpa_flash 192/128 |" in table
     assert table.index("| 8x2048 | 403 / 300 | 595 / 300 | not accepted |") < table.index("| 2x8192 | 458 / 300 |")
     assert "| 64x16384 | 171 | 2705 | GB/s; 0.063x the copy's |" in text
+
+
+def test_alternated_reverses_odd_rounds_and_takes_the_median():
+    seen = []
+    times = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+
+    def time_one(name):
+        seen.append(name)
+        return {"fwd": next(times[name])}
+
+    med = kernels.alternated({"a": "a", "b": "b"}, time_one, 3)
+    assert seen == ["a", "b", "b", "a", "a", "b"]
+    assert med == {"a": {"fwd": 3.0}, "b": {"fwd": 4.0}}

@@ -28,7 +28,7 @@ import torch
 import flashattn2
 from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from . import headdims
-from .kernels import DTYPES, problems, run_metadata, time_modes
+from .kernels import DTYPES, alternated, problems, run_metadata, time_modes
 from .results import appending
 
 FIELDS = [
@@ -319,18 +319,6 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
     return out.rows
 
 
-def _alternated(calls: dict, time_one) -> dict:
-    """{name: {mode: median ms}} over SINK_ROUNDS rounds of time_one(call) -> {mode: ms}, the calls alternated,
-    odd rounds in reverse order."""
-    acc: dict = {name: {} for name in calls}
-    names = list(calls)
-    for r in range(SINK_ROUNDS):
-        for name in names if r % 2 == 0 else names[::-1]:
-            for m, ms in time_one(calls[name]).items():
-                acc[name].setdefault(m, []).append(ms)
-    return {name: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for name, d in acc.items()}
-
-
 def _sinks(out, dtype_name, dtype, headdim, nheads, modes):
     """The sinks case (module docstring): prefill / training, then decoding."""
     tag = f"{dtype_name} d{headdim}"
@@ -345,7 +333,7 @@ def _sinks(out, dtype_name, dtype, headdim, nheads, modes):
                 "sink": _api_dense(flashattn2, causal=causal, learnable_sink=sink),
             }
             note = _check(calls["sink"], _ref_dense(causal=causal, learnable_sink=sink), [t[:1, :1024] for t in inputs])
-            med = _alternated(calls, lambda call: time_modes(call, inputs, modes)) if not note else {}
+            med = alternated(calls, lambda call: time_modes(call, inputs, modes), SINK_ROUNDS) if not note else {}
             fl = lambda m, c=causal, b=batch, s=seqlen: _flops([s] * b, [s] * b, nheads, headdim, c, m)  # noqa: E731
             for name in calls:
                 out.add(
@@ -378,7 +366,7 @@ def _sinks_decode(out, dtype_name, dtype, headdim):
                     )
 
                 calls = {"no sink": step(None), "sink": step(sink)}
-                med = _alternated(calls, lambda call: {"fwd": _time(call, "graph")})
+                med = alternated(calls, lambda call: {"fwd": _time(call, "graph")}, SINK_ROUNDS)
                 read = 2 * k_cache.numel() * k_cache.element_size()
                 shape = f"{batch}x{cache_len} GQA {nheads}/{nheads_k} splits {splits or 'auto'}"
                 for name, times in med.items():

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn2
-from .kernels import time_modes
+from .kernels import alternated, time_modes
 
 DV_LENGTHS = (2048, 4096, 8192, 16384)
 D512_LENGTHS = (1024, 2048, 4096, 8192)
@@ -177,12 +177,8 @@ def mla_case(out, dtype_name, dtype):
                         q, kv, kv[..., :512], cache_seqlens=lens, block_table=table, num_splits=splits
                     )
 
-                acc = {"flashattn2": [], "copy": []}
-                for r in range(3):
-                    order = ("flashattn2", "copy") if r % 2 == 0 else ("copy", "flashattn2")
-                    for name in order:
-                        acc[name].append(_time(step if name == "flashattn2" else copy, "graph"))
-                med = {n: sorted(v)[1] for n, v in acc.items()}
+                timed = alternated({"flashattn2": step, "copy": copy}, lambda c: {"fwd": _time(c, "graph")}, 3)
+                med = {name: times["fwd"] for name, times in timed.items()}
                 nbytes = kv.numel() * kv.element_size()
                 shape = f"{batch}x{cache_len} MLA 576/512 h128 paged{page} splits {splits or 'auto'}"
                 gbs = nbytes / med["flashattn2"] * 1e-6

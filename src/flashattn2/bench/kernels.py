@@ -149,6 +149,18 @@ def time_modes(call, inputs, modes, peak=None):
     return result
 
 
+def alternated(calls: dict, time_one, rounds: int) -> dict:
+    """{name: {mode: median ms}} over `rounds` rounds of time_one(call) -> {mode: ms}, the calls alternated, odd
+    rounds in reverse order (an even count puts each call first in half of them)."""
+    acc: dict = {name: {} for name in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            for m, ms in time_one(calls[name]).items():
+                acc[name].setdefault(m, []).append(ms)
+    return {name: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for name, d in acc.items()}
+
+
 def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes, nheads_k=None, peak=None):
     """{mode: ms} for one provider at one point (nheads_k K/V heads: GQA when < nheads)."""
     nheads_k = nheads if nheads_k is None else nheads_k
