@@ -17,14 +17,12 @@ from .common import (
     dropout_keep,
     head_constants,
     key_block_range,
-    load_cols,
     load_rows,
     load_tile,
     load_vec,
     query_program,
     query_block_range,
     seq_bounds,
-    store_cols,
     store_rows,
     store_tile,
     tanh,
@@ -274,7 +272,7 @@ def _dkdv_inner(
         if DSPLIT == 1:
             dv = tl.dot(pT_kept.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         else:  # this program's columns of dV: dO's chunk
-            do_c = load_cols(do_cols, start_m, seqlen_q, stride_dos, ncols_v, BLOCK_M, CWV, UPCAST)
+            do_c = load_rows(do_cols, start_m, seqlen_q, stride_dos, ncols_v, BLOCK_M, CWV, False, UPCAST)
             dv = tl.dot(pT_kept.to(do_c.dtype), do_c, dv, input_precision=DOT_PRECISION)
         delta = load_vec(delta_ptr, start_m, seqlen_q, BLOCK_M, 0.0)
         # [BLOCK_N, BLOCK_M]
@@ -288,7 +286,7 @@ def _dkdv_inner(
         if DSPLIT == 1:
             dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         else:  # this program's columns of dK: Q's chunk
-            q_c = load_cols(q_cols, start_m, seqlen_q, stride_qs, ncols_k, BLOCK_M, CWK, UPCAST)
+            q_c = load_rows(q_cols, start_m, seqlen_q, stride_qs, ncols_k, BLOCK_M, CWK, False, UPCAST)
             dk = tl.dot(dsT, q_c.to(q.dtype), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -651,8 +649,20 @@ def attn_bwd_dkdv_kernel(
     else:
         dk_cols = DK + off_b * stride_dkb + k_start * stride_dks + off_hk * stride_dkh + chunk * CWK
         dv_cols = DV + off_b * stride_dvb + k_start * stride_dvs + off_hk * stride_dvh + chunk * CWV
-        store_cols(dk_cols, dk * sm_scale, start_n, seqlen_k, stride_dks, ncols_k, BLOCK_N, CWK)
-        store_cols(dv_cols, dv, start_n, seqlen_k, stride_dvs, ncols_v, BLOCK_N, CWV)
+        store_rows(
+            dk_cols,
+            (dk * sm_scale).to(dk_cols.dtype.element_ty),
+            start_n,
+            seqlen_k,
+            stride_dks,
+            ncols_k,
+            BLOCK_N,
+            CWK,
+            False,
+        )
+        store_rows(
+            dv_cols, dv.to(dv_cols.dtype.element_ty), start_n, seqlen_k, stride_dvs, ncols_v, BLOCK_N, CWV, False
+        )
 
 
 @triton.jit
@@ -741,7 +751,7 @@ def _dq_inner(
         if DSPLIT == 1:  # [BLOCK_M, BLOCK_D]
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         else:  # this program's columns of dQ: K's chunk
-            k_c = load_cols(k_cols, start_n, seqlen_k, stride_ks, ncols_k, BLOCK_N, CWK, UPCAST)
+            k_c = load_rows(k_cols, start_n, seqlen_k, stride_ks, ncols_k, BLOCK_N, CWK, False, UPCAST)
             dq = tl.dot(ds.to(k.dtype), k_c.to(k.dtype), dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -1068,4 +1078,14 @@ def attn_bwd_dq_kernel(
         store_tile(dq_dst, dq * sm_scale, start_m, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_DESC)
     else:
         dq_cols = DQ + off_b * stride_dqb + q_start * stride_dqs + off_h * stride_dqh + chunk * CWK
-        store_cols(dq_cols, dq * sm_scale, start_m, seqlen_q, stride_dqs, ncols_k, BLOCK_M, CWK)
+        store_rows(
+            dq_cols,
+            (dq * sm_scale).to(dq_cols.dtype.element_ty),
+            start_m,
+            seqlen_q,
+            stride_dqs,
+            ncols_k,
+            BLOCK_M,
+            CWK,
+            False,
+        )

@@ -33,13 +33,15 @@ def load_rows(
     start,
     seqlen,
     stride_s,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Rows [start, start + BLOCK_ROWS) of a (seqlen, HEAD_DIM) matrix; zeros past either edge."""
+    """Rows [start, start + BLOCK_ROWS) of a (seqlen, HEAD_DIM) matrix; zeros past either edge. HEAD_DIM is a
+    constexpr at most callers, a runtime count for a head-dim chunk (kernels/bwd.py's DSPLIT: src is the chunk's
+    first column, HEAD_DIM what is left of the row there, possibly <= 0: all zeros; pointers only)."""
     if USE_TMA:
         x = src.load([start, 0])
     else:
@@ -60,12 +62,13 @@ def store_rows(
     start,
     seqlen,
     stride_s,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    """Store a [BLOCK_ROWS, BLOCK_D] tile at rows [start, ...) of a (seqlen, HEAD_DIM) matrix, clipped."""
+    """Store a [BLOCK_ROWS, BLOCK_D] tile at rows [start, ...) of a (seqlen, HEAD_DIM) matrix, clipped (HEAD_DIM: as
+    load_rows)."""
     if USE_TMA:
         dst.store([start, 0], x)
     else:
@@ -148,30 +151,6 @@ def store_tile(
         dst[0].store([dst[1], start, dst[2]], x.reshape(1, BLOCK_ROWS, BLOCK_D))
     else:
         store_rows(dst[0], x, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA)
-
-
-@triton.jit
-def load_cols(
-    base, start, seqlen, stride_s, ncols, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr
-):
-    """Rows [start, start + BLOCK_ROWS) of a (seqlen, ncols) column slice at base (ncols a runtime count: a head-dim
-    chunk, possibly past the head dim's end, then all zeros); pointer loads."""
-    rows = start + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_C)
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
-    x = tl.load(ptrs, mask=(rows[:, None] < seqlen) & (cols[None, :] < ncols), other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def store_cols(base, x, start, seqlen, stride_s, ncols, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """x (cast to base's dtype) into rows [start, ...) of a (seqlen, ncols) column slice at base, clipped."""
-    rows = start + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_C)
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(rows[:, None] < seqlen) & (cols[None, :] < ncols))
 
 
 @triton.jit
