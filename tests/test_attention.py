@@ -9,7 +9,7 @@ from conftest import DEVICE, ON_GPU
 from flashattn2.ops import _runtime, launch_gluon, launcher, planning
 from flashattn2.ops.options import ScoreMods
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
-from tolerance import assert_close
+from tolerance import assert_close, check_against_reference
 
 T = planning.TileConfig
 force = planning.force
@@ -43,26 +43,6 @@ else:
             id="tma-mixed-tiles",
         ),
     ]
-
-
-def check_against_reference(q, k, v, out, lse, grads, do, causal, dlse=None):
-    ref_out, ref_lse = attention_ref(q, k, v, causal=causal)
-    low_out, low_lse = attention_ref(q, k, v, causal=causal, upcast=False)
-    assert_close("out", out, ref_out, low_out, FWD_FACTOR)
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse)), "rows without keys must have lse=+inf"
-    assert_close("lse", lse[finite], ref_lse[finite], low_lse[finite], FWD_FACTOR)
-    if grads is None:
-        return
-    ref_loss = (ref_out * do.to(ref_out.dtype)).sum()
-    low_loss = (low_out * do).sum()
-    if dlse is not None:
-        ref_loss = ref_loss + (ref_lse.masked_fill(~finite, 0) * dlse.to(ref_lse.dtype)).sum()
-        low_loss = low_loss + (low_lse.masked_fill(~finite, 0) * dlse).sum()
-    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
-    low_grads = torch.autograd.grad(low_loss, (q, k, v))
-    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
-        assert_close(name, g, r, lo.to(g.dtype), BWD_FACTOR)
 
 
 @pytest.mark.parametrize("path", PATHS)

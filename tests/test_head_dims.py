@@ -14,7 +14,7 @@ from flashattn2.errors import ArgumentError
 from flashattn2.ops import planning, registry
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from flashattn2.reference.kvcache import kvcache_ref
-from tolerance import assert_close
+from tolerance import assert_close, check_against_reference
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim of q/k, headdim of v)
 if ON_GPU:
@@ -54,22 +54,6 @@ def make(shape, dtype, requires_grad=True):
     )
 
 
-def check_against_reference(name, q, k, v, out, lse, grads, do, **opts):
-    ref_out, ref_lse = attention_ref(q, k, v, **opts)
-    low_out, low_lse = attention_ref(q, k, v, upcast=False, **opts)
-    assert out.shape == (*q.shape[:-1], v.shape[-1])
-    assert_close(f"{name} out", out, ref_out, low_out, FWD_FACTOR)
-    seen = torch.isfinite(ref_lse)  # rows that see no key: +inf
-    assert torch.equal(torch.isposinf(lse), ~seen), f"{name} lse: +inf where no key is seen, only there"
-    assert_close(f"{name} lse", lse[seen], ref_lse[seen], low_lse.float()[seen], FWD_FACTOR)
-    if grads is None:
-        return
-    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do.to(ref_out.dtype))
-    low_grads = torch.autograd.grad(low_out, (q, k, v), do)
-    for gname, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
-        assert_close(f"{name} {gname}", g, r, lo, BWD_FACTOR)
-
-
 DETERMINISTIC = [pytest.param(True, id="det")] + ([pytest.param(False, id="nondet")] if ON_GPU else [])
 
 
@@ -84,7 +68,7 @@ def test_head_dims(shape, dtype, causal, deterministic):
     )
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    check_against_reference("dense", q, k, v, out, lse, grads, do, causal=causal)
+    check_against_reference(q, k, v, out, lse, grads, do, causal, name="dense")
 
 
 OPTIONS = [
@@ -106,7 +90,7 @@ def test_with_options(dims, opts):
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sink, **opts)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    check_against_reference("options", q, k, v, out, lse, grads, do, learnable_sink=sink, **opts)
+    check_against_reference(q, k, v, out, lse, grads, do, name="options", learnable_sink=sink, **opts)
 
 
 def test_with_dropout():
@@ -118,7 +102,7 @@ def test_with_dropout():
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     opts = dict(causal=True, dropout_mask=keep, dropout_p=p)
-    check_against_reference("dropout", q, k, v, out, lse, grads, do, **opts)
+    check_against_reference(q, k, v, out, lse, grads, do, name="dropout", **opts)
 
 
 def test_value_a_view_of_the_keys():

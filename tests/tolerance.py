@@ -3,7 +3,7 @@ how much."""
 
 import torch
 
-from flashattn2.reference import tolerance
+from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref, tolerance
 
 
 def assert_close(name: str, ours: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, factor: float):
@@ -18,3 +18,27 @@ def assert_close(name: str, ours: torch.Tensor, ref: torch.Tensor, low: torch.Te
             f"at index {list(where)}: ours {ours[where].item():.6g}, reference {ref[where].item():.6g}; "
             f"NaNs: {torch.isnan(ours).sum().item()}"
         )
+
+
+def check_against_reference(q, k, v, out, lse, grads, do, causal=False, dlse=None, name="", **opts):
+    """out, lse and (unless grads is None) dq, dk, dv of one attention call against attention_ref with the same
+    options (the oracle, and the input dtype's math as the yardstick): rows that see no key have lse +inf, only
+    they; dlse, if given, is the gradient that flowed into lse; name prefixes the messages."""
+    ref_out, ref_lse = attention_ref(q, k, v, causal=causal, **opts)
+    low_out, low_lse = attention_ref(q, k, v, causal=causal, upcast=False, **opts)
+    prefix = f"{name} " if name else ""
+    assert_close(prefix + "out", out, ref_out, low_out, FWD_FACTOR)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse)), "rows without keys must have lse=+inf"
+    assert_close(prefix + "lse", lse[finite], ref_lse[finite], low_lse[finite], FWD_FACTOR)
+    if grads is None:
+        return
+    ref_loss = (ref_out * do.to(ref_out.dtype)).sum()
+    low_loss = (low_out * do).sum()
+    if dlse is not None:
+        ref_loss = ref_loss + (ref_lse.masked_fill(~finite, 0) * dlse.to(ref_lse.dtype)).sum()
+        low_loss = low_loss + (low_lse.masked_fill(~finite, 0) * dlse).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    low_grads = torch.autograd.grad(low_loss, (q, k, v))
+    for gname, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(prefix + gname, g, r, lo.to(g.dtype), BWD_FACTOR)
