@@ -391,13 +391,13 @@ def plan(
     head_dim_v: int | None = None,
 ) -> Plan:
     """The plan of one call (see the module docstring), under what force() holds."""
-    v_bucket = head_dim_bucket(head_dim if head_dim_v is None else head_dim_v)
-    return _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, v_bucket, _FORCED.get())
+    return _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, _FORCED.get())
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, v_bucket, forced: Forced) -> Plan:
+def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced: Forced) -> Plan:
     hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
+    v_bucket = head_dim_bucket(head_dim if head_dim_v is None else head_dim_v)
     key = (direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)
     if key in UNSUPPORTED:
         raise NotImplementedError(
