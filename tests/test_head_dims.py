@@ -9,6 +9,7 @@ import torch
 import flashattn2
 from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
+from flashattn2.ops import _runtime
 from flashattn2 import flash_attn_interface
 from flashattn2.errors import ArgumentError
 from flashattn2.ops import planning, registry
@@ -54,6 +55,8 @@ def make(shape, dtype, requires_grad=True):
     )
 
 
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and _runtime.hopper_kernels() is not None
+GLUON_BWD = planning.Features(gluon=True, deterministic=False)
 DETERMINISTIC = [pytest.param(True, id="det")] + ([pytest.param(False, id="nondet")] if ON_GPU else [])
 
 
@@ -75,6 +78,8 @@ OPTIONS = [
     pytest.param(dict(causal=True, window_size=(37, 0)), id="window"),
     pytest.param(dict(softcap=3.0, alibi=True), id="softcap-alibi"),
     pytest.param(dict(causal=True, sink=True), id="causal-sink"),
+    # (on the H200 at 192/128: the Gluon backward with a sink)
+    pytest.param(dict(sink=True, deterministic=False), id="sink-nondet"),
 ]
 
 
@@ -87,7 +92,10 @@ def test_with_options(dims, opts):
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = torch.rand(4, device=DEVICE) * 0.3
     sink = torch.randn(4, device=DEVICE) if opts.pop("sink", False) else None
-    out, lse, _ = flashattn2.flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sink, **opts)
+    deterministic = opts.pop("deterministic", True)
+    out, lse, _ = flashattn2.flash_attn_func(
+        q, k, v, return_attn_probs=True, learnable_sink=sink, deterministic=deterministic, **opts
+    )
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     check_against_reference(q, k, v, out, lse, grads, do, name="options", learnable_sink=sink, **opts)
@@ -312,7 +320,9 @@ def test_plans_read_the_wider_head_dim():
 
     q, k, v = make((1, 5, 5, 2, 2, 192, 128), torch.float16, False)
     geo = Geometry.of(q, k, None, v)
-    assert (geo.head_dim, geo.head_dim_v, geo.plan_head_dim) == (192, 128, 192)
+    assert (geo.head_dim, geo.head_dim_v) == (192, 128)
+    # the bucket is the wider head dim's, v's too
+    assert planning.plan("sm90", torch.bfloat16, 64, True, 4096, features, "fwd", 512) == wide
     # the 256 bucket's rows for a narrower v (DeepSeek-V3's 192/128): its own tiles; an equal v keeps the d256 ones
     narrow = planning.plan("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd", 128)
     equal = planning.plan("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd")
@@ -324,6 +334,45 @@ def test_plans_read_the_wider_head_dim():
     assert dict(planning.plan("interp", torch.float16, 512, True, 64, planning.Features(), "bwd").constexprs) == {
         "DSPLIT": 2
     }
+
+
+def test_gluon_pairs():
+    """The Gluon kernels run DeepSeek-V3's 192/128 (q's and k's head dim in two parts, 128 + 64: Gluon's tiles are
+    powers of two) and the equal pairs 64/128/256, forward and backward; other pairs take the Triton kernels."""
+    fwd = lambda d, dv, causal=False: planning.plan("sm90", torch.bfloat16, d, causal, 8192, GLUON_BWD, "fwd", dv)
+    bwd = lambda d, dv: planning.plan("sm90", torch.bfloat16, d, True, 8192, GLUON_BWD, "bwd", dv).kernel
+    assert fwd(192, 128).kernel == fwd(192, 128, True).kernel == "fwd_hopper_persist"
+    assert fwd(192, 128).tile != fwd(128, 128).tile
+    assert fwd(128, 128).kernel == "fwd_hopper_persist" and fwd(256, 256).kernel == "fwd_hopper_ws"
+    for d, dv in [(160, 128), (192, 192), (256, 128), (128, 64), (64, 128), (192, 64)]:
+        assert fwd(d, dv).kernel == "fwd", (d, dv)
+    assert bwd(192, 128) == bwd(128, 128) == "bwd_hopper" and bwd(160, 128) == bwd(192, 64) == "bwd_dkdv"
+    full = planning.plan("sm90", torch.bfloat16, 192, False, 8192, GLUON_BWD, "bwd", 128)
+    assert full.kernel == "bwd_hopper" and dict(full.constexprs)["DQ_SPLIT"] == 2  # dQ_i in the head dim's parts
+    from flashattn2.ops.launch_gluon import head_dim_parts
+
+    assert [head_dim_parts(d) for d in (64, 128, 192, 256, 96)] == [(64, 0), (128, 0), (128, 64), (256, 0), (64, 32)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: an sm_90 GPU")
+@pytest.mark.parametrize("dims", [(192, 128), (160, 128)], ids=lambda d: f"d{d[0]}-dv{d[1]}")
+def test_gluon_runs(dims, monkeypatch):
+    """On the H200 a dense bf16 192/128 forward and (deterministic=False) backward launch the Gluon kernels (the
+    other tests check their numbers), 160/128 the Triton ones."""
+    from flashattn2.ops import launch_gluon, launcher
+
+    launched, real = [], launcher.launch
+    monkeypatch.setattr(launch_gluon, "FWD_PLANS", {})
+    monkeypatch.setattr(
+        launcher, "launch", lambda kernel, *a, **kw: (launched.append(kernel.__name__), real(kernel, *a, **kw))
+    )
+    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
+    q, k, v = make((1, 300, 300, 4, 2, *dims), torch.bfloat16)
+    out = flashattn2.flash_attn_func(q, k, v, causal=True, deterministic=False)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    gluon = dims == (192, 128)
+    assert launched[0] == ("attn_fwd_persist_kernel" if gluon else "attn_fwd_kernel")
+    assert ("attn_bwd_ws_kernel" in launched) == gluon and ("attn_bwd_dkdv_kernel" in launched) == (not gluon)
 
 
 def test_decode_tiles():

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
-from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
+from flashattn2.ops import _runtime, kvcache, launch_gluon, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
 
@@ -98,19 +98,30 @@ def _compile_to(src, target, options, last: str) -> dict:
     return metadata
 
 
-def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out"), dq_cols=None):
-    """Signature types of a Gluon kernel's descriptors (3-D, box [1, rows, head_dim], with the
-    shared-memory layout ops.launch_gluon gives them): query-side tensors BLOCK_M rows, key-side
-    BLOCK_N; "DQ" is the backward's fp32 accumulator (box [1, BLOCK_M, dq_cols or head_dim])."""
+def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out"), dq_cols=None, head_dim_v=None):
+    """Signature types of a Gluon kernel's descriptors (3-D, box [1, rows, head_dim], v's head dim for the value
+    side, with the shared-memory layout ops.launch_gluon gives them): query-side tensors BLOCK_M rows, key-side
+    BLOCK_N; "DQ" is the backward's fp32 accumulator (box [1, BLOCK_M, dq_cols or head_dim]). A head dim that is
+    not a power of two: Q, K, DK and DQ get its first part's box and a "...Lo" descriptor each (added) its second's
+    (launch_gluon.head_dim_parts)."""
     import torch
     from triton.runtime.jit import mangle_type
 
+    hi, lo = launch_gluon.head_dim_parts(head_dim)
+    parted = [n for n in ("Q", "K", "DK", "DQ") if n in names]
+    cols = {n: hi for n in parted}
+    if dq_cols is not None:
+        cols["DQ"] = dq_cols
+    if lo:
+        names = (*names, *(n + "Lo" for n in parted))
+        cols.update({n + "Lo": lo for n in parted})
     types = {}
     for name in names:
-        t = torch.empty(2, 64, 2, head_dim, dtype=torch.float32 if name == "DQ" else torch.float16)
-        rows = cfg.block_n if name in _KEY_SIDE else cfg.block_m
-        cols = dq_cols if name == "DQ" else None
-        (desc,) = launcher._for_triton((host_desc(t, rows, gluon=True, cols=cols),))
+        base = name.removesuffix("Lo")
+        width = head_dim_v or head_dim if base in _VALUE_SIDE else head_dim
+        t = torch.empty(2, 64, 2, width, dtype=torch.float32 if base == "DQ" else torch.float16)
+        rows = cfg.block_n if base in _KEY_SIDE else cfg.block_m
+        (desc,) = launcher._for_triton((host_desc(t, rows, gluon=True, cols=cols.get(name)),))
         types[name] = mangle_type(desc)
     return types
 
@@ -137,7 +148,7 @@ _QUERY_SIDE = {"Q", "Out", "DOut", "DQ"}
 _KEY_SIDE = {"K", "V", "DK", "DV"}
 
 
-_VALUE_SIDE = {"V", "Out", "DOut", "DV"}  # v's head dim
+_VALUE_SIDE = {"V", "Out", "DOut", "DO", "DV"}  # v's head dim
 
 
 def _descriptor_types(kernel, elem_bytes, head_dim, cfg, head_dim_v=None):
@@ -156,19 +167,30 @@ def _descriptor_types(kernel, elem_bytes, head_dim, cfg, head_dim_v=None):
 def _gluon_cases(arch, row):
     """A Gluon row's compiles: its causal setting(s) (the backward's causal one with GQA), the constexprs its plan
     derives (planning._derive)."""
-    d, elem_bytes = row.head_dim, row.elem_bytes
+    elem_bytes = row.elem_bytes
+    # the head-dim pair: the bucket's own, or for a row bounded by v's bucket the Gluon pair that reads it
+    ((d, dv),) = [
+        pair
+        for pair in planning.GLUON_HEAD_DIMS[row.direction]
+        if planning.head_dim_bucket(pair[0]) == row.head_dim and (pair[0] == pair[1]) == (row.head_dim_v is None)
+    ]
     causals = (False, True) if row.causal is None else (row.causal,)
     for causal in causals:
         plan = planning._derive(row, planning.Forced(), causal)
         cfg = plan.tile
         constexprs = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages)
+        constexprs["HEAD_DIM_V"] = dv
         sink = False
         constexprs.update(plan.constexprs)
         if row.kernel == "bwd_hopper":
             constexprs["GQA"] = causal
+            hi, lo = launch_gluon.head_dim_parts(d)
+            dq_cols = hi if lo else d // constexprs["DQ_SPLIT"]
             types = _gluon_descriptor_types(
-                elem_bytes, d, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"), dq_cols=d // constexprs["DQ_SPLIT"]
+                elem_bytes, d, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"), dq_cols=dq_cols, head_dim_v=dv
             )
+            if "QLo" not in types:  # a power of two: one part
+                constexprs.update(QLo=None, KLo=None, DKLo=None, DQLo=None)
             fn = _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel
             label = "causal-gqa" if causal else "full"
         else:
@@ -176,12 +198,15 @@ def _gluon_cases(arch, row):
             fn = {"fwd_hopper_ws": hopper.attn_fwd_ws_kernel, "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[
                 row.kernel
             ]  # a new name must be added here
-            types = _gluon_descriptor_types(elem_bytes, d, cfg)
+            types = _gluon_descriptor_types(elem_bytes, d, cfg, head_dim_v=dv)
+            if "QLo" not in types:  # a power of two: one part
+                constexprs.update(QLo=None, KLo=None)
             # the forward's sink with the causal setting (the finish's other branch; no other shared memory)
             sink = constexprs["SINK"] = causal
             label = "causal" if causal else "full"
         label += "-sink" if sink else ""
-        yield f"{arch}-d{d}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
+        dims = f"d{d}" if d == dv else f"d{d}-dv{dv}"
+        yield f"{arch}-{dims}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
 
 
 def cases(arch):
@@ -233,11 +258,15 @@ def cases(arch):
     pre = dict(
         HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, SINK=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256
     )
+    pre.update(ACC_DIM=256, BLOCK_ACC=256)
     yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
     wide = dict(pre, HEAD_DIM=512, BLOCK_M=16, BLOCK_D=512)  # v's head dim 512: the launcher's 16 rows
     yield f"{arch}-preprocess-d512", bwd.attn_bwd_preprocess_kernel, 2, wide, T(16, 16, 4, 1)
     pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
     yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
+    # the Gluon backward at 192/128: the accumulator (q's head dim) wider than O
+    narrow = dict(pre, HEAD_DIM=128, BLOCK_D=128, ACC_DIM=192, BLOCK_ACC=256)
+    yield f"{arch}-preprocess-padded-d192-dv128", bwd.attn_bwd_preprocess_kernel, 2, narrow, T(32, 32, 4, 1)
     yield (
         f"{arch}-fill-tail",
         fill.fill_tail_kernel,
@@ -451,6 +480,8 @@ def length_one_cases(arch):
         HEAD_DIM=head_dim,
         BLOCK_M=32,
         BLOCK_D=planning.head_dim_bucket(head_dim),
+        ACC_DIM=head_dim,
+        BLOCK_ACC=planning.head_dim_bucket(head_dim),
         max_seqlen_q=1,
     )
     yield f"{arch}-preprocess-seqlen_q1", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)

@@ -67,14 +67,16 @@ def attn_bwd_preprocess_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ACC_DIM: tl.constexpr,
+    BLOCK_ACC: tl.constexpr,
 ):
     # Delta = rowsum(dO * O) - dLse, into Delta (strides stride_delta_*; DLse has the logsumexp's). HEAD_DIM is
-    # O's and dO's (v's head dim; q's too where PADDED: the Gluon backward runs only then).
+    # O's and dO's (v's head dim), ACC_DIM the dQ accumulator's (q's; BLOCK_ACC its power of two; read where PADDED).
     # The logsumexp's gradient dS += P * dLse folds into the same term: dS = P * (dP - Delta).
     # The grid covers seqlen_pad rows (max_seqlen_q unless PADDED). PADDED (the Gluon backward,
     # dense inputs only): what that kernel reads besides, written in the same pass -- Delta's rows
     # up to seqlen_pad (0 past max_seqlen_q), the fp32 dQ accumulator's rows (batch, seqlen_pad,
-    # nheads, HEAD_DIM) zeroed, and with COPY_LSE the logsumexp copied into LsePad (Delta's
+    # nheads, ACC_DIM) zeroed, and with COPY_LSE the logsumexp copied into LsePad (Delta's
     # layout, +inf past max_seqlen_q), so padded rows get P = 0. SINK: the program's share of the learnable
     # sink's gradient, -sum over its rows of exp(sink - lse) * Delta, into SinkPart[program] (0 for a program
     # past its sequence): the launcher sums the shares per head in a fixed order (no atomics).
@@ -127,16 +129,16 @@ def attn_bwd_preprocess_kernel(
         w = tl.math.exp2((tl.load(Sinks + off_h) - lse) * LOG2E)
         tl.store(SinkPart + tl.program_id(0), -tl.sum(tl.where(w > 0.0, w * delta, 0.0), 0))
     if PADDED:
-        zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        zeros = tl.zeros([BLOCK_M, BLOCK_ACC], dtype=tl.float32)
         store_rows(
             DQAcc + off_b * stride_acc_b + off_h * stride_acc_h,
             zeros,
             start_m,
             rows_end,
             stride_acc_s,
-            HEAD_DIM,
+            ACC_DIM,
             BLOCK_M,
-            BLOCK_D,
+            BLOCK_ACC,
             False,
         )
 

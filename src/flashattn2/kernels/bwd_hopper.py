@@ -57,6 +57,13 @@ dQ (K = 0 there, dP = 0) and their dK/dV rows are clipped by the stores, as long
 stores). GQA / MQA: one flat loop over (query head, query block) whose ring runs on across heads;
 dK/dV accumulate over the group in registers. Causal is bottom-right aligned.
 
+Head dims: q/k and v equal (64, 128, 256), or DeepSeek-V3's 192/128: q's and k's 192 columns are two parts (128 +
+64: kernels/pipeline.py's head_dim_parts; Gluon's tiles are powers of two), each a buffer and a descriptor of Q, K,
+dK and the dQ accumulator (QLo, KLo, DKLo, DQLo: the second part's); S is two chained wgmmas, dK two accumulators,
+and dQ_i is computed and staged in those two parts (DQ_SPLIT 2, as at headdim 256: the second part in the first
+part's staging tile). dO, V, dV and dP = dO V^T are v's 128 columns; the fp32 accumulator (q's head dim) is zeroed
+by the preprocess (ACC_DIM).
+
 The split-ring variant (SPLIT_RING, DQ_SPLIT: the headdim-256 row of ops/planning.py): dO has
 a ring of its own (DO_STAGES deep, ready barriers do_ready, released by do_empty) that the MMA warps
 release as soon as dV (dO's last reader) is waited, so the next dO loads while dQ_i and dK run; Q
@@ -94,7 +101,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .pipeline import Ring, Scalar, aggregate, unwrap
+from .pipeline import Ring, Scalar, aggregate, alloc_parts, head_dim_parts, load_parts, part_descs, parts_nbytes, unwrap
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -174,37 +181,73 @@ def _ws_advance(i, hq, i_first, i_end):
 @aggregate
 class BwdConfig:
     """The MMA partition's tile shape and layouts (8 warps, two warpgroups; _mma_layout): S / dP [BLOCK_M, BLOCK_N],
-    dK / dV [BLOCK_N, HEAD_DIM], dQ_i [BLOCK_M, HEAD_DIM // DQ_SPLIT] accumulators; the NVMMA shared layouts of a
-    Q / dO tile, a K / V block and a staged fp32 dQ tile."""
+    dK [BLOCK_N, HEAD_DIM], dV [BLOCK_N, HEAD_DIM_V], dQ_i's DQ_SPLIT column parts [BLOCK_M, DQ_W0] and
+    [BLOCK_M, DQ_W1] accumulators; the NVMMA shared layouts of a Q / dO tile, a K / V block and a staged fp32 dQ
+    part. q's and k's head dim that is not a power of two is two column parts (kernels/pipeline.py's
+    head_dim_parts: HEAD_DIM_HI + HEAD_DIM_LO, HEAD_DIM_LO 0 otherwise), each a buffer of Q and K, an S wgmma, a dK
+    accumulator and a part of dQ_i (DQ_SPLIT 2: DQ_W0 = HEAD_DIM_HI, DQ_W1 = HEAD_DIM_LO; else both
+    HEAD_DIM // DQ_SPLIT). The first part's layouts keep the names of the one-part build (kv_layout: dK's, and dV's
+    when the head dims are equal)."""
 
     CAUSAL: gl.constexpr
     HEAD_DIM: gl.constexpr
+    HEAD_DIM_HI: gl.constexpr
+    HEAD_DIM_LO: gl.constexpr
+    HEAD_DIM_V: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     DQ_SPLIT: gl.constexpr
+    DQ_W0: gl.constexpr
+    DQ_W1: gl.constexpr
     s_layout: gl.constexpr
     kv_layout: gl.constexpr
+    k_lo_layout: gl.constexpr
+    v_layout: gl.constexpr
     dq_layout: gl.constexpr
+    dq1_layout: gl.constexpr
     q_tile: gl.constexpr
+    q_lo_tile: gl.constexpr
+    do_tile: gl.constexpr
     kv_tile: gl.constexpr
+    k_lo_tile: gl.constexpr
+    v_tile: gl.constexpr
     dq_tile: gl.constexpr
+    dq1_tile: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps):
-        dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps = map(
-            unwrap, (dtype, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps)
+    def __init__(self, dtype, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps):
+        dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps = map(
+            unwrap, (dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, DQ_SPLIT, num_warps)
         )
+        hi, lo = head_dim_parts(HEAD_DIM)
+        assert lo == 0 or DQ_SPLIT == 2, "a head dim in two parts computes dQ_i in those parts (DQ_SPLIT 2)"
+        w0, w1 = (hi, lo) if lo else (HEAD_DIM // DQ_SPLIT, HEAD_DIM // DQ_SPLIT)
         self.CAUSAL = gl.constexpr(unwrap(CAUSAL))
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.HEAD_DIM_HI = gl.constexpr(hi)
+        self.HEAD_DIM_LO = gl.constexpr(lo)
+        self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.DQ_SPLIT = gl.constexpr(DQ_SPLIT)
+        self.DQ_W0 = gl.constexpr(w0)
+        self.DQ_W1 = gl.constexpr(w1)
+        lo_ = max(lo, 16)  # (no second part: unused)
+        shared = gl.NVMMASharedLayout.get_default_for
         self.s_layout = gl.constexpr(_mma_layout(BLOCK_M, BLOCK_N, num_warps))
-        self.kv_layout = gl.constexpr(_mma_layout(BLOCK_N, HEAD_DIM, num_warps))
-        self.dq_layout = gl.constexpr(_mma_layout(BLOCK_M, HEAD_DIM // DQ_SPLIT, num_warps))
-        self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
-        self.kv_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype))
-        self.dq_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32))
+        self.kv_layout = gl.constexpr(_mma_layout(BLOCK_N, hi, num_warps))
+        self.k_lo_layout = gl.constexpr(_mma_layout(BLOCK_N, lo_, num_warps))
+        self.v_layout = gl.constexpr(_mma_layout(BLOCK_N, HEAD_DIM_V, num_warps))
+        self.dq_layout = gl.constexpr(_mma_layout(BLOCK_M, w0, num_warps))
+        self.dq1_layout = gl.constexpr(_mma_layout(BLOCK_M, w1, num_warps))
+        self.q_tile = gl.constexpr(shared([BLOCK_M, hi], dtype))
+        self.q_lo_tile = gl.constexpr(shared([BLOCK_M, lo_], dtype))
+        self.do_tile = gl.constexpr(shared([BLOCK_M, HEAD_DIM_V], dtype))
+        self.kv_tile = gl.constexpr(shared([BLOCK_N, hi], dtype))
+        self.k_lo_tile = gl.constexpr(shared([BLOCK_N, lo_], dtype))
+        self.v_tile = gl.constexpr(shared([BLOCK_N, HEAD_DIM_V], dtype))
+        self.dq_tile = gl.constexpr(shared([BLOCK_M, w0], gl.float32))
+        self.dq1_tile = gl.constexpr(shared([BLOCK_M, w1], gl.float32))
 
 
 @aggregate
@@ -213,9 +256,9 @@ class BwdBuffers:
     a ring of its own, DO_STAGES deep, released after dV; else Q's stages, with do_ready its own ready barriers and
     q_empty their release), P and dS, and the dQ staging ring (ready: dq_full, empty: dq_empty)."""
 
-    k_smem: gl.shared_memory_descriptor
+    k_smem: gl.tuple  # head-dim parts (kernels/pipeline.py's alloc_parts)
     v_smem: gl.shared_memory_descriptor
-    q_smem: gl.shared_memory_descriptor
+    q_smem: gl.tuple  # head-dim parts
     do_smem: gl.shared_memory_descriptor
     p_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
@@ -284,6 +327,7 @@ def _ws_producer(
     nheads_k,
     CAUSAL: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -292,7 +336,7 @@ def _ws_producer(
 ):
     """1 warp: K and V once, then Q and dO of every flat position into the ring(s), each with its own ready
     barrier. SPLIT_RING: dO has a ring of its own (DO_STAGES deep, released by do_empty), else it shares Q's
-    stage and its release (q_empty)."""
+    stage and its release (q_empty). Q, K and their buffers: head-dim part pairs (kernels/pipeline.py)."""
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(
         seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, BLOCK_M, BLOCK_N
     )
@@ -302,22 +346,23 @@ def _ws_producer(
     else:
         do_ring = Ring(do_ready, q_empty, STAGES)
     col_k = off_hk * HEAD_DIM
-    mbarrier.expect(kv_bar, 2 * K.block_type.nbytes)
-    tma.async_copy_global_to_shared(K, [off_b, start_n, col_k], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(V, [off_b, start_n, col_k], kv_bar, v_smem.index(0))
+    mbarrier.expect(kv_bar, parts_nbytes(K, HEAD_DIM) + V.block_type.nbytes)
+    load_parts(K, off_b, start_n, col_k, kv_bar, k_smem, 0, True, HEAD_DIM)
+    col_v = col_k
+    if HEAD_DIM_V != HEAD_DIM:
+        col_v = off_hk * HEAD_DIM_V
+    tma.async_copy_global_to_shared(V, [off_b, start_n, col_v], kv_bar, v_smem.index(0))
     i = i_first
     hq = h0
     for t in range(total):
         q_ring.wait_empty(t)
-        mbarrier.expect(q_ring.ready_bar(t), Q.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            Q, [off_b, i * BLOCK_M, hq * HEAD_DIM], q_ring.ready_bar(t), q_smem.index(q_ring.slot(t))
-        )
+        mbarrier.expect(q_ring.ready_bar(t), parts_nbytes(Q, HEAD_DIM))
+        load_parts(Q, off_b, i * BLOCK_M, hq * HEAD_DIM, q_ring.ready_bar(t), q_smem, q_ring.slot(t), True, HEAD_DIM)
         if SPLIT_RING:
             do_ring.wait_empty(t)
         mbarrier.expect(do_ring.ready_bar(t), DO.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            DO, [off_b, i * BLOCK_M, hq * HEAD_DIM], do_ring.ready_bar(t), do_smem.index(do_ring.slot(t))
+            DO, [off_b, i * BLOCK_M, hq * HEAD_DIM_V], do_ring.ready_bar(t), do_smem.index(do_ring.slot(t))
         )
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
@@ -341,7 +386,9 @@ def _ws_dq_writer(
 ):
     """1 warp: TMA reduce-add of each staged dQ_i into the fp32 accumulator (batch, seqlen_q_pad, nheads, HEAD_DIM)
     at (off_b, i * BLOCK_M, hq * HEAD_DIM); the buffer goes back once the reduce has read it. DQ_SPLIT 2: dQ_i comes
-    as two column halves, staged one after the other (tile u = 2 t + half)."""
+    as two column parts, staged one after the other (tile u = 2 t + half): halves, or a head dim's two parts
+    (DQ: the accumulator's descriptor pair, each with its part's box; the second part staged in the first part of
+    the staging tile)."""
     off_b, off_hk, h0, start_n, i_first, i_full, i_end, total = _ws_program(
         seqlen_q, seqlen_k, nheads, nheads_k, CAUSAL, BLOCK_M, BLOCK_N
     )
@@ -352,22 +399,33 @@ def _ws_dq_writer(
         for half in gl.static_range(DQ_SPLIT):
             u = t * DQ_SPLIT + half
             dq_ring.wait_ready(u)
-            tma_reduce_add(
-                DQ, [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)], dq_smem.index(dq_ring.slot(u))
-            )
+            if head_dim_parts(HEAD_DIM)[1] > 0 and half == 1:
+                LO: gl.constexpr = head_dim_parts(HEAD_DIM)[1]
+                col_lo = hq * HEAD_DIM + head_dim_parts(HEAD_DIM)[0]
+                lo_buf = dq_smem.index(dq_ring.slot(u))._reinterpret(gl.float32, [1, BLOCK_M, LO], DQ[1].layout)
+                tma_reduce_add(DQ[1], [off_b, i * BLOCK_M, col_lo], lo_buf)
+            else:
+                tma_reduce_add(
+                    DQ[0],
+                    [off_b, i * BLOCK_M, hq * HEAD_DIM + half * (HEAD_DIM // DQ_SPLIT)],
+                    dq_smem.index(dq_ring.slot(u)),
+                )
             tma.store_wait(pendings=0)
             dq_ring.release(u)
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
 
 @gluon.jit
-def _stage_dq(dq, u, bufs, cfg):
-    """dQ tile u ([BLOCK_M, HEAD_DIM // DQ_SPLIT] fp32: a whole dQ_i, or one of its halves) into staging buffer
-    u % DQ_STAGES once the writer has finished reading that buffer's last tile, then to the writer."""
+def _stage_dq(dq, u, PART: gl.constexpr, bufs, cfg):
+    """dQ tile u (part PART of dQ_i, [BLOCK_M, DQ_W0 or DQ_W1] fp32: a whole dQ_i, or one of its parts) into
+    staging buffer u % DQ_STAGES once the writer has finished reading that buffer's last tile, then to the
+    writer."""
     bufs.dq_ring.wait_empty(u)
-    bufs.dq_smem.index(bufs.dq_ring.slot(u))._reinterpret(
-        gl.float32, [cfg.BLOCK_M, cfg.HEAD_DIM // cfg.DQ_SPLIT], cfg.dq_tile
-    ).store(dq)
+    buf = bufs.dq_smem.index(bufs.dq_ring.slot(u))
+    if PART == 1 and cfg.HEAD_DIM_LO > 0:
+        buf._reinterpret(gl.float32, [cfg.BLOCK_M, cfg.DQ_W1], cfg.dq1_tile).store(dq)
+    else:
+        buf._reinterpret(gl.float32, [cfg.BLOCK_M, cfg.DQ_W0], cfg.dq_tile).store(dq)
     fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
     bufs.dq_ring.arrive_ready(u)
 
@@ -379,10 +437,12 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     returns (dk, dv, dq_prev). DQ_SPLIT 2: dq_prev (in) is the previous position's second dQ half, staged here once
     this position's S and dP are issued; dq_prev (out) is this position's, kept in registers for the next position
     (or the loop's end). DQ_SPLIT 1: dq_prev is passed through untouched."""
-    dtype: gl.constexpr = bufs.k_smem.dtype
+    dtype: gl.constexpr = bufs.v_smem.dtype
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+    HI: gl.constexpr = cfg.HEAD_DIM_HI
+    LO: gl.constexpr = cfg.HEAD_DIM_LO
     DQ_SPLIT: gl.constexpr = cfg.DQ_SPLIT
     s_layout: gl.constexpr = cfg.s_layout
     q_ring = bufs.q_ring
@@ -402,16 +462,24 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     # LLVM hoists the ~24 loop-invariant 64-bit wgmma smem descriptors of K and V out of the loop into registers,
     # which spills at headdim 128
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_op = bufs.k_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
-    v_op = bufs.v_smem.index(z)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
+    k_op = bufs.k_smem[0].index(z)._reinterpret(dtype, [BLOCK_N, HI], cfg.kv_tile)
+    k_lo = k_op
+    if LO > 0:
+        k_lo = bufs.k_smem[1].index(z)._reinterpret(dtype, [BLOCK_N, LO], cfg.k_lo_tile)
+    v_op = bufs.v_smem.index(z)._reinterpret(dtype, [BLOCK_N, cfg.HEAD_DIM_V], cfg.v_tile)
 
-    # S = Q K^T as soon as Q is there; dP = dO V^T once dO is
+    # S = Q K^T as soon as Q is there (one wgmma per head-dim part, chained); dP = dO V^T once dO is
     q_ring.wait_ready(it)
-    q_op = bufs.q_smem.index(stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
+    q_op = bufs.q_smem[0].index(stage)._reinterpret(dtype, [BLOCK_M, HI], cfg.q_tile)
+    q_lo = q_op
+    if LO > 0:
+        q_lo = bufs.q_smem[1].index(stage)._reinterpret(dtype, [BLOCK_M, LO], cfg.q_lo_tile)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if LO > 0:
+        s_tok = warpgroup_mma(q_lo, k_lo.permute((1, 0)), s_tok, is_async=True)
     do_ring.wait_ready(it)
-    do_op = bufs.do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
+    do_op = bufs.do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, cfg.HEAD_DIM_V], cfg.do_tile)
     dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     # DQ_SPLIT 2: the previous position's second half into the staging tile once S and dP are issued (ptxas makes
     # the stores wait for them: C7517). Staged at the end of its own position, it waited there for the writer to
@@ -419,7 +487,7 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     # 4k keys) with the tensor cores idle
     if DQ_SPLIT == 2:
         if it > 0:
-            _stage_dq(dq_prev, it * 2 - 1, bufs, cfg)
+            _stage_dq(dq_prev, it * 2 - 1, 1, bufs, cfg)
 
     # S ready (dP may still run): P -> smem, then dV += P^T dO issued (A = P^T, a permuted view: MN-major A).
     # Keys past seqlen_k (zero-filled K / V rows of the last key block) are not masked: S = 0 there, dP = 0 and
@@ -437,28 +505,42 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     dv_tok = warpgroup_mma(bufs.p_smem.permute((1, 0)), do_op, dv, is_async=True)
 
     # dS = P * (dP * scale - delta * scale) -> smem; dQ_i = dS K (A = dS, B = K: MN-major B) first, so that it
-    # completes before dK += dS^T Q. DQ_SPLIT 2: dQ_i in two column halves (B = the halves of K), the second issued
-    # after dK, so only one half is in registers and staged at a time
+    # completes before dK += dS^T Q. DQ_SPLIT 2: dQ_i in two column parts (B = the halves of K, or its head-dim
+    # parts), the second issued after dK, so only one part is in registers and staged at a time. Two head-dim parts:
+    # dK is two accumulators (dk: their pair), one wgmma each
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
     ds = p * (dp * sc.sm_scale - delta_s[:, None])
     bufs.ds_smem.store(ds.to(dtype))
     fence_async_shared()
     HALF: gl.constexpr = HEAD_DIM // DQ_SPLIT
-    dq_zero = gl.zeros([BLOCK_M, HALF], gl.float32, cfg.dq_layout)
-    k_dq = k_op if DQ_SPLIT == 1 else k_op.slice(0, HALF, dim=1)
+    dq_zero = gl.zeros([BLOCK_M, cfg.DQ_W0], gl.float32, cfg.dq_layout)
+    k_dq = k_op if DQ_SPLIT == 1 or LO > 0 else k_op.slice(0, HALF, dim=1)
     dq_tok = warpgroup_mma(bufs.ds_smem, k_dq, dq_zero, use_acc=False, is_async=True)
-    dk_tok = warpgroup_mma(bufs.ds_smem.permute((1, 0)), q_op, dk, is_async=True)
+    if LO > 0:
+        dk_tok = warpgroup_mma(bufs.ds_smem.permute((1, 0)), q_op, dk[0], is_async=True)
+        dk_lo_tok = warpgroup_mma(bufs.ds_smem.permute((1, 0)), q_lo, dk[1], is_async=True)
+        # dV, dQ_i's first part ready (dK's two wgmmas may still run)
+        dv, dq = warpgroup_mma_wait(num_outstanding=2, deps=(dv_tok, dq_tok))
+    else:
+        dk_tok = warpgroup_mma(bufs.ds_smem.permute((1, 0)), q_op, dk, is_async=True)
+        # dV, dQ_i (its first half) ready (dK may still run)
+        dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok))
 
-    # dV, dQ_i (its first half) ready (dK may still run): dO has no reader left (SPLIT_RING: back to the producer);
-    # dQ_i into a staging buffer the writer has finished reading, to the writer
-    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq_tok))
+    # dO has no reader left (SPLIT_RING: back to the producer); dQ_i into a staging buffer the writer has finished
+    # reading, to the writer
     if bufs.SPLIT_RING:
         do_ring.release(it)
-    _stage_dq(dq, it * DQ_SPLIT, bufs, cfg)
+    _stage_dq(dq, it * DQ_SPLIT, 0, bufs, cfg)
     if DQ_SPLIT == 2:
-        dq_tok = warpgroup_mma(bufs.ds_smem, k_op.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
-        # dK ready (the second half may still run): no wgmma reads this Q stage any more
-        dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok,))
+        if LO > 0:
+            dq1_zero = gl.zeros([BLOCK_M, cfg.DQ_W1], gl.float32, cfg.dq1_layout)
+            dq_tok = warpgroup_mma(bufs.ds_smem, k_lo, dq1_zero, use_acc=False, is_async=True)
+            # dK ready (the second part may still run): no wgmma reads this Q stage any more
+            dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok, dk_lo_tok))
+        else:
+            dq_tok = warpgroup_mma(bufs.ds_smem, k_op.slice(HALF, HALF, dim=1), dq_zero, use_acc=False, is_async=True)
+            # dK ready (the second half may still run): no wgmma reads this Q stage any more
+            dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk_tok,))
         q_ring.release(it)
         # staged by the next position (or after the loop): tile it * 2 + 1
         dq_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
@@ -498,6 +580,7 @@ def _ws_mma(
     stride_lh,
     CAUSAL: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -510,10 +593,11 @@ def _ws_mma(
     """The default partition (8 warps: two MMA warpgroups): the loop over flat positions and the epilogue. Layouts
     (BwdConfig): S / dP [BLOCK_M, BLOCK_N] with BLOCK_M = 64: warps_per_cta [4, 2], each warpgroup all query rows
     and half of the keys; dK / dV [BLOCK_N, D]: warps stacked along the keys (each warpgroup the same half of the
-    keys as in S); dQ_i [BLOCK_M, D // DQ_SPLIT]: [4, 2], the warpgroups split its columns."""
-    dtype: gl.constexpr = k_smem.dtype
+    keys as in S); dQ_i [BLOCK_M, D // DQ_SPLIT]: [4, 2], the warpgroups split its columns. DK, k_smem, q_smem:
+    head-dim part pairs (kernels/pipeline.py)."""
+    dtype: gl.constexpr = v_smem.dtype
     # (gl.num_warps() is not the partition's inside a partition)
-    cfg = BwdConfig(dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, DQ_SPLIT, 8)
+    cfg = BwdConfig(dtype, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, DQ_SPLIT, 8)
     q_ring = Ring(q_ready, q_empty, STAGES)
     if SPLIT_RING:
         do_ring = Ring(do_ready, do_empty, DO_STAGES)
@@ -542,9 +626,14 @@ def _ws_mma(
     off_lse = off_b.to(gl.int64) * stride_lb + h0.to(gl.int64) * stride_lh
     sc = BwdScores(Lse, Delta, qk_scale, sm_scale, diag, start_n)
 
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, cfg.kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, cfg.kv_layout)
-    dq_prev = gl.zeros([BLOCK_M, HEAD_DIM // DQ_SPLIT], gl.float32, cfg.dq_layout)  # (DQ_SPLIT 2: see _ws_step)
+    HI: gl.constexpr = cfg.HEAD_DIM_HI
+    LO: gl.constexpr = cfg.HEAD_DIM_LO
+    if LO > 0:  # dK in two parts (_ws_step)
+        dk = (gl.zeros([BLOCK_N, HI], gl.float32, cfg.kv_layout), gl.zeros([BLOCK_N, LO], gl.float32, cfg.k_lo_layout))
+    else:
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, cfg.kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, cfg.v_layout)
+    dq_prev = gl.zeros([BLOCK_M, cfg.DQ_W1], gl.float32, cfg.dq1_layout)  # (DQ_SPLIT 2: see _ws_step)
     mbarrier.wait(kv_bar, 0)
     # lse, delta: (batch, nheads, seqlen_q_pad) fp32 with the same strides, seqlen stride 1: one offset for both.
     # GQA / MQA: one flat loop over (query head, query block), head-major: the ring's stage / phase run on across
@@ -564,16 +653,25 @@ def _ws_mma(
     # DQ_SPLIT 2: the last position's second dQ half (tile 2 * total - 1)
     if DQ_SPLIT == 2:
         if total > 0:
-            _stage_dq(dq_prev, total * 2 - 1, bufs, cfg)
+            _stage_dq(dq_prev, total * 2 - 1, 1, bufs, cfg)
 
     # dK, dV through the K / V buffers (every wgmma reading them was waited), clipped TMA stores
-    k_op = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
-    v_op = v_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], cfg.kv_tile)
-    k_op.store(dk.to(dtype))
+    k_op = k_smem[0].index(0)._reinterpret(dtype, [BLOCK_N, HI], cfg.kv_tile)
+    v_op = v_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], cfg.v_tile)
+    if LO > 0:
+        k_op.store(dk[0].to(dtype))
+        k_smem[1].index(0)._reinterpret(dtype, [BLOCK_N, LO], cfg.k_lo_tile).store(dk[1].to(dtype))
+    else:
+        k_op.store(dk.to(dtype))
     v_op.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(DK, [off_b, start_n, col_k], k_smem.index(0))
-    tma.async_copy_shared_to_global(DV, [off_b, start_n, col_k], v_smem.index(0))
+    tma.async_copy_shared_to_global(DK[0], [off_b, start_n, col_k], k_smem[0].index(0))
+    if LO > 0:
+        tma.async_copy_shared_to_global(DK[1], [off_b, start_n, col_k + HI], k_smem[1].index(0))
+    col_v = col_k
+    if HEAD_DIM_V != HEAD_DIM:
+        col_v = off_hk * HEAD_DIM_V
+    tma.async_copy_shared_to_global(DV, [off_b, start_n, col_v], v_smem.index(0))
     tma.store_wait(pendings=0)
 
 
@@ -586,6 +684,10 @@ def attn_bwd_ws_kernel(
     DK,
     DV,
     DQ,
+    QLo,
+    KLo,
+    DKLo,
+    DQLo,
     Lse,
     Delta,
     sm_scale,
@@ -598,6 +700,7 @@ def attn_bwd_ws_kernel(
     stride_lh,
     CAUSAL: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -614,20 +717,26 @@ def attn_bwd_ws_kernel(
     (batch, nheads, seqlen_q_pad) padded with +inf / 0, strides (stride_lb, stride_lh, 1). SPLIT_RING: dO in a ring
     of its own, DO_STAGES deep, released as soon as dV is computed (Q's ring, STAGES deep, after dK); else Q and dO
     share a STAGES-deep ring. DQ_SPLIT 2: dQ_i computed and staged in two column halves through DQ_STAGES
-    half-width tiles.
+    half-width tiles. V, DO, DV: v's head dim HEAD_DIM_V. q's and k's head dim that is not a power of two
+    (DeepSeek-V3's 192) is two column parts (kernels/pipeline.py's head_dim_parts; DQ_SPLIT 2): Q, K, DK, DQ then
+    have the first part's box and QLo, KLo, DKLo, DQLo the second's (None otherwise); the staging tile is the first
+    part's width.
     """
-    dtype: gl.constexpr = Q.dtype
+    dtype: gl.constexpr = V.dtype
     p_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], K.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], V.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], Q.layout)
+    q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
+    dk_desc, dq_desc = part_descs(DK, DKLo, HEAD_DIM), part_descs(DQ, DQLo, HEAD_DIM)
+    k_smem = alloc_parts(k_desc, 1, BLOCK_N, HEAD_DIM)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM_V], V.layout)
+    q_smem = alloc_parts(q_desc, STAGES, BLOCK_M, HEAD_DIM)
     if SPLIT_RING:
-        do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, BLOCK_M, HEAD_DIM_V], DO.layout)
     else:
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], DO.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, HEAD_DIM_V], DO.layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, 1, BLOCK_M, HEAD_DIM // DQ_SPLIT], DQ.layout)
+    DQ_W: gl.constexpr = head_dim_parts(HEAD_DIM)[0] if head_dim_parts(HEAD_DIM)[1] > 0 else HEAD_DIM // DQ_SPLIT
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, 1, BLOCK_M, DQ_W], DQ.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     if SPLIT_RING:
@@ -662,7 +771,7 @@ def attn_bwd_ws_kernel(
             (
                 _ws_mma,
                 (
-                    DK,
+                    dk_desc,
                     DV,
                     Lse,
                     Delta,
@@ -689,6 +798,7 @@ def attn_bwd_ws_kernel(
                     stride_lh,
                     CAUSAL,
                     HEAD_DIM,
+                    HEAD_DIM_V,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
@@ -702,8 +812,8 @@ def attn_bwd_ws_kernel(
             (
                 _ws_producer,
                 (
-                    Q,
-                    K,
+                    q_desc,
+                    k_desc,
                     V,
                     DO,
                     k_smem,
@@ -721,6 +831,7 @@ def attn_bwd_ws_kernel(
                     nheads_k,
                     CAUSAL,
                     HEAD_DIM,
+                    HEAD_DIM_V,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
@@ -731,7 +842,7 @@ def attn_bwd_ws_kernel(
             (
                 _ws_dq_writer,
                 (
-                    DQ,
+                    dq_desc,
                     dq_smem,
                     dq_full,
                     dq_empty,

@@ -56,6 +56,11 @@ kernel and has no table entry.)
 
 Dense inputs only: descriptors built on the host over (batch, seqlen, heads * headdim) with a
 [1, rows, headdim] box, so TMA zero-fills rows past a sequence's end and clips the output's.
+Head dims: q/k and v equal (64, 128, 256), or DeepSeek-V3's 192/128. Gluon's tiles are powers of two, so q's
+and k's 192 columns are two parts (128 + 64: kernels/pipeline.py's head_dim_parts), each a buffer, a descriptor
+(Q and QLo, K and KLo) and a TMA load of its own, and S = Q K^T two chained wgmmas; V, O and the PV product are
+v's 128 columns, and O leaves through Q's first part's buffer. (At 192/128, d128's tile with one Q buffer per
+consumer fits: Q 48 KB + K 96 + V 64 = 208 KB.)
 No softcap, ALiBi, window or dropout (the plan, ops/planning.py, sends those to kernels/fwd.py). Causal is
 bottom-right aligned (row i sees keys j <= i + seqlen_k - seqlen_q); a query block that sees no key
 gets output 0 and logsumexp +inf, as in kernels/fwd.py.
@@ -71,7 +76,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .pipeline import Ring, Scalar, aggregate, ring_phase, unwrap
+from .pipeline import (
+    Ring,
+    Scalar,
+    aggregate,
+    alloc_parts,
+    head_dim_parts,
+    load_parts,
+    part_descs,
+    parts_nbytes,
+    ring_phase,
+    unwrap,
+)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -88,11 +104,19 @@ def _acc_layout(cols, num_warps):
 @aggregate
 class FwdConfig:
     """A consumer warpgroup's tile shape and layouts (the one layout preamble): S = Q K^T [BLOCK_M, BLOCK_N] and
-    O [BLOCK_M, HEAD_DIM] wgmma accumulators, each warp 16 rows; P as the register A operand of PV; the row
-    vectors of S and O; the NVMMA shared layouts of a Q tile and a K / V block viewed 2-D."""
+    O [BLOCK_M, HEAD_DIM_V] wgmma accumulators, each warp 16 rows; P as the register A operand of PV; the row
+    vectors of S and O; the NVMMA shared layouts of a Q tile, a K block and a V block viewed 2-D. HEAD_DIM is q's
+    and k's head dim, HEAD_DIM_V v's and O's. A head dim that is not a power of two (DeepSeek-V3's 192: Gluon's
+    tiles are powers of two) is two column parts, HEAD_DIM_HI (the largest power of two below it) and
+    HEAD_DIM_LO (the rest, a power of two), each a tile and a TMA load of its own, S their two chained wgmmas;
+    HEAD_DIM_LO is 0 otherwise. O leaves through the Q tile's buffer (the first part's): HEAD_DIM_V is
+    HEAD_DIM_HI."""
 
     CAUSAL: gl.constexpr
     HEAD_DIM: gl.constexpr
+    HEAD_DIM_HI: gl.constexpr
+    HEAD_DIM_LO: gl.constexpr
+    HEAD_DIM_V: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     s_layout: gl.constexpr
@@ -101,29 +125,69 @@ class FwdConfig:
     row_s: gl.constexpr
     row_o: gl.constexpr
     q_tile: gl.constexpr
-    kv_tile: gl.constexpr
+    k_tile: gl.constexpr
+    q_lo_tile: gl.constexpr
+    k_lo_tile: gl.constexpr
+    v_tile: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps):
-        dtype, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps = map(unwrap, (dtype, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps))
+    def __init__(self, dtype, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, num_warps):
+        dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, num_warps = map(
+            unwrap, (dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, num_warps)
+        )
         self.CAUSAL = gl.constexpr(unwrap(CAUSAL))
+        hi, lo = head_dim_parts(HEAD_DIM)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.HEAD_DIM_HI = gl.constexpr(hi)
+        self.HEAD_DIM_LO = gl.constexpr(lo)
+        self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         s_layout = _acc_layout(BLOCK_N, num_warps)
-        o_layout = _acc_layout(HEAD_DIM, num_warps)
+        o_layout = _acc_layout(HEAD_DIM_V, num_warps)
         self.s_layout = gl.constexpr(s_layout)
         self.o_layout = gl.constexpr(o_layout)
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         self.row_s = gl.constexpr(gl.SliceLayout(1, s_layout))
         self.row_o = gl.constexpr(gl.SliceLayout(1, o_layout))
-        self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
-        self.kv_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype))
+        self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, hi], dtype))
+        self.k_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, hi], dtype))
+        lo = max(lo, 16)  # (no second part: unused)
+        self.q_lo_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, lo], dtype))
+        self.k_lo_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, lo], dtype))
+        self.v_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_V], dtype))
 
     @gluon.jit
-    def kv_view(self, smem, stage):
-        """Stage `stage` of a K or V ring ([STAGES, 1, BLOCK_N, HEAD_DIM]) as a 2-D wgmma operand."""
-        return smem.index(stage)._reinterpret(smem.dtype, [self.BLOCK_N, self.HEAD_DIM], self.kv_tile)
+    def q_view(self, smem, buf):
+        """Buffer `buf` of Q ([.., 1, BLOCK_M, HEAD_DIM_HI], and the second part's [.., 1, BLOCK_M, HEAD_DIM_LO])
+        as 2-D wgmma operands: (first part, second part; the first again without one)."""
+        hi = smem[0].index(buf)._reinterpret(smem[0].dtype, [self.BLOCK_M, self.HEAD_DIM_HI], self.q_tile)
+        lo = hi
+        if self.HEAD_DIM_LO > 0:
+            lo = smem[1].index(buf)._reinterpret(smem[1].dtype, [self.BLOCK_M, self.HEAD_DIM_LO], self.q_lo_tile)
+        return hi, lo
+
+    @gluon.jit
+    def k_view(self, smem, stage):
+        """Stage `stage` of a K ring (its parts as q_view's) as 2-D wgmma operands."""
+        hi = smem[0].index(stage)._reinterpret(smem[0].dtype, [self.BLOCK_N, self.HEAD_DIM_HI], self.k_tile)
+        lo = hi
+        if self.HEAD_DIM_LO > 0:
+            lo = smem[1].index(stage)._reinterpret(smem[1].dtype, [self.BLOCK_N, self.HEAD_DIM_LO], self.k_lo_tile)
+        return hi, lo
+
+    @gluon.jit
+    def issue_qk(self, q, k, s_zero):
+        """S = Q K^T as asynchronous wgmmas (one per head-dim part, chained): the token to wait for."""
+        s_tok = warpgroup_mma(q[0], k[0].permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if self.HEAD_DIM_LO > 0:
+            s_tok = warpgroup_mma(q[1], k[1].permute((1, 0)), s_tok, is_async=True)
+        return s_tok
+
+    @gluon.jit
+    def v_view(self, smem, stage):
+        """Stage `stage` of a V ring ([STAGES, 1, BLOCK_N, HEAD_DIM_V]) as a 2-D wgmma operand."""
+        return smem.index(stage)._reinterpret(smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
 
 
 @gluon.jit
@@ -235,17 +299,19 @@ class OnlineSoftmax:
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_op, q_buf, WAIT: gl.constexpr):
-    """The logsumexp and O = acc / l (OnlineSoftmax.finish), through the Q tile's buffer (every wgmma that read Q
-    has been waited for) and a TMA store that clips rows past seqlen_q, waited for if WAIT (the persistent kernel
-    hands the buffer back later)."""
+def _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, o_col, seqlen_q, q_op, q_buf, WAIT: gl.constexpr):
+    """The logsumexp and O = acc / l (OnlineSoftmax.finish), through the Q tile's (first part's) buffer, q_op its
+    2-D view (every wgmma that read Q has been waited for), and a TMA store that clips rows past seqlen_q, waited
+    for if WAIT (the persistent kernel hands the buffer back later)."""
+    cfg = sm.cfg
+    gl.static_assert(cfg.HEAD_DIM_V == cfg.HEAD_DIM_HI, "O leaves through Q's buffer: v's head dim q's first part's")
     lse, scale = sm.finish(m_i, l_i)
-    offs_m = sm.start_m + gl.arange(0, sm.cfg.BLOCK_M, layout=sm.cfg.row_s)
+    offs_m = sm.start_m + gl.arange(0, cfg.BLOCK_M, layout=cfg.row_s)
     gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
-    o = acc * gl.convert_layout(scale, sm.cfg.row_o)[:, None]
+    o = acc * gl.convert_layout(scale, cfg.row_o)[:, None]
     q_op.store(o.to(q_op.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(Out, [off_b, sm.start_m, q_col], q_buf)
+    tma.async_copy_shared_to_global(Out, [off_b, sm.start_m, o_col], q_buf)
     if WAIT:
         tma.store_wait(pendings=0)
 
@@ -266,14 +332,13 @@ def _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, MASKED: gl.const
     """Key block j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; wait for S_j only and run its softmax while
     PV is on the tensor cores; then wait for PV and rescale O to the new row max. Returns (acc, P_j as the next
     PV's operand, m, l)."""
-    k_op = loads.k_wait(j)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = sm.cfg.issue_qk(q_op, loads.k_wait(j), s_zero)
     v_op = loads.v_wait(j, True)
     acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_j done; PV_{j-1} may still run
     loads.k_done(j, False)
     p, alpha, m_i, l_i = sm.step(s, m_i, l_i, j * sm.cfg.BLOCK_N, MASKED)
-    p_next = gl.convert_layout(p.to(q_op.dtype), sm.cfg.p_layout)
+    p_next = gl.convert_layout(p.to(q_op[0].dtype), sm.cfg.p_layout)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     loads.v_done(j)
     acc = acc * gl.convert_layout(alpha, sm.cfg.row_o)[:, None]
@@ -282,22 +347,21 @@ def _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, MASKED: gl.const
 
 @gluon.jit
 def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
-    """One consumer warpgroup's query tile against key blocks 0 .. n_blocks - 1 (n_blocks >= 1; blocks from
-    mask_from on masked), its Q waited for: (acc, m, l), every wgmma waited for."""
+    """One consumer warpgroup's query tile (q_op: FwdConfig.q_view's pair) against key blocks 0 .. n_blocks - 1
+    (n_blocks >= 1; blocks from mask_from on masked), its Q waited for: (acc, m, l), every wgmma waited for."""
     cfg = sm.cfg
     s_zero = gl.zeros([cfg.BLOCK_M, cfg.BLOCK_N], gl.float32, cfg.s_layout)
-    acc = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+    acc = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM_V], gl.float32, cfg.o_layout)
     m_i = gl.full([cfg.BLOCK_M], float("-inf"), gl.float32, cfg.row_s)
     l_i = gl.zeros([cfg.BLOCK_M], gl.float32, cfg.row_s)
 
     # block 0: S = Q K_0^T, waited; its softmax
-    k_op = loads.k_wait(0)
-    s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = cfg.issue_qk(q_op, loads.k_wait(0), s_zero)
     loads.first_issued()
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     loads.k_done(0, True)
     p, alpha, m_i, l_i = sm.step(s, m_i, l_i, 0, mask_from == 0)
-    p_op = gl.convert_layout(p.to(q_op.dtype), cfg.p_layout)
+    p_op = gl.convert_layout(p.to(q_op[0].dtype), cfg.p_layout)
 
     for j in range(1, gl.maximum(mask_from, 1)):
         acc, p_op, m_i, l_i = _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, False)
@@ -360,7 +424,7 @@ class _WsLoads:
     """attn_fwd_ws_kernel's consumer side of the loads: K and V in rings of their own, block j at position j; each
     release also arrives for the partner when the partner's tile has no block there (blk >= n_other)."""
 
-    k_smem: gl.shared_memory_descriptor
+    k_smem: gl.tuple  # alloc_parts' pair
     v_smem: gl.shared_memory_descriptor
     k_ring: Ring
     v_ring: Ring
@@ -385,12 +449,12 @@ class _WsLoads:
     @gluon.jit
     def k_wait(self, j):
         self.k_ring.wait_ready(j)
-        return self.cfg.kv_view(self.k_smem, self.k_ring.slot(j))
+        return self.cfg.k_view(self.k_smem, self.k_ring.slot(j))
 
     @gluon.jit
     def v_wait(self, j, AFTER_K: gl.constexpr):
         self.v_ring.wait_ready(j - 1)
-        return self.cfg.kv_view(self.v_smem, self.v_ring.slot(j - 1))
+        return self.cfg.v_view(self.v_smem, self.v_ring.slot(j - 1))
 
     @gluon.jit
     def first_issued(self):
@@ -429,36 +493,37 @@ def _consumer(
     CAUSAL: gl.constexpr,
     SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """Consumer warpgroup ME (0: the default partition, 1: worker 0): query tile ME of the program."""
-    cfg = FwdConfig(q_smem.dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, gl.num_warps())  # the partition's: 4 warps
+    cfg = FwdConfig(v_smem.dtype, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, gl.num_warps())  # 4 warps
     off_b, off_h, cta_m = _program_tile(batch, nheads, seqlen_q, CAUSAL, NUM_CONSUMERS * BLOCK_M)
     start_m = cta_m + ME * BLOCK_M
     n_blocks, mask_from = _tile_blocks(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     n_other, _ = _tile_blocks(cta_m + (1 - ME) * BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
     if n_blocks > 0:
-        q_col = off_h * HEAD_DIM
+        o_col = off_h * HEAD_DIM_V
         sink2 = _sink2(Sinks, off_h, SINK)
         sm = OnlineSoftmax(_qk_scale(sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, sink2, SINK, cfg)
         loads = _WsLoads(k_smem, v_smem, Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES), n_other, cfg)
-        q_buf = q_smem.index(ME)
-        q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
+        q_op = cfg.q_view(q_smem, ME)
         mbarrier.wait(q_bars.index(ME), 0)
         acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
-        _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_op, q_buf, True)
+        _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, o_col, seqlen_q, q_op[0], q_smem[0].index(ME), True)
 
 
 @gluon.jit
-def _produce(desc, ring, smem, blk, off_b, kv_col, BLOCK_N: gl.constexpr):
-    """Block blk of a ring: wait until both consumers released the stage's previous block, then TMA it."""
+def _produce(desc, ring, smem, blk, off_b, col, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Block blk of a ring: wait until both consumers released the stage's previous block, then TMA it (desc and
+    smem: alloc_parts' pairs, HEAD_DIM the block's head dim)."""
     ring.wait_empty(blk)
     bar = ring.ready_bar(blk)
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [off_b, blk * BLOCK_N, kv_col], bar, smem.index(ring.slot(blk)))
+    mbarrier.expect(bar, parts_nbytes(desc, HEAD_DIM))
+    load_parts(desc, off_b, blk * BLOCK_N, col, bar, smem, ring.slot(blk), True, HEAD_DIM)
 
 
 @gluon.jit
@@ -481,6 +546,7 @@ def _producer(
     group_size,
     CAUSAL: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -492,19 +558,20 @@ def _producer(
     n1, _ = _tile_blocks(cta_m + BLOCK_M, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     n_max = gl.maximum(n0, n1)
     q_col = off_h * HEAD_DIM
-    kv_col = (off_h // group_size) * HEAD_DIM
+    k_col = (off_h // group_size) * HEAD_DIM
+    v_col = (off_h // group_size) * HEAD_DIM_V
     k_ring = Ring(k_ready, k_empty, STAGES)
     v_ring = Ring(v_ready, v_empty, STAGES)
     for t in gl.static_range(NUM_CONSUMERS):
         bar = q_bars.index(t)
         valid = cta_m + t * BLOCK_M < seqlen_q
-        mbarrier.expect(bar, Q.block_type.nbytes, pred=valid)
-        tma.async_copy_global_to_shared(Q, [off_b, cta_m + t * BLOCK_M, q_col], bar, q_smem.index(t), pred=valid)
-    _produce(K, k_ring, k_smem, 0, off_b, kv_col, BLOCK_N)  # tile 0 is valid: n_max >= 1
+        mbarrier.expect(bar, parts_nbytes(Q, HEAD_DIM), pred=valid)
+        load_parts(Q, off_b, cta_m + t * BLOCK_M, q_col, bar, q_smem, t, valid, HEAD_DIM)
+    _produce(K, k_ring, k_smem, 0, off_b, k_col, BLOCK_N, HEAD_DIM)  # tile 0 is valid: n_max >= 1
     for j in range(1, n_max):
-        _produce(K, k_ring, k_smem, j, off_b, kv_col, BLOCK_N)
-        _produce(V, v_ring, v_smem, j - 1, off_b, kv_col, BLOCK_N)
-    _produce(V, v_ring, v_smem, n_max - 1, off_b, kv_col, BLOCK_N)
+        _produce(K, k_ring, k_smem, j, off_b, k_col, BLOCK_N, HEAD_DIM)
+        _produce((V, V), v_ring, (v_smem, v_smem), j - 1, off_b, v_col, BLOCK_N, HEAD_DIM_V)
+    _produce((V, V), v_ring, (v_smem, v_smem), n_max - 1, off_b, v_col, BLOCK_N, HEAD_DIM_V)
 
 
 @gluon.jit
@@ -513,6 +580,8 @@ def attn_fwd_ws_kernel(
     K,
     V,
     Out,
+    QLo,
+    KLo,
     Lse,
     Sinks,
     stride_lse_b,
@@ -526,16 +595,19 @@ def attn_fwd_ws_kernel(
     CAUSAL: gl.constexpr,
     SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """Grid: cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads programs; launched with num_warps=4 (the
-    default partition; the compiler adds the workers' warps)."""
-    dtype: gl.constexpr = Q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM], Q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
+    default partition; the compiler adds the workers' warps). QLo, KLo: descriptors of q's and k's second
+    head-dim part (FwdConfig), None for a power of two."""
+    dtype: gl.constexpr = V.dtype
+    q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
+    q_smem = alloc_parts(q_desc, NUM_CONSUMERS, BLOCK_M, HEAD_DIM)
+    k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -577,6 +649,7 @@ def attn_fwd_ws_kernel(
                     CAUSAL,
                     SINK,
                     HEAD_DIM,
+                    HEAD_DIM_V,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
@@ -607,6 +680,7 @@ def attn_fwd_ws_kernel(
                     CAUSAL,
                     SINK,
                     HEAD_DIM,
+                    HEAD_DIM_V,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
@@ -615,8 +689,8 @@ def attn_fwd_ws_kernel(
             (
                 _producer,
                 (
-                    Q,
-                    K,
+                    q_desc,
+                    k_desc,
                     V,
                     q_smem,
                     k_smem,
@@ -633,6 +707,7 @@ def attn_fwd_ws_kernel(
                     group_size,
                     CAUSAL,
                     HEAD_DIM,
+                    HEAD_DIM_V,
                     BLOCK_M,
                     BLOCK_N,
                     STAGES,
@@ -753,7 +828,7 @@ class _PersistLoads:
     released once per unit (one arrival per consumer, never for a partner: _skip_units). QBUF 2: the previous
     tile's Q buffer (prev_qi) goes back once this tile's first QK^T is issued."""
 
-    k_smem: gl.shared_memory_descriptor
+    k_smem: gl.tuple  # alloc_parts' pair
     v_smem: gl.shared_memory_descriptor
     ring: Ring
     g: gl.tensor
@@ -779,14 +854,14 @@ class _PersistLoads:
     def k_wait(self, j):
         u = self.g + j
         self.ring.wait_ready(u)
-        return self.cfg.kv_view(self.k_smem, self.ring.slot(u))
+        return self.cfg.k_view(self.k_smem, self.ring.slot(u))
 
     @gluon.jit
     def v_wait(self, j, AFTER_K: gl.constexpr):
         u = self.g + j
         if not AFTER_K:  # the last unit: V_{n-1} alone (its K block, if any, is a partner's)
             self.ring.wait_ready(u)
-        return self.cfg.kv_view(self.v_smem, self.ring.slot(u))
+        return self.cfg.v_view(self.v_smem, self.ring.slot(u))
 
     @gluon.jit
     def first_issued(self):
@@ -812,6 +887,7 @@ def _persist_consumer(
     SINK: gl.constexpr,
     SNAKE: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -841,7 +917,7 @@ def _persist_consumer(
         seqlen_k,
         sm_scale,
     ) = args
-    cfg = FwdConfig(q_smem.dtype, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, gl.num_warps())  # the partition's: 4 warps
+    cfg = FwdConfig(v_smem.dtype, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, gl.num_warps())  # 4 warps
     ring = Ring(ready, empty, STAGES)
     CTA_M: gl.constexpr = CONSUMERS * BLOCK_M
     num_m = (seqlen_q + CTA_M - 1) // CTA_M
@@ -862,14 +938,15 @@ def _persist_consumer(
         mbarrier.wait(q_ready.index(qi), ring_phase(it, QBUF))
         if n_blocks > 0:
             lse_row0 = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
-            q_col = off_h * HEAD_DIM
+            o_col = off_h * HEAD_DIM_V
             loads = _PersistLoads(k_smem, v_smem, ring, g, q_empty, prev_qi, it > 0, QBUF, cfg)
             sm = OnlineSoftmax(qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, _sink2(Sinks, off_h, SINK), SINK, cfg)
-            q_buf = q_smem.index(qi)
-            q_op = q_buf._reinterpret(q_smem.dtype, [BLOCK_M, HEAD_DIM], cfg.q_tile)
+            q_op = cfg.q_view(q_smem, qi)
             acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
             # O through this tile's Q buffer, the store not waited for here
-            _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, q_col, seqlen_q, q_op, q_buf, False)
+            _epilogue(
+                acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, o_col, seqlen_q, q_op[0], q_smem[0].index(qi), False
+            )
             if QBUF == 1:
                 _q_release(q_empty, qi, True)
         else:  # this part lies past seqlen_q or before row 0: nothing to compute, nothing stored
@@ -884,20 +961,29 @@ def _persist_consumer(
 
 
 @gluon.jit
-def _persist_produce(K, V, ring, k_smem, v_smem, u, j, n_max, off_b, kv_col, BLOCK_N: gl.constexpr):
+def _persist_produce(
+    K, V, ring, k_smem, v_smem, u, j, n_max, off_b, k_col, v_col, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr
+):
     """Ring unit u, the tile's j-th (0 <= j <= n_max): K_j unless j == n_max, V_{j-1} unless j == 0.
     Wait until every consumer released the stage's previous unit (u - STAGES), then TMA both blocks
-    onto the stage's one ready barrier."""
+    onto the stage's one ready barrier (K, k_smem: alloc_parts' pairs)."""
     ring.wait_empty(u)
     stage = ring.slot(u)
     bar = ring.ready_bar(u)
     has_k = j < n_max
     has_v = j > 0
+    both = (j > 0) & (j < n_max)
     one = (j == 0) | (j == n_max)  # n_max >= 1: never neither
-    mbarrier.expect(bar, 2 * K.block_type.nbytes, pred=(j > 0) & (j < n_max))
-    mbarrier.expect(bar, K.block_type.nbytes, pred=one)
-    tma.async_copy_global_to_shared(K, [off_b, j * BLOCK_N, kv_col], bar, k_smem.index(stage), pred=has_k)
-    tma.async_copy_global_to_shared(V, [off_b, (j - 1) * BLOCK_N, kv_col], bar, v_smem.index(stage), pred=has_v)
+    k_bytes: gl.constexpr = parts_nbytes(K, HEAD_DIM)
+    if k_bytes == V.block_type.nbytes:
+        mbarrier.expect(bar, 2 * k_bytes, pred=both)
+        mbarrier.expect(bar, k_bytes, pred=one)
+    else:  # a value head dim of its own
+        mbarrier.expect(bar, k_bytes + V.block_type.nbytes, pred=both)
+        mbarrier.expect(bar, k_bytes, pred=j == 0)
+        mbarrier.expect(bar, V.block_type.nbytes, pred=j == n_max)
+    load_parts(K, off_b, j * BLOCK_N, k_col, bar, k_smem, stage, has_k, HEAD_DIM)
+    tma.async_copy_global_to_shared(V, [off_b, (j - 1) * BLOCK_N, v_col], bar, v_smem.index(stage), pred=has_v)
 
 
 @gluon.jit
@@ -906,6 +992,7 @@ def _persist_producer(
     CAUSAL: gl.constexpr,
     SNAKE: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -932,22 +1019,23 @@ def _persist_producer(
         # >= 1: the tile's last part starts in [0, seqlen_q) (_tile_coords' shift leaves it there)
         n_max = _tile_max_blocks(cta_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N, CONSUMERS)
         q_col = off_h * HEAD_DIM
-        kv_col = (off_h // group_size) * HEAD_DIM
+        k_col = (off_h // group_size) * HEAD_DIM
+        v_col = (off_h // group_size) * HEAD_DIM_V
         # K_0 first: its stage held a block of an earlier tile, so this wait never needs this tile's
         # Q (no deadlock), and with QBUF 1 only the Q load's latency is exposed per tile
-        _persist_produce(K, V, ring, k_smem, v_smem, g, 0, n_max, off_b, kv_col, BLOCK_N)
+        _persist_produce(K, V, ring, k_smem, v_smem, g, 0, n_max, off_b, k_col, v_col, BLOCK_N, HEAD_DIM)
         for t in gl.static_range(CONSUMERS):
             qi = _q_buffer(it, t, QBUF, CONSUMERS)
             mbarrier.wait(q_empty.index(qi), ring_phase(it, QBUF) ^ 1)
             bar = q_ready.index(qi)
             row = cta_m + t * BLOCK_M
             valid = (row >= 0) & (row < seqlen_q)
-            mbarrier.expect(bar, Q.block_type.nbytes, pred=valid)
-            tma.async_copy_global_to_shared(Q, [off_b, row, q_col], bar, q_smem.index(qi), pred=valid)
+            mbarrier.expect(bar, parts_nbytes(Q, HEAD_DIM), pred=valid)
+            load_parts(Q, off_b, row, q_col, bar, q_smem, qi, valid, HEAD_DIM)
             # an empty part: its consumer only waits and hands back
             mbarrier.arrive(bar, pred=(row < 0) | (row >= seqlen_q))
         for j in range(1, n_max + 1):
-            _persist_produce(K, V, ring, k_smem, v_smem, g + j, j, n_max, off_b, kv_col, BLOCK_N)
+            _persist_produce(K, V, ring, k_smem, v_smem, g + j, j, n_max, off_b, k_col, v_col, BLOCK_N, HEAD_DIM)
         g += n_max + 1
 
 
@@ -958,6 +1046,8 @@ def attn_fwd_persist_kernel(
     K,
     V,
     Out,
+    QLo,
+    KLo,
     Lse,
     Sinks,
     stride_lse_b,
@@ -971,6 +1061,7 @@ def attn_fwd_persist_kernel(
     CAUSAL: gl.constexpr,
     SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
@@ -980,12 +1071,14 @@ def attn_fwd_persist_kernel(
 ):
     """Grid: min(#SMs, cdiv(seqlen_q, CONSUMERS * BLOCK_M) * batch * nheads) CTAs; launched with
     num_warps=4 (the default partition; the compiler adds the workers' warps). CONSUMERS 2 or 3
-    consumer warpgroups (_CONSUMER_REGS registers each for 2, _CONSUMER3_REGS for 3), one producer warp."""
-    dtype: gl.constexpr = Q.dtype
+    consumer warpgroups (_CONSUMER_REGS registers each for 2, _CONSUMER3_REGS for 3), one producer warp. QLo,
+    KLo: descriptors of q's and k's second head-dim part (FwdConfig), None for a power of two."""
+    dtype: gl.constexpr = V.dtype
     NQ: gl.constexpr = QBUF * CONSUMERS
-    q_smem = gl.allocate_shared_memory(dtype, [NQ, 1, BLOCK_M, HEAD_DIM], Q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], K.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], V.layout)
+    q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
+    q_smem = alloc_parts(q_desc, NQ, BLOCK_M, HEAD_DIM)
+    k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     # one ready and one empty barrier per ring stage, for the stage's K and V buffers together
@@ -1020,8 +1113,8 @@ def attn_fwd_persist_kernel(
         sm_scale,
     )
     producer = (
-        Q,
-        K,
+        q_desc,
+        k_desc,
         V,
         q_smem,
         k_smem,
@@ -1042,13 +1135,42 @@ def attn_fwd_persist_kernel(
             [
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER0, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (
+                        consumer,
+                        _CONSUMER0,
+                        CAUSAL,
+                        SINK,
+                        SNAKE,
+                        HEAD_DIM,
+                        HEAD_DIM_V,
+                        BLOCK_M,
+                        BLOCK_N,
+                        STAGES,
+                        QBUF,
+                        CONSUMERS,
+                    ),
                 ),
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER1, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (
+                        consumer,
+                        _CONSUMER1,
+                        CAUSAL,
+                        SINK,
+                        SNAKE,
+                        HEAD_DIM,
+                        HEAD_DIM_V,
+                        BLOCK_M,
+                        BLOCK_N,
+                        STAGES,
+                        QBUF,
+                        CONSUMERS,
+                    ),
                 ),
-                (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+                (
+                    _persist_producer,
+                    (producer, CAUSAL, SNAKE, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -1059,17 +1181,59 @@ def attn_fwd_persist_kernel(
             [
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER0, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (
+                        consumer,
+                        _CONSUMER0,
+                        CAUSAL,
+                        SINK,
+                        SNAKE,
+                        HEAD_DIM,
+                        HEAD_DIM_V,
+                        BLOCK_M,
+                        BLOCK_N,
+                        STAGES,
+                        QBUF,
+                        CONSUMERS,
+                    ),
                 ),
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER1, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (
+                        consumer,
+                        _CONSUMER1,
+                        CAUSAL,
+                        SINK,
+                        SNAKE,
+                        HEAD_DIM,
+                        HEAD_DIM_V,
+                        BLOCK_M,
+                        BLOCK_N,
+                        STAGES,
+                        QBUF,
+                        CONSUMERS,
+                    ),
                 ),
                 (
                     _persist_consumer,
-                    (consumer, _CONSUMER2, CAUSAL, SINK, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                    (
+                        consumer,
+                        _CONSUMER2,
+                        CAUSAL,
+                        SINK,
+                        SNAKE,
+                        HEAD_DIM,
+                        HEAD_DIM_V,
+                        BLOCK_M,
+                        BLOCK_N,
+                        STAGES,
+                        QBUF,
+                        CONSUMERS,
+                    ),
                 ),
-                (_persist_producer, (producer, CAUSAL, SNAKE, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS)),
+                (
+                    _persist_producer,
+                    (producer, CAUSAL, SNAKE, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, QBUF, CONSUMERS),
+                ),
             ],
             [4, 4, 1],
             [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS],

@@ -18,7 +18,7 @@ private name is gone (AttributeError / ImportError).
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 # a runtime integer field: a tensor, or a constexpr where Triton specialised an argument equal to 1 into a constant
@@ -85,3 +85,60 @@ class Ring:
     def arrive_ready(self, i):
         """The filler wrote position i itself (no TMA): one arrival on its ready barrier."""
         mbarrier.arrive(self.ready.index(i % self.STAGES))
+
+
+# A head dim that is not a power of two (DeepSeek-V3's 192; Gluon's tiles and shared-memory buffers are powers of
+# two) is two column parts, each a buffer and a TMA load of its own: head_dim_parts(d) = (the largest power of two
+# below d, the rest), (d, 0) for a power of two. The helpers below take a tensor's parts as a pair (first, second;
+# the first again when there is one part), so a kernel's power-of-two build is what it was before parts existed.
+@gluon.constexpr_function
+def head_dim_parts(head_dim):
+    """(first part, second part) of a head dim: (head_dim, 0) for a power of two, else the largest power of two
+    below it and the rest (which must be one)."""
+    head_dim = unwrap(head_dim)
+    if head_dim & (head_dim - 1) == 0:
+        return head_dim, 0
+    hi = 1 << (head_dim.bit_length() - 1)
+    assert (head_dim - hi) & (head_dim - hi - 1) == 0, f"head dim {head_dim}: not two powers of two"
+    return hi, head_dim - hi
+
+
+@gluon.jit
+def alloc_parts(desc, n, rows: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """n buffers of [1, rows, part] for each head-dim part of desc = (first part's descriptor, second's):
+    (first part's buffers, second's; the first again when HEAD_DIM has one part)."""
+    hi: gl.constexpr = head_dim_parts(HEAD_DIM)[0]
+    lo: gl.constexpr = head_dim_parts(HEAD_DIM)[1]
+    first = gl.allocate_shared_memory(desc[0].dtype, [n, 1, rows, hi], desc[0].layout)
+    second = first
+    if lo > 0:
+        second = gl.allocate_shared_memory(desc[1].dtype, [n, 1, rows, lo], desc[1].layout)
+    return first, second
+
+
+@gluon.jit
+def part_descs(desc, desc_lo, HEAD_DIM: gl.constexpr):
+    """A tensor's descriptors as alloc_parts takes them: (first part's, second's; the first again)."""
+    if head_dim_parts(HEAD_DIM)[1] > 0:
+        return desc, desc_lo
+    else:
+        return desc, desc
+
+
+@gluon.constexpr_function
+def parts_nbytes(desc, HEAD_DIM):
+    """The bytes of one load of every head-dim part of desc (alloc_parts)."""
+    nbytes = desc[0].block_type.nbytes
+    if head_dim_parts(HEAD_DIM)[1] > 0:
+        nbytes += desc[1].block_type.nbytes
+    return nbytes
+
+
+@gluon.jit
+def load_parts(desc, coord_b, row, col, bar, smem, buf, pred, HEAD_DIM: gl.constexpr):
+    """TMA of rows `row` .. of every head-dim part of desc (from column col: the head's first) into buffer buf of
+    smem (alloc_parts), onto barrier bar."""
+    tma.async_copy_global_to_shared(desc[0], [coord_b, row, col], bar, smem[0].index(buf), pred=pred)
+    if head_dim_parts(HEAD_DIM)[1] > 0:
+        col_lo = col + head_dim_parts(HEAD_DIM)[0]
+        tma.async_copy_global_to_shared(desc[1], [coord_b, row, col_lo], bar, smem[1].index(buf), pred=pred)

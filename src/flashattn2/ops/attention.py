@@ -48,7 +48,7 @@ def forward(
         gluon=launch_gluon.ready("fwd", arch, geo, q, q, k, v, out),
     )
     plan = planning.plan(
-        arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd", geo.head_dim_v
+        arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "fwd", geo.head_dim_v
     )
     if plan.kernel != "fwd":
         launch_gluon.forward(plan, q, k, v, out, lse, geo, softmax_scale, mods.sinks, key)
@@ -104,7 +104,7 @@ def backward(
         gluon=not deterministic and launch_gluon.ready("bwd", arch, geo, q, q, k, v, dout),
     )
     plan = planning.plan(
-        arch, q.dtype, geo.plan_head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd", geo.head_dim_v
+        arch, q.dtype, geo.head_dim, flags["CAUSAL"], geo.max_seqlen_k, features, "bwd", geo.head_dim_v
     )
     if plan.kernel == "bwd_hopper":
         launch_gluon.backward(

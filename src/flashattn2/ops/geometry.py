@@ -72,11 +72,6 @@ class Geometry:
             head_dim_v,
         )
 
-    @property
-    def plan_head_dim(self) -> int:
-        """The head dim the plan table is read by: the wider of q/k's and v's (the tiles hold both)."""
-        return max(self.head_dim, self.head_dim_v)
-
     def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, seqlen, head) strides in elements; varlen has no batch stride."""
         s = t.stride()  # one call, not three: host time

@@ -21,14 +21,29 @@ _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2
 def ready(direction: str, arch: str, geo: Geometry, q: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """What planning.Features.gluon says for a call: sm_90 exactly (wgmma, which sm_100 lacks), the Gluon module
     for `direction` ("fwd", "bwd") importing under this Triton, dense inputs, and every tensor with its heads
-    adjacent in memory (3-D descriptors over (batch, seqlen, heads * headdim)) and TMA's alignment; v's head dim
-    q's (a value head dim of its own runs the Triton kernels)."""
-    if not (arch == "sm90" and geo.varlen is None and geo.head_dim_v == geo.head_dim and planning.wgmma(q.device)):
+    adjacent in memory (3-D descriptors over (batch, seqlen, heads * headdim)) and TMA's alignment; the (q/k, v)
+    head dims a pair of planning.GLUON_HEAD_DIMS[direction] (a `v = k[..., :dv]` view has heads that are not
+    adjacent: it runs the Triton kernels)."""
+    if not (
+        arch == "sm90"
+        and geo.varlen is None
+        and (geo.head_dim, geo.head_dim_v) in planning.GLUON_HEAD_DIMS[direction]
+        and planning.wgmma(q.device)
+    ):
         return False
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
         return False
-    return all(t.stride(2) == geo.head_dim for t in tensors) and use_tma(arch, *tensors)
+    return all(t.stride(2) == t.shape[3] for t in tensors) and use_tma(arch, *tensors)
+
+
+def head_dim_parts(head_dim: int) -> tuple[int, int]:
+    """The Gluon forward's two column parts of q's and k's head dim (kernels/fwd_hopper.py's _head_dim_parts):
+    (head_dim, 0) for a power of two, else the largest power of two below it and the rest."""
+    if head_dim & (head_dim - 1) == 0:
+        return head_dim, 0
+    hi = 1 << (head_dim.bit_length() - 1)
+    return hi, head_dim - hi
 
 
 def remember(plans: dict, key, launch) -> None:
@@ -45,20 +60,21 @@ class ForwardLaunch:
     """The Gluon forward of one call signature: kernel, tile rows, grid size, integer arguments, constexprs (sink:
     whether the call has a learnable sink, the tensor passed to each run)."""
 
-    __slots__ = ("kernel", "rows", "lse_shape", "tiles", "persist", "ints", "kwargs")
+    __slots__ = ("kernel", "rows", "lse_shape", "head_dim_v", "tiles", "persist", "ints", "kwargs")
 
     def __init__(self, plan: Plan, geo: Geometry, lse_shape, sink: bool):
         kernels = _runtime.hopper_kernels().fwd
         self.persist = plan.kernel == "fwd_hopper_persist"
         self.kernel = kernels.attn_fwd_persist_kernel if self.persist else kernels.attn_fwd_ws_kernel
         cfg = plan.tile
-        self.rows, self.lse_shape = (cfg.block_m, cfg.block_n), lse_shape
+        self.rows, self.lse_shape, self.head_dim_v = (cfg.block_m, cfg.block_n), lse_shape, geo.head_dim_v
         self.tiles = cdiv(geo.max_seqlen_q, plan.rows) * geo.batch * geo.nheads
         self.ints = (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k)
         self.kwargs = dict(
             CAUSAL=plan.causal,
             SINK=sink,
             HEAD_DIM=geo.head_dim,
+            HEAD_DIM_V=geo.head_dim_v,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             STAGES=cfg.num_stages,
@@ -67,7 +83,7 @@ class ForwardLaunch:
         )
 
     def run(self, q, k, v, softmax_scale: float, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = _runtime.empty(q.shape, q.dtype, q.device)
+        out = _runtime.empty((*q.shape[:-1], self.head_dim_v), q.dtype, q.device)
         lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
         self.launch(q, k, v, out, lse, softmax_scale, sinks)
         return out, lse
@@ -76,13 +92,17 @@ class ForwardLaunch:
         rows_m, rows_n = self.rows
         s = lse.stride()
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
+        # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper.py's FwdConfig)
+        hi, lo = head_dim_parts(q.shape[-1])
         launcher.launch(
             self.kernel,
             grid,
-            host_desc(q, rows_m, gluon=True),
-            host_desc(k, rows_n, gluon=True),
+            host_desc(q, rows_m, gluon=True, cols=hi),
+            host_desc(k, rows_n, gluon=True, cols=hi),
             host_desc(v, rows_n, gluon=True),
             host_desc(out, rows_m, gluon=True),
+            host_desc(q, rows_m, gluon=True, cols=lo) if lo else None,
+            host_desc(k, rows_n, gluon=True, cols=lo) if lo else None,
             lse,
             sinks if sinks is not None else lse,
             s[0],
@@ -196,22 +216,30 @@ class BackwardLaunch:
         # else into buffers copied back
         gk, gv = (
             g
-            if g.dtype == q.dtype and g.stride(2) == geo.head_dim and use_tma(arch, g)
+            if g.dtype == q.dtype and g.stride(2) == g.shape[3] and use_tma(arch, g)
             else _runtime.empty(g.shape, q.dtype, g.device)
             for g in (dk, dv)
         )
         bm, bn = cfg.block_m, cfg.block_n
         lse_strides = delta.stride()
+        # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper.py's BwdConfig): Q, K,
+        # dK and the dQ accumulator get a descriptor for each (dQ_i's parts are the head dim's)
+        hi, lo = head_dim_parts(geo.head_dim)
+        lo_desc = (lambda t, rows: host_desc(t, rows, gluon=True, cols=lo)) if lo else (lambda t, rows: None)
         launcher.launch(
             self.kernels.attn_bwd_ws_kernel,
             self.grid,
-            host_desc(q, bm, gluon=True),
-            host_desc(k, bn, gluon=True),
+            host_desc(q, bm, gluon=True, cols=hi),
+            host_desc(k, bn, gluon=True, cols=hi),
             host_desc(v, bn, gluon=True),
             host_desc(dout, bm, gluon=True),
-            host_desc(gk, bn, gluon=True),
+            host_desc(gk, bn, gluon=True, cols=hi),
             host_desc(gv, bn, gluon=True),
-            host_desc(acc, bm, gluon=True, cols=geo.head_dim // rings["DQ_SPLIT"]),
+            host_desc(acc, bm, gluon=True, cols=hi if lo else geo.head_dim // rings["DQ_SPLIT"]),
+            lo_desc(q, bm),
+            lo_desc(k, bn),
+            lo_desc(gk, bn),
+            lo_desc(acc, bm),
             lse,
             delta,
             softmax_scale,
@@ -224,6 +252,7 @@ class BackwardLaunch:
             lse_strides[1],
             CAUSAL=plan.causal,
             HEAD_DIM=geo.head_dim,
+            HEAD_DIM_V=geo.head_dim_v,
             BLOCK_M=bm,
             BLOCK_N=bn,
             STAGES=cfg.num_stages,

@@ -125,8 +125,9 @@ def preprocess(
     launch's (grid, integer arguments, keywords): the Gluon backward's cached plan repeats it with them."""
     padded = seqlen_pad is not None
     rows = seqlen_pad if padded else geo.max_seqlen_q
-    bd = block_d(geo.head_dim_v)  # O's and dO's (the dQ accumulator's: PADDED runs only where they are q's)
-    pre_m = 64 if bd <= 128 else 32 if bd <= 256 else 16
+    bd = block_d(geo.head_dim_v)  # O's and dO's
+    wide = max(bd, block_d(geo.head_dim)) if padded else bd  # (the accumulator's rows: q's head dim)
+    pre_m = 64 if wide <= 128 else 32 if wide <= 256 else 16
     acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
     grid = (cdiv(rows, pre_m) * geo.batch * geo.nheads,)
     ints = (
@@ -148,6 +149,8 @@ def preprocess(
         HEAD_DIM=geo.head_dim_v,
         BLOCK_M=pre_m,
         BLOCK_D=bd,
+        ACC_DIM=geo.head_dim,  # the dQ accumulator's: q's
+        BLOCK_ACC=block_d(geo.head_dim),
     )
     pre = (grid, ints, kwargs)
     cu = geo.cu_seqlens(lse)[0]

@@ -4,7 +4,7 @@
 
 reads TABLE's rows for (direction, arch, head-dim bucket, bytes per element) in order and returns the
 first whose kernel the call can run (Features, REQUIRES) and whose causal, key-length and value-head-dim bounds
-hold. head_dim is the wider of q/k's and v's (the bucket), head_dim_v v's (None: head_dim).
+hold. head_dim is q's and k's, head_dim_v v's (None: head_dim); the bucket is the wider one's.
 Every list of rows ends with a Triton kernel that runs everything, so a plan always exists. Each row
 says in one line which measurement chose it; the full numbers, the runners-up and the rejected
 variants are in bench/results/provenance-nvidia-h200.md, the method in docs/tuning.md.
@@ -31,7 +31,11 @@ from . import _runtime
 # Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB); interp: Triton's CPU interpreter
 ARCHS = ("sm90", "sm80", "sm86", "interp")
 HEAD_DIM_BUCKETS = (64, 128, 256, 512)  # BLOCK_D <= 64 share the 64 rows; a call's bucket is its wider head dim's
-GLUON_HEAD_DIMS = (64, 128, 256)  # the Gluon kernels' (q, k and v alike)
+# the (q/k, v) head dims the Gluon kernels of each direction run (v's at most q's: O leaves through Q's buffer)
+GLUON_HEAD_DIMS = {
+    "fwd": ((64, 64), (128, 128), (256, 256), (192, 128)),
+    "bwd": ((64, 64), (128, 128), (256, 256), (192, 128)),
+}
 # The kernels a plan names (force() takes a tile for each):
 #   fwd, bwd_dkdv + bwd_dq: the Triton kernels (kernels/fwd.py, kernels/bwd.py), every arch and option;
 #   fwd_hopper_persist: the persistent warp-specialized Gluon forward (kernels/fwd_hopper.py; grid = #SMs;
@@ -196,6 +200,10 @@ _SM90 = [
     Row("fwd", "sm90", 128, 2, "fwd", T(128, 64, 4, 2),
         why="Triton sweep: 527/488 full/causal, 470/358 at 2k (128x128 w8 s3: 486/467)"),
     # forward, d256 (and a value head dim of its own: DeepSeek-V3's 192/128)
+    Row("fwd", "sm90", 256, 2, "fwd_hopper_persist", T(64, 64, 12, 2, qbuf=2), causal=True, max_seqlen_k=2048,
+        head_dim_v=128, why="192/128 causal 2k: 476 (64(x2)x128 s2 q1: 449; cuDNN 467, our d128 490)"),
+    Row("fwd", "sm90", 256, 2, "fwd_hopper_persist", T(64, 128, 8, 2, qbuf=1), head_dim_v=128,
+        why="192/128 2k-16k 649-711, causal 4k-16k 602-668 (cuDNN 564-600, 470-534); ws 64(x2)x128 s2 0.93-1.0x"),
     Row("fwd", "sm90", 256, 2, "fwd", T(128, 64, 8, 3), head_dim_v=128,
         why="192/128 Triton sweep at 8k: 463/439 full/causal (the d256 row's 128x64 s2: 380/338)"),
     Row("fwd", "sm90", 256, 2, "fwd_hopper_ws", T(64, 64, 4, 2),
@@ -213,6 +221,10 @@ _SM90 = [
     Row("bwd", "sm90", 128, 2, "bwd_dkdv", T(64, 128, 8, 3), dq_tile=T(128, 32, 4, 3),
         why="Triton sweep: 370/357 full/causal, 315/237 at 2k (dK/dV 32x64 w4 s3: 353/345)"),
     # backward, d256 (192/128 first)
+    Row("bwd", "sm90", 256, 2, "bwd_hopper", T(64, 64, 8, 2), constexprs=_rings(True, 1, 2, 2), causal=True,
+        head_dim_v=128, why="192/128 causal 2k-16k 308-382 (cuDNN 378-488); one ring 0.98-1.0x, 64x128 0.87-0.88x"),
+    Row("bwd", "sm90", 256, 2, "bwd_hopper", T(64, 128, 8, 2), constexprs=_rings(False, None, 2, 1), head_dim_v=128,
+        why="192/128 2k-16k 353-403 (cuDNN 288-309; 64x64 split ring 0.95-1.01x; 128x64 s1 0.78-0.83x)"),
     Row("bwd", "sm90", 256, 2, "bwd_dkdv", T(32, 64, 4, 2), dq_tile=T(128, 64, 8, 2), head_dim_v=128,
         why="192/128 Triton sweep at 8k: 337 full (the d256 row's tiles 217; dK/dV 64x64 s3 184)"),
     Row("bwd", "sm90", 256, 2, "bwd_hopper", T(64, 64, 8, 2), constexprs=_rings(True, 1, 2, 1),
@@ -262,14 +274,16 @@ for _row in TABLE:
     _ROWS[_key] = (*_ROWS.get(_key, ()), _row)
 
 
-def _gluon_applies(features: Features, dtype: torch.dtype, head_dim: int, max_seqlen_k: int) -> bool:
-    """The Gluon kernels: dense fp16/bf16 inputs with head dim 64, 128 or 256, causal or not and no other score
-    modification, keys present, on a device and tensors they run on (Features.gluon: v's head dim q's too)."""
-    return (
+def _gluon_applies(direction: str):
+    """Whether a call can run the Gluon kernels of `direction`: dense fp16/bf16 inputs with a (q/k, v) head-dim
+    pair of GLUON_HEAD_DIMS, causal or not and no other score modification, keys present, on a device and
+    tensors they run on (Features.gluon)."""
+    pairs = GLUON_HEAD_DIMS[direction]
+    return lambda features, dtype, head_dim, head_dim_v, max_seqlen_k: (
         features.gluon
         and not features.varlen
         and not features.score_mods
-        and head_dim in GLUON_HEAD_DIMS
+        and (head_dim, head_dim_v) in pairs
         and dtype in (torch.float16, torch.bfloat16)
         and max_seqlen_k > 0
     )
@@ -277,15 +291,17 @@ def _gluon_applies(features: Features, dtype: torch.dtype, head_dim: int, max_se
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 
-# kernel -> whether a call can run it (features, dtype, head_dim, max_seqlen_k); the Triton kernels run everything
+# kernel -> whether a call can run it (features, dtype, head_dim, head_dim_v, max_seqlen_k); the Triton kernels run
+# everything
+_GLUON_FWD, _GLUON_BWD = _gluon_applies("fwd"), _gluon_applies("bwd")
 REQUIRES = {
-    "fwd": lambda f, dtype, d, n: True,
-    "bwd_dkdv": lambda f, dtype, d, n: True,
-    "fwd_hopper_persist": _gluon_applies,
-    "fwd_hopper_ws": _gluon_applies,
+    "fwd": lambda f, dtype, d, dv, n: True,
+    "bwd_dkdv": lambda f, dtype, d, dv, n: True,
+    "fwd_hopper_persist": _GLUON_FWD,
+    "fwd_hopper_ws": _GLUON_FWD,
     # dQ added in any order: deterministic=False only; the key blocks (64 keys at least) on the grid's second axis
-    "bwd_hopper": lambda f, dtype, d, n: (
-        not f.deterministic and _gluon_applies(f, dtype, d, n) and -(-n // 64) <= _GRID_YZ
+    "bwd_hopper": lambda f, dtype, d, dv, n: (
+        not f.deterministic and _GLUON_BWD(f, dtype, d, dv, n) and -(-n // 64) <= _GRID_YZ
     ),
 }
 
@@ -397,8 +413,9 @@ def plan(
 @functools.lru_cache(maxsize=4096)
 def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced: Forced) -> Plan:
     hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
-    v_bucket = head_dim_bucket(head_dim if head_dim_v is None else head_dim_v)
-    key = (direction, arch, head_dim_bucket(head_dim), 4 if dtype == torch.float32 else 2)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    v_bucket = head_dim_bucket(head_dim_v)
+    key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), 4 if dtype == torch.float32 else 2)
     if key in UNSUPPORTED:
         raise NotImplementedError(
             f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
@@ -411,7 +428,7 @@ def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head
         ):
             continue
         if (row.kernel in GLUON_KERNELS and not hopper) or not REQUIRES[row.kernel](
-            features, dtype, head_dim, max_seqlen_k
+            features, dtype, head_dim, head_dim_v, max_seqlen_k
         ):
             continue
         return _derive(row, forced, causal)
