@@ -415,22 +415,31 @@ def test_short_tile_launch(d, seqlen_k, monkeypatch):
 def test_short_tiles():
     """Rows with a key-length bound: each one's tile from the bound before it (exclusive) up to its own, the next
     row's past it; the causal flag apart; a forced tile beats every row."""
-    kernel_of = lambda d, causal, n: planning.plan("sm90", torch.float16, d, causal, n, GLUON_FWD, "fwd")
+
+    def kernel_of(d, causal, n, dv=None):
+        return planning.plan("sm90", torch.float16, d, causal, n, GLUON_FWD, "fwd", dv)
+
     bounded = [r for r in planning.TABLE if r.max_seqlen_k is not None]
     assert bounded
     for row in bounded:
         same = [
             r
             for r in planning.TABLE
-            if (r.direction, r.arch, r.head_dim, r.elem_bytes, r.kernel)
-            == (row.direction, row.arch, row.head_dim, row.elem_bytes, row.kernel)
+            if (r.direction, r.arch, r.head_dim, r.elem_bytes, r.kernel, r.head_dim_v)
+            == (row.direction, row.arch, row.head_dim, row.elem_bytes, row.kernel, row.head_dim_v)
             and r.causal in (None, row.causal)
+        ]
+        # the Gluon head-dim pair the row is read for (a row bounded by v's bucket: its narrower pair, 192/128)
+        ((d, dv),) = [
+            p
+            for p in planning.GLUON_HEAD_DIMS[row.direction]
+            if planning.head_dim_bucket(p[0]) == row.head_dim and (p[0] == p[1]) == (row.head_dim_v is None)
         ]
         before = [r.max_seqlen_k for r in same[: same.index(row)] if r.max_seqlen_k is not None]
         shorter = max(before, default=0)
-        assert kernel_of(row.head_dim, row.causal, shorter + 1).tile == row.tile
-        assert kernel_of(row.head_dim, row.causal, row.max_seqlen_k).tile == row.tile
-        assert kernel_of(row.head_dim, row.causal, row.max_seqlen_k + 1).tile != row.tile
+        assert kernel_of(d, row.causal, shorter + 1, dv).tile == row.tile
+        assert kernel_of(d, row.causal, row.max_seqlen_k, dv).tile == row.tile
+        assert kernel_of(d, row.causal, row.max_seqlen_k + 1, dv).tile != row.tile
     assert kernel_of(128, False, 512).tile == kernel_of(128, False, 16384).tile  # no short row there
     with force(fwd_hopper_persist=T(64, 64, 8, 2)):
         assert kernel_of(64, True, 512).tile == kernel_of(64, False, 99999).tile == T(64, 64, 8, 2)
