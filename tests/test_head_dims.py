@@ -349,9 +349,10 @@ def test_gluon_pairs():
     assert bwd(192, 128) == bwd(128, 128) == "bwd_hopper" and bwd(160, 128) == bwd(192, 64) == "bwd_dkdv"
     full = planning.plan("sm90", torch.bfloat16, 192, False, 8192, GLUON_BWD, "bwd", 128)
     assert full.kernel == "bwd_hopper" and dict(full.constexprs)["DQ_SPLIT"] == 2  # dQ_i in the head dim's parts
-    from flashattn2.ops.launch_gluon import head_dim_parts
+    from flashattn2.ops.geometry import column_parts
 
-    assert [head_dim_parts(d) for d in (64, 128, 192, 256, 96)] == [(64, 0), (128, 0), (128, 64), (256, 0), (64, 32)]
+    parts = [column_parts(d) for d in (64, 128, 192, 256, 96, 576, 80, 40, 112, 1)]
+    assert parts == [(64, 0), (128, 0), (128, 64), (256, 0), (64, 32), (512, 64), (64, 16), (64, 0), (128, 0), (16, 0)]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: an sm_90 GPU")

@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
-from flashattn2.ops import _runtime, kvcache, launch_gluon, launcher, planning  # noqa: E402
-from flashattn2.ops.geometry import block_d  # noqa: E402
+from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
+from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
 
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
@@ -103,11 +103,11 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
     side, with the shared-memory layout ops.launch_gluon gives them): query-side tensors BLOCK_M rows, key-side
     BLOCK_N; "DQ" is the backward's fp32 accumulator (box [1, BLOCK_M, dq_cols or head_dim]). A head dim that is
     not a power of two: Q, K, DK and DQ get its first part's box and a "...Lo" descriptor each (added) its second's
-    (launch_gluon.head_dim_parts)."""
+    (geometry.column_parts)."""
     import torch
     from triton.runtime.jit import mangle_type
 
-    hi, lo = launch_gluon.head_dim_parts(head_dim)
+    hi, lo = column_parts(head_dim)
     parted = [n for n in ("Q", "K", "DK", "DQ") if n in names]
     cols = {n: hi for n in parted}
     if dq_cols is not None:
@@ -184,7 +184,7 @@ def _gluon_cases(arch, row):
         constexprs.update(plan.constexprs)
         if row.kernel == "bwd_hopper":
             constexprs["GQA"] = causal
-            hi, lo = launch_gluon.head_dim_parts(d)
+            hi, lo = column_parts(d)
             dq_cols = hi if lo else d // constexprs["DQ_SPLIT"]
             types = _gluon_descriptor_types(
                 elem_bytes, d, cfg, ("Q", "K", "V", "DO", "DK", "DV", "DQ"), dq_cols=dq_cols, head_dim_v=dv
@@ -331,11 +331,12 @@ def cases(arch):
         PDL=False,
     )
     # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
-    for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (512, 512), (576, 512)):
+    # (and DeepSeek-V3's 192/128: q/k in two column blocks, as 576)
+    for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (512, 512), (576, 512), (192, 128)):
         bd, bdv = block_d(head_dim), block_d(head_dim_v)
         name_d = f"d{head_dim}" if head_dim == head_dim_v else f"d{head_dim}-{head_dim_v}"
         for elem_bytes in (2, 4):
-            if arch == "sm86" and elem_bytes == 4 and bd + bdv > 1024:  # ops.kvcache.forward refuses it there
+            if arch == "sm86" and elem_bytes == 4 and sum(column_parts(head_dim)) + bdv > 1024:  # refused there
                 continue
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
@@ -350,7 +351,8 @@ def cases(arch):
                         HEAD_DIM=head_dim,
                         BLOCK_M=block_m,
                         BLOCK_N=block_n,
-                        BLOCK_D=bd,
+                        BLOCK_D=column_parts(head_dim)[0],
+                        BLOCK_D_LO=column_parts(head_dim)[1],
                         HEAD_DIM_V=head_dim_v,
                         BLOCK_DV=bdv,
                     )

@@ -14,6 +14,10 @@ Split-KV: split s covers keys [s * chunk, (s + 1) * chunk) -- a fixed chunk of k
 reduction order depends on its own keys only -- and writes a partial output and logsumexp in
 fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
 
+q's and k's head dim that is two powers of two (576 = 512 + 64, the MLA decode's; 192 = 128 + 64) is two column
+blocks, BLOCK_D and BLOCK_D_LO (ops.geometry.column_parts), each a load and a dot of its own, rather than one block
+padded to the next power of two (1024, 256); BLOCK_D_LO is 0 otherwise.
+
 A learnable sink (SINK: a logit per query head in every row's denominator) joins once: in the program's
 final step without splits, in the combine with them (never in a split's partial logsumexp).
 """
@@ -93,6 +97,7 @@ def attn_kvcache_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_D_LO: tl.constexpr = 0,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
@@ -147,6 +152,19 @@ def attn_kvcache_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    if BLOCK_D_LO > 0:  # q's second column block (HEAD_DIM = BLOCK_D + BLOCK_D_LO)
+        cols_lo = BLOCK_D + tl.arange(0, BLOCK_D_LO)
+        q_lo = tl.load(
+            Q
+            + off_b * stride_qb
+            + (q_start + qi.to(tl.int64))[:, None] * stride_qs
+            + heads[:, None] * stride_qh
+            + cols_lo[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            q_lo = q_lo.to(tl.float32)
 
     # this split's keys, narrowed to what the block's rows can see
     n_lo = split * chunk
@@ -210,6 +228,11 @@ def attn_kvcache_kernel(
             k = k.to(tl.float32)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if BLOCK_D_LO > 0:
+            k_lo = tl.load(k_base + k_off[:, None] + cols_lo[None, :], mask=k_ok[:, None], other=0.0)
+            if UPCAST:
+                k_lo = k_lo.to(tl.float32)
+            qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
         if SOFTCAP:
             s = tanh(qk * softcap_in) * softcap_out
         else:

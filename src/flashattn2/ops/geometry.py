@@ -20,6 +20,18 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def column_parts(head_dim: int) -> tuple[int, int]:
+    """A head dim as the kernels' column blocks (tl.arange and Gluon's tiles are powers of two): (head_dim's block,
+    0), unless head_dim is two powers of two, the second at least 16 -- DeepSeek-V3's 192 = 128 + 64, the MLA
+    decode's 576 = 512 + 64 -- which are two blocks, (the largest power of two below it, the rest), computed
+    without padding (192 padded would run as 256, 576 as 1024)."""
+    hi = 1 << (head_dim.bit_length() - 1)
+    lo = head_dim - hi
+    if lo >= 16 and lo & (lo - 1) == 0:
+        return hi, lo
+    return block_d(head_dim), 0
+
+
 @dataclass(frozen=True)
 class Varlen:
     """Sequences packed along the first dimension: q (total_q, nheads, headdim) holds sequence b

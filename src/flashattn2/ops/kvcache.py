@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _runtime, checks, launcher, planning
-from .geometry import block_d, fill_tails
+from .geometry import block_d, column_parts, fill_tails
 from .options import ScoreMods
 from . import rotary as _rotary
 
@@ -194,11 +194,17 @@ def _path(cache: Cache, block_n: int) -> str:
     return "page-row"
 
 
+def _width(head_dim: int) -> int:
+    """The columns the decode kernel holds of q and k: their column blocks' (ops.geometry.column_parts: 576 as
+    512 + 64, not 1024)."""
+    return sum(column_parts(head_dim))
+
+
 def _block_m(rows: int, head_dim: int = 128, head_dim_v: int = 128) -> int:
     """Rows per program: the packed rows, at most what keeps q and the fp32 accumulator of one program within 96 KB
     of registers (head dims past 256: 32 rows at 512/512, 16 for the MLA shape 576/512)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    while block_m > 16 and block_m * (2 * block_d(head_dim) + 4 * block_d(head_dim_v)) > 96 * 1024:
+    while block_m > 16 and block_m * (2 * _width(head_dim) + 4 * block_d(head_dim_v)) > 96 * 1024:
         block_m //= 2
     return block_m
 
@@ -221,7 +227,7 @@ def _tiles(
     if interp:
         return block_m, 16, 1, 1
     block_n, warps, stages = DECODE_TILES[(path, split)]
-    widths = max(64, block_d(head_dim)) + max(64, block_d(head_dim_v))
+    widths = max(64, _width(head_dim)) + max(64, block_d(head_dim_v))
     block_n = max(32, min(256, 1 << (block_n * 256 // widths).bit_length() - 1))  # a power of two, rounded down
     if elem_bytes == 4:
         return block_m, max(16, block_n // (4 if max(head_dim, head_dim_v) > 128 else 2)), 4, 1
@@ -343,7 +349,7 @@ def forward(
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
     arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
-    if arch == "sm86" and upcast and block_d(head_dim) + block_d(head_dim_v) > 1024:
+    if arch == "sm86" and upcast and _width(head_dim) + block_d(head_dim_v) > 1024:
         raise NotImplementedError(
             f"flash_attn_with_kvcache in fp32 with head dims {head_dim}/{head_dim_v} on {arch}: its smallest tile needs "
             "128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
@@ -403,7 +409,8 @@ def forward(
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=block_d(head_dim),
+        BLOCK_D=column_parts(head_dim)[0],
+        BLOCK_D_LO=column_parts(head_dim)[1],
         HEAD_DIM_V=head_dim_v,
         BLOCK_DV=block_d(head_dim_v),
         num_warps=warps,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _runtime, launcher, planning
-from .geometry import Geometry, cdiv
+from .geometry import Geometry, cdiv, column_parts
 from .launch_triton import SinkGrad, launch_preprocess, preprocess
 from .options import ScoreMods
 from .planning import Plan
@@ -35,15 +35,6 @@ def ready(direction: str, arch: str, geo: Geometry, q: torch.Tensor, *tensors: t
     if hopper is None or getattr(hopper, direction) is None:
         return False
     return all(t.stride(2) == t.shape[3] for t in tensors) and use_tma(arch, *tensors)
-
-
-def head_dim_parts(head_dim: int) -> tuple[int, int]:
-    """The Gluon forward's two column parts of q's and k's head dim (kernels/fwd_hopper.py's _head_dim_parts):
-    (head_dim, 0) for a power of two, else the largest power of two below it and the rest."""
-    if head_dim & (head_dim - 1) == 0:
-        return head_dim, 0
-    hi = 1 << (head_dim.bit_length() - 1)
-    return hi, head_dim - hi
 
 
 def remember(plans: dict, key, launch) -> None:
@@ -93,7 +84,7 @@ class ForwardLaunch:
         s = lse.stride()
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
         # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper.py's FwdConfig)
-        hi, lo = head_dim_parts(q.shape[-1])
+        hi, lo = column_parts(q.shape[-1])
         launcher.launch(
             self.kernel,
             grid,
@@ -224,7 +215,7 @@ class BackwardLaunch:
         lse_strides = delta.stride()
         # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper.py's BwdConfig): Q, K,
         # dK and the dQ accumulator get a descriptor for each (dQ_i's parts are the head dim's)
-        hi, lo = head_dim_parts(geo.head_dim)
+        hi, lo = column_parts(geo.head_dim)
         lo_desc = (lambda t, rows: host_desc(t, rows, gluon=True, cols=lo)) if lo else (lambda t, rows: None)
         launcher.launch(
             self.kernels.attn_bwd_ws_kernel,
