@@ -267,6 +267,55 @@ def test_mla_decode(num_splits):
     assert torch.equal(kv_pages, ref[2])
 
 
+@pytest.mark.parametrize("dims", [(576, 512), (128, 128), (96, 64), (40, 40)])
+def test_values_read_from_the_key_tile(dims, monkeypatch):
+    """A V cache that is the K cache's first columns (a view, or k_cache itself) is read once per key block: the
+    kernel takes the values from the keys' tile (V_FROM_K), with any split; the result equals the same call with the
+    values read separately (the kernel's other path, forced) and the reference."""
+    from flashattn2.ops import kvcache
+
+    dqk, dv = dims
+    batch, heads, page = 2, 16 if dqk > 256 else 4, 16
+    capacity = 256 if ON_GPU else 48
+    q = randn(batch, 1, heads, dqk, dtype=torch.bfloat16)
+    blocks = batch * capacity // page
+    kv = randn(blocks, page, 1, dqk, dtype=torch.bfloat16)
+    table = torch.randperm(blocks, device=DEVICE).view(batch, -1).to(torch.int32)
+    seqlens = torch.tensor([capacity - 5, 17], dtype=torch.int32, device=DEVICE)
+    v_cache = kv if dv == dqk else kv[..., :dv]
+    cache = kvcache.Cache(kv, v_cache, seqlens, 0, None, None, table)
+    assert kvcache.v_from_k(cache, dqk)
+    args = dict(cache_seqlens=seqlens, block_table=table)
+    ref = kvcache_ref(q, kv, v_cache, **args)
+    low = kvcache_ref(q, kv, v_cache, upcast=False, **args)
+    for num_splits in (1, 3):
+        out = flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=num_splits, **args)
+        assert_close(f"out, {num_splits} splits", out, ref[0], low[0], FWD_FACTOR)
+        with monkeypatch.context() as m:
+            m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)
+            separate = flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=num_splits, **args)
+        assert torch.equal(out, separate)
+
+
+def test_values_from_the_keys_rule():
+    """v_from_k: only the K cache's own memory, strides and first column block (as wide as the kernel loads it)."""
+    from flashattn2.ops import kvcache
+
+    kv = randn(4, 16, 2, 576, dtype=torch.bfloat16)
+    cache = lambda k, v: kvcache.Cache(k, v, None, 16, None, None, None)  # noqa: E731
+    assert kvcache.v_from_k(cache(kv, kv[..., :512]), 576)
+    assert not kvcache.v_from_k(cache(kv, kv[..., :512].clone()), 576)  # its own memory
+    assert not kvcache.v_from_k(cache(kv, kv[..., :256]), 576)  # narrower than k's first block
+    assert not kvcache.v_from_k(cache(kv, kv[..., 64:]), 576)  # other columns
+    k128 = kv[..., :128]
+    assert kvcache.v_from_k(cache(k128, k128), 128)
+    assert not kvcache.v_from_k(cache(k128, k128[..., :64]), 128)  # k's block is 128 wide
+    other = kv.as_strided(k128.shape, (kv.stride(0), kv.stride(1), 128, 1))  # same start, heads at other strides
+    assert not kvcache.v_from_k(cache(k128, other), 128)
+    kd = kv[..., :96]
+    assert kvcache.v_from_k(cache(kd, kd[..., :64]), 96)  # 96 = 64 + 32: k's first block is 64
+
+
 def test_compile_and_opcheck():
     """The ops' fake implementations give the output v's head dim: opcheck, and torch.compile(fullgraph=True) with
     a backward equal to eager's."""

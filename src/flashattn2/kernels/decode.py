@@ -18,6 +18,9 @@ q's and k's head dim that is two powers of two (576 = 512 + 64, the MLA decode's
 blocks, BLOCK_D and BLOCK_D_LO (ops.geometry.column_parts), each a load and a dot of its own, rather than one block
 padded to the next power of two (1024, 256); BLOCK_D_LO is 0 otherwise.
 
+V_FROM_K: the V cache is the K cache's first columns (MLA: v_cache = k_cache[..., :512], one latent head), so the
+key tile's first column block is also the value tile: one load of the cache per key block, not two.
+
 A learnable sink (SINK: a logit per query head in every row's denominator) joins once: in the program's
 final step without splits, in the combine with them (never in a split's partial logsumexp).
 """
@@ -98,6 +101,7 @@ def attn_kvcache_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_D_LO: tl.constexpr = 0,
+    V_FROM_K: tl.constexpr = False,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
@@ -246,10 +250,12 @@ def attn_kvcache_kernel(
         p = tl.math.exp2(s - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # [BLOCK_N, BLOCK_DV]
-        v = tl.load(v_base + v_off[:, None] + cols_v[None, :], mask=k_ok[:, None] & col_v_ok[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
+        if V_FROM_K:  # v is k's first column block (ops.kvcache.v_from_k): the tile already loaded
+            v = k
+        else:  # [BLOCK_N, BLOCK_DV]
+            v = tl.load(v_base + v_off[:, None] + cols_v[None, :], mask=k_ok[:, None] & col_v_ok[None, :], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -186,6 +186,20 @@ SHORT_SPLIT = 1024
 MANY_PROGRAMS = 1024
 
 
+def v_from_k(cache: Cache, head_dim: int) -> bool:
+    """Whether the V cache is the K cache's first column block (MLA: v_cache = k_cache[..., :512] of a 576-wide
+    cache): the same memory and strides, v as wide as the block the kernel loads k's first columns in. The decode
+    kernel then takes each key block's values from its keys' tile (V_FROM_K) instead of reading them again."""
+    k, v = cache.k, cache.v
+    first = column_parts(head_dim)[0]
+    return (
+        v.data_ptr() == k.data_ptr()
+        and v.stride()[:3] == k.stride()[:3]
+        and v.shape[-1] == min(head_dim, first)
+        and block_d(v.shape[-1]) == first
+    )
+
+
 def _path(cache: Cache, block_n: int) -> str:
     if cache.block_table is None:
         return "contiguous"
@@ -413,6 +427,7 @@ def forward(
         BLOCK_D_LO=column_parts(head_dim)[1],
         HEAD_DIM_V=head_dim_v,
         BLOCK_DV=block_d(head_dim_v),
+        V_FROM_K=v_from_k(cache, head_dim),
         num_warps=warps,
         num_stages=stages,
     )
