@@ -7,7 +7,8 @@
     python tools/ncu_profile.py --summarize ncu.txt
 
 A case is provider:dtype:headdim:causal:seqlen[:bwd][:override=value ...] (16k tokens, hidden 2048,
-as the kernel grid): e.g. flashattn2:fp16:64:1:512, sdpa_cudnn:fp16:256:0:4096:bwd,
+as the kernel grid; headdim may be q/k's and v's, 192/128, with 2048 / v's heads): e.g. flashattn2:fp16:64:1:512,
+sdpa_cudnn:fp16:256:0:4096:bwd, flashattn2:bf16:192/128:1:8192:bwd,
 flashattn2:fp16:64:0:16384:fwd_hopper_persist=64x128w12s3. Each case runs three warm-up calls,
 then one call between cudaProfilerStart and cudaProfilerStop (so ncu --profile-from-start off sees
 that call's kernels only): the forward without autograd, or with `bwd` the backward alone
@@ -57,13 +58,14 @@ def run(cases) -> None:
     table = providers()
     for case in cases:
         provider, dtype_name, d, causal, n, *rest = case.split(":")
-        d, causal, n = int(d), causal == "1", int(n)
+        d, _, dv = d.partition("/")
+        d, dv, causal, n = int(d), int(dv or d), causal == "1", int(n)
         bwd = "bwd" in rest
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
         layout, fn = table[provider]
-        b, h = 16384 // n, 2048 // d
-        shape = (b, n, h, d) if layout == "bshd" else (b, h, n, d)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=bwd) for _ in range(3))
+        b, h = 16384 // n, 2048 // dv
+        shapes = [(b, n, h, x) if layout == "bshd" else (b, h, n, x) for x in (d, d, dv)]
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=bwd) for shape in shapes)
         with planning.force(**_overrides([r for r in rest if r != "bwd"])):
             if bwd:
                 out = fn(q, k, v, causal)
