@@ -236,8 +236,8 @@ def test_kvcache(dims, paged, num_splits):
 @pytest.mark.parametrize("num_splits", [1, 0], ids=["no-split", "auto"])
 def test_mla_decode(num_splits):
     """The MLA decode shape: q/k 576, v 512 -- one latent head, its value the K cache's first 512 columns (v_cache a
-    view of k_cache: read where it lies, written once by the append), paged, 128 query heads (16 on the CPU)."""
-    heads, batch, page = (128, 4, 64) if ON_GPU else (16, 2, 16)
+    view of k_cache: read where it lies, written once by the append), paged, 128 query heads (64 on the CPU)."""
+    heads, batch, page = (128, 4, 64) if ON_GPU else (64, 2, 16)  # rows over several row blocks
     capacity = 1024 if ON_GPU else 64
     q = randn(batch, 1, heads, 576, dtype=torch.bfloat16) * 0.1
     blocks = batch * capacity // page

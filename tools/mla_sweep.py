@@ -1,9 +1,10 @@
 """One-off sweep: the MLA decode's tiles on an H100/H200 (flash_attn_with_kvcache; q/k 576, v a view of the K
 cache's first 512 columns, one latent head, paged 64, bf16). Each tile is checked against the reference, then timed
 with CUDA graphs beside a device copy of the same cache in alternated rounds. Tiles are forced by replacing
-ops.kvcache.plan; V_FROM_K off by replacing ops.kvcache.v_from_k (the kernel then loads v again).
+ops.kvcache.plan; V_FROM_K off by replacing ops.kvcache.v_from_k (the kernel then loads v again). With
+--baseline NAME (a package from tools/baseline_pkg.py on the path) the older build's plan is timed too ("base").
 
-    python tools/mla_sweep.py [--rounds 3] [--jobs 8] [--csv FILE]
+    python tools/mla_sweep.py [--rounds 3] [--jobs 8] [--csv FILE] [--baseline flashattn2_base]
 
 The variants are compiled first in parallel subprocesses (--only N: check and compile one variant), then timed in
 this process."""
@@ -21,21 +22,22 @@ import torch
 import flashattn2
 from flashattn2.ops import kvcache
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, V_FROM_K); None: the table's plan (with V_FROM_K as detected)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, V_FROM_K); None: the table's plan (with V_FROM_K as detected); "base":
+# the baseline package's plan. (64-row tiles spill 1.2-1.6 KB at 255 registers in ptxas; 128 rows need 16 warps,
+# which ptxas refuses at 128 registers: measured for the record with one of each.)
 VARIANTS = [
+    "base",
     None,
     (16, 32, 8, 1, False),
     (16, 32, 8, 1, True),
+    (16, 64, 8, 1, True),
+    (16, 32, 4, 1, True),
+    (16, 64, 4, 1, True),
     (32, 32, 8, 1, True),
     (32, 64, 8, 1, True),
+    (32, 32, 4, 1, True),
     (64, 32, 8, 1, True),
     (64, 64, 8, 1, True),
-    (64, 64, 8, 2, True),
-    (64, 32, 8, 2, True),
-    (64, 64, 4, 1, True),
-    (64, 64, 8, 1, False),
-    (128, 32, 16, 1, True),
-    (128, 64, 16, 1, True),
 ]
 # (batch, cache length, query heads)
 SHAPES = [(64, 16384, 128), (128, 8192, 128), (8, 8192, 128), (64, 16384, 64), (64, 16384, 16)]
@@ -43,15 +45,18 @@ PAGE = 64
 _PLAN, _V_FROM_K = kvcache.plan, kvcache.v_from_k
 
 
+BASE = None  # the baseline package (--baseline)
+
+
 def name(variant) -> str:
-    if variant is None:
-        return "table"
+    if variant is None or variant == "base":
+        return variant or "table"
     bm, bn, w, s, vk = variant
     return f"{bm}x{bn}w{w}s{s}" + ("-vk" if vk else "")
 
 
 def use(variant) -> None:
-    if variant is None:
+    if variant is None or variant == "base":
         kvcache.plan, kvcache.v_from_k = _PLAN, _V_FROM_K
         return
     bm, bn, w, s, vk = variant
@@ -76,8 +81,9 @@ def problem(batch, cache_len, heads, lens=None):
     return q, kv, table, lens
 
 
-def step_of(q, kv, table, lens):
-    return lambda: flashattn2.flash_attn_with_kvcache(q, kv, kv[..., :512], cache_seqlens=lens, block_table=table)
+def step_of(q, kv, table, lens, variant=None):
+    module = BASE if variant == "base" else flashattn2
+    return lambda: module.flash_attn_with_kvcache(q, kv, kv[..., :512], cache_seqlens=lens, block_table=table)
 
 
 def check(variant) -> str:
@@ -91,7 +97,7 @@ def check(variant) -> str:
         lens = torch.tensor([1000, 77, 1], dtype=torch.int32, device="cuda")
         q, kv, table, lens = problem(3, 1024, heads, lens)
         out = torch.full((3, 1, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-        out.copy_(step_of(q, kv, table, lens)())
+        out.copy_(step_of(q, kv, table, lens, variant)())
         kw = dict(cache_seqlens=lens, block_table=table)
         ref = kvcache_ref(q, kv, kv[..., :512], **kw)[0]
         low = kvcache_ref(q, kv, kv[..., :512], **kw, upcast=False)[0]
@@ -106,7 +112,7 @@ def compile_one(index: int) -> None:
     try:
         note = check(variant)
         for batch, cache_len, heads in SHAPES:
-            step_of(*problem(batch, cache_len, heads))()
+            step_of(*problem(batch, cache_len, heads), variant)()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 (a tile that does not compile or launch: reported, not fatal)
         note = "failed: " + " ".join(str(e).split())[:300]
@@ -119,14 +125,40 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--csv", default="mla-sweep.csv")
+    ap.add_argument("--baseline")
+    ap.add_argument(
+        "--profile", type=int, help="one call of variant N at the first shape, for ncu --profile-from-start off"
+    )
     args = ap.parse_args()
+    global BASE
     flashattn2.set_kvcache_checks(False)
+    if args.baseline:
+        import importlib
+
+        BASE = importlib.import_module(args.baseline)
+        BASE.set_kvcache_checks(False)
+    elif "base" in VARIANTS:
+        VARIANTS.remove("base")
     if args.only is not None:
         compile_one(args.only)
         return
+    if args.profile is not None:
+        variant = VARIANTS[args.profile]
+        use(variant)
+        step = step_of(*problem(*SHAPES[0]), variant)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print("PROFILED", name(variant), flush=True)
+        return
 
     def run(i):
-        r = subprocess.run([sys.executable, __file__, "--only", str(i)], capture_output=True, text=True, timeout=500)
+        cmd = [sys.executable, __file__, "--only", str(i)] + (["--baseline", args.baseline] if args.baseline else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
         return lines[0].split(" ", 2)[2] if lines else "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:300]
 
@@ -144,7 +176,7 @@ def main():
         calls = {"copy": lambda: dst.copy_(kv)}
         for i, v in enumerate(VARIANTS):
             if not notes[i]:
-                step = step_of(q, kv, table, lens)
+                step = step_of(q, kv, table, lens, v)
                 calls[name(v)] = lambda v=v, step=step: (use(v), step())[1]
 
         def time_one(call):

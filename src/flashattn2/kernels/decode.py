@@ -18,6 +18,11 @@ q's and k's head dim that is two powers of two (576 = 512 + 64, the MLA decode's
 blocks, BLOCK_D and BLOCK_D_LO (ops.geometry.column_parts), each a load and a dot of its own, rather than one block
 padded to the next power of two (1024, 256); BLOCK_D_LO is 0 otherwise.
 
+ROW_BLOCKS_ADJACENT (more than one row block): the grid's (batch * nheads_k, row blocks) programs are renumbered so that
+the row blocks of one (batch, kv head) are consecutive programs, which run at the same time: its keys and values come
+from HBM once and from L2 for the other row blocks, rather than once per row block (the grid's first axis varies
+fastest, which would put batch * nheads_k programs between two row blocks of one sequence).
+
 V_FROM_K: the V cache is the K cache's first columns (MLA: v_cache = k_cache[..., :512], one latent head), so the
 key tile's first column block is also the value tile: one load of the cache per key block, not two.
 
@@ -102,11 +107,17 @@ def attn_kvcache_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_D_LO: tl.constexpr = 0,
     V_FROM_K: tl.constexpr = False,
+    ROW_BLOCKS_ADJACENT: tl.constexpr = False,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
-    off_bhk = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    if ROW_BLOCKS_ADJACENT:  # consecutive programs take the row blocks of one (batch, kv head)
+        flat = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        off_bhk = flat // tl.num_programs(1)
+        pid_m = flat % tl.num_programs(1)
+    else:
+        off_bhk = tl.program_id(0)
+        pid_m = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)

@@ -428,6 +428,7 @@ def forward(
         HEAD_DIM_V=head_dim_v,
         BLOCK_DV=block_d(head_dim_v),
         V_FROM_K=v_from_k(cache, head_dim),
+        ROW_BLOCKS_ADJACENT=rows > block_m,
         num_warps=warps,
         num_stages=stages,
     )
