@@ -267,15 +267,16 @@ def test_mla_decode(num_splits):
     assert torch.equal(kv_pages, ref[2])
 
 
-@pytest.mark.parametrize("dims", [(576, 512), (128, 128), (96, 64), (40, 40)])
+@pytest.mark.parametrize("dims", [(576, 512, 16), (576, 512, 32), (128, 128, 4), (96, 64, 4), (40, 40, 4)])
 def test_values_read_from_the_key_tile(dims, monkeypatch):
     """A V cache that is the K cache's first columns (a view, or k_cache itself) is read once per key block: the
     kernel takes the values from the keys' tile (V_FROM_K), with any split; the result equals the same call with the
-    values read separately (the kernel's other path, forced) and the reference."""
+    values read separately (the kernel's other path, forced) and the reference. 576/512 at 16 and 32 query heads:
+    the latent tiles of 16 and 32 rows on an H100/H200 (test_mla_decode has 64)."""
     from flashattn2.ops import kvcache
 
-    dqk, dv = dims
-    batch, heads, page = 2, 16 if dqk > 256 else 4, 16
+    dqk, dv, heads = dims
+    batch, page = 2, 16
     capacity = 256 if ON_GPU else 48
     q = randn(batch, 1, heads, dqk, dtype=torch.bfloat16)
     blocks = batch * capacity // page
@@ -438,3 +439,28 @@ def test_decode_tiles():
                 if d + dv > 512:
                     assert stages == 1 and block_m <= 32
     assert kvcache._tiles(128, 576, False, 2, "page-block", True, 512)[:2] == (16, 32)
+
+
+def test_latent_tiles():
+    """MLA's latent cache (v the K cache's first 512 columns, q/k 576) takes LATENT_TILES on sm90 in 16-bit types, by
+    the packed rows (64 rows a program at 128 heads: one wgmma over the heads); anything else the generic tiles."""
+    from flashattn2.ops import kvcache
+
+    pages = torch.empty(64, 64, 1, 576, dtype=torch.bfloat16)
+    latent = kvcache.Cache(pages, pages[..., :512], None, 4096, None, None, torch.zeros(1, 64, dtype=torch.int32))
+    apart = kvcache.Cache(pages, pages[..., :512].clone(), None, 4096, None, None, latent.block_table)
+    plan = lambda cache, rows, arch="sm90", elem_bytes=2, dv=512: kvcache.plan(  # noqa: E731
+        cache, rows, 1, 576, elem_bytes, 0, 132, False, dv, arch
+    )
+    assert plan(latent, 128)[:4] == kvcache.LATENT_TILES[64] == (64, 64, 8, 1)
+    assert plan(latent, 33)[:4] == kvcache.LATENT_TILES[64]
+    assert plan(latent, 20)[:4] == kvcache.LATENT_TILES[32] and plan(latent, 16)[:4] == kvcache.LATENT_TILES[16]
+    generic = plan(latent, 128, arch="sm80")
+    assert generic[:2] == (16, 32)  # the generic rows: 16 a program at these widths
+    assert plan(apart, 128) == generic and plan(latent, 128, elem_bytes=4)[0] == 16
+    # the splits count the latent tile's programs: 2 row blocks of 64, not 8 of 16
+    assert plan(latent, 128)[4:] == (64, 64)  # 2 programs: 64 splits of one 64-key block (at most one a block)
+    assert generic[4:] == (32, 128)  # 8 programs: 2 x 132 / 8 = 33 splits of 32 keys, rounded to 32 of 128
+    view192 = torch.empty(64, 64, 1, 192, dtype=torch.bfloat16)
+    cache192 = kvcache.Cache(view192, view192[..., :128], None, 4096, None, None, latent.block_table)
+    assert kvcache.plan(cache192, 128, 1, 192, 2, 0, 132, False, 128, "sm90")[:4] not in kvcache.LATENT_TILES.values()

@@ -329,6 +329,8 @@ def cases(arch):
         VARLEN_Q=False,
         CHECK=False,
         PDL=False,
+        V_FROM_K=False,
+        ROW_BLOCKS_ADJACENT=False,
     )
     # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
     # (and DeepSeek-V3's 192/128: q/k in two column blocks, as 576)
@@ -364,6 +366,38 @@ def cases(arch):
                         flags,
                         T(block_m, block_n, warps, stages),
                         types,
+                    )
+        if arch == "sm90" and column_parts(head_dim)[1] and head_dim + head_dim_v > 512:
+            # MLA's latent cache (ops.kvcache.LATENT_TILES): v read from the key tile, 128 query heads' rows
+            for block_m, (_, block_n, warps, stages) in kvcache.LATENT_TILES.items():
+                for split in (False, True):
+                    flags = dict(
+                        off,
+                        PAGED=True,
+                        PAGE_SIZE=64,
+                        SEQLENS_TENSOR=True,
+                        SPLIT=split,
+                        PDL=split,
+                        SINK=split,
+                        UPCAST=False,
+                        DOT_PRECISION="tf32",
+                        HEAD_DIM=head_dim,
+                        BLOCK_M=block_m,
+                        BLOCK_N=block_n,
+                        BLOCK_D=column_parts(head_dim)[0],
+                        BLOCK_D_LO=column_parts(head_dim)[1],
+                        HEAD_DIM_V=head_dim_v,
+                        BLOCK_DV=bdv,
+                        V_FROM_K=True,
+                        ROW_BLOCKS_ADJACENT=True,
+                    )
+                    yield (
+                        f"{arch}-kvcache-{name_d}-fp16-latent-m{block_m}-page-block{'-split' if split else ''}",
+                        decode.attn_kvcache_kernel,
+                        2,
+                        flags,
+                        T(block_m, block_n, warps, stages),
+                        {"Out": "*fp32"} if split else None,
                     )
         for paged, rotate in ((False, True), (True, False)):
             append = dict(

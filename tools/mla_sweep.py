@@ -61,7 +61,7 @@ def use(variant) -> None:
         return
     bm, bn, w, s, vk = variant
 
-    def plan(cache, rows, batch, head_dim, elem_bytes, num_splits, sm_count, interp, head_dim_v=None):
+    def plan(cache, rows, batch, head_dim, elem_bytes, num_splits, sm_count, interp, *rest):
         programs = -(-rows // bm) * batch * cache.k.shape[2]
         splits = kvcache.num_splits_for(num_splits, programs, cache.capacity, bn, sm_count)
         chunk = -(-cache.capacity // (splits * bn)) * bn

@@ -8,7 +8,7 @@
   sk * d.
 - d512: head dim 512 (4 heads), flashattn2 against every SDPA backend that accepts it, forward and backward.
 - mla: the MLA decode shape (q/k 576, v 512 a view of the K cache's first 512 columns, one latent head, 128 query
-  heads, paged 64, bf16; CUDA graphs), in GB/s of distinct cache bytes read (the K cache: v is a view of it)
+  heads, and 64 and 16 at one point each; paged 64, bf16; CUDA graphs), in GB/s of distinct cache bytes read (the K cache: v is a view of it)
   beside a device-to-device copy of the same cache in the same run (its GB/s count the bytes read and written);
   the tflops column of these rows holds GB/s (their note says so).
 
@@ -25,6 +25,9 @@ import flashattn2
 from .kernels import alternated, time_modes
 
 DV_LENGTHS = (2048, 4096, 8192, 16384)
+# (batch, cache length, query heads) of the MLA decode: 128 heads (DeepSeek-V3's; compute-bound: 242 FLOP a cache
+# byte), and 64 and 16 over the same cache (121 and 30 FLOP a byte: at 16 the shape is memory-bound)
+MLA_POINTS = ((8, 8192, 128), (64, 16384, 128), (128, 8192, 128), (64, 16384, 64), (64, 16384, 16))
 D512_LENGTHS = (1024, 2048, 4096, 8192)
 TOKENS = 16384
 
@@ -159,10 +162,10 @@ def mla_case(out, dtype_name, dtype):
     from ..api import set_kvcache_checks
     from .decode import _time
 
-    heads, page = 128, 64
+    page = 64
     previous = set_kvcache_checks(False)
     try:
-        for batch, cache_len in ((8, 8192), (64, 16384), (128, 8192)):
+        for batch, cache_len, heads in MLA_POINTS:
             blocks = batch * cache_len // page
             kv = torch.randn(blocks, page, 1, 576, device="cuda", dtype=dtype)
             table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
@@ -180,7 +183,7 @@ def mla_case(out, dtype_name, dtype):
                 timed = alternated({"flashattn2": step, "copy": copy}, lambda c: {"fwd": _time(c, "graph")}, 3)
                 med = {name: times["fwd"] for name, times in timed.items()}
                 nbytes = kv.numel() * kv.element_size()
-                shape = f"{batch}x{cache_len} MLA 576/512 h128 paged{page} splits {splits or 'auto'}"
+                shape = f"{batch}x{cache_len} MLA 576/512 h{heads} paged{page} splits {splits or 'auto'}"
                 gbs = nbytes / med["flashattn2"] * 1e-6
                 copy_gbs = 2 * nbytes / med["copy"] * 1e-6
                 flop = batch * heads * cache_len * 2.0 * (576 + 512)

@@ -184,6 +184,18 @@ DECODE_TILES = {
 }
 SHORT_SPLIT = 1024
 MANY_PROGRAMS = 1024
+# A latent cache (MLA: v_cache the K cache's first column block, v_from_k; q/k wider than v by a second column
+# block, 576 = 512 + 64; together past 512 columns) on sm90 in 16-bit types: (BLOCK_M, BLOCK_N, num_warps,
+# num_stages) by BLOCK_M, the packed rows' power of two up to 64 (16, 32, 64). H200 sweep, bf16, paged 64, CUDA
+# graphs, 3 alternated rounds (tools/mla_sweep.py; bench/results/headdims-nvidia-h200.md); TFLOP/s count
+# 2 * (576 + 512) per query head and key. The 64-row tile is the one whose wgmma spans the heads (ptxas: 255
+# registers, 1.6 KB of spills: the key tile passes through registers beside the 64 x 512 fp32 accumulator):
+LATENT_TILES = {
+    64: (64, 64, 8, 1),  # h128 64x16k 170, 128x8k 173, 8x8k 122; h64 160 (the generic 16x32w8: 66, 66, 72, 64;
+    #                      32x32w4 125-127; 64x32w8 123-125; 32x64w8 108-109)
+    32: (32, 32, 4, 1),  # the best 32-row tile at h128 and h64 (above; 32x32w8 72), not measured at 32 heads
+    16: (16, 32, 4, 1),  # h16 64x16k 66 = 0.80x a device copy's GB/s (16x32w8 57, 16x64w8 60, 16x64w4 57)
+}
 
 
 def v_from_k(cache: Cache, head_dim: int) -> bool:
@@ -198,6 +210,11 @@ def v_from_k(cache: Cache, head_dim: int) -> bool:
         and v.shape[-1] == min(head_dim, first)
         and block_d(v.shape[-1]) == first
     )
+
+
+def _latent(cache: Cache, head_dim: int, head_dim_v: int) -> bool:
+    """MLA's latent cache (LATENT_TILES): v the K cache's first column block, q/k one more block, past 512 columns."""
+    return v_from_k(cache, head_dim) and column_parts(head_dim)[1] > 0 and head_dim + head_dim_v > 512
 
 
 def _path(cache: Cache, block_n: int) -> str:
@@ -278,11 +295,18 @@ def plan(
     sm_count: int,
     interp: bool,
     head_dim_v: int | None = None,
+    arch: str | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, chunk) of a decode call: rows = group x
     seqlen_q rows per program; each split reads chunk keys (a multiple of BLOCK_N). head_dim_v: v's, when it
-    differs from q's and k's."""
+    differs from q's and k's; arch: the table's (planning.ARCHS), for the tiles measured on one."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if arch == "sm90" and elem_bytes == 2 and _latent(cache, head_dim, head_dim_v):
+        block_m, block_n, warps, stages = LATENT_TILES[min(64, max(16, 1 << (rows - 1).bit_length()))]
+        programs = -(-rows // block_m) * batch * cache.k.shape[2]
+        splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
+        chunk = -(-cache.capacity // (splits * block_n)) * block_n
+        return block_m, block_n, warps, stages, -(-cache.capacity // chunk), chunk
     programs = -(-rows // _block_m(rows, head_dim, head_dim_v)) * batch * cache.k.shape[2]
     split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
     # the tile's path; the kernel itself takes the one-page-per-block addressing when its
@@ -338,9 +362,10 @@ def forward(
             lse.copy_(mods.sinks[:, None].expand_as(lse))
         return out.to(q.dtype), lse
     sm_count = 64 if interp else _runtime.sm_count(q.device)
+    arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
     rows = group * seqlen_q
     block_m, block_n, warps, stages, splits, chunk = plan(
-        cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp, head_dim_v
+        cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp, head_dim_v, arch
     )
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
@@ -362,7 +387,6 @@ def forward(
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
-    arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
     if arch == "sm86" and upcast and _width(head_dim) + block_d(head_dim_v) > 1024:
         raise NotImplementedError(
             f"flash_attn_with_kvcache in fp32 with head dims {head_dim}/{head_dim_v} on {arch}: its smallest tile needs "
