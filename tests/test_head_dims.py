@@ -272,11 +272,12 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
     """A V cache that is the K cache's first columns (a view, or k_cache itself) is read once per key block: the
     kernel takes the values from the keys' tile (V_FROM_K), with any split; the result equals the same call with the
     values read separately (the kernel's other path, forced) and the reference. 576/512 at 16 and 32 query heads:
-    the latent tiles of 16 and 32 rows on an H100/H200 (test_mla_decode has 64)."""
+    the latent tiles of 16 and 32 rows on an H100/H200 (test_mla_decode has 64), whose whole key blocks are TMA copies
+    (KV_TMA; lengths that end inside a block: the rest by pointers)."""
     from flashattn2.ops import kvcache
 
     dqk, dv, heads = dims
-    batch, page = 2, 16
+    batch, page = 2, 64 if ON_GPU else 16  # a key block in one page: MLA's key blocks by TMA (KV_TMA)
     capacity = 256 if ON_GPU else 48
     q = randn(batch, 1, heads, dqk, dtype=torch.bfloat16)
     blocks = batch * capacity // page
@@ -289,8 +290,13 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
     args = dict(cache_seqlens=seqlens, block_table=table)
     ref = kvcache_ref(q, kv, v_cache, **args)
     low = kvcache_ref(q, kv, v_cache, upcast=False, **args)
+    chosen, real = [], kvcache.kv_tma
+    monkeypatch.setattr(kvcache, "kv_tma", lambda *a: chosen.append(real(*a)) or chosen[-1])
     for num_splits in (1, 3):
-        out = flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=num_splits, **args)
+        # TMA on: the interpreter runs the descriptors too (Hopper's default; MLA's shape takes them)
+        with planning.force(tma=True if dqk == 576 else None):
+            out = flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=num_splits, **args)
+        assert chosen.pop() == (dqk == 576 and (not ON_GPU or planning.arch_of(q.device) == "sm90"))
         assert_close(f"out, {num_splits} splits", out, ref[0], low[0], FWD_FACTOR)
         with monkeypatch.context() as m:
             m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)

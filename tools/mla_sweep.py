@@ -22,22 +22,19 @@ import torch
 import flashattn2
 from flashattn2.ops import kvcache
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, V_FROM_K); None: the table's plan (with V_FROM_K as detected); "base":
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, V_FROM_K, KV_TMA: planning.force(tma=...)); None: the table's plan (with
+# V_FROM_K and KV_TMA as chosen); "base":
 # the baseline package's plan. (64-row tiles spill 1.2-1.6 KB at 255 registers in ptxas; 128 rows need 16 warps,
 # which ptxas refuses at 128 registers: measured for the record with one of each.)
 VARIANTS = [
     "base",
     None,
-    (16, 32, 8, 1, False),
-    (16, 32, 8, 1, True),
-    (16, 64, 8, 1, True),
-    (16, 32, 4, 1, True),
-    (16, 64, 4, 1, True),
-    (32, 32, 8, 1, True),
-    (32, 64, 8, 1, True),
-    (32, 32, 4, 1, True),
-    (64, 32, 8, 1, True),
-    (64, 64, 8, 1, True),
+    (64, 64, 8, 1, True, False),
+    (64, 64, 8, 2, True, True),
+    (64, 32, 8, 2, True, True),
+    (64, 32, 8, 3, True, True),
+    (16, 32, 4, 1, True, False),
+    (32, 32, 4, 1, True, False),
 ]
 # (batch, cache length, query heads)
 SHAPES = [(64, 16384, 128), (128, 8192, 128), (8, 8192, 128), (64, 16384, 64), (64, 16384, 16)]
@@ -46,20 +43,23 @@ _PLAN, _V_FROM_K = kvcache.plan, kvcache.v_from_k
 
 
 BASE = None  # the baseline package (--baseline)
+TMA = None  # the variant's planning.force(tma=...)
 
 
 def name(variant) -> str:
     if variant is None or variant == "base":
         return variant or "table"
-    bm, bn, w, s, vk = variant
-    return f"{bm}x{bn}w{w}s{s}" + ("-vk" if vk else "")
+    bm, bn, w, s, vk, tma = variant
+    return f"{bm}x{bn}w{w}s{s}" + ("-vk" if vk else "") + ("-tma" if tma else "")
 
 
 def use(variant) -> None:
+    global TMA
+    TMA = None
     if variant is None or variant == "base":
         kvcache.plan, kvcache.v_from_k = _PLAN, _V_FROM_K
         return
-    bm, bn, w, s, vk = variant
+    bm, bn, w, s, vk, TMA = variant
 
     def plan(cache, rows, batch, head_dim, elem_bytes, num_splits, sm_count, interp, *rest):
         programs = -(-rows // bm) * batch * cache.k.shape[2]
@@ -82,8 +82,15 @@ def problem(batch, cache_len, heads, lens=None):
 
 
 def step_of(q, kv, table, lens, variant=None):
+    from flashattn2.ops import planning
+
     module = BASE if variant == "base" else flashattn2
-    return lambda: module.flash_attn_with_kvcache(q, kv, kv[..., :512], cache_seqlens=lens, block_table=table)
+
+    def step():
+        with planning.force(tma=TMA):
+            return module.flash_attn_with_kvcache(q, kv, kv[..., :512], cache_seqlens=lens, block_table=table)
+
+    return step
 
 
 def check(variant) -> str:

@@ -23,6 +23,11 @@ the row blocks of one (batch, kv head) are consecutive programs, which run at th
 from HBM once and from L2 for the other row blocks, rather than once per row block (the grid's first axis varies
 fastest, which would put batch * nheads_k programs between two row blocks of one sequence).
 
+KV_TMA (with V_FROM_K, a second column block and a paged cache whose pages are contiguous rows, a key block in
+one page): whole key blocks are TMA copies into shared memory, which the dots read there, rather than loads through
+registers (at MLA's 64 query rows a program the 64 x 512 fp32 accumulator leaves no registers for the key tile); the
+last partial block takes the pointer loop, whose masked loads zero the keys past the end.
+
 V_FROM_K: the V cache is the K cache's first columns (MLA: v_cache = k_cache[..., :512], one latent head), so the
 key tile's first column block is also the value tile: one load of the cache per key block, not two.
 
@@ -108,6 +113,7 @@ def attn_kvcache_kernel(
     BLOCK_D_LO: tl.constexpr = 0,
     V_FROM_K: tl.constexpr = False,
     ROW_BLOCKS_ADJACENT: tl.constexpr = False,
+    KV_TMA: tl.constexpr = False,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
@@ -217,6 +223,36 @@ def attn_kvcache_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     page_bad = tl.full([], 0, tl.int1)
+    if KV_TMA:
+        # whole key blocks by TMA into shared memory, where the dots read them (the page's rows: k_base's rows of
+        # the pages, stride_ks apart); a last partial block goes to the loop below (pointers: keys past the end
+        # read as zeros, so the values' garbage rows there never meet p = 0)
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[n_rows * PAGE_SIZE, HEAD_DIM], strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        k_lo_desc = tl.make_tensor_descriptor(
+            k_base + BLOCK_D, shape=[n_rows * PAGE_SIZE, BLOCK_D_LO], strides=[stride_ks, 1],
+            block_shape=[BLOCK_N, BLOCK_D_LO],
+        )  # fmt: skip
+        n_full = n_lo + (n_hi - n_lo) // BLOCK_N * BLOCK_N
+        for start_n in range(n_lo, n_full, BLOCK_N):
+            kj = start_n + tl.arange(0, BLOCK_N)
+            page = tl.load(bt_row + start_n // PAGE_SIZE)
+            page_bad |= (page < 0) | (page >= n_rows)
+            row = (tl.minimum(tl.maximum(page, 0), n_rows - 1) * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)
+            k = k_desc.load([row, 0])
+            k_lo = k_lo_desc.load([row, 0])
+            if UPCAST:
+                k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
+            p, alpha, l_i, m_i = _softmax_step(
+                qk, kj, kj < n_hi, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                softcap_in, softcap_out, CAUSAL, LOCAL, SOFTCAP, ALIBI,
+            )  # fmt: skip
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(k.dtype), k, acc, input_precision=DOT_PRECISION)  # v: k's first block (V_FROM_K)
+        n_lo = n_full
     for start_n in range(n_lo, n_hi, BLOCK_N):
         kj = start_n + tl.arange(0, BLOCK_N)
         k_ok = kj < n_hi
@@ -248,19 +284,10 @@ def attn_kvcache_kernel(
             if UPCAST:
                 k_lo = k_lo.to(tl.float32)
             qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
-        if SOFTCAP:
-            s = tanh(qk * softcap_in) * softcap_out
-        else:
-            s = qk * qk_scale
-        if ALIBI:
-            s += alibi_bias(qi[:, None], kj[None, :], seqlen_q, seqlen_k, slope2[:, None])
-        mask = visible(qi[:, None], kj[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL)
-        s = tl.where(mask & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(
+            qk, kj, k_ok, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+            softcap_out, CAUSAL, LOCAL, SOFTCAP, ALIBI,
+        )  # fmt: skip
         if V_FROM_K:  # v is k's first column block (ops.kvcache.v_from_k): the tile already loaded
             v = k
         else:  # [BLOCK_N, BLOCK_DV]
@@ -292,6 +319,29 @@ def attn_kvcache_kernel(
     )
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_v_ok[None, :])
     tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def _softmax_step(
+    qk, kj, k_ok, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+    softcap_out, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+):  # fmt: skip
+    """One key block's step of the online softmax: the scores of qk (scaled, softcapped, ALiBi, masked; keys
+    outside k_ok masked) in base 2. Returns (p, alpha: the old accumulator's rescale, l_i, m_i) updated."""
+    if SOFTCAP:
+        s = tanh(qk * softcap_in) * softcap_out
+    else:
+        s = qk * qk_scale
+    if ALIBI:
+        s += alibi_bias(qi[:, None], kj[None, :], seqlen_q, seqlen_k, slope2[:, None])
+    mask = visible(qi[:, None], kj[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL)
+    s = tl.where(mask & k_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
 
 
 @triton.jit

@@ -11,6 +11,7 @@ import torch
 
 from . import _runtime, checks, launcher, planning
 from .geometry import block_d, column_parts, fill_tails
+from .tma import use_tma
 from .options import ScoreMods
 from . import rotary as _rotary
 
@@ -217,6 +218,22 @@ def _latent(cache: Cache, head_dim: int, head_dim_v: int) -> bool:
     return v_from_k(cache, head_dim) and column_parts(head_dim)[1] > 0 and head_dim + head_dim_v > 512
 
 
+def kv_tma(cache: Cache, head_dim: int, head_dim_v: int, block_n: int, elem_bytes: int, arch: str) -> bool:
+    """Whether the decode kernel reads the whole key blocks of a latent cache by TMA (KV_TMA): the LATENT_TILES
+    calls (or the interpreter, with force(tma=True)), paged with pages of contiguous rows, a key block in one page,
+    no left padding, TMA's alignment; force(tma=False) turns it off."""
+    if not (arch == "interp" or (arch == "sm90" and elem_bytes == 2)) or not _latent(cache, head_dim, head_dim_v):
+        return False
+    k = cache.k
+    return (
+        cache.block_table is not None
+        and cache.leftpad is None
+        and cache.page_size % block_n == 0
+        and k.stride(0) == cache.page_size * k.stride(1)
+        and use_tma(arch, k)
+    )
+
+
 def _path(cache: Cache, block_n: int) -> str:
     if cache.block_table is None:
         return "contiguous"
@@ -393,6 +410,9 @@ def forward(
             "128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
         )
     pdl = splits > 1 and _runtime.PDL and arch == "sm90"
+    tma = kv_tma(cache, head_dim, head_dim_v, block_n, q.element_size(), arch)
+    if tma and not interp:
+        _runtime.ensure_tma_allocator()
     kernels = _runtime.kernels().decode
     bt = cache.block_table
     k, v = cache.k, cache.v
@@ -453,6 +473,7 @@ def forward(
         BLOCK_DV=block_d(head_dim_v),
         V_FROM_K=v_from_k(cache, head_dim),
         ROW_BLOCKS_ADJACENT=rows > block_m,
+        KV_TMA=tma,
         num_warps=warps,
         num_stages=stages,
     )
