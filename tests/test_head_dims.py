@@ -458,7 +458,7 @@ def test_latent_tiles():
     plan = lambda cache, rows, arch="sm90", elem_bytes=2, dv=512: kvcache.plan(  # noqa: E731
         cache, rows, 1, 576, elem_bytes, 0, 132, False, dv, arch
     )
-    assert plan(latent, 128)[:4] == kvcache.LATENT_TILES[64] == (64, 64, 8, 1)
+    assert plan(latent, 128)[:4] == kvcache.LATENT_TILES[64] == (64, 64, 8, 2)
     assert plan(latent, 33)[:4] == kvcache.LATENT_TILES[64]
     assert plan(latent, 20)[:4] == kvcache.LATENT_TILES[32] and plan(latent, 16)[:4] == kvcache.LATENT_TILES[16]
     generic = plan(latent, 128, arch="sm80")

@@ -331,6 +331,7 @@ def cases(arch):
         PDL=False,
         V_FROM_K=False,
         ROW_BLOCKS_ADJACENT=False,
+        KV_TMA=False,
     )
     # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
     # (and DeepSeek-V3's 192/128: q/k in two column blocks, as 576)
@@ -390,6 +391,7 @@ def cases(arch):
                         BLOCK_DV=bdv,
                         V_FROM_K=True,
                         ROW_BLOCKS_ADJACENT=True,
+                        KV_TMA=True,
                     )
                     yield (
                         f"{arch}-kvcache-{name_d}-fp16-latent-m{block_m}-page-block{'-split' if split else ''}",

@@ -29,15 +29,17 @@ from flashattn2.ops import kvcache
 VARIANTS = [
     "base",
     None,
-    (64, 64, 8, 1, True, False),
-    (64, 64, 8, 2, True, True),
-    (64, 32, 8, 2, True, True),
-    (64, 32, 8, 3, True, True),
-    (16, 32, 4, 1, True, False),
+    (64, 64, 8, 1, True, True),
+    (32, 32, 4, 2, True, True),
+    (32, 64, 8, 2, True, True),
+    (32, 64, 4, 2, True, True),
     (32, 32, 4, 1, True, False),
+    (16, 32, 4, 2, True, True),
+    (16, 64, 4, 2, True, True),
+    (16, 64, 8, 2, True, True),
 ]
 # (batch, cache length, query heads)
-SHAPES = [(64, 16384, 128), (128, 8192, 128), (8, 8192, 128), (64, 16384, 64), (64, 16384, 16)]
+SHAPES = [(64, 16384, 128), (128, 8192, 128), (8, 8192, 128), (64, 16384, 64), (64, 16384, 32), (64, 16384, 16)]
 PAGE = 64
 _PLAN, _V_FROM_K = kvcache.plan, kvcache.v_from_k
 

@@ -187,15 +187,15 @@ SHORT_SPLIT = 1024
 MANY_PROGRAMS = 1024
 # A latent cache (MLA: v_cache the K cache's first column block, v_from_k; q/k wider than v by a second column
 # block, 576 = 512 + 64; together past 512 columns) on sm90 in 16-bit types: (BLOCK_M, BLOCK_N, num_warps,
-# num_stages) by BLOCK_M, the packed rows' power of two up to 64 (16, 32, 64). H200 sweep, bf16, paged 64, CUDA
-# graphs, 3 alternated rounds (tools/mla_sweep.py; bench/results/headdims-nvidia-h200.md); TFLOP/s count
-# 2 * (576 + 512) per query head and key. The 64-row tile is the one whose wgmma spans the heads (ptxas: 255
-# registers, 1.6 KB of spills: the key tile passes through registers beside the 64 x 512 fp32 accumulator):
+# num_stages) by BLOCK_M, the packed rows' power of two up to 64 (16, 32, 64); whole key blocks by TMA (kv_tma). H200
+# sweeps, bf16, paged 64, CUDA graphs, 3 alternated rounds (tools/mla_sweep.py; bench/results/headdims-nvidia-h200.md);
+# TFLOP/s count 2 * (576 + 512) per query head and key. The 64-row tile is the one whose wgmma spans the heads
+# (ptxas: 255 registers and ~1 KB of spills beside the 64 x 512 fp32 accumulator, with TMA too):
 LATENT_TILES = {
-    64: (64, 64, 8, 1),  # h128 64x16k 170, 128x8k 173, 8x8k 122; h64 160 (the generic 16x32w8: 66, 66, 72, 64;
-    #                      32x32w4 125-127; 64x32w8 123-125; 32x64w8 108-109)
-    32: (32, 32, 4, 1),  # the best 32-row tile at h128 and h64 (above; 32x32w8 72), not measured at 32 heads
-    16: (16, 32, 4, 1),  # h16 64x16k 66 = 0.80x a device copy's GB/s (16x32w8 57, 16x64w8 60, 16x64w4 57)
+    64: (64, 64, 8, 2),  # TMA: h128 64x16k 221, 128x8k 221, 8x8k 146; h64 221 (s1 175-185; 64x32w8 s2 195, s3 188;
+    #                      without TMA 64x64w8s1 169-172; the generic 16x32w8: 66, 66, 72, 64; 32x32w4 124-127)
+    32: (32, 32, 4, 1),  # the best 32-row tile at h128 and h64 without TMA (124-125, 32x32w8 72), not at 32 heads
+    16: (16, 32, 4, 1),  # TMA: h16 64x16k 77 = 0.95x a device copy's GB/s (without: 66, 0.80x; 16x32w8 57)
 }
 
 
