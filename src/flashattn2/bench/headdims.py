@@ -8,7 +8,7 @@
   sk * d.
 - d512: head dim 512 (4 heads), flashattn2 against every SDPA backend that accepts it, forward and backward.
 - mla: the MLA decode shape (q/k 576, v 512 a view of the K cache's first 512 columns, one latent head, 128 query
-  heads, and 64 and 16 at one point each; paged 64, bf16; CUDA graphs), in GB/s of distinct cache bytes read (the K cache: v is a view of it)
+  heads, and 64, 32 and 16 at one point each; paged 64, bf16; CUDA graphs), in GB/s of distinct cache bytes read (the K cache: v is a view of it)
   beside a device-to-device copy of the same cache in the same run (its GB/s count the bytes read and written);
   the tflops column of these rows holds GB/s (their note says so).
 
@@ -26,8 +26,8 @@ from .kernels import alternated, time_modes
 
 DV_LENGTHS = (2048, 4096, 8192, 16384)
 # (batch, cache length, query heads) of the MLA decode: 128 heads (DeepSeek-V3's; compute-bound: 242 FLOP a cache
-# byte), and 64 and 16 over the same cache (121 and 30 FLOP a byte: at 16 the shape is memory-bound)
-MLA_POINTS = ((8, 8192, 128), (64, 16384, 128), (128, 8192, 128), (64, 16384, 64), (64, 16384, 16))
+# byte), and 64, 32 and 16 over the same cache (121, 60 and 30 FLOP a byte: memory-bound from 32 on)
+MLA_POINTS = ((8, 8192, 128), (64, 16384, 128), (128, 8192, 128), (64, 16384, 64), (64, 16384, 32), (64, 16384, 16))
 D512_LENGTHS = (1024, 2048, 4096, 8192)
 TOKENS = 16384
 

@@ -192,10 +192,11 @@ MANY_PROGRAMS = 1024
 # TFLOP/s count 2 * (576 + 512) per query head and key. The 64-row tile is the one whose wgmma spans the heads
 # (ptxas: 255 registers and ~1 KB of spills beside the 64 x 512 fp32 accumulator, with TMA too):
 LATENT_TILES = {
-    64: (64, 64, 8, 2),  # TMA: h128 64x16k 221, 128x8k 221, 8x8k 146; h64 221 (s1 175-185; 64x32w8 s2 195, s3 188;
-    #                      without TMA 64x64w8s1 169-172; the generic 16x32w8: 66, 66, 72, 64; 32x32w4 124-127)
-    32: (32, 32, 4, 1),  # the best 32-row tile at h128 and h64 without TMA (124-125, 32x32w8 72), not at 32 heads
-    16: (16, 32, 4, 1),  # TMA: h16 64x16k 77 = 0.95x a device copy's GB/s (without: 66, 0.80x; 16x32w8 57)
+    64: (64, 64, 8, 2),  # TMA: h128 64x16k 221, 128x8k 221, 8x8k 146-148; h64 209-221 (s1 175-186; 64x32w8 s2 195,
+    #                      s3 188; without TMA 64x64w8s1 169-172; the generic 16x32w8: 66, 66, 72, 64; 32x32w4 124-127)
+    32: (32, 64, 8, 2),  # TMA: h32 64x16k 129 = 0.77x a device copy's GB/s (32x32w4 s2 122, s1 110; 16x32w4s2 106;
+    #                      64x64w8s2 110)
+    16: (16, 32, 4, 2),  # TMA: h16 64x16k 97 = 1.16x the copy's (s1 76-77; 16x64w8s2 84; without TMA 66; 16x32w8 57)
 }
 
 
