@@ -26,7 +26,7 @@ from .kernels import alternated, time_modes
 
 DV_LENGTHS = (2048, 4096, 8192, 16384)
 # (batch, cache length, query heads) of the MLA decode: 128 heads (DeepSeek-V3's; compute-bound: 242 FLOP a cache
-# byte), and 64, 32 and 16 over the same cache (121, 60 and 30 FLOP a byte: memory-bound from 32 on)
+# byte, above the H200's ridge of ~206), and 64, 32 and 16 over the same cache (121, 60 and 30: memory-bound)
 MLA_POINTS = ((8, 8192, 128), (64, 16384, 128), (128, 8192, 128), (64, 16384, 64), (64, 16384, 32), (64, 16384, 16))
 D512_LENGTHS = (1024, 2048, 4096, 8192)
 TOKENS = 16384
