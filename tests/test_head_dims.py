@@ -292,16 +292,22 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
     low = kvcache_ref(q, kv, v_cache, upcast=False, **args)
     chosen, real = [], kvcache.kv_tma
     monkeypatch.setattr(kvcache, "kv_tma", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    latent = kvcache._latent(cache, dqk, dv)
+    call = lambda splits: flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=splits, **args)  # noqa: E731
     for num_splits in (1, 3):
         # TMA on: the interpreter runs the descriptors too (Hopper's default; MLA's shape takes them)
         with planning.force(tma=True if dqk == 576 else None):
-            out = flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=num_splits, **args)
+            out = call(num_splits)
         assert chosen.pop() == (dqk == 576 and (not ON_GPU or planning.arch_of(q.device) == "sm90"))
         assert_close(f"out, {num_splits} splits", out, ref[0], low[0], FWD_FACTOR)
-        with monkeypatch.context() as m:
-            m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)
-            separate = flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=num_splits, **args)
-        assert torch.equal(out, separate)
+        with planning.force(tma=False):  # the same tile by pointers (TMA and pointer tiles may round apart)
+            pointers = call(num_splits)
+            with monkeypatch.context() as m:  # and with v read on its own, still the same tile
+                m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)
+                m.setattr(kvcache, "_latent", lambda *a: latent)
+                separate = call(num_splits)
+        assert_close(f"pointers, {num_splits} splits", pointers, ref[0], low[0], FWD_FACTOR)
+        assert torch.equal(pointers, separate)
 
 
 def test_values_from_the_keys_rule():
