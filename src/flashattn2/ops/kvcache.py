@@ -188,7 +188,7 @@ MANY_PROGRAMS = 1024
 # A latent cache (MLA: v_cache the K cache's first column block, v_from_k; q/k wider than v by a second column
 # block, 576 = 512 + 64; together past 512 columns) on sm90 in 16-bit types: (BLOCK_M, BLOCK_N, num_warps,
 # num_stages) by BLOCK_M, the packed rows' power of two up to 64 (16, 32, 64); whole key blocks by TMA (kv_tma). H200
-# sweeps, bf16, paged 64, CUDA graphs, 3 alternated rounds (tools/mla_sweep.py; bench/results/headdims-nvidia-h200.md);
+# sweeps, bf16, paged 64, CUDA graphs, 3 alternated rounds (bench/results/provenance-nvidia-h200.md, "latent cache");
 # TFLOP/s count 2 * (576 + 512) per query head and key. The 64-row tile is the one whose wgmma spans the heads
 # (ptxas: 255 registers and ~1 KB of spills beside the 64 x 512 fp32 accumulator, with TMA too):
 LATENT_TILES = {
