@@ -338,69 +338,40 @@ def cases(arch):
     for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (512, 512), (576, 512), (192, 128)):
         bd, bdv = block_d(head_dim), block_d(head_dim_v)
         name_d = f"d{head_dim}" if head_dim == head_dim_v else f"d{head_dim}-{head_dim_v}"
+
+        def kvcache_case(label, elem_bytes, chosen, tile):
+            """The decode kernel at this head-dim pair with the flags chosen (off: the rest) and tile."""
+            flags = dict(
+                off,
+                **chosen,
+                UPCAST=elem_bytes == 4,
+                DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32",
+                HEAD_DIM=head_dim,
+                BLOCK_M=tile.block_m,
+                BLOCK_N=tile.block_n,
+                BLOCK_D=column_parts(head_dim)[0],
+                BLOCK_D_LO=column_parts(head_dim)[1],
+                HEAD_DIM_V=head_dim_v,
+                BLOCK_DV=bdv,
+            )
+            split = "-split" if chosen.get("SPLIT") else ""
+            name = f"{arch}-kvcache-{name_d}-{TYPE[elem_bytes]}-{label}{split}"
+            return name, decode.attn_kvcache_kernel, elem_bytes, flags, tile, {"Out": "*fp32"} if split else None
+
         for elem_bytes in (2, 4):
             if arch == "sm86" and elem_bytes == 4 and sum(column_parts(head_dim)) + bdv > 1024:  # refused there
                 continue
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
-                    block_m, block_n, warps, stages = kvcache._tiles(
-                        rows, head_dim, False, elem_bytes, path, split, head_dim_v
-                    )
-                    flags = dict(
-                        off,
-                        **chosen,
-                        UPCAST=elem_bytes == 4,
-                        DOT_PRECISION="ieee" if elem_bytes == 4 else "tf32",
-                        HEAD_DIM=head_dim,
-                        BLOCK_M=block_m,
-                        BLOCK_N=block_n,
-                        BLOCK_D=column_parts(head_dim)[0],
-                        BLOCK_D_LO=column_parts(head_dim)[1],
-                        HEAD_DIM_V=head_dim_v,
-                        BLOCK_DV=bdv,
-                    )
-                    types = {"Out": "*fp32"} if split else None
-                    yield (
-                        f"{arch}-kvcache-{name_d}-{TYPE[elem_bytes]}-m{block_m}-{path}{'-split' if split else ''}",
-                        decode.attn_kvcache_kernel,
-                        elem_bytes,
-                        flags,
-                        T(block_m, block_n, warps, stages),
-                        types,
-                    )
+                    tile = T(*kvcache._tiles(rows, head_dim, False, elem_bytes, path, split, head_dim_v))
+                    yield kvcache_case(f"m{tile.block_m}-{path}", elem_bytes, chosen, tile)
         if arch == "sm90" and column_parts(head_dim)[1] and head_dim + head_dim_v > 512:
-            # MLA's latent cache (ops.kvcache.LATENT_TILES): v read from the key tile, 128 query heads' rows
-            for block_m, (_, block_n, warps, stages) in kvcache.LATENT_TILES.items():
+            # MLA's latent cache (ops.kvcache.LATENT_TILES): v read from the key tile by TMA, 128 query heads' rows
+            for block_m, tile in kvcache.LATENT_TILES.items():
                 for split in (False, True):
-                    flags = dict(
-                        off,
-                        PAGED=True,
-                        PAGE_SIZE=64,
-                        SEQLENS_TENSOR=True,
-                        SPLIT=split,
-                        PDL=split,
-                        SINK=split,
-                        UPCAST=False,
-                        DOT_PRECISION="tf32",
-                        HEAD_DIM=head_dim,
-                        BLOCK_M=block_m,
-                        BLOCK_N=block_n,
-                        BLOCK_D=column_parts(head_dim)[0],
-                        BLOCK_D_LO=column_parts(head_dim)[1],
-                        HEAD_DIM_V=head_dim_v,
-                        BLOCK_DV=bdv,
-                        V_FROM_K=True,
-                        ROW_BLOCKS_ADJACENT=True,
-                        KV_TMA=True,
-                    )
-                    yield (
-                        f"{arch}-kvcache-{name_d}-fp16-latent-m{block_m}-page-block{'-split' if split else ''}",
-                        decode.attn_kvcache_kernel,
-                        2,
-                        flags,
-                        T(block_m, block_n, warps, stages),
-                        {"Out": "*fp32"} if split else None,
-                    )
+                    chosen = dict(PAGED=True, PAGE_SIZE=64, SEQLENS_TENSOR=True, SPLIT=split, PDL=split, SINK=split)
+                    chosen.update(V_FROM_K=True, ROW_BLOCKS_ADJACENT=True, KV_TMA=True)
+                    yield kvcache_case(f"latent-m{block_m}-page-block", 2, chosen, T(*tile))
         for paged, rotate in ((False, True), (True, False)):
             append = dict(
                 CHECK=True,
