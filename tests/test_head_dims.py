@@ -310,6 +310,34 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
         assert torch.equal(pointers, separate)
 
 
+def test_mla_speculative_decode(monkeypatch):
+    """MLA decoding a few tokens at once (speculative decoding, multi-token prediction: seqlen_q 3, causal, the new
+    tokens appended to the latent cache) with lengths that end inside a key block: the decode kernel's latent path
+    (the keys' tile as values; whole key blocks by TMA on an H100/H200 and under force(tma=True) on the CPU, the
+    causal diagonal inside the TMA loop), against the reference."""
+    from flashattn2.ops import kvcache
+
+    # the 3 queries' rows in one row block (16 heads: the 64-row tile; 4 on the CPU), so that a block's diagonal
+    # falls in the TMA loop where a sequence ends on a block's end (the first)
+    heads, batch, page, capacity = (16, 3, 64, 512) if ON_GPU else (4, 3, 16, 64)
+    q = randn(batch, 3, heads, 576, dtype=torch.bfloat16)
+    blocks = batch * capacity // page
+    kv = randn(blocks, page, 1, 576, dtype=torch.bfloat16)
+    table = torch.randperm(blocks, device=DEVICE).view(batch, -1).to(torch.int32)
+    seqlens = torch.tensor([capacity - 3, page + 5, 2 * page - 3], dtype=torch.int32, device=DEVICE)
+    k_new = randn(batch, 3, 1, 576, dtype=torch.bfloat16)
+    args = dict(cache_seqlens=seqlens, block_table=table, causal=True)
+    ref = kvcache_ref(q, kv, kv[..., :512], k_new, k_new[..., :512], **args)
+    low = kvcache_ref(q, kv, kv[..., :512], k_new, k_new[..., :512], upcast=False, **args)
+    chosen, real = [], kvcache.kv_tma
+    monkeypatch.setattr(kvcache, "kv_tma", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    with planning.force(tma=True):
+        out = flashattn2.flash_attn_with_kvcache(q, kv, kv[..., :512], k_new, k_new[..., :512], **args)
+    assert chosen == [not ON_GPU or planning.arch_of(q.device) == "sm90"]
+    assert_close("mla speculative out", out, ref[0], low[0], FWD_FACTOR)
+    assert torch.equal(kv, ref[2])
+
+
 def test_values_from_the_keys_rule():
     """v_from_k: only the K cache's own memory, strides and first column block (as wide as the kernel loads it)."""
     from flashattn2.ops import kvcache

@@ -235,7 +235,7 @@ def attn_kvcache_kernel(
             block_shape=[BLOCK_N, BLOCK_D_LO],
         )  # fmt: skip
         tl.static_assert(V_FROM_K and BLOCK_D_LO > 0, "KV_TMA: a latent cache (ops.kvcache.kv_tma)")
-        n_full = n_lo + (n_hi - n_lo) // BLOCK_N * BLOCK_N
+        n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_lo, n_full, BLOCK_N):
             kj = start_n + tl.arange(0, BLOCK_N)
             page = tl.load(bt_row + start_n // PAGE_SIZE)
