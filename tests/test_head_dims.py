@@ -267,13 +267,15 @@ def test_mla_decode(num_splits):
     assert torch.equal(kv_pages, ref[2])
 
 
-@pytest.mark.parametrize("dims", [(576, 512, 16), (576, 512, 32), (128, 128, 4), (96, 64, 4), (40, 40, 4)])
+@pytest.mark.parametrize(
+    "dims", [(576, 512, 16), (576, 512, 32), (576, 512, 64), (128, 128, 4), (96, 64, 4), (40, 40, 4)]
+)
 def test_values_read_from_the_key_tile(dims, monkeypatch):
     """A V cache that is the K cache's first columns (a view, or k_cache itself) is read once per key block: the
     kernel takes the values from the keys' tile (V_FROM_K), with any split; the result equals the same call with the
-    values read separately (the kernel's other path, forced) and the reference. 576/512 at 16 and 32 query heads:
-    the latent tiles of 16 and 32 rows on an H100/H200 (test_mla_decode has 64), whose whole key blocks are TMA copies
-    (KV_TMA; lengths that end inside a block: the rest by pointers)."""
+    values read separately (the kernel's other path, forced) and the reference. 576/512 at 16, 32 and 64 query heads:
+    the latent tiles of 16, 32 and 64 rows on an H100/H200, whose whole key blocks are TMA copies (KV_TMA; lengths that
+    end inside a block: the rest by pointers), and the same tiles by pointers (force(tma=False))."""
     from flashattn2.ops import kvcache
 
     dqk, dv, heads = dims
@@ -503,4 +505,8 @@ def test_latent_tiles():
     assert generic[4:] == (32, 128)  # 8 programs: 2 x 132 / 8 = 33 splits of 32 keys, rounded to 32 of 128
     view192 = torch.empty(64, 64, 1, 192, dtype=torch.bfloat16)
     cache192 = kvcache.Cache(view192, view192[..., :128], None, 4096, None, None, latent.block_table)
-    assert kvcache.plan(cache192, 128, 1, 192, 2, 0, 132, False, 128, "sm90")[:4] not in kvcache.LATENT_TILES.values()
+    on = lambda arch: kvcache.plan(cache192, 128, 1, 192, 2, 0, 132, False, 128, arch)  # noqa: E731
+    assert on("sm90") == on("sm80")  # 192/128 with v a view of k: the generic tiles, not the latent ones
+    cache320 = kvcache.Cache(pages[..., :320], pages[..., :256], None, 4096, None, None, latent.block_table)
+    on320 = lambda arch: kvcache.plan(cache320, 128, 1, 320, 2, 0, 132, False, 256, arch)  # noqa: E731
+    assert on320("sm90") == on320("sm80")  # a 256-wide latent: the generic tiles

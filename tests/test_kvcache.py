@@ -675,7 +675,7 @@ def test_decode_plan():
         table = torch.empty(batch, -(-capacity // page), dtype=torch.int32, device="meta") if page else None
         cache = kvcache.Cache(k, k, None, capacity, None, None, table)
         rows = group if group is not None else 32 // nheads_k
-        return kvcache.plan(cache, rows, batch, 128, 2, num_splits, 132, False)
+        return kvcache.plan(cache, rows, batch, 128, 2, num_splits, 132, False, arch="sm90")
 
     # GQA-8 1 x 32k: 32 splits of 1024 keys, short splits take 64-key blocks
     assert plan(1, 8, 32768) == (16, 64, 4, 3, 32, 1024)

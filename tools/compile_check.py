@@ -364,7 +364,12 @@ def cases(arch):
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
                     tile = T(*kvcache._tiles(rows, head_dim, False, elem_bytes, path, split, head_dim_v))
-                    yield kvcache_case(f"m{tile.block_m}-{path}", elem_bytes, chosen, tile)
+                    many = dict(chosen, ROW_BLOCKS_ADJACENT=True) if rows > tile.block_m else chosen  # as forward
+                    yield kvcache_case(f"m{tile.block_m}-{path}", elem_bytes, many, tile)
+            # v read from the keys' tile (v_cache a view of k_cache's first block, or k_cache itself)
+            tile = T(*kvcache._tiles(16, head_dim, False, elem_bytes, "page-block", True, head_dim_v))
+            chosen = dict(variants[("page-block", True)], V_FROM_K=block_d(head_dim_v) == column_parts(head_dim)[0])
+            yield kvcache_case(f"m{tile.block_m}-page-block-vk", elem_bytes, chosen, tile)
         if arch == "sm90" and column_parts(head_dim)[1] and head_dim + head_dim_v > 512:
             # MLA's latent cache (ops.kvcache.LATENT_TILES): v read from the key tile by TMA, 128 query heads' rows
             for block_m, tile in kvcache.LATENT_TILES.items():
@@ -372,6 +377,9 @@ def cases(arch):
                     chosen = dict(PAGED=True, PAGE_SIZE=64, SEQLENS_TENSOR=True, SPLIT=split, PDL=split, SINK=split)
                     chosen.update(V_FROM_K=True, ROW_BLOCKS_ADJACENT=True, KV_TMA=True)
                     yield kvcache_case(f"latent-m{block_m}-page-block", 2, chosen, T(*tile))
+                # without TMA (a contiguous cache, small pages, left padding): the pointer loop at the latent tile
+                chosen = dict(PAGED=False, PAGE_SIZE=1, LEFTPAD=True, SPLIT=True, V_FROM_K=True)
+                yield kvcache_case(f"latent-m{block_m}-contiguous", 2, dict(chosen, ROW_BLOCKS_ADJACENT=True), T(*tile))
         for paged, rotate in ((False, True), (True, False)):
             append = dict(
                 CHECK=True,

@@ -24,7 +24,7 @@ from HBM once and from L2 for the other row blocks, rather than once per row blo
 fastest, which would put batch * nheads_k programs between two row blocks of one sequence).
 
 KV_TMA (with V_FROM_K, a second column block and a paged cache whose pages are contiguous rows, a key block in
-one page): whole key blocks are TMA copies into shared memory, which the dots read there, rather than loads through
+one page, no left padding, TMA's 16-byte alignment: ops.kvcache.kv_tma): whole key blocks are TMA copies into shared memory, which the dots read there, rather than loads through
 registers (at MLA's 64 query rows a program the 64 x 512 fp32 accumulator leaves no registers for the key tile); the
 last partial block takes the pointer loop, whose masked loads zero the keys past the end.
 
@@ -118,7 +118,7 @@ def attn_kvcache_kernel(
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
     if ROW_BLOCKS_ADJACENT:  # consecutive programs take the row blocks of one (batch, kv head)
-        flat = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        flat = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
         off_bhk = flat // tl.num_programs(1)
         pid_m = flat % tl.num_programs(1)
     else:
@@ -234,7 +234,7 @@ def attn_kvcache_kernel(
             k_base + BLOCK_D, shape=[n_rows * PAGE_SIZE, BLOCK_D_LO], strides=[stride_ks, 1],
             block_shape=[BLOCK_N, BLOCK_D_LO],
         )  # fmt: skip
-        tl.static_assert(V_FROM_K and BLOCK_D_LO > 0, "KV_TMA: a latent cache (ops.kvcache.kv_tma)")
+        tl.static_assert(V_FROM_K and BLOCK_D_LO > 0 and PAGED and not LEFTPAD, "KV_TMA: ops.kvcache.kv_tma's cache")
         n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_lo, n_full, BLOCK_N):
             kj = start_n + tl.arange(0, BLOCK_N)

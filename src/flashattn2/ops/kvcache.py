@@ -215,8 +215,14 @@ def v_from_k(cache: Cache, head_dim: int) -> bool:
 
 
 def _latent(cache: Cache, head_dim: int, head_dim_v: int) -> bool:
-    """MLA's latent cache (LATENT_TILES): v the K cache's first column block, q/k one more block, past 512 columns."""
-    return v_from_k(cache, head_dim) and column_parts(head_dim)[1] > 0 and head_dim + head_dim_v > 512
+    """MLA's latent cache (LATENT_TILES): v the K cache's first 512 columns, q/k one more (rotary) block: 512 + 64
+    as DeepSeek's (or 512 + 16, 512 + 32; the tiles were measured at 576/512)."""
+    return (
+        v_from_k(cache, head_dim)
+        and head_dim_v == 512
+        and column_parts(head_dim)[0] == 512
+        and column_parts(head_dim)[1] > 0
+    )
 
 
 def kv_tma(cache: Cache, head_dim: int, head_dim_v: int, block_n: int, elem_bytes: int, arch: str) -> bool:
