@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime, launch_gluon, launch_triton, planning
+from . import _runtime, invariance, kvcache, launch_gluon, launch_triton, planning
 from .geometry import Geometry, Varlen
 from .options import ScoreMods
 
@@ -27,6 +27,8 @@ def forward(
     varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q in q's dtype with v's head dim; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
+    if invariance.enabled():
+        return _invariant_forward(q, k, v, softmax_scale, mods, varlen)
     key = launch_gluon.forward_key(q, k, v, mods) if varlen is None and not _runtime.interpreted() else None
     if key is not None:
         launch = launch_gluon.FWD_PLANS.get(key)
@@ -55,6 +57,25 @@ def forward(
         return out, lse
     launch_triton.forward(plan, q, k, v, out, lse, geo, arch, runtime, flags, softmax_scale)
     return out.to(q.dtype), lse
+
+
+def _invariant_forward(q, k, v, softmax_scale: float, mods: ScoreMods, varlen: Varlen | None):
+    """The batch-invariant mode's forward (ops.invariance): the KV-cache kernel over k and v as a cache -- dense: a
+    contiguous cache of seqlen_k keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from
+    cu_seqlens_k[b] (its left padding) to cu_seqlens_k[b + 1] (its cache_seqlens) -- with q's rows packed as that
+    kernel packs a decode step's, so that a prefill row and the decode step of the same token compute alike."""
+    if mods.dropout_p > 0:
+        raise NotImplementedError(
+            "dropout_p > 0 in batch-invariant mode: the mode's kernel (the KV cache's) has no dropout; turn the mode "
+            "off for training with dropout (flashattn2.batch_invariant(False))"
+        )
+    if varlen is None:
+        cache = kvcache.Cache(k, v, None, k.shape[1], None, None, None)
+        return kvcache.forward(q, cache, 0, softmax_scale, mods, 0)
+    cu_k = varlen.cu_seqlens_k
+    rows = torch.zeros(cu_k.shape[0] - 1, dtype=torch.int32, device=cu_k.device)
+    cache = kvcache.Cache(k.unsqueeze(0), v.unsqueeze(0), cu_k[1:], 0, rows, cu_k[:-1], None)
+    return kvcache.forward(q, cache, 0, softmax_scale, mods, 0, varlen_q=(varlen.cu_seqlens_q, varlen.max_seqlen_q))
 
 
 def backward(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, checks, launcher, planning
+from . import _runtime, checks, invariance, launcher, planning
 from .geometry import block_d, column_parts, fill_tails
 from .tma import use_tma
 from .options import ScoreMods
@@ -185,6 +185,13 @@ DECODE_TILES = {
 }
 SHORT_SPLIT = 1024
 MANY_PROGRAMS = 1024
+# Batch-invariant mode (ops.invariance): one tile per (head dims, dtype) -- invariant_tiles -- and splits of a fixed
+# number of keys, counted from each sequence's first key, every row through the combine, whose reduction over the
+# splits has one fixed width (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The
+# interpreter splits every 32 keys, so that the CPU tests cross split boundaries. Not yet tuned on the GPU.
+INVARIANT_SPLIT_KEYS = 4096
+INVARIANT_SPLIT_KEYS_INTERP = 32
+INVARIANT_MAX_SPLITS = 256
 # A latent cache (MLA: v_cache the K cache's first column block, v_from_k; q/k wider than v by a second column
 # block, 576 = 512 + 64; together past 512 columns) on sm90 in 16-bit types: (BLOCK_M, BLOCK_N, num_warps,
 # num_stages) by BLOCK_M, the packed rows' power of two up to 64 (16, 32, 64); whole key blocks by TMA (kv_tma). H200
@@ -309,6 +316,25 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
     return max(1, min(MAX_SPLITS, 2 * sm_count // programs, n_blocks))
 
 
+def invariant_tiles(head_dim: int, head_dim_v: int, elem_bytes: int, interp: bool) -> tuple[int, int, int, int]:
+    """The batch-invariant mode's (BLOCK_M, BLOCK_N, num_warps, num_stages): a function of the head dims and the
+    element size only (the contiguous split entry's, at 16 rows: the widest head dims' row count), so that every
+    call of a model's attention -- prefill, decode, any batch, any cache layout -- runs the same tile."""
+    return _tiles(16, head_dim, interp, elem_bytes, "contiguous", True, head_dim_v)
+
+
+def _invariant_plan(cache: Cache, head_dim: int, head_dim_v: int, elem_bytes: int, interp: bool):
+    block_m, block_n, warps, stages = invariant_tiles(head_dim, head_dim_v, elem_bytes, interp)
+    chunk = INVARIANT_SPLIT_KEYS_INTERP if interp else INVARIANT_SPLIT_KEYS
+    splits = -(-cache.capacity // chunk)
+    if splits > INVARIANT_MAX_SPLITS:
+        raise NotImplementedError(
+            f"batch-invariant mode: {cache.capacity} keys are more than {INVARIANT_MAX_SPLITS} splits of {chunk} "
+            f"keys ({INVARIANT_MAX_SPLITS * chunk}); the mode's split-merging reduction has that fixed width"
+        )
+    return block_m, block_n, warps, stages, splits, chunk
+
+
 def plan(
     cache: Cache,
     rows: int,
@@ -388,12 +414,19 @@ def forward(
     sm_count = 64 if interp else _runtime.sm_count(q.device)
     arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
     rows = group * seqlen_q
-    block_m, block_n, warps, stages, splits, chunk = plan(
-        cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp, head_dim_v, arch
-    )
+    invariant = invariance.enabled()
+    if invariant:  # num_splits (a speed knob) yields to the mode's fixed splits
+        block_m, block_n, warps, stages, splits, chunk = _invariant_plan(
+            cache, head_dim, head_dim_v, q.element_size(), interp
+        )
+    else:
+        block_m, block_n, warps, stages, splits, chunk = plan(
+            cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp, head_dim_v, arch
+        )
+    split = splits > 1 or invariant  # the mode merges even one split: every row's last steps are the combine's
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
-    if splits > 1:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
+    if split:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
         n_out = -(-splits * out.numel() // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
         work = _runtime.empty((n_out + splits * lse.numel(),), torch.float32, q.device)
         dst = work[: splits * out.numel()].view(splits, *out.shape)
@@ -416,8 +449,8 @@ def forward(
             f"flash_attn_with_kvcache in fp32 with head dims {head_dim}/{head_dim_v} on {arch}: its smallest tile needs "
             "128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
         )
-    pdl = splits > 1 and _runtime.PDL and arch == "sm90"
-    tma = kv_tma(cache, head_dim, head_dim_v, block_n, q.element_size(), arch)
+    pdl = split and _runtime.PDL and arch == "sm90"
+    tma = not invariant and kv_tma(cache, head_dim, head_dim_v, block_n, q.element_size(), arch)
     if tma and not interp:
         _runtime.ensure_tma_allocator()
     kernels = _runtime.kernels().decode
@@ -464,7 +497,7 @@ def forward(
         BATCH_IDX=cache.batch_idx is not None,
         LEFTPAD=cache.leftpad is not None,
         SEQLENS_TENSOR=cache.seqlens is not None,
-        SPLIT=splits > 1,
+        SPLIT=split,
         VARLEN_Q=varlen_q is not None,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else "tf32",
@@ -484,7 +517,7 @@ def forward(
         num_warps=warps,
         num_stages=stages,
     )
-    if splits > 1:
+    if split:
         # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
         b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
         lse_b = 0 if varlen_q is not None else lse.stride(0)
@@ -506,7 +539,7 @@ def forward(
             splits,
             SINK=flags["SINK"],
             HEAD_DIM=head_dim_v,
-            BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
+            BLOCK_S=INVARIANT_MAX_SPLITS if invariant else max(2, 1 << (splits - 1).bit_length()),
             CHUNK_S=16,
             BLOCK_D=block_d(head_dim_v),
             PDL=pdl,

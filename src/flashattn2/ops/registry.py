@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime, attention, kvcache, planning
+from . import _runtime, attention, invariance, kvcache, planning
 from .geometry import Varlen
 from .options import N_OP_ARGS, Options, ScoreMods
 
@@ -182,6 +182,12 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, q, k, v, *output, alibi_slopes, sink, Options(*args))
 
 
+def _invariant() -> bool:
+    """Whether the batch-invariant mode is on, for an autograd function's backward (deterministic in the mode).
+    Under torch.compile the backward is the deterministic one anyway, and dynamo cannot read a context variable."""
+    return not torch.compiler.is_compiling() and invariance.enabled()
+
+
 def _saved(ctx):
     """What _save saved: (q, k, v, out, lse, alibi_slopes, sink, options)."""
     q, k, v, out, lse, alibi_slopes, sink, *tensors = ctx.saved_tensors
@@ -224,7 +230,7 @@ class Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, alibi_slopes, sink, deterministic, options: Options):
         out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
         _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
-        ctx.deterministic = deterministic
+        ctx.deterministic = deterministic or _invariant()
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -276,7 +282,7 @@ class PackedAttention(torch.autograd.Function):
             k, v = packed.unbind(dim=dim)
         out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
         _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
-        ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic
+        ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic or _invariant()
         ctx.set_materialize_grads(False)
         return out, lse
 
