@@ -4,6 +4,7 @@ in a causal prefill or a decode step over a cache holding the same keys; the bac
 Fresh random inputs and lengths each run; each comparison is bitwise (torch.equal), and the mode's results are
 checked against the reference too."""
 
+import os
 import subprocess
 import sys
 
@@ -74,7 +75,7 @@ def test_mode_switches(monkeypatch):
             pass
     code = "import flashattn2.ops.invariance as m; print(m.enabled())"
     for value, expected in (("1", "True"), ("0", "False")):
-        env = {"FLASHATTN2_BATCH_INVARIANT": value, "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+        env = dict(os.environ, FLASHATTN2_BATCH_INVARIANT=value, TRITON_INTERPRET="1")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert run.stdout.strip() == expected, run.stderr[-2000:]
 
@@ -230,6 +231,8 @@ def test_mode_refuses_dropout_and_too_many_keys(monkeypatch):
         with pytest.raises(NotImplementedError, match="dropout_p > 0 in batch-invariant mode"):
             flashattn2.flash_attn_func(q, k, v, dropout_p=0.1)
         monkeypatch.setattr(kvcache, "INVARIANT_MAX_SPLITS", 1)
+        monkeypatch.setattr(kvcache, "INVARIANT_SPLIT_KEYS", 16)
+        monkeypatch.setattr(kvcache, "INVARIANT_SPLIT_KEYS_INTERP", 16)
         with pytest.raises(NotImplementedError, match="batch-invariant mode: .* keys are more than 1 splits"):
             flashattn2.flash_attn_func(q, k, v)
 

@@ -304,12 +304,15 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
         assert_close(f"out, {num_splits} splits", out, ref[0], low[0], FWD_FACTOR)
         with planning.force(tma=False):  # the same tile by pointers (TMA and pointer tiles may round apart)
             pointers = call(num_splits)
-            with monkeypatch.context() as m:  # and with v read on its own, still the same tile
-                m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)
-                m.setattr(kvcache, "_latent", lambda *a: latent)
-                separate = call(num_splits)
+            # and with v read on its own, still the same tile (the 64-row latent tile has no shared memory for a
+            # v tile of its own: 352 KB on the H200; only a V cache of k's memory reaches it)
+            if not (ON_GPU and latent and heads >= 64):
+                with monkeypatch.context() as m:
+                    m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)
+                    m.setattr(kvcache, "_latent", lambda *a: latent)
+                    separate = call(num_splits)
+                assert torch.equal(pointers, separate)
         assert_close(f"pointers, {num_splits} splits", pointers, ref[0], low[0], FWD_FACTOR)
-        assert torch.equal(pointers, separate)
 
 
 def test_mla_speculative_decode(monkeypatch):
