@@ -84,7 +84,8 @@ def test_mode_switches(monkeypatch):
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: "h{}-hk{}-d{}".format(*d[:3]))
 def test_decode_alone_and_in_a_batch(dims, opts):
     """Decoding a batch of 6 sequences of random lengths (contiguous, then paged with several page sizes, with
-    cache_batch_idx) gives each row the bits it gets decoding alone; the mode's results obey the reference."""
+    cache_batch_idx) gives each row the bits it gets decoding alone over a cache of its own length (other split
+    counts: the merge's fixed width); the mode's results obey the reference."""
     h, hk, d, longest = dims
     batch, dtype = 6, torch.bfloat16
     capacity = longest + 3
@@ -97,9 +98,10 @@ def test_decode_alone_and_in_a_batch(dims, opts):
         out, lse = flashattn2.flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=lens, return_softmax_lse=True, **kw
         )
-        for b in range(batch):
+        for b in range(batch):  # alone, over a cache of its own length: fewer splits than the batch's
+            n = int(lens[b])
             alone, alone_lse = flashattn2.flash_attn_with_kvcache(
-                q[b : b + 1], k_cache[b : b + 1], v_cache[b : b + 1], cache_seqlens=lens[b : b + 1],
+                q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], cache_seqlens=lens[b : b + 1],
                 return_softmax_lse=True, **kw,
             )  # fmt: skip
             assert torch.equal(alone, out[b : b + 1]) and torch.equal(alone_lse, lse[b : b + 1]), b
@@ -148,7 +150,7 @@ def test_prefill_and_decode_agree(dims, opts):
         randn(1, length, hk, d, dtype=dtype),
     )
     kw = _kw(opts, h)
-    capacity = length + 40
+    capacity = length + 2 * (kvcache.INVARIANT_SPLIT_KEYS if ON_GPU else kvcache.INVARIANT_SPLIT_KEYS_INTERP)
     k_cache, v_cache = torch.zeros(1, capacity, hk, d, dtype=dtype, device=DEVICE), None
     k_cache[:, :length] = k
     v_cache = torch.zeros_like(k_cache)
@@ -197,14 +199,43 @@ def test_prefill_and_decode_agree(dims, opts):
     assert_close("prefill", out, ref, low, FWD_FACTOR)
 
 
-def test_dense_rows_alone_and_in_a_batch():
-    """flash_attn_func: a sequence's rows alone and as one of a batch of 3 (other data), forward and lse."""
-    h, hk, d, longest = DIMS[0]
-    q, k, v = (randn(3, longest, n, d, dtype=torch.bfloat16) for n in (h, hk, hk))
+@pytest.mark.parametrize(
+    "case",
+    [(torch.float32, 4, 2, 64, 64), (torch.bfloat16, 4, 1, 192, 128), (torch.float16, 3, 3, 96, 96)],
+    ids=["fp32-gqa", "bf16-mqa-d192-dv128", "fp16-mha-d96"],
+)
+def test_entry_points_agree_with_decode(case):
+    """Every dense entry point runs the mode: flash_attn_func, the packed functions where the shapes allow them and
+    flash_attn_interface's private forward give a causal prefill's last row the bits of decoding that token over a
+    cache of the same keys (a longer cache: more splits); fp32, MQA and a value head dim of its own included."""
+    from flashattn2 import flash_attn_interface
+
+    dtype, h, hk, d, dv = case
+    length = DIMS[0][3] - 7 if ON_GPU else 50
+    q, k, v = (
+        randn(2, length, h, d, dtype=dtype),
+        randn(2, length, hk, d, dtype=dtype),
+        randn(2, length, hk, dv, dtype=dtype),
+    )
+    extra = 2 * (kvcache.INVARIANT_SPLIT_KEYS if ON_GPU else kvcache.INVARIANT_SPLIT_KEYS_INTERP)
+    k_cache = torch.cat([k, k.new_zeros(2, extra, hk, d)], 1)
+    v_cache = torch.cat([v, v.new_zeros(2, extra, hk, dv)], 1)
+    seqlens = torch.full((2,), length, dtype=torch.int32, device=DEVICE)
     with flashattn2.batch_invariant():
-        out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-        alone, alone_lse, _ = flashattn2.flash_attn_func(q[1:2], k[1:2], v[1:2], causal=True, return_attn_probs=True)
-    assert torch.equal(alone, out[1:2]) and torch.equal(alone_lse, lse[1:2])
+        step = flashattn2.flash_attn_with_kvcache(q[:, -1:], k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        outs = {"func": flashattn2.flash_attn_func(q, k, v, causal=True)}
+        outs["private"] = flash_attn_interface._flash_attn_forward(
+            q, k, v, 0.0, d**-0.5, True, -1, -1, 0.0, None, False
+        )[0]
+        if d == dv:
+            outs["kvpacked"] = flashattn2.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True)
+        if d == dv and h == hk:
+            outs["qkvpacked"] = flashattn2.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=True)
+    for name, out in outs.items():
+        assert torch.equal(out[:, -1:], step), name
+    ref, _ = attention_ref(q, k, v, causal=True)
+    low, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert_close("func", outs["func"], ref, low, FWD_FACTOR)
 
 
 def test_backward_is_deterministic_in_the_mode(monkeypatch):
@@ -222,6 +253,18 @@ def test_backward_is_deterministic_in_the_mode(monkeypatch):
     out = flashattn2.flash_attn_func(q, k, v, causal=True, deterministic=False)
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert seen == [True, False]
+    from flashattn2 import flash_attn_interface
+
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    with flashattn2.batch_invariant():  # the private backward, as ring-attention libraries call it
+        out, lse = flash_attn_interface._flash_attn_forward(qd, kd, vd, 0.0, d**-0.5, True, -1, -1, 0.0, None, False)[
+            :2
+        ]
+        grads = [torch.empty_like(t) for t in (qd, kd, vd)]
+        flash_attn_interface._flash_attn_backward(
+            torch.randn_like(out), qd, kd, vd, out, lse, *grads, 0.0, d**-0.5, True, -1, -1, 0.0, None, False
+        )
+    assert seen == [True, False, True]
 
 
 def test_mode_refuses_dropout_and_too_many_keys(monkeypatch):
@@ -233,7 +276,9 @@ def test_mode_refuses_dropout_and_too_many_keys(monkeypatch):
         monkeypatch.setattr(kvcache, "INVARIANT_MAX_SPLITS", 1)
         monkeypatch.setattr(kvcache, "INVARIANT_SPLIT_KEYS", 16)
         monkeypatch.setattr(kvcache, "INVARIANT_SPLIT_KEYS_INTERP", 16)
-        with pytest.raises(NotImplementedError, match="batch-invariant mode: .* keys are more than 1 splits"):
+        with pytest.raises(
+            NotImplementedError, match="batch-invariant mode: a sequence of up to 40 keys .* more than 1 splits"
+        ):
             flashattn2.flash_attn_func(q, k, v)
 
 

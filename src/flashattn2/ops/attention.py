@@ -74,7 +74,7 @@ def _invariant_forward(q, k, v, softmax_scale: float, mods: ScoreMods, varlen: V
         return kvcache.forward(q, cache, 0, softmax_scale, mods, 0)
     cu_k = varlen.cu_seqlens_k
     rows = torch.zeros(cu_k.shape[0] - 1, dtype=torch.int32, device=cu_k.device)
-    cache = kvcache.Cache(k.unsqueeze(0), v.unsqueeze(0), cu_k[1:], 0, rows, cu_k[:-1], None)
+    cache = kvcache.Cache(k.unsqueeze(0), v.unsqueeze(0), cu_k[1:], 0, rows, cu_k[:-1], None, varlen.max_seqlen_k)
     return kvcache.forward(q, cache, 0, softmax_scale, mods, 0, varlen_q=(varlen.cu_seqlens_q, varlen.max_seqlen_q))
 
 

@@ -31,6 +31,9 @@ class Cache:
     batch_idx: torch.Tensor | None
     leftpad: torch.Tensor | None
     block_table: torch.Tensor | None
+    # the most keys a sequence has, when known below the capacity (a varlen pack seen as one cache row: its
+    # max_seqlen_k); None: the capacity
+    max_keys: int | None = None
 
     @property
     def page_size(self) -> int:
@@ -326,11 +329,13 @@ def invariant_tiles(head_dim: int, head_dim_v: int, elem_bytes: int, interp: boo
 def _invariant_plan(cache: Cache, head_dim: int, head_dim_v: int, elem_bytes: int, interp: bool):
     block_m, block_n, warps, stages = invariant_tiles(head_dim, head_dim_v, elem_bytes, interp)
     chunk = INVARIANT_SPLIT_KEYS_INTERP if interp else INVARIANT_SPLIT_KEYS
-    splits = -(-cache.capacity // chunk)
+    keys = cache.capacity if cache.max_keys is None else min(cache.max_keys, cache.capacity)
+    splits = max(1, -(-keys // chunk))
     if splits > INVARIANT_MAX_SPLITS:
         raise NotImplementedError(
-            f"batch-invariant mode: {cache.capacity} keys are more than {INVARIANT_MAX_SPLITS} splits of {chunk} "
-            f"keys ({INVARIANT_MAX_SPLITS * chunk}); the mode's split-merging reduction has that fixed width"
+            f"batch-invariant mode: a sequence of up to {keys} keys (a cache's capacity, or the longest sequence) is "
+            f"more than {INVARIANT_MAX_SPLITS} splits of {chunk} keys ({INVARIANT_MAX_SPLITS * chunk}); the mode's "
+            "split-merging reduction has that fixed width"
         )
     return block_m, block_n, warps, stages, splits, chunk
 

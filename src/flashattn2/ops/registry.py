@@ -182,9 +182,11 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, q, k, v, *output, alibi_slopes, sink, Options(*args))
 
 
-def _invariant() -> bool:
-    """Whether the batch-invariant mode is on, for an autograd function's backward (deterministic in the mode).
-    Under torch.compile the backward is the deterministic one anyway, and dynamo cannot read a context variable."""
+def invariant() -> bool:
+    """Whether the batch-invariant mode is on, for a backward (the deterministic one in the mode): the autograd
+    functions ask in their forward (the caller's thread, which sees a batch_invariant() block), the private
+    _flash_attn_*_backward functions where they are called. Under torch.compile the backward is the deterministic one
+    anyway, and dynamo cannot read a context variable."""
     return not torch.compiler.is_compiling() and invariance.enabled()
 
 
@@ -230,7 +232,7 @@ class Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, alibi_slopes, sink, deterministic, options: Options):
         out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
         _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
-        ctx.deterministic = deterministic or _invariant()
+        ctx.deterministic = deterministic or invariant()
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -282,7 +284,7 @@ class PackedAttention(torch.autograd.Function):
             k, v = packed.unbind(dim=dim)
         out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
         _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
-        ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic or _invariant()
+        ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic or invariant()
         ctx.set_materialize_grads(False)
         return out, lse
 
