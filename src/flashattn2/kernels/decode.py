@@ -2,7 +2,7 @@
 chunked prefill.
 
 Grid: (batch * nheads_k, row blocks, splits) -- batch * nheads_k first: CUDA caps the other
-two axes at 65535. The query heads that share a K/V head are packed
+two axes at 65535; with several row blocks (batch * nheads_k * row blocks, 1, splits): ROW_BLOCKS_ADJACENT. The query heads that share a K/V head are packed
 into the rows of one program (row r is query r // group of head hk * group + r % group), so K/V
 are read once per group. The keys of sequence b are cache positions [leftpad, cache_seqlens +
 seqlen_new), read through the block table when paged (a gather per key row: any page size).
@@ -18,10 +18,10 @@ q's and k's head dim that is two powers of two (576 = 512 + 64, the MLA decode's
 blocks, BLOCK_D and BLOCK_D_LO (ops.geometry.column_parts), each a load and a dot of its own, rather than one block
 padded to the next power of two (1024, 256); BLOCK_D_LO is 0 otherwise.
 
-ROW_BLOCKS_ADJACENT (more than one row block): the grid's (batch * nheads_k, row blocks) programs are renumbered so that
-the row blocks of one (batch, kv head) are consecutive programs, which run at the same time: its keys and values come
-from HBM once and from L2 for the other row blocks, rather than once per row block (the grid's first axis varies
-fastest, which would put batch * nheads_k programs between two row blocks of one sequence).
+ROW_BLOCKS_ADJACENT (more than one row block): the grid's first axis holds batch * nheads_k * row_blocks programs,
+the row blocks of one (batch, kv head) consecutive, which run at the same time: its keys and values come from HBM once
+and from L2 for the other row blocks, rather than once per row block (row blocks on the second axis would put
+batch * nheads_k programs between two of one sequence, and cap them at CUDA's 65535).
 
 KV_TMA (with V_FROM_K, a second column block and a paged cache whose pages are contiguous rows, a key block in
 one page, no left padding, TMA's 16-byte alignment: ops.kvcache.kv_tma): whole key blocks are TMA copies into shared memory, which the dots read there, rather than loads through
@@ -83,6 +83,7 @@ def attn_kvcache_kernel(
     chunk,
     capacity,
     n_rows,
+    row_blocks,
     seqlen_limit,
     window_left,
     window_right,
@@ -117,10 +118,10 @@ def attn_kvcache_kernel(
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
-    if ROW_BLOCKS_ADJACENT:  # consecutive programs take the row blocks of one (batch, kv head)
-        flat = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-        off_bhk = flat // tl.num_programs(1)
-        pid_m = flat % tl.num_programs(1)
+    if ROW_BLOCKS_ADJACENT:  # a flat first axis: consecutive programs take the row blocks of one (batch, kv head)
+        flat = tl.program_id(0).to(tl.int64)
+        off_bhk = flat // row_blocks
+        pid_m = flat % row_blocks
     else:
         off_bhk = tl.program_id(0)
         pid_m = tl.program_id(1)

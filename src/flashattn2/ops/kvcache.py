@@ -456,6 +456,7 @@ def forward(
         )
     pdl = split and _runtime.PDL and arch == "sm90"
     tma = not invariant and kv_tma(cache, head_dim, head_dim_v, block_n, q.element_size(), arch)
+    row_blocks = -(-rows // block_m)
     if tma and not interp:
         _runtime.ensure_tma_allocator()
     kernels = _runtime.kernels().decode
@@ -463,7 +464,7 @@ def forward(
     k, v = cache.k, cache.v
     launcher.launch(
         kernels.attn_kvcache_kernel,
-        (batch * nheads_k, -(-rows // block_m), splits),
+        (batch * nheads_k * row_blocks, 1, splits) if row_blocks > 1 else (batch * nheads_k, 1, splits),
         q,
         k,
         v,
@@ -492,6 +493,7 @@ def forward(
         chunk,
         cache.capacity,
         k.shape[0],
+        row_blocks,
         check.seqlen_limit if check is not None else cache.capacity,
         runtime["window_left"],
         runtime["window_right"],
@@ -517,7 +519,7 @@ def forward(
         HEAD_DIM_V=head_dim_v,
         BLOCK_DV=block_d(head_dim_v),
         V_FROM_K=v_from_k(cache, head_dim),
-        ROW_BLOCKS_ADJACENT=rows > block_m,
+        ROW_BLOCKS_ADJACENT=row_blocks > 1,
         KV_TMA=tma,
         num_warps=warps,
         num_stages=stages,
