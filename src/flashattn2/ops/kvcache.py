@@ -227,19 +227,20 @@ def v_from_k(cache: Cache, head_dim: int) -> bool:
 def _latent(cache: Cache, head_dim: int, head_dim_v: int) -> bool:
     """MLA's latent cache (LATENT_TILES): v the K cache's first 512 columns, q/k one more (rotary) block: 512 + 64
     as DeepSeek's (or 512 + 16, 512 + 32; the tiles were measured at 576/512)."""
-    return (
-        v_from_k(cache, head_dim)
-        and head_dim_v == 512
-        and column_parts(head_dim)[0] == 512
-        and column_parts(head_dim)[1] > 0
-    )
+    return _latent_dims(head_dim, head_dim_v) and v_from_k(cache, head_dim)
 
 
-def kv_tma(cache: Cache, head_dim: int, head_dim_v: int, block_n: int, elem_bytes: int, arch: str) -> bool:
-    """Whether the decode kernel reads the whole key blocks of a latent cache by TMA (KV_TMA): the LATENT_TILES
-    calls (or the interpreter, with force(tma=True)), paged with pages of contiguous rows, a key block in one page,
-    no left padding, TMA's alignment; force(tma=False) turns it off."""
-    if not (arch == "interp" or (arch == "sm90" and elem_bytes == 2)) or not _latent(cache, head_dim, head_dim_v):
+def _latent_dims(head_dim: int, head_dim_v: int) -> bool:
+    """_latent's head dims: v 512 wide, q/k 512 and a second power-of-two block."""
+    hi, lo = column_parts(head_dim)
+    return head_dim_v == 512 and hi == 512 and lo > 0
+
+
+def kv_tma(cache: Cache, latent: bool, block_n: int, elem_bytes: int, arch: str) -> bool:
+    """Whether the decode kernel reads the whole key blocks of a latent cache (latent: _latent's answer) by TMA
+    (KV_TMA): the LATENT_TILES calls (or the interpreter, with force(tma=True)), paged with pages of contiguous rows,
+    a key block in one page, no left padding, TMA's alignment; force(tma=False) turns it off."""
+    if not latent or not (arch == "interp" or (arch == "sm90" and elem_bytes == 2)):
         return False
     k = cache.k
     return (
@@ -265,10 +266,22 @@ def _width(head_dim: int) -> int:
     return sum(column_parts(head_dim))
 
 
+def _rows_block(rows: int) -> int:
+    """The packed rows' power of two, 16 to 64: the rows a program takes before any register bound."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def _chunked(capacity: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, chunk) for about `splits` splits of the capacity: each split's keys a multiple of block_n, the count
+    recomputed from that chunk (rounding can leave fewer)."""
+    chunk = -(-capacity // (splits * block_n)) * block_n
+    return -(-capacity // chunk), chunk
+
+
 def _block_m(rows: int, head_dim: int = 128, head_dim_v: int = 128) -> int:
     """Rows per program: the packed rows, at most what keeps q and the fp32 accumulator of one program within 96 KB
     of registers (head dims past 256: 32 rows at 512/512, 16 for the MLA shape 576/512)."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_m = _rows_block(rows)
     while block_m > 16 and block_m * (2 * _width(head_dim) + 4 * block_d(head_dim_v)) > 96 * 1024:
         block_m //= 2
     return block_m
@@ -357,11 +370,10 @@ def plan(
     differs from q's and k's; arch: the table's (planning.ARCHS), for the tiles measured on one."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if arch == "sm90" and elem_bytes == 2 and _latent(cache, head_dim, head_dim_v):
-        block_m, block_n, warps, stages = LATENT_TILES[min(64, max(16, 1 << (rows - 1).bit_length()))]
+        block_m, block_n, warps, stages = LATENT_TILES[_rows_block(rows)]
         programs = -(-rows // block_m) * batch * cache.k.shape[2]
         splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
-        chunk = -(-cache.capacity // (splits * block_n)) * block_n
-        return block_m, block_n, warps, stages, -(-cache.capacity // chunk), chunk
+        return block_m, block_n, warps, stages, *_chunked(cache.capacity, splits, block_n)
     programs = -(-rows // _block_m(rows, head_dim, head_dim_v)) * batch * cache.k.shape[2]
     split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
     # the tile's path; the kernel itself takes the one-page-per-block addressing when its
@@ -370,9 +382,9 @@ def plan(
     if path == "contiguous" and not split and programs >= MANY_PROGRAMS:
         path = "contiguous-many"
     block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, path, split, head_dim_v)
-    splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
-    chunk = -(-cache.capacity // (splits * block_n)) * block_n
-    splits = -(-cache.capacity // chunk)
+    splits, chunk = _chunked(
+        cache.capacity, num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count), block_n
+    )
     if path == "contiguous" and splits > 1 and chunk <= SHORT_SPLIT:
         # a smaller key block (it divides the chunk: both are powers of two, this one smaller)
         block_m, block_n, warps, stages = _tiles(
@@ -455,7 +467,9 @@ def forward(
             "128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
         )
     pdl = split and _runtime.PDL and arch == "sm90"
-    tma = not invariant and kv_tma(cache, head_dim, head_dim_v, block_n, q.element_size(), arch)
+    values_from_keys = v_from_k(cache, head_dim)
+    latent = values_from_keys and _latent_dims(head_dim, head_dim_v)
+    tma = not invariant and kv_tma(cache, latent, block_n, q.element_size(), arch)
     row_blocks = -(-rows // block_m)
     if tma and not interp:
         _runtime.ensure_tma_allocator()
@@ -518,7 +532,7 @@ def forward(
         BLOCK_D_LO=column_parts(head_dim)[1],
         HEAD_DIM_V=head_dim_v,
         BLOCK_DV=block_d(head_dim_v),
-        V_FROM_K=v_from_k(cache, head_dim),
+        V_FROM_K=values_from_keys,
         ROW_BLOCKS_ADJACENT=row_blocks > 1,
         KV_TMA=tma,
         num_warps=warps,
