@@ -1,8 +1,8 @@
 """Attention over a KV cache (flash_attn_with_kvcache): decoding, speculative decoding and
 chunked prefill.
 
-Grid: (batch * nheads_k, row blocks, splits) -- batch * nheads_k first: CUDA caps the other
-two axes at 65535; with several row blocks (batch * nheads_k * row blocks, 1, splits): ROW_BLOCKS_ADJACENT. The query heads that share a K/V head are packed
+Grid: (batch * nheads_k, 1, splits), or (batch * nheads_k * row blocks, 1, splits) with several row blocks
+(ROW_BLOCKS_ADJACENT); CUDA caps the second and third axes at 65535. The query heads that share a K/V head are packed
 into the rows of one program (row r is query r // group of head hk * group + r % group), so K/V
 are read once per group. The keys of sequence b are cache positions [leftpad, cache_seqlens +
 seqlen_new), read through the block table when paged (a gather per key row: any page size).
@@ -24,9 +24,10 @@ and from L2 for the other row blocks, rather than once per row block (row blocks
 batch * nheads_k programs between two of one sequence, and cap them at CUDA's 65535).
 
 KV_TMA (with V_FROM_K, a second column block and a paged cache whose pages are contiguous rows, a key block in
-one page, no left padding, TMA's 16-byte alignment: ops.kvcache.kv_tma): whole key blocks are TMA copies into shared memory, which the dots read there, rather than loads through
-registers (at MLA's 64 query rows a program the 64 x 512 fp32 accumulator leaves no registers for the key tile); the
-last partial block takes the pointer loop, whose masked loads zero the keys past the end.
+one page, no left padding, TMA's 16-byte alignment: ops.kvcache.kv_tma): whole key blocks are TMA copies into shared
+memory, which the dots read there, rather than loads through registers (at MLA's 64 query rows a program the 64 x 512
+fp32 accumulator leaves no registers for the key tile); the last partial block takes the pointer loop, whose masked
+loads zero the keys past the end.
 
 V_FROM_K: the V cache is the K cache's first columns (MLA: v_cache = k_cache[..., :512], one latent head), so the
 key tile's first column block is also the value tile: one load of the cache per key block, not two.
