@@ -39,16 +39,20 @@ def _kw(opts, h):
     return kw
 
 
-def _paged(cache, page):
-    """A (batch, capacity, hk, d) cache as shuffled pages (num_blocks, page, hk, d) and its block table."""
-    batch, capacity = cache.shape[:2]
+def _paged(k_cache, v_cache, page):
+    """(batch, capacity, hk, d) K and V caches as shuffled pages (num_blocks, page, hk, d) under one block table:
+    (k_pages, v_pages, table)."""
+    batch, capacity = k_cache.shape[:2]
     per_seq = -(-capacity // page)
-    padded = torch.zeros(batch, per_seq * page, *cache.shape[2:], dtype=cache.dtype, device=DEVICE)
-    padded[:, :capacity] = cache
     table = torch.randperm(batch * per_seq, device=DEVICE).view(batch, per_seq).to(torch.int32)
-    pages = torch.empty(batch * per_seq, page, *cache.shape[2:], dtype=cache.dtype, device=DEVICE)
-    pages[table.flatten().long()] = padded.reshape(batch * per_seq, page, *cache.shape[2:])
-    return pages, table
+    out = []
+    for cache in (k_cache, v_cache):
+        padded = torch.zeros(batch, per_seq * page, *cache.shape[2:], dtype=cache.dtype, device=DEVICE)
+        padded[:, :capacity] = cache
+        pages = torch.empty(batch * per_seq, page, *cache.shape[2:], dtype=cache.dtype, device=DEVICE)
+        pages[table.flatten().long()] = padded.reshape(batch * per_seq, page, *cache.shape[2:])
+        out.append(pages)
+    return (*out, table)
 
 
 def test_mode_switches(monkeypatch):
@@ -112,11 +116,7 @@ def test_decode_alone_and_in_a_batch(dims, opts):
         )  # fmt: skip
         assert torch.equal(shuffled, out)
         for page in PAGES:
-            (k_pages, table), (v_pages, _) = _paged(k_cache, page), (None, None)
-            v_pages = torch.empty_like(k_pages)
-            v_pages[table.flatten().long()] = torch.cat(
-                [v_cache, v_cache.new_zeros(batch, table.shape[1] * page - capacity, hk, d)], 1
-            ).reshape(-1, page, hk, d)
+            k_pages, v_pages, table = _paged(k_cache, v_cache, page)
             paged, paged_lse = flashattn2.flash_attn_with_kvcache(
                 q, k_pages, v_pages, cache_seqlens=lens, block_table=table, return_softmax_lse=True, **kw
             )
@@ -177,12 +177,7 @@ def test_prefill_and_decode_agree(dims, opts):
                 q[:, -new:], k_cache, v_cache, cache_seqlens=seqlens, causal=True, return_softmax_lse=True, **kw
             )
             assert torch.equal(step, out[:, -new:]) and torch.equal(step_lse, lse[:, :, -new:]), new
-        k_pages, table = _paged(k_cache, 16)
-        v_pages, _ = _paged(v_cache, 16)
-        v_pages = torch.empty_like(k_pages)
-        v_pages[table.flatten().long()] = torch.cat(
-            [v_cache, v_cache.new_zeros(1, table.shape[1] * 16 - capacity, hk, d)], 1
-        ).reshape(-1, 16, hk, d)
+        k_pages, v_pages, table = _paged(k_cache, v_cache, 16)
         step = flashattn2.flash_attn_with_kvcache(
             q[:, -1:], k_pages, v_pages, cache_seqlens=seqlens, block_table=table, causal=True, **kw
         )
