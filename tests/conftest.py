@@ -68,3 +68,13 @@ def release_gpu_memory():
     yield
     if ON_GPU:
         torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def value_checks():
+    """The opt-in value checks on (flashattn2.set_value_checks) for the test, then as before."""
+    from flashattn2.ops import checks
+
+    previous = checks.set_value_checks(True)
+    yield
+    checks.set_value_checks(previous)

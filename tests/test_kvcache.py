@@ -484,6 +484,7 @@ def _errors():
     ]
 
 
+@pytest.mark.usefixtures("value_checks")
 @pytest.mark.parametrize("index", range(26))
 def test_bad_arguments_raise_before_writing(index):
     cases = _errors()
@@ -496,6 +497,7 @@ def test_bad_arguments_raise_before_writing(index):
         assert torch.equal(before, after), "the cache was written before the error"
 
 
+@pytest.mark.usefixtures("value_checks")
 def test_error_flag_is_clear_after_an_error():
     """The device-side error flag is kept between calls: after a call that raised on a bad
     cache_seqlens, the next (valid) call on the same stream must not raise, and must append."""
@@ -512,17 +514,18 @@ def test_error_flag_is_clear_after_an_error():
 
 
 def test_unchecked_calls_clamp_and_do_not_raise():
-    """set_kvcache_checks(False): a valid call gives the checked call's result; an out-of-range
-    cache_seqlens does not raise (nothing is read back), the values are clamped, and the other
-    sequences are unaffected. The setting is restored, and only a bool is taken."""
+    """Without value checks (the default): a valid call gives the checked call's result; an
+    out-of-range cache_seqlens does not raise (nothing is read back), the values are clamped,
+    and the other sequences are unaffected. set_kvcache_checks is set_value_checks' other name;
+    the setting is restored, and only a bool is taken."""
     q = randn(2, 1, 4, 32, dtype=torch.float16)
     k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
     k, v = randn(2, 1, 2, 32, dtype=torch.float16), randn(2, 1, 2, 32, dtype=torch.float16)
     good = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
+    before = flashattn2.set_value_checks(True)  # whatever FLASHATTN2_VALUE_CHECKS said
     checked = flashattn2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=good)
     with pytest.raises(TypeError, match="enabled"):
-        flashattn2.set_kvcache_checks(0)
-    before = flashattn2.set_kvcache_checks(True)  # whatever FLASHATTN2_KVCACHE_CHECKS said
+        flashattn2.set_value_checks(0)
     assert flashattn2.set_kvcache_checks(False) is True
     try:
         kc, vc = k_cache.clone(), v_cache.clone()
@@ -551,13 +554,13 @@ def test_unchecked_calls_clamp_and_do_not_raise():
         )
         assert torch.isfinite(out).all()
     finally:
-        assert flashattn2.set_kvcache_checks(before) is False
-    flashattn2.set_kvcache_checks(True)
+        assert flashattn2.set_value_checks(True) is False
+
     try:
         with pytest.raises(ValueError, match="cache_seqlens"):
             flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
     finally:
-        flashattn2.set_kvcache_checks(before)
+        flashattn2.set_value_checks(before)
 
 
 def test_new_keys_with_any_strides():

@@ -133,6 +133,7 @@ def test_varlen_matches_dense_batch():
     assert torch.equal(varlen, flat(dense))
 
 
+@pytest.mark.usefixtures("value_checks")
 @pytest.mark.parametrize(
     "make_args, exc, match",
     [
@@ -152,6 +153,7 @@ def test_bad_cu_seqlens(make_args, exc, match):
         flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
 
 
+@pytest.mark.usefixtures("value_checks")
 def test_cu_seqlens_checked_once_until_modified():
     """Checked cu_seqlens are remembered (no host read on later calls) while unchanged; a new
     total or max_seqlen is still checked against them, and an in-place change forgets them."""
@@ -196,6 +198,37 @@ def test_longest_first_order_changes_nothing(causal, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_unchecked_cu_seqlens_are_clamped_on_the_device():
+    """Without value checks (the default) cu_seqlens' values are not read: one that runs past the
+    rows is clamped into them on the device (the call equals one given the clamped values, the
+    gradients too) and nothing raises. The clamped copy and the sequences longest first (computed
+    on the device) are remembered for the next call with the same tensor, forgotten once it is
+    modified in place."""
+    lengths = [5, 9]
+    q, k, v = make(lengths, lengths)
+    cu_s = cu(lengths)
+    past = cu_s.clone()
+    past[-1] = 40  # the last sequence runs 26 rows past q's and k's 14
+    do = torch.randn_like(q)
+    results = []
+    for given in (cu_s, past, past):
+        out = flashattn2.flash_attn_varlen_func(q, k, v, given, given, 40, 40, causal=True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for result in results[1:]:
+        for a, b in zip(results[0], result):
+            assert torch.equal(a, b)
+    values, order = checks.remembered(past)
+    assert values is None and order.tolist() == [1, 0]
+    past[1] = 2
+    assert checks.remembered(past) == (None, None)
+    pages = k.detach().new_zeros(4, 8, *k.shape[1:])
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():  # a block-table entry out of range is clamped to a real page, not followed
+        out = flashattn2.flash_attn_varlen_func(q, pages, pages, past, cu_s, 9, 9, block_table=table + 2)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.usefixtures("value_checks")
 def test_varlen_under_inference_mode():
     """Tensors made under torch.inference_mode have no version counter: never remembered, still
     checked on every call."""
@@ -233,6 +266,7 @@ def test_paged_forward_with_inputs_requiring_grad():
     assert q.grad is None and all(p.grad is None for p in pages)
 
 
+@pytest.mark.usefixtures("value_checks")
 def test_bad_varlen_arguments():
     lengths = [5, 9]
     q, k, v = make(lengths, lengths)

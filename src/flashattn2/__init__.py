@@ -11,6 +11,7 @@ from .api import (
     flash_attn_with_kvcache,
     set_kvcache_checks,
 )
+from .ops.checks import set_value_checks
 from .ops.invariance import batch_invariant, set_batch_invariant
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "set_kvcache_checks",
+    "set_value_checks",
     "batch_invariant",
     "set_batch_invariant",
     "ArgumentError",

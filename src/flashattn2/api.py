@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from .errors import ArgumentError, ArgumentTypeError
-from .ops import _runtime, checks
+from .errors import ArgumentError
+from .ops import checks
 from .ops.kvcache import Check
 from .ops.options import Options
 from .ops.registry import Attention, EmptyAttention, PackedAttention, run_fwd
@@ -315,7 +315,7 @@ def _varlen_paged(
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     checks.check_sink(learnable_sink, q)
-    max_q = checks.check_varlen_paged(
+    cu_seqlens_q, max_q = checks.check_varlen_paged(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
     )
     scale = _scale(q, softmax_scale)
@@ -476,12 +476,12 @@ def flash_attn_with_kvcache(
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
-    The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are checked by
-    the kernels: the append writes nothing when one is out of range, and the call then raises
-    ValueError (the host reads one flag after the launches, so the call waits for its kernels).
-    Under torch.compile and CUDA-graph capture, and after set_kvcache_checks(False), there is no
-    check: out-of-range values are clamped into range (nothing is read or written out of
-    bounds), as flash_attn does not check them either.
+    The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are not read
+    back (the call never waits for the GPU): out-of-range values are clamped into range by the
+    kernels, so nothing is read or written out of bounds, as flash_attn does not check them
+    either. With set_value_checks(True), eager calls are checked by the kernels: the append
+    writes nothing when a value is out of range, and the call then raises ValueError (the host
+    reads one flag after the launches, so the call waits for its kernels).
     """
     checks.check_kvcache(
         q,
@@ -573,7 +573,7 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     # is_compiling first: Dynamo would otherwise guard on the switch and recompile when it flips
     if (
         torch.compiler.is_compiling()
-        or not _KVCACHE_CHECKS
+        or not checks.value_checks()
         or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     ):
         return None
@@ -586,28 +586,11 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     return Check(_error_flag(key), limit, key)
 
 
-# Whether eager calls check the cache tensors' values (and so wait for their kernels); see
-# set_kvcache_checks.
-_KVCACHE_CHECKS = _runtime.env_flag("FLASHATTN2_KVCACHE_CHECKS") is not False
-
-
 def set_kvcache_checks(enabled: bool) -> bool:
-    """Whether flash_attn_with_kvcache checks the values of cache_seqlens, cache_leftpad,
-    cache_batch_idx and block_table in eager calls (the default; FLASHATTN2_KVCACHE_CHECKS=0 in
-    the environment starts with it off). The check reads one flag back after the launches, so a
-    checked call waits for its own kernels and the host cannot queue the next layer's work while
-    the GPU runs this one. Off, a call reads nothing back and out-of-range values are clamped
-    into range, as under CUDA graphs and torch.compile: nothing is read or written out of bounds,
-    but the result of a bad value is silently wrong -- flash_attn's behaviour (it checks nothing).
-    Shapes, dtypes and an int cache_seqlens are checked either way. Returns the previous setting.
-
-    The setting is process-wide (every thread, every device): set it once at start-up. Turning
-    it off around one call while other threads decode can leave their calls unchecked."""
-    global _KVCACHE_CHECKS
-    if not isinstance(enabled, bool):
-        raise ArgumentTypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    previous, _KVCACHE_CHECKS = _KVCACHE_CHECKS, enabled
-    return previous
+    """The earlier name of set_value_checks, which covers these tensors and cu_seqlens: whether
+    eager calls check the values of cache_seqlens, cache_leftpad, cache_batch_idx and
+    block_table (and cu_seqlens). Returns the previous setting."""
+    return checks.set_value_checks(enabled)
 
 
 # (device, stream, thread) -> a zero int32 flag for the kernels of a call: a call that finds it

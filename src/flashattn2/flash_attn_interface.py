@@ -301,7 +301,7 @@ def _varlen_paged_forward(
 ):
     _check_return_softmax(return_softmax, dropout_p)
     checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
-    max_q = checks.check_varlen_paged(
+    cu_seqlens_q, max_q = checks.check_varlen_paged(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
     )
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)

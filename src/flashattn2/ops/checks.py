@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -69,18 +70,52 @@ def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, li
     check_device(device, "q")
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
-    """Validate varlen's cu_seqlens (int32, (batch + 1,), starting at 0, non-decreasing, ending
-    within q / k) and max_seqlen (an int or a one-element tensor covering every sequence).
+# Whether the entry points read the values of index tensors (cu_seqlens, cache_seqlens,
+# cache_leftpad, cache_batch_idx, block_table) to raise on a bad one; see set_value_checks.
+_VALUE_CHECKS = bool(_runtime.env_flag("FLASHATTN2_VALUE_CHECKS") or _runtime.env_flag("FLASHATTN2_KVCACHE_CHECKS"))
 
-    Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, verify). The values are
-    checked without stalling the GPU: a copy to pinned host memory is queued, and verify(),
-    called after the kernels are launched, waits for that copy only (not for the kernels) and
-    raises ValueError on a bad value. Until then the kernels must stay in bounds whatever the
-    values, so the returned cu_seqlens are clamped to [0, rows] (equal to the given ones when
-    they are valid). A tensor whose values passed is remembered (see `known`) and not read
-    again: a model passes one cu_seqlens to every layer, forward and backward. Skipped while
-    torch.compile traces."""
+
+def value_checks() -> bool:
+    """Whether eager calls read index tensors' values to check them (set_value_checks)."""
+    return _VALUE_CHECKS
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Whether eager calls check the values of the index tensors -- cu_seqlens_q/k (start at 0,
+    non-decreasing, within the rows, no sequence past max_seqlen), cache_seqlens,
+    cache_leftpad, cache_batch_idx and block_table (in range) -- and raise ValueError naming
+    the bad one. Off by default (FLASHATTN2_VALUE_CHECKS=1 in the environment starts with it
+    on): a call then reads nothing back from the GPU, as flash_attn, and values out of range
+    are clamped into range on the device, so nothing is read or written out of bounds, but the
+    result of a bad value is silently wrong (flash_attn checks nothing either). On, a call
+    reads the values back: the host waits for the GPU once per new cu_seqlens tensor and once
+    per KV-cache call -- a debugging mode. Shapes, dtypes and int arguments are checked either
+    way; under torch.compile and CUDA-graph capture nothing is read back whatever the setting.
+    Returns the previous setting.
+
+    The setting is process-wide (every thread, every device): set it once at start-up."""
+    global _VALUE_CHECKS
+    if not isinstance(enabled, bool):
+        raise ArgumentTypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _VALUE_CHECKS = _VALUE_CHECKS, enabled
+    return previous
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+    """Validate varlen's cu_seqlens (int32, (batch + 1,)) and max_seqlen (an int or a
+    one-element tensor). Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    verify): the cu_seqlens for the kernels, which stay in bounds whatever the values (clamped
+    to [0, rows] on the device, the given tensors when their values were read and passed), and
+    verify(), to call once the kernels are queued.
+
+    Without value checks (the default) nothing is read back: verify does nothing. A tensor's
+    clamped copy and its sequences longest first (both computed on the device) are remembered
+    (see `_SEEN`), so a model that passes one cu_seqlens to every layer, forward and backward,
+    pays for them once. With value checks (set_value_checks) the values must also start at 0,
+    not decrease, end within q / k and keep every sequence within max_seqlen: a copy to pinned
+    host memory is queued and verify() waits for that copy only (not for the kernels) and
+    raises ValueError on a bad value; a tensor whose values passed is remembered and not read
+    again. Nothing is done while torch.compile traces."""
     _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     totals = (q.shape[0], k.shape[0])
@@ -96,6 +131,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         and seen_k[1] <= maxes[1]
     ):
         return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+    if not _VALUE_CHECKS:
+        return in_range(cu_seqlens_q, totals[0]), in_range(cu_seqlens_k, totals[1]), maxes[0], maxes[1], _nothing
     cus = (cu_seqlens_q, cu_seqlens_k)
     if q.device.type != "cuda":
         _check_cu_values(torch.stack(cus), totals, maxes, cus)
@@ -112,30 +149,64 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         copied.synchronize()
         _check_cu_values(host, totals, maxes, cus)
         for given, copy in zip(cus, clamped):  # equal values: the backward's copies are known too
-            entry = _entry(given)
-            if entry is not None:
-                _remember(copy, entry[3], entry[4])
+            seen = _entry(given)
+            if seen is not None:
+                _remember(copy, seen.values, seen.order)
 
     return *clamped, maxes[0], maxes[1], verify
 
 
-# id(cu_seqlens) -> (weak reference, version counter, data_ptr, (last value, longest sequence),
-# sequence order) of tensors whose values were checked. An entry holds while that tensor lives
-# and is not modified in place: torch bumps the version counter of a tensor and its views on
-# every in-place op. Writes that bypass the counter (through .data, numpy or DLPack, or by a
-# custom kernel) are not seen: such a tensor's new values are trusted, as flash_attn trusts
-# every cu_seqlens. Inference tensors have no counter and are never remembered.
-_KNOWN: dict[int, tuple] = {}
-_KNOWN_MAX = 64
+def in_range(cu: torch.Tensor, rows: int) -> torch.Tensor:
+    """cu_seqlens with its values clamped into [0, rows] on the device, without reading them:
+    the kernels then stay within the rows whatever the values. A tensor seen before (and
+    unchanged since) gives its remembered copy; a new one is clamped, and its sequences longest
+    first are computed beside (on the device) for the grid's order (Varlen.order_*). While a
+    CUDA graph is captured the clamp is captured with the call and nothing is remembered (a
+    copy made earlier would not follow the graph's input as it changes between replays)."""
+    capturing = cu.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        seen = _entry(cu)
+        if seen is not None and seen.bound <= rows:
+            return cu if seen.copy is None else seen.copy
+    clamped = cu.clamp(0, rows)
+    if not capturing:
+        lengths = clamped[1:] - clamped[:-1]
+        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+        _remember(cu, None, order, rows, clamped)
+        _remember(clamped, None, order, rows)  # the backward is given the copy
+    return clamped
 
 
-def _entry(cu: torch.Tensor):
+@dataclass(frozen=True)
+class _Seen:
+    """What is remembered of a cu_seqlens tensor (see `_SEEN`)."""
+
+    ref: weakref.ref
+    version: int  # torch's version counter when remembered
+    data_ptr: int
+    values: tuple[int, int] | None  # (last value, longest sequence) when read on the host, else None
+    order: torch.Tensor  # the sequence indices longest first, int32 on the tensor's device
+    bound: int  # every value lies in [0, bound]
+    copy: torch.Tensor | None  # the clamped copy the kernels read, or None: the tensor itself
+
+
+# id(cu_seqlens) -> _Seen, for tensors whose values were checked (values read) or clamped on the
+# device (values not read). An entry holds while that tensor lives and is not modified in place:
+# torch bumps the version counter of a tensor and its views on every in-place op. Writes that
+# bypass the counter (through .data, numpy or DLPack, or by a custom kernel) are not seen: such a
+# tensor's new values are trusted, as flash_attn trusts every cu_seqlens. Inference tensors have
+# no counter and are never remembered.
+_SEEN: dict[int, _Seen] = {}
+_SEEN_MAX = 64
+
+
+def _entry(cu: torch.Tensor) -> _Seen | None:
     if cu.is_inference():  # no version counter: never remembered
         return None
-    entry = _KNOWN.get(id(cu))
-    if entry is None or entry[0]() is not cu or entry[1] != cu._version or entry[2] != cu.data_ptr():
+    seen = _SEEN.get(id(cu))
+    if seen is None or seen.ref() is not cu or seen.version != cu._version or seen.data_ptr != cu.data_ptr():
         return None
-    return entry
+    return seen
 
 
 def known(cu: torch.Tensor) -> tuple[int, int] | None:
@@ -145,18 +216,20 @@ def known(cu: torch.Tensor) -> tuple[int, int] | None:
 
 def remembered(cu: torch.Tensor) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
     """(known(cu), the sequence indices longest first (int32, on cu's device)), or (None, None)
-    for a cu_seqlens not checked earlier or modified since."""
-    entry = _entry(cu)
-    return (None, None) if entry is None else (entry[3], entry[4])
+    for a cu_seqlens not seen earlier or modified since; (None, order) for one clamped on the
+    device without reading its values."""
+    seen = _entry(cu)
+    return (None, None) if seen is None else (seen.values, seen.order)
 
 
-def _remember(cu: torch.Tensor, values: tuple[int, int], order: torch.Tensor) -> None:
+def _remember(cu: torch.Tensor, values, order: torch.Tensor, bound: int | None = None, copy=None) -> None:
     if cu.is_inference():  # made under torch.inference_mode: no version counter to trust
         return
-    if len(_KNOWN) >= _KNOWN_MAX:
-        for key in [key for key, entry in _KNOWN.items() if entry[0]() is None] or [next(iter(_KNOWN))]:
-            del _KNOWN[key]
-    _KNOWN[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), values, order)
+    if len(_SEEN) >= _SEEN_MAX:
+        for key in [key for key, seen in _SEEN.items() if seen.ref() is None] or [next(iter(_SEEN))]:
+            del _SEEN[key]
+    bound = values[0] if bound is None else bound
+    _SEEN[id(cu)] = _Seen(weakref.ref(cu), cu._version, cu.data_ptr(), values, order, bound, copy)
 
 
 def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
@@ -502,8 +575,11 @@ def check_varlen_paged(
     dropout_p,
     alibi_slopes=None,
 ):
-    """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then the values
-    of cu_seqlens and block_table in one host read (outside torch.compile)."""
+    """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then, with
+    value checks on (set_value_checks) and outside torch.compile, the values of cu_seqlens and
+    block_table in one host read. Returns (cu_seqlens_q for the kernels, max_seqlen_q): clamped
+    into q's rows on the device when its values are not read (the kernels clamp the keys'
+    lengths and the table's entries themselves)."""
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
     _tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
     _tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim_v) with block_table")
@@ -532,7 +608,9 @@ def check_varlen_paged(
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     check_alibi(alibi_slopes, q, batch)
     if torch.compiler.is_compiling():
-        return maxes[0]
+        return cu_seqlens_q, maxes[0]
+    if not _VALUE_CHECKS or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return in_range(cu_seqlens_q, q.shape[0]), maxes[0]
     cu_q, cu_k, table = _to_host(cu_seqlens_q, cu_seqlens_k, block_table)
     capacity = block_table.shape[1] * k_cache.shape[1]
     _check_cu_values(torch.stack((cu_q, cu_k)), (q.shape[0], batch * capacity), maxes)
@@ -547,4 +625,4 @@ def check_varlen_paged(
             f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
             f"[{int(live.min())}, {int(live.max())}]"
         )
-    return maxes[0]
+    return cu_seqlens_q, maxes[0]
