@@ -332,6 +332,7 @@ def cases(arch):
         V_FROM_K=False,
         ROW_BLOCKS_ADJACENT=False,
         KV_TMA=False,
+        ROW_EXACT=False,
     )
     # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
     # (and DeepSeek-V3's 192/128: q/k in two column blocks, as 576)

@@ -116,6 +116,7 @@ def attn_kvcache_kernel(
     V_FROM_K: tl.constexpr = False,
     ROW_BLOCKS_ADJACENT: tl.constexpr = False,
     KV_TMA: tl.constexpr = False,
+    ROW_EXACT: tl.constexpr = False,
 ):
     if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
@@ -281,12 +282,18 @@ def attn_kvcache_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         # [BLOCK_M, BLOCK_N]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if ROW_EXACT:
+            qk = _row_exact_dot(q, tl.trans(k))
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if BLOCK_D_LO > 0:
             k_lo = tl.load(k_base + k_off[:, None] + cols_lo[None, :], mask=k_ok[:, None], other=0.0)
             if UPCAST:
                 k_lo = k_lo.to(tl.float32)
-            qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
+            if ROW_EXACT:
+                qk += _row_exact_dot(q_lo, tl.trans(k_lo))
+            else:
+                qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
         p, alpha, l_i, m_new = _softmax_step(
             qk, kj, k_ok, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             softcap_out, CAUSAL, LOCAL, SOFTCAP, ALIBI,
@@ -298,7 +305,10 @@ def attn_kvcache_kernel(
             if UPCAST:
                 v = v.to(tl.float32)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if ROW_EXACT:
+            acc += _row_exact_dot(p.to(v.dtype), v)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if CHECK:
@@ -322,6 +332,15 @@ def attn_kvcache_kernel(
     )
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_v_ok[None, :])
     tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def _row_exact_dot(a, b):
+    """a @ b in fp32 as elementwise products summed over k: the batch-invariant mode's dots in Triton's interpreter
+    (ROW_EXACT), where tl.dot is numpy's GEMM, whose rounding of a row depends on the row's place in the tile
+    (OpenBLAS's micro-kernels take the rows in groups), so a prefill's row and the same row decoded alone would
+    differ in their last bits. A GPU's MMA computes each row alike wherever it sits: the kernels keep tl.dot there."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit

@@ -523,6 +523,7 @@ def forward(
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else "tf32",
         PAGE_SIZE=cache.page_size if bt is not None else 1,
+        ROW_EXACT=invariant and interp,  # the interpreter's GEMM is not row-exact (kernels/decode.py)
         CHECK=check is not None,
         PDL=pdl,
         HEAD_DIM=head_dim,
