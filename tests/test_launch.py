@@ -120,6 +120,50 @@ def test_gluon_host_descriptor():
     assert type(plain) is TensorDescriptor
 
 
+def test_direct_launch_works_or_steps_aside(monkeypatch):
+    """Against a stubbed Triton launch (the CPU has no driver): on the Triton release the direct path was written
+    for (launcher.WRITTEN_FOR), a call's first launch goes through Triton and a repeat goes straight to the
+    compiled kernel's launcher with its pointers as integers; on any other release every launch takes Triton's own
+    path, untouched."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        class src:  # no descriptor parameters
+            signature = {"A": "*fp32", "B": "*fp32", "n": "i32", "m": "i32", "x": "fp32", "C": "constexpr"}
+
+        @staticmethod
+        def run(*args):
+            calls.append(("direct", args))
+
+    def triton_run(*args, grid, warmup, **kwargs):
+        calls.append(("triton", args, kwargs))
+        return Compiled
+
+    stub = JITFunction(_kernel)
+    monkeypatch.setattr(stub, "run", triton_run)
+    monkeypatch.setattr(launcher, "DIRECT_LAUNCH", launcher.SUPPORTED)  # as at import, whatever the environment
+    monkeypatch.setattr(launcher._runtime, "interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    a, b = torch.randn(64), torch.randn(64)
+    before = launcher.direct_launches
+    for _ in range(2):
+        launcher.launch(stub, (3, 2), a, b, 5, 17, 0.5, C=2)
+    assert launcher.SUPPORTED == __import__("triton").__version__.startswith(launcher.WRITTEN_FOR)
+    assert calls[0][0] == "triton" and calls[0][1] == (a, b, 5, 17, 0.5) and calls[0][2] == {"C": 2}
+    if launcher.SUPPORTED:
+        assert launcher.direct_launches == before + 1
+        assert calls[1] == (
+            "direct",
+            (3, 2, 1, 7, "function", "metadata", None, None, None, a.data_ptr(), b.data_ptr(), 5, 17, 0.5, 2),
+        )
+    else:
+        assert launcher.direct_launches == before
+        assert calls[1] == calls[0]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")
 def test_relaunch_is_tritons_choice():
     """Launch the rotary kernel through shapes whose strides and sizes cross Triton's

@@ -33,3 +33,18 @@ def test_loops_and_their_opcodes():
     assert [(lo, hi, sum(c.values())) for lo, hi, c in found] == [(0x80, 0x90, 2), (0x30, 0x70, 5)]
     assert found[1][2] == {"ISETP": 1, "FSEL": 1, "FFMA": 1, "MUFU": 1, "BRA": 1}
     assert sass_loops.loops(instrs, min_len=3) == found[1:]
+
+
+def test_sass_mix_summarizes_and_compares():
+    """tools/sass_mix.py's numbers of one kernel (registers and local memory from -res-usage, spills, wgmma and
+    loops from the SASS) and its comparison with another Triton's line."""
+    import sass_mix
+
+    resources = "Function k:\n REG:168 STACK:16 SHARED:0 LOCAL:0 CONSTANT[0]:532 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+    extra = "        /*00b0*/                   STL [R1], R4 ;  /* 0x0 */\n        /*00c0*/   HGMMA.64x64x16.F32 R24, gdesc[UR4], R24 ;  /* 0x0 */\n"
+    numbers = sass_mix.summarize(_SASS + extra, resources)
+    assert (numbers["regs"], numbers["stack"], numbers["spill_stores"], numbers["spill_loads"]) == (168, 16, 1, 0)
+    assert numbers["instructions"] == 13 and numbers["hgmma"] == 1 and numbers["loops"] == []
+    other = dict(numbers, spill_loads=4, loops=[70])
+    assert sass_mix.differences(other, numbers) == {"spill_loads": [0, 4], "loops": [[], [70]]}
+    assert sass_mix.differences(numbers, numbers) == {}

@@ -191,10 +191,10 @@ def _gluon_cases(arch, row):
             )
             if "QLo" not in types:  # a power of two: one part
                 constexprs.update(QLo=None, KLo=None, DKLo=None, DQLo=None)
-            fn = _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel
+            fn = _runtime.gluon_modules().bwd.attn_bwd_ws_kernel
             label = "causal-gqa" if causal else "full"
         else:
-            hopper = _runtime.hopper_kernels().fwd
+            hopper = _runtime.gluon_modules().fwd
             fn = {"fwd_hopper_ws": hopper.attn_fwd_ws_kernel, "fwd_hopper_persist": hopper.attn_fwd_persist_kernel}[
                 row.kernel
             ]  # a new name must be added here

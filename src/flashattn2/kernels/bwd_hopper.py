@@ -101,7 +101,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .pipeline import Ring, Scalar, aggregate, alloc_parts, head_dim_parts, load_parts, part_descs, parts_nbytes, unwrap
+from .pipeline import (
+    Ring,
+    Scalar,
+    aggregate,
+    alloc_parts,
+    head_dim_parts,
+    load_parts,
+    part_descs,
+    parts_nbytes,
+    reinterpret,
+    tma_load,
+    tma_store,
+    unwrap,
+)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -351,7 +364,7 @@ def _ws_producer(
     col_v = col_k
     if HEAD_DIM_V != HEAD_DIM:
         col_v = off_hk * HEAD_DIM_V
-    tma.async_copy_global_to_shared(V, [off_b, start_n, col_v], kv_bar, v_smem.index(0))
+    tma_load(V, [off_b, start_n, col_v], kv_bar, v_smem.index(0))
     i = i_first
     hq = h0
     for t in range(total):
@@ -361,9 +374,7 @@ def _ws_producer(
         if SPLIT_RING:
             do_ring.wait_empty(t)
         mbarrier.expect(do_ring.ready_bar(t), DO.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            DO, [off_b, i * BLOCK_M, hq * HEAD_DIM_V], do_ring.ready_bar(t), do_smem.index(do_ring.slot(t))
-        )
+        tma_load(DO, [off_b, i * BLOCK_M, hq * HEAD_DIM_V], do_ring.ready_bar(t), do_smem.index(do_ring.slot(t)))
         i, hq = _ws_advance(i, hq, i_first, i_end)
 
 
@@ -402,7 +413,7 @@ def _ws_dq_writer(
             if head_dim_parts(HEAD_DIM)[1] > 0 and half == 1:
                 LO: gl.constexpr = head_dim_parts(HEAD_DIM)[1]
                 col_lo = hq * HEAD_DIM + head_dim_parts(HEAD_DIM)[0]
-                lo_buf = dq_smem.index(dq_ring.slot(u))._reinterpret(gl.float32, [1, BLOCK_M, LO], DQ[1].layout)
+                lo_buf = reinterpret(dq_smem.index(dq_ring.slot(u)), gl.float32, [1, BLOCK_M, LO], DQ[1].layout)
                 tma_reduce_add(DQ[1], [off_b, i * BLOCK_M, col_lo], lo_buf)
             else:
                 tma_reduce_add(
@@ -423,9 +434,9 @@ def _stage_dq(dq, u, PART: gl.constexpr, bufs, cfg):
     bufs.dq_ring.wait_empty(u)
     buf = bufs.dq_smem.index(bufs.dq_ring.slot(u))
     if PART == 1 and cfg.HEAD_DIM_LO > 0:
-        buf._reinterpret(gl.float32, [cfg.BLOCK_M, cfg.DQ_W1], cfg.dq1_tile).store(dq)
+        reinterpret(buf, gl.float32, [cfg.BLOCK_M, cfg.DQ_W1], cfg.dq1_tile).store(dq)
     else:
-        buf._reinterpret(gl.float32, [cfg.BLOCK_M, cfg.DQ_W0], cfg.dq_tile).store(dq)
+        reinterpret(buf, gl.float32, [cfg.BLOCK_M, cfg.DQ_W0], cfg.dq_tile).store(dq)
     fence_async_shared()  # generic stores -> the writer's TMA reduce (async proxy)
     bufs.dq_ring.arrive_ready(u)
 
@@ -462,24 +473,24 @@ def _ws_step(it, i, dk, dv, dq_prev, off_lse, masked, bufs, sc, cfg):
     # LLVM hoists the ~24 loop-invariant 64-bit wgmma smem descriptors of K and V out of the loop into registers,
     # which spills at headdim 128
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_op = bufs.k_smem[0].index(z)._reinterpret(dtype, [BLOCK_N, HI], cfg.kv_tile)
+    k_op = reinterpret(bufs.k_smem[0].index(z), dtype, [BLOCK_N, HI], cfg.kv_tile)
     k_lo = k_op
     if LO > 0:
-        k_lo = bufs.k_smem[1].index(z)._reinterpret(dtype, [BLOCK_N, LO], cfg.k_lo_tile)
-    v_op = bufs.v_smem.index(z)._reinterpret(dtype, [BLOCK_N, cfg.HEAD_DIM_V], cfg.v_tile)
+        k_lo = reinterpret(bufs.k_smem[1].index(z), dtype, [BLOCK_N, LO], cfg.k_lo_tile)
+    v_op = reinterpret(bufs.v_smem.index(z), dtype, [BLOCK_N, cfg.HEAD_DIM_V], cfg.v_tile)
 
     # S = Q K^T as soon as Q is there (one wgmma per head-dim part, chained); dP = dO V^T once dO is
     q_ring.wait_ready(it)
-    q_op = bufs.q_smem[0].index(stage)._reinterpret(dtype, [BLOCK_M, HI], cfg.q_tile)
+    q_op = reinterpret(bufs.q_smem[0].index(stage), dtype, [BLOCK_M, HI], cfg.q_tile)
     q_lo = q_op
     if LO > 0:
-        q_lo = bufs.q_smem[1].index(stage)._reinterpret(dtype, [BLOCK_M, LO], cfg.q_lo_tile)
+        q_lo = reinterpret(bufs.q_smem[1].index(stage), dtype, [BLOCK_M, LO], cfg.q_lo_tile)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_op, k_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if LO > 0:
         s_tok = warpgroup_mma(q_lo, k_lo.permute((1, 0)), s_tok, is_async=True)
     do_ring.wait_ready(it)
-    do_op = bufs.do_smem.index(do_stage)._reinterpret(dtype, [BLOCK_M, cfg.HEAD_DIM_V], cfg.do_tile)
+    do_op = reinterpret(bufs.do_smem.index(do_stage), dtype, [BLOCK_M, cfg.HEAD_DIM_V], cfg.do_tile)
     dp_tok = warpgroup_mma(do_op, v_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     # DQ_SPLIT 2: the previous position's second half into the staging tile once S and dP are issued (ptxas makes
     # the stores wait for them: C7517). Staged at the end of its own position, it waited there for the writer to
@@ -656,22 +667,22 @@ def _ws_mma(
             _stage_dq(dq_prev, total * 2 - 1, 1, bufs, cfg)
 
     # dK, dV through the K / V buffers (every wgmma reading them was waited), clipped TMA stores
-    k_op = k_smem[0].index(0)._reinterpret(dtype, [BLOCK_N, HI], cfg.kv_tile)
-    v_op = v_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM_V], cfg.v_tile)
+    k_op = reinterpret(k_smem[0].index(0), dtype, [BLOCK_N, HI], cfg.kv_tile)
+    v_op = reinterpret(v_smem.index(0), dtype, [BLOCK_N, HEAD_DIM_V], cfg.v_tile)
     if LO > 0:
         k_op.store(dk[0].to(dtype))
-        k_smem[1].index(0)._reinterpret(dtype, [BLOCK_N, LO], cfg.k_lo_tile).store(dk[1].to(dtype))
+        reinterpret(k_smem[1].index(0), dtype, [BLOCK_N, LO], cfg.k_lo_tile).store(dk[1].to(dtype))
     else:
         k_op.store(dk.to(dtype))
     v_op.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(DK[0], [off_b, start_n, col_k], k_smem[0].index(0))
+    tma_store(DK[0], [off_b, start_n, col_k], k_smem[0].index(0))
     if LO > 0:
-        tma.async_copy_shared_to_global(DK[1], [off_b, start_n, col_k + HI], k_smem[1].index(0))
+        tma_store(DK[1], [off_b, start_n, col_k + HI], k_smem[1].index(0))
     col_v = col_k
     if HEAD_DIM_V != HEAD_DIM:
         col_v = off_hk * HEAD_DIM_V
-    tma.async_copy_shared_to_global(DV, [off_b, start_n, col_v], v_smem.index(0))
+    tma_store(DV, [off_b, start_n, col_v], v_smem.index(0))
     tma.store_wait(pendings=0)
 
 

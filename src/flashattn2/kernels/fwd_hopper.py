@@ -85,7 +85,11 @@ from .pipeline import (
     load_parts,
     part_descs,
     parts_nbytes,
+    reinterpret,
     ring_phase,
+    thread_barrier,
+    tma_load,
+    tma_store,
     unwrap,
 )
 
@@ -161,19 +165,19 @@ class FwdConfig:
     def q_view(self, smem, buf):
         """Buffer `buf` of Q ([.., 1, BLOCK_M, HEAD_DIM_HI], and the second part's [.., 1, BLOCK_M, HEAD_DIM_LO])
         as 2-D wgmma operands: (first part, second part; the first again without one)."""
-        hi = smem[0].index(buf)._reinterpret(smem[0].dtype, [self.BLOCK_M, self.HEAD_DIM_HI], self.q_tile)
+        hi = reinterpret(smem[0].index(buf), smem[0].dtype, [self.BLOCK_M, self.HEAD_DIM_HI], self.q_tile)
         lo = hi
         if self.HEAD_DIM_LO > 0:
-            lo = smem[1].index(buf)._reinterpret(smem[1].dtype, [self.BLOCK_M, self.HEAD_DIM_LO], self.q_lo_tile)
+            lo = reinterpret(smem[1].index(buf), smem[1].dtype, [self.BLOCK_M, self.HEAD_DIM_LO], self.q_lo_tile)
         return hi, lo
 
     @gluon.jit
     def k_view(self, smem, stage):
         """Stage `stage` of a K ring (its parts as q_view's) as 2-D wgmma operands."""
-        hi = smem[0].index(stage)._reinterpret(smem[0].dtype, [self.BLOCK_N, self.HEAD_DIM_HI], self.k_tile)
+        hi = reinterpret(smem[0].index(stage), smem[0].dtype, [self.BLOCK_N, self.HEAD_DIM_HI], self.k_tile)
         lo = hi
         if self.HEAD_DIM_LO > 0:
-            lo = smem[1].index(stage)._reinterpret(smem[1].dtype, [self.BLOCK_N, self.HEAD_DIM_LO], self.k_lo_tile)
+            lo = reinterpret(smem[1].index(stage), smem[1].dtype, [self.BLOCK_N, self.HEAD_DIM_LO], self.k_lo_tile)
         return hi, lo
 
     @gluon.jit
@@ -187,7 +191,7 @@ class FwdConfig:
     @gluon.jit
     def v_view(self, smem, stage):
         """Stage `stage` of a V ring ([STAGES, 1, BLOCK_N, HEAD_DIM_V]) as a 2-D wgmma operand."""
-        return smem.index(stage)._reinterpret(smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
+        return reinterpret(smem.index(stage), smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
 
 
 @gluon.jit
@@ -311,7 +315,7 @@ def _epilogue(acc, m_i, l_i, sm, Out, Lse, lse_row0, off_b, o_col, seqlen_q, q_o
     o = acc * gl.convert_layout(scale, cfg.row_o)[:, None]
     q_op.store(o.to(q_op.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(Out, [off_b, sm.start_m, o_col], q_buf)
+    tma_store(Out, [off_b, sm.start_m, o_col], q_buf)
     if WAIT:
         tma.store_wait(pendings=0)
 
@@ -817,7 +821,7 @@ def _q_release(q_empty, idx, pred):
     has read it: the store was issued by one elected thread, so every thread waits for its own bulk
     groups, then a partition barrier, then thread 0 arrives."""
     tma.store_wait(pendings=0)
-    gl.thread_barrier()
+    thread_barrier()
     mbarrier.arrive(q_empty.index(idx), pred=pred)
 
 
@@ -983,7 +987,7 @@ def _persist_produce(
         mbarrier.expect(bar, k_bytes, pred=j == 0)
         mbarrier.expect(bar, V.block_type.nbytes, pred=j == n_max)
     load_parts(K, off_b, j * BLOCK_N, k_col, bar, k_smem, stage, has_k, HEAD_DIM)
-    tma.async_copy_global_to_shared(V, [off_b, (j - 1) * BLOCK_N, v_col], bar, v_smem.index(stage), pred=has_v)
+    tma_load(V, [off_b, (j - 1) * BLOCK_N, v_col], bar, v_smem.index(stage), pred=has_v)
 
 
 @gluon.jit

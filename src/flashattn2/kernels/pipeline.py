@@ -16,10 +16,64 @@ Gluon 3.6 has no public aggregate: `aggregate` is triton.language.core._aggregat
 private name is gone (AttributeError / ImportError).
 """
 
+import math
+
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
+
+
+# Gluon's API moved between the Triton releases in pyproject's range; the shims below take each release's name
+# for one operation, so the kernels are one source (tests/test_compile_targets.py compiles them on each).
+
+
+# triton 3.8 reinterprets shared memory only between views of one size, and takes no subview as its source; 3.6,
+# 3.7 and 3.9 also take a smaller view directly (the buffer's first bytes)
+_SAME_SIZE_REINTERPRET = triton.__version__.startswith("3.8.")
+
+
+@builtin
+def reinterpret(smem, dtype, shape, layout, _semantic=None):
+    """Shared memory `smem` seen with another dtype, shape and layout: `_reinterpret` through triton 3.8, public
+    `reinterpret` from 3.9 on. A smaller view on 3.8 (_SAME_SIZE_REINTERPRET): the whole buffer, its leading
+    dimension k times the view's, then the view's first slice of it (the writer and the reader of such a view use
+    this same expression)."""
+    method = getattr(smem, "reinterpret", None) or smem._reinterpret
+    if _SAME_SIZE_REINTERPRET:
+        shape = [gl._unwrap_if_constexpr(n) for n in gl._unwrap_if_constexpr(shape)]
+        bits = math.prod(gl._unwrap_if_constexpr(n) for n in smem.shape) * smem.dtype.primitive_bitwidth
+        want = math.prod(shape) * gl._unwrap_if_constexpr(dtype).primitive_bitwidth
+        if want < bits:
+            assert bits % want == 0, f"reinterpret: {shape} does not divide the buffer"
+            whole = method(dtype, [shape[0] * (bits // want), *shape[1:]], layout, _semantic=_semantic)
+            return whole.slice(0, shape[0], dim=0, _semantic=_semantic)
+    return method(dtype, shape, layout, _semantic=_semantic)
+
+
+@builtin
+def tma_load(desc, coord, barrier, result, pred=True, _semantic=None):
+    """TMA global -> shared memory, completing on `barrier`: `async_copy_global_to_shared` through triton 3.7,
+    `async_load` from 3.8 on (3.9's old name raises)."""
+    copy = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    return copy(desc, coord, barrier, result, pred, _semantic=_semantic)
+
+
+@builtin
+def tma_store(desc, coord, src, _semantic=None):
+    """TMA shared -> global memory: `async_copy_shared_to_global` through triton 3.7, `async_store` from 3.8 on."""
+    copy = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    return copy(desc, coord, src, _semantic=_semantic)
+
+
+@builtin
+def thread_barrier(_semantic=None):
+    """A barrier of the threads of the CTA (of the partition, in a warp_specialize region): `thread_barrier` in
+    triton 3.6, `barrier` from 3.7 on."""
+    return (getattr(gl, "thread_barrier", None) or gl.barrier)(_semantic=_semantic)
+
 
 # a runtime integer field: a tensor, or a constexpr where Triton specialised an argument equal to 1 into a constant
 Scalar = gl.tensor | gl.constexpr
@@ -138,7 +192,7 @@ def parts_nbytes(desc, HEAD_DIM):
 def load_parts(desc, coord_b, row, col, bar, smem, buf, pred, HEAD_DIM: gl.constexpr):
     """TMA of rows `row` .. of every head-dim part of desc (from column col: the head's first) into buffer buf of
     smem (alloc_parts), onto barrier bar."""
-    tma.async_copy_global_to_shared(desc[0], [coord_b, row, col], bar, smem[0].index(buf), pred=pred)
+    tma_load(desc[0], [coord_b, row, col], bar, smem[0].index(buf), pred=pred)
     if head_dim_parts(HEAD_DIM)[1] > 0:
         col_lo = col + head_dim_parts(HEAD_DIM)[0]
-        tma.async_copy_global_to_shared(desc[1], [coord_b, row, col_lo], bar, smem[1].index(buf), pred=pred)
+        tma_load(desc[1], [coord_b, row, col_lo], bar, smem[1].index(buf), pred=pred)

@@ -34,19 +34,20 @@ def kernels() -> types.SimpleNamespace:
     return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary, decode=decode)
 
 
+# The Triton releases the Gluon kernels were measured and tested on (the H200 suite and the bench). Gluon's API is
+# experimental and moves between releases: the kernels compile on every release in pyproject's range (its moves
+# are shimmed in kernels/pipeline.py; tests/test_compile_targets.py compiles them), but on a release not listed
+# here they run only when FLASHATTN2_HOPPER=1 asks for them (FLASHATTN2_HOPPER=0 turns them off on any release).
+GLUON_TESTED = ("3.6.",)
+
+
 @functools.cache
-def hopper_kernels() -> types.SimpleNamespace | None:
-    """The Gluon kernels (kernels/fwd_hopper.py as .fwd, kernels/bwd_hopper.py as .bwd, each None
-    where it does not import), or None: Gluon's API is experimental and changes between Triton
-    releases, so they are used with the release they were written and tested against (3.6) only;
-    other versions take the Triton kernels. The backward also uses two private names of Triton
-    (the builder's TMA reduce), hence its own import."""
+def gluon_modules() -> types.SimpleNamespace:
+    """The Gluon kernels whatever the Triton release (kernels/fwd_hopper.py as .fwd, kernels/bwd_hopper.py as
+    .bwd, each None where it does not import: the backward also uses two private names of Triton, the builder's
+    TMA reduce). The compile check takes them from here; launches ask hopper_kernels()."""
     import importlib
 
-    import triton
-
-    if not triton.__version__.startswith("3.6."):
-        return None
     found = {}
     for name in ("fwd", "bwd"):
         try:
@@ -54,6 +55,55 @@ def hopper_kernels() -> types.SimpleNamespace | None:
         except (ImportError, AttributeError):
             found[name] = None
     return types.SimpleNamespace(**found)
+
+
+def gluon_tested() -> bool:
+    """Whether this Triton release is one the Gluon kernels were measured and tested on (GLUON_TESTED)."""
+    import triton
+
+    return triton.__version__.startswith(GLUON_TESTED)
+
+
+@functools.cache
+def hopper_kernels() -> types.SimpleNamespace | None:
+    """The Gluon kernels the launchers may take (gluon_modules()), or None: FLASHATTN2_HOPPER=0, or a Triton
+    release they were not tested on (gluon_tested()) without FLASHATTN2_HOPPER=1; the Triton kernels run then."""
+    asked = env_flag("FLASHATTN2_HOPPER")
+    wanted = gluon_tested() if asked is None else asked
+    return gluon_modules() if wanted else None
+
+
+_WARNED_WITHOUT_GLUON = False
+
+
+def warn_without_gluon(direction: str) -> None:
+    """Once per process, a warning that a call on a Hopper GPU takes the Triton kernels where the Gluon ones would
+    run: which Triton, what it costs, how to opt in. Silent when FLASHATTN2_HOPPER=0 turned them off."""
+    global _WARNED_WITHOUT_GLUON
+    if _WARNED_WITHOUT_GLUON or env_flag("FLASHATTN2_HOPPER") is False:
+        return
+    _WARNED_WITHOUT_GLUON = True
+    import warnings
+
+    import triton
+
+    tested = ", ".join(v + "x" for v in GLUON_TESTED)
+    if hopper_kernels() is None:
+        why = (
+            f"triton {triton.__version__} is not a release they were measured on ({tested}); "
+            "FLASHATTN2_HOPPER=1 in the environment runs them on it (they compile on it; their speed there is "
+            "unmeasured)"
+        )
+    else:
+        why = f"its {direction} kernel does not import under triton {triton.__version__}"
+    warnings.warn(
+        f"flashattn2: this Hopper GPU runs the Triton kernels, not the faster Gluon ones: {why}. On an H200 the "
+        "Triton kernels reach about 0.73x the Gluon forward's and 0.74x the Gluon backward's TFLOP/s (headdim 128, "
+        "fp16, 8 x 2k); the README's compatibility table has the details. FLASHATTN2_HOPPER=0 keeps them off "
+        "without this warning.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @torch.compiler.assume_constant_result

@@ -33,6 +33,7 @@ def ready(direction: str, arch: str, geo: Geometry, q: torch.Tensor, *tensors: t
         return False
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
+        _runtime.warn_without_gluon(direction)
         return False
     return all(t.stride(2) == t.shape[3] for t in tensors) and use_tma(arch, *tensors)
 
