@@ -277,18 +277,6 @@ def test_mode_refuses_dropout_and_too_many_keys(monkeypatch):
             flashattn2.flash_attn_func(q, k, v)
 
 
-def test_readme_example():
-    """The README's example of the mode runs as printed: the trainer's causal forward equals the rollout's prefill and
-    decode steps, bit for bit."""
-    import pathlib
-    import textwrap
-
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("```python", readme.index("- **Batch-invariant mode**")) + len("```python")
-    code = textwrap.dedent(readme[start : readme.index("```", start)])
-    exec(compile(code, "README.md (batch-invariant mode)", "exec"), {})  # noqa: S102 -- the README's own example
-
-
 def test_mode_under_torch_compile():
     """A compiled call (fullgraph) runs the mode's kernel when the mode is on at run time: its rows equal the eager
     mode's decode step, bit for bit."""

@@ -1,4 +1,4 @@
-"""python -m flashattn2 [bench] [filters] | bench report | features | decode | gpt | ab
+"""python -m flashattn2 [bench] [filters] | bench report | summary | features | decode | gpt | ab
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -34,8 +34,9 @@ def _parser():
         "what",
         nargs="?",
         default="kernels",
-        choices=["kernels", "report", "features", "decode", "gpt", "ab"],
+        choices=["kernels", "report", "summary", "features", "decode", "gpt", "ab"],
         help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
+        "summary: the README's benchmark summary from bench/results/ (--write: into README.md); "
         "features: what varlen, window and the other options cost (headdim 128 by default); "
         "decode: GB/s of K/V read when decoding over a KV cache; "
         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table); "
@@ -50,6 +51,7 @@ def _parser():
     ap.add_argument("--csv", default=None, help="results CSV (appended); default bench/results/kernels-<gpu>.csv")
     ap.add_argument("--plots", default=None, help="folder for PNGs; default beside the CSV")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--write", action="store_true", help="summary: write it into README.md (else print it)")
     ap.add_argument("--nheads", type=int, default=None, help="kernels: query heads (default 2048 / headdim)")
     ap.add_argument(
         "--nheads-k",
@@ -138,6 +140,14 @@ def main(argv=None) -> int:
 
     if args.what == "report":
         return _report(args.csv or _default_csv(None), args.plots)
+    if args.what == "summary":
+        from .bench import summary
+
+        if args.write:
+            print("README.md", "updated" if summary.write("README.md") else "unchanged")
+        else:
+            print(summary.render())
+        return 0
     if args.what == "gpt":
         return _gpt(args)
     if args.what == "ab":
