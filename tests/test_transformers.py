@@ -288,3 +288,23 @@ def test_window_and_softcap_models_match_eager(family, options):
         with torch.no_grad():
             logits.append(model(ids, attention_mask=mask).logits[mask.bool()])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_static_cache_decode_step_compiles_fullgraph():
+    """The graph path servers use: a decode step over transformers' StaticCache compiles with fullgraph=True (no
+    graph break; CUDA graphs capture it on the GPU) and gives the eager step's logits."""
+    model = tiny_llama(2, torch.float32, "flashattn2").eval()
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), device=DEVICE)
+    logits = []
+    for compiled in (False, True):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=2 * SEQLEN)
+        with torch.no_grad():
+            prompt = model(
+                ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(SEQLEN, device=DEVICE)
+            )
+            token = prompt.logits[:, -1:].argmax(-1)
+            step = lambda i, p: model(i, past_key_values=cache, use_cache=True, cache_position=p).logits  # noqa: E731
+            if compiled:
+                step = torch.compile(step, fullgraph=True, backend="aot_eager" if not ON_GPU else "inductor")
+            logits.append(step(token, torch.tensor([SEQLEN], device=DEVICE)))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
