@@ -513,54 +513,48 @@ def test_error_flag_is_clear_after_an_error():
         assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[1, 7], v[1, 0])
 
 
+@pytest.mark.usefixtures("value_checks")  # restores the setting whatever happens below
 def test_unchecked_calls_clamp_and_do_not_raise():
     """Without value checks (the default): a valid call gives the checked call's result; an
     out-of-range cache_seqlens does not raise (nothing is read back), the values are clamped,
     and the other sequences are unaffected. set_kvcache_checks is set_value_checks' other name;
-    the setting is restored, and only a bool is taken."""
+    only a bool is taken."""
     q = randn(2, 1, 4, 32, dtype=torch.float16)
     k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
     k, v = randn(2, 1, 2, 32, dtype=torch.float16), randn(2, 1, 2, 32, dtype=torch.float16)
     good = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
-    before = flashattn2.set_value_checks(True)  # whatever FLASHATTN2_VALUE_CHECKS said
+    bad = torch.tensor([3, 25], dtype=torch.int32, device=DEVICE)
     checked = flashattn2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=good)
     with pytest.raises(TypeError, match="enabled"):
         flashattn2.set_value_checks(0)
     assert flashattn2.set_kvcache_checks(False) is True
-    try:
-        kc, vc = k_cache.clone(), v_cache.clone()
-        out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
-        assert torch.equal(out, checked)
-        kc, vc = k_cache.clone(), v_cache.clone()
-        bad = torch.tensor([3, 25], dtype=torch.int32, device=DEVICE)
-        out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad)
-        assert torch.isfinite(out).all()
-        assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(out[0], checked[0])
-        out = flashattn2.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=torch.tensor([3, 99], dtype=torch.int32, device=DEVICE)
-        )
-        assert torch.isfinite(out).all()
-        # a block-table entry out of range is clamped to a real page, not followed
-        pages = randn(6, 4, 2, 32, dtype=torch.float16)
-        table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEVICE)
-        out = flashattn2.flash_attn_with_kvcache(
-            q,
-            pages,
-            pages.clone(),
-            k,
-            v,
-            cache_seqlens=torch.tensor([1, 5], dtype=torch.int32, device=DEVICE),
-            block_table=table,
-        )
-        assert torch.isfinite(out).all()
-    finally:
-        assert flashattn2.set_value_checks(True) is False
-
-    try:
-        with pytest.raises(ValueError, match="cache_seqlens"):
-            flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
-    finally:
-        flashattn2.set_value_checks(before)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=good)
+    assert torch.equal(out, checked)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad)
+    assert torch.isfinite(out).all()
+    assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(out[0], checked[0])
+    out = flashattn2.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor([3, 99], dtype=torch.int32, device=DEVICE)
+    )
+    assert torch.isfinite(out).all()
+    # a block-table entry out of range is clamped to a real page, not followed
+    pages = randn(6, 4, 2, 32, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEVICE)
+    out = flashattn2.flash_attn_with_kvcache(
+        q,
+        pages,
+        pages.clone(),
+        k,
+        v,
+        cache_seqlens=torch.tensor([1, 5], dtype=torch.int32, device=DEVICE),
+        block_table=table,
+    )
+    assert torch.isfinite(out).all()
+    assert flashattn2.set_value_checks(True) is False
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad)
 
 
 def test_new_keys_with_any_strides():

@@ -144,6 +144,7 @@ def test_direct_launch_works_or_steps_aside(monkeypatch):
     stub = JITFunction(_kernel)
     monkeypatch.setattr(stub, "run", triton_run)
     monkeypatch.setattr(launcher, "DIRECT_LAUNCH", launcher.SUPPORTED)  # as at import, whatever the environment
+    monkeypatch.setattr(launcher, "VERIFY_LAUNCH", False)  # the stub compiled nothing for Triton to choose
     monkeypatch.setattr(launcher._runtime, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)

@@ -228,6 +228,40 @@ def test_unchecked_cu_seqlens_are_clamped_on_the_device():
     assert torch.isfinite(out).all()
 
 
+def test_clamp_follows_every_call():
+    """The clamp runs on every call: a cu_seqlens first met with fewer rows gives the right result with more, new
+    values written where torch does not see them (.data) are the ones the kernels read, a tensor first seen under
+    inference mode then takes a training call's backward, and a compiled call (fullgraph) is clamped too."""
+    lengths = [3, 7]
+    cu_s = cu(lengths)
+    q, k, v = make(lengths, lengths)
+    with torch.no_grad():
+        flashattn2.flash_attn_varlen_func(q[:8], k[:8], v[:8], cu_s, cu_s, 7, 7)  # clamped to 8 rows
+        assert torch.equal(
+            flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 7, 7),
+            flashattn2.flash_attn_varlen_func(q, k, v, cu_s.clone(), cu_s.clone(), 7, 7),
+        )
+        cu_s.data.copy_(cu([6, 4]))  # no version bump
+        assert torch.equal(
+            flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 7, 7),
+            flashattn2.flash_attn_varlen_func(q, k, v, cu([6, 4]), cu([6, 4]), 7, 7),
+        )
+    fresh = cu(lengths)
+    with torch.inference_mode():
+        flashattn2.flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), fresh, fresh, 7, 7)
+    flashattn2.flash_attn_varlen_func(q, k, v, fresh, fresh, 7, 7).sum().backward()
+    assert q.grad is not None
+    past = cu([3, 7])
+    past[-1] = 30
+    compiled = torch.compile(
+        lambda q, k, v, c: flashattn2.flash_attn_varlen_func(q, k, v, c, c, 30, 30), fullgraph=True, backend="aot_eager"
+    )
+    with torch.no_grad():
+        assert torch.equal(
+            compiled(q, k, v, past), flashattn2.flash_attn_varlen_func(q, k, v, cu(lengths), cu(lengths), 30, 30)
+        )
+
+
 @pytest.mark.usefixtures("value_checks")
 def test_varlen_under_inference_mode():
     """Tensors made under torch.inference_mode have no version counter: never remembered, still

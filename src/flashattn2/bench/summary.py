@@ -153,12 +153,14 @@ def gpt(results: str) -> str:
 
 
 def render(results: str = os.path.join("bench", "results")) -> str:
-    with open(os.path.join(results, f"kernels-{GPU}.csv"), newline="") as fh:
-        first = next(csv.DictReader(fh))
+    machines = set()
+    for name in ("kernels", "decode", "gpt"):
+        with open(os.path.join(results, f"{name}-{GPU}.csv"), newline="") as fh:
+            machines.update((row["gpu"], row["torch"], row["triton"]) for row in csv.DictReader(fh))
     return "\n\n".join(
         [
             BEGIN,
-            f"One {first['gpu']}, torch {first['torch']}, triton {first['triton']}.",
+            "; ".join(f"{gpu}, torch {torch}, triton {triton}" for gpu, torch, triton in sorted(machines)) + ".",
             kernels(results),
             decode(results),
             gpt(results),

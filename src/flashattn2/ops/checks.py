@@ -72,7 +72,8 @@ def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, li
 
 # Whether the entry points read the values of index tensors (cu_seqlens, cache_seqlens,
 # cache_leftpad, cache_batch_idx, block_table) to raise on a bad one; see set_value_checks.
-_VALUE_CHECKS = bool(_runtime.env_flag("FLASHATTN2_VALUE_CHECKS") or _runtime.env_flag("FLASHATTN2_KVCACHE_CHECKS"))
+_ENV_CHECKS = _runtime.env_flag("FLASHATTN2_VALUE_CHECKS")
+_VALUE_CHECKS = bool(_runtime.env_flag("FLASHATTN2_KVCACHE_CHECKS") if _ENV_CHECKS is None else _ENV_CHECKS)
 
 
 def value_checks() -> bool:
@@ -104,23 +105,27 @@ def set_value_checks(enabled: bool) -> bool:
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
     """Validate varlen's cu_seqlens (int32, (batch + 1,)) and max_seqlen (an int or a
     one-element tensor). Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    verify): the cu_seqlens for the kernels, which stay in bounds whatever the values (clamped
-    to [0, rows] on the device, the given tensors when their values were read and passed), and
-    verify(), to call once the kernels are queued.
+    verify): the cu_seqlens for the kernels, clamped into [0, rows] on the device (in_range) so
+    that the kernels stay in bounds whatever the values, and verify(), to call once the kernels
+    are queued.
 
-    Without value checks (the default) nothing is read back: verify does nothing. A tensor's
-    clamped copy and its sequences longest first (both computed on the device) are remembered
-    (see `_SEEN`), so a model that passes one cu_seqlens to every layer, forward and backward,
-    pays for them once. With value checks (set_value_checks) the values must also start at 0,
-    not decrease, end within q / k and keep every sequence within max_seqlen: a copy to pinned
-    host memory is queued and verify() waits for that copy only (not for the kernels) and
-    raises ValueError on a bad value; a tensor whose values passed is remembered and not read
-    again. Nothing is done while torch.compile traces."""
+    Without value checks (the default), under torch.compile and during CUDA-graph capture,
+    nothing is read back: verify does nothing. With value checks (set_value_checks) the values
+    must also start at 0, not decrease, end within q / k and keep every sequence within
+    max_seqlen: a copy to pinned host memory is queued and verify() waits for that copy only
+    (not for the kernels) and raises ValueError on a bad value; a tensor whose values passed is
+    remembered (see `_SEEN`) and not read again."""
     _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     totals = (q.shape[0], k.shape[0])
-    if torch.compiler.is_compiling():
-        return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+    cus = (cu_seqlens_q, cu_seqlens_k)
+    clamped = (in_range(cu_seqlens_q, totals[0]),)
+    if cu_seqlens_k is cu_seqlens_q and totals[1] == totals[0]:  # self-attention: one clamp serves both
+        clamped += clamped
+    else:
+        clamped += (in_range(cu_seqlens_k, totals[1]),)
+    if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
+        return *clamped, maxes[0], maxes[1], _nothing
     seen_q, seen_k = known(cu_seqlens_q), known(cu_seqlens_k)
     if (
         seen_q is not None
@@ -130,50 +135,46 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         and seen_q[1] <= maxes[0]
         and seen_k[1] <= maxes[1]
     ):
-        return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
-    if not _VALUE_CHECKS:
-        return in_range(cu_seqlens_q, totals[0]), in_range(cu_seqlens_k, totals[1]), maxes[0], maxes[1], _nothing
-    cus = (cu_seqlens_q, cu_seqlens_k)
+        return *clamped, maxes[0], maxes[1], _nothing
     if q.device.type != "cuda":
-        _check_cu_values(torch.stack(cus), totals, maxes, cus)
-        return cu_seqlens_q, cu_seqlens_k, maxes[0], maxes[1], _nothing
+        _check_cu_values(torch.stack(cus), totals, maxes, cus, clamped)
+        return *clamped, maxes[0], maxes[1], _nothing
     host = torch.empty((2, cu_seqlens_q.shape[0]), dtype=torch.int32, pin_memory=True)
     host[0].copy_(cu_seqlens_q, non_blocking=True)
     host[1].copy_(cu_seqlens_k, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record(torch.cuda.current_stream(cu_seqlens_q.device))
 
-    clamped = (cu_seqlens_q.clamp(0, totals[0]), cu_seqlens_k.clamp(0, totals[1]))
-
     def verify():
         copied.synchronize()
-        _check_cu_values(host, totals, maxes, cus)
-        for given, copy in zip(cus, clamped):  # equal values: the backward's copies are known too
-            seen = _entry(given)
-            if seen is not None:
-                _remember(copy, seen.values, seen.order)
+        _check_cu_values(host, totals, maxes, cus, clamped)
 
     return *clamped, maxes[0], maxes[1], verify
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def in_range(cu: torch.Tensor, rows: int) -> torch.Tensor:
-    """cu_seqlens with its values clamped into [0, rows] on the device, without reading them:
-    the kernels then stay within the rows whatever the values. A tensor seen before (and
-    unchanged since) gives its remembered copy; a new one is clamped, and its sequences longest
-    first are computed beside (on the device) for the grid's order (Varlen.order_*). While a
-    CUDA graph is captured the clamp is captured with the call and nothing is remembered (a
-    copy made earlier would not follow the graph's input as it changes between replays)."""
-    capturing = cu.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        seen = _entry(cu)
-        if seen is not None and seen.bound <= rows:
-            return cu if seen.copy is None else seen.copy
+    """cu_seqlens with its values clamped into [0, rows] on the device, without reading them: the kernels then
+    stay within the rows whatever the values. The clamp runs on every call (a copy kept from an earlier call
+    would miss writes torch does not see, and a smaller row count). Beside it, the sequences longest first (the
+    grid's order, Varlen.order_*) are computed on the device once per tensor and remembered, for the clamped copy
+    too (the kernels and the backward look that up); an order gone stale only reorders the grid. Nothing is
+    remembered while torch.compile traces, a CUDA graph is captured or inference mode is on (the grid then keeps
+    the sequences' own order)."""
     clamped = cu.clamp(0, rows)
-    if not capturing:
+    if torch.compiler.is_compiling() or _capturing(cu) or torch.is_inference_mode_enabled() or cu.is_inference():
+        return clamped
+    seen = _entry(cu)
+    if seen is None:
         lengths = clamped[1:] - clamped[:-1]
         order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-        _remember(cu, None, order, rows, clamped)
-        _remember(clamped, None, order, rows)  # the backward is given the copy
+        _remember(cu, None, order)
+        _remember(clamped, None, order)
+    else:  # values read earlier stay true of the copy when they lie within the rows
+        _remember(clamped, seen.values if seen.values and seen.values[0] <= rows else None, seen.order)
     return clamped
 
 
@@ -186,16 +187,14 @@ class _Seen:
     data_ptr: int
     values: tuple[int, int] | None  # (last value, longest sequence) when read on the host, else None
     order: torch.Tensor  # the sequence indices longest first, int32 on the tensor's device
-    bound: int  # every value lies in [0, bound]
-    copy: torch.Tensor | None  # the clamped copy the kernels read, or None: the tensor itself
 
 
-# id(cu_seqlens) -> _Seen, for tensors whose values were checked (values read) or clamped on the
-# device (values not read). An entry holds while that tensor lives and is not modified in place:
-# torch bumps the version counter of a tensor and its views on every in-place op. Writes that
-# bypass the counter (through .data, numpy or DLPack, or by a custom kernel) are not seen: such a
-# tensor's new values are trusted, as flash_attn trusts every cu_seqlens. Inference tensors have
-# no counter and are never remembered.
+# id(cu_seqlens) -> _Seen: the sequences' order of every cu_seqlens seen (computed on the device), and the values
+# of those whose values were checked (set_value_checks). An entry holds while that tensor lives and is not modified
+# in place: torch bumps the version counter of a tensor and its views on every in-place op. Writes that bypass the
+# counter (through .data, numpy or DLPack, or by a custom kernel) are not seen: the kernels still read the new
+# values (clamped into range on every call), but a checked tensor's new values go unchecked and the grid's order
+# may be stale. Inference tensors have no counter and are never remembered.
 _SEEN: dict[int, _Seen] = {}
 _SEEN_MAX = 64
 
@@ -216,20 +215,20 @@ def known(cu: torch.Tensor) -> tuple[int, int] | None:
 
 def remembered(cu: torch.Tensor) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
     """(known(cu), the sequence indices longest first (int32, on cu's device)), or (None, None)
-    for a cu_seqlens not seen earlier or modified since; (None, order) for one clamped on the
-    device without reading its values."""
+    for a cu_seqlens not seen earlier or modified since; (None, order) for one whose values were
+    not read."""
     seen = _entry(cu)
     return (None, None) if seen is None else (seen.values, seen.order)
 
 
-def _remember(cu: torch.Tensor, values, order: torch.Tensor, bound: int | None = None, copy=None) -> None:
-    if cu.is_inference():  # made under torch.inference_mode: no version counter to trust
+def _remember(cu: torch.Tensor, values, order: torch.Tensor) -> None:
+    # a tensor made under torch.inference_mode has no version counter to trust; under it, order is one too
+    if cu.is_inference() or torch.is_inference_mode_enabled():
         return
     if len(_SEEN) >= _SEEN_MAX:
         for key in [key for key, seen in _SEEN.items() if seen.ref() is None] or [next(iter(_SEEN))]:
             del _SEEN[key]
-    bound = values[0] if bound is None else bound
-    _SEEN[id(cu)] = _Seen(weakref.ref(cu), cu._version, cu.data_ptr(), values, order, bound, copy)
+    _SEEN[id(cu)] = _Seen(weakref.ref(cu), cu._version, cu.data_ptr(), values, order)
 
 
 def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
@@ -264,9 +263,9 @@ def _nothing():
     pass
 
 
-def _check_cu_values(both, totals, maxes, tensors=None):
+def _check_cu_values(both, totals, maxes, tensors=None, copies=()):
     """Check the values (rows of `both`, on the host); remember `tensors` (the given
-    cu_seqlens_q/k) as checked when they pass."""
+    cu_seqlens_q/k) and their clamped `copies` (equal values) as checked when they pass."""
     seen, orders = [], []
     for name, cu, total, max_seqlen in (
         ("cu_seqlens_q", both[0], totals[0], maxes[0]),
@@ -285,10 +284,12 @@ def _check_cu_values(both, totals, maxes, tensors=None):
             raise ArgumentError(f"a sequence of length {longest} exceeds max_seqlen_{name[-1]}={max_seqlen}")
         seen.append((int(cu[-1]), longest))
     if tensors is not None:
-        for cu, values, order in zip(tensors, seen, orders):
+        for i, (cu, values, order) in enumerate(zip(tensors, seen, orders)):
             if cu.device.type == "cuda":  # from pinned memory, without waiting for the kernels
                 order = order.pin_memory().to(cu.device, non_blocking=True)
             _remember(cu, values, order)
+            if copies:
+                _remember(copies[i], values, order)
 
 
 def check_device(device: torch.device, name: str) -> None:
@@ -607,10 +608,9 @@ def check_varlen_paged(
         raise ArgumentError(f"block_table is on {block_table.device}, q on {q.device}")
     maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
     check_alibi(alibi_slopes, q, batch)
-    if torch.compiler.is_compiling():
-        return cu_seqlens_q, maxes[0]
-    if not _VALUE_CHECKS or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return in_range(cu_seqlens_q, q.shape[0]), maxes[0]
+    clamped = in_range(cu_seqlens_q, q.shape[0])
+    if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
+        return clamped, maxes[0]
     cu_q, cu_k, table = _to_host(cu_seqlens_q, cu_seqlens_k, block_table)
     capacity = block_table.shape[1] * k_cache.shape[1]
     _check_cu_values(torch.stack((cu_q, cu_k)), (q.shape[0], batch * capacity), maxes)
@@ -625,4 +625,4 @@ def check_varlen_paged(
             f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
             f"[{int(live.min())}, {int(live.max())}]"
         )
-    return cu_seqlens_q, maxes[0]
+    return clamped, maxes[0]

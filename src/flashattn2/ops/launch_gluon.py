@@ -31,11 +31,14 @@ def ready(direction: str, arch: str, geo: Geometry, q: torch.Tensor, *tensors: t
         and planning.wgmma(q.device)
     ):
         return False
+    if not (all(t.stride(2) == t.shape[3] for t in tensors) and use_tma(arch, *tensors)):
+        return False
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
-        _runtime.warn_without_gluon(direction)
+        if planning.forced().hopper is not False:  # not asked for the Triton kernels: say what is lost
+            _runtime.warn_without_gluon(direction)
         return False
-    return all(t.stride(2) == t.shape[3] for t in tensors) and use_tma(arch, *tensors)
+    return True
 
 
 def remember(plans: dict, key, launch) -> None:
