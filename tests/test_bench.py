@@ -292,3 +292,30 @@ def test_alternated_reverses_odd_rounds_and_takes_the_median():
     med = kernels.alternated({"a": "a", "b": "b"}, time_one, 3)
     assert seen == ["a", "b", "b", "a", "a", "b"]
     assert med == {"a": {"fwd": 3.0}, "b": {"fwd": 4.0}}
+
+
+def test_generate_bench_rows(tmp_path):
+    """bench generate's plumbing on a tiny Llama (the CPU interpreter, without compiling; compiled on the GPU): a
+    row per attention, tokens per second, flashattn2's logits as the reference (no mismatch note)."""
+    pytest.importorskip("transformers")
+    from conftest import DEVICE, ON_GPU
+    from flashattn2.bench import generate
+
+    dims = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    path = str(tmp_path / "generate.csv")
+    generate.run(
+        path, batches=[2], prompt=8, new_tokens=3, compiled=ON_GPU, device=DEVICE, dims=dims, repeats=1,
+        progress=lambda _: None,
+    )  # fmt: skip
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["attention"] for r in rows] == ["flashattn2", "sdpa"]
+    assert all(float(r["tokens_per_s"]) > 0 and r["note"] == "" for r in rows), rows

@@ -1,4 +1,4 @@
-"""python -m flashattn2 [bench] [filters] | bench report | summary | features | decode | gpt | ab
+"""python -m flashattn2 [bench] [filters] | bench report | summary | features | decode | gpt | generate | ab
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -34,12 +34,13 @@ def _parser():
         "what",
         nargs="?",
         default="kernels",
-        choices=["kernels", "report", "summary", "features", "decode", "gpt", "ab"],
+        choices=["kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab"],
         help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
         "summary: the README's benchmark summary from bench/results/ (--write: into README.md); "
         "features: what varlen, window and the other options cost (headdim 128 by default); "
         "decode: GB/s of K/V read when decoding over a KV cache; "
         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table); "
+        "generate: tokens/s of transformers' generate() with a static cache, compiled, beside sdpa (--batches 1,16); "
         "ab: flashattn2 under two or more settings (--setting), alternated in one run",
     )
     ap.add_argument("--dtypes", default="fp16,bf16")
@@ -152,6 +153,8 @@ def main(argv=None) -> int:
         return _gpt(args)
     if args.what == "ab":
         return _ab(args)
+    if args.what == "generate":
+        return _generate(args)
     if args.command == "check" or not torch.cuda.is_available():
         return _cpu_check(argv)
     if args.what == "features":
@@ -258,6 +261,20 @@ def _gpt(args):
     path = args.csv or os.path.join(RESULTS, f"gpt-{_slug(torch.cuda.get_device_name())}.csv")
     gpt.run(path, args.models.split(","), _ints(args.contexts), args.attentions.split(","), args.tokens, args.steps)
     return _write_markdown(path, gpt.markdown(path))
+
+
+def _generate(args):
+    import torch
+
+    from .bench import generate
+
+    if not torch.cuda.is_available():
+        print("bench generate measures a 1.2B-parameter model's generate(): it needs a CUDA GPU")
+        return 2
+    batches = _ints(args.batches) if args.batches != "1,8,64" else [1, 16]  # decode's default is not this one's
+    path = args.csv or os.path.join(RESULTS, f"generate-{_slug(torch.cuda.get_device_name())}.csv")
+    generate.run(path, batches=batches)
+    return 0
 
 
 def _slug(gpu: str) -> str:
