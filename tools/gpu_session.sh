@@ -20,6 +20,12 @@
 #   ab-fwd     bench ab: the persistent forward's tiles by key length (the table's short rows) against one
 #              tile at every length, fp16 and bf16
 #   host       host time per call (tools/overhead.py) and a 512-token fwd+bwd beside SDPA's
+#   serve-tests   the tests of serving without host syncs: no sync under set_sync_debug_mode("error") at every
+#              entry point, a decode step in a CUDA graph and under torch.compile, transformers' static cache,
+#              the batch-invariant mode, varlen (its cu_seqlens clamped on every call)
+#   generate   bench generate: transformers' generate() with a static cache compiled into CUDA graphs, tokens/s of
+#              flashattn2 beside sdpa, batch 1 and 16
+#   decode     bench decode: the decode grid, eager and CUDA graph, beside SDPA's flash and cuDNN
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended; 3 rounds alternating the
 #              providers (~205 s a dtype on a warm H200; one round read a point 5-10% apart in two runs)
 #   grid-bwd-fp16 / grid-bwd-bf16   the grid's backward and forward + backward rows, and GQA's, appended
@@ -34,7 +40,8 @@
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
-# "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order".
+# "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order";
+# "env serve-tests"; "generate"; "decode host".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -99,6 +106,13 @@ for s in "$@"; do
         python3 -m flashattn2 bench ab --csv '$OUT/ab.csv' --modes fwd --rounds 3 --no-progress \
           --setting default --setting fwd_hopper_persist=64x128w8s2 --dtypes fp16,bf16 --headdims 128 \
           --seqlens 512,1024,2048,4096 --causal 1" ;;
+    serve-tests)
+      stage serve-tests 400 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_no_sync.py tests/test_kvcache.py \
+        tests/test_transformers.py tests/test_batch_invariant.py tests/test_varlen.py tests/test_launch.py ;;
+    generate)
+      stage generate 500 python3 -m flashattn2 bench generate --csv "$OUT/generate.csv" ;;
+    decode)
+      stage decode 400 python3 -m flashattn2 bench decode --csv "$OUT/decode.csv" ;;
     host)
       stage host 240 bash -c "python3 tools/overhead.py &&
         python3 -m flashattn2 bench --csv '$OUT/host.csv' --plots /tmp/gpu-plots --no-progress --dtypes fp16,bf16 --headdims 128,64 \
