@@ -299,7 +299,7 @@ def check_device(device: torch.device, name: str) -> None:
         if not _runtime.interpreted():
             raise ArgumentError(
                 f"{name} is a CPU tensor: flashattn2 runs on CUDA GPUs, or on the CPU through Triton's "
-                "interpreter when TRITON_INTERPRET=1 is set in the environment before Python starts"
+                "interpreter when TRITON_INTERPRET=1 is set before torch and triton are imported"
             )
         return
     raise ArgumentError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
