@@ -37,7 +37,8 @@ def kernels() -> types.SimpleNamespace:
 # The Triton releases the Gluon kernels were measured and tested on (the H200 suite and the bench). Gluon's API is
 # experimental and moves between releases: the kernels compile on every release in pyproject's range (its moves
 # are shimmed in kernels/pipeline.py; tests/test_compile_targets.py compiles them), but on a release not listed
-# here they run only when FLASHATTN2_HOPPER=1 asks for them (FLASHATTN2_HOPPER=0 turns them off on any release).
+# here they run only when FLASHATTN2_HOPPER=1 asks for them (FLASHATTN2_HOPPER=0 turns them off on any release,
+# through the plan table: planning._ENV_HOPPER).
 GLUON_TESTED = ("3.6.",)
 
 
@@ -66,11 +67,10 @@ def gluon_tested() -> bool:
 
 @functools.cache
 def hopper_kernels() -> types.SimpleNamespace | None:
-    """The Gluon kernels the launchers may take (gluon_modules()), or None: FLASHATTN2_HOPPER=0, or a Triton
-    release they were not tested on (gluon_tested()) without FLASHATTN2_HOPPER=1; the Triton kernels run then."""
-    asked = env_flag("FLASHATTN2_HOPPER")
-    wanted = gluon_tested() if asked is None else asked
-    return gluon_modules() if wanted else None
+    """The Gluon kernels the launchers may take (gluon_modules()) on a Triton release they were tested on
+    (gluon_tested()) or with FLASHATTN2_HOPPER=1; None on another release: the Triton kernels run then.
+    FLASHATTN2_HOPPER=0 is the plan table's switch (planning._ENV_HOPPER), which force(hopper=True) overrides."""
+    return gluon_modules() if gluon_tested() or env_flag("FLASHATTN2_HOPPER") is True else None
 
 
 _WARNED_WITHOUT_GLUON = False
