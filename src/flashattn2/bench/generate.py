@@ -80,7 +80,10 @@ def measure(dims, attention, batch, prompt, new_tokens, compiled, device="cuda",
         pad_token_id=0,
         cache_implementation="static",
     )
-    kw.update(compile_config=CompileConfig(fullgraph=True)) if compiled else kw.update(disable_compile=True)
+    if compiled:
+        kw["compile_config"] = CompileConfig(fullgraph=True)
+    else:
+        kw["disable_compile"] = True
     model.generate(ids, **kw)  # compiles and captures
     if device == "cuda":
         torch.cuda.synchronize()

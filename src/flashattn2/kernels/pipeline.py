@@ -12,8 +12,8 @@ kernels wrote out by hand before (the compiled code is unchanged, tools/ptx_hash
 indexed i % STAGES (the persistent forward's Q buffers) use ring_phase directly.
 
 Gluon 3.6 has no public aggregate: `aggregate` is triton.language.core._aggregate, which its own Blackwell helpers
-(gluon.language.nvidia.blackwell.float2) use; ops._runtime.hopper_kernels() falls back to the Triton kernels when a
-private name is gone (AttributeError / ImportError).
+(gluon.language.nvidia.blackwell.float2) use; ops._runtime.gluon_modules() leaves a module out (the Triton kernels
+run) when a private name is gone (AttributeError / ImportError).
 """
 
 import math
@@ -25,11 +25,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-
 # Gluon's API moved between the Triton releases in pyproject's range; the shims below take each release's name
 # for one operation, so the kernels are one source (tests/test_compile_targets.py compiles them on each).
-
-
 # triton 3.8 reinterprets shared memory only between views of one size, and takes no subview as its source; 3.6,
 # 3.7 and 3.9 also take a smaller view directly (the buffer's first bytes)
 _SAME_SIZE_REINTERPRET = triton.__version__.startswith("3.8.")
