@@ -73,9 +73,9 @@ def _varlen_qkvpacked():
 
 def _varlen_paged():
     (q, _, _), cu, m = _packed(HK)
-    pages = [randn(8, 32, HK, D, dtype=DT) for _ in range(2)]
     blocks = -(-S // 32)
-    table = torch.randperm(8, device=DEVICE)[: 2 * blocks].view(2, blocks).to(torch.int32)
+    pages = [randn(2 * blocks, 32, HK, D, dtype=DT) for _ in range(2)]
+    table = torch.randperm(2 * blocks, device=DEVICE).view(2, blocks).to(torch.int32)
     return lambda: flashattn2.flash_attn_varlen_func(q.detach(), *pages, cu, cu, m, m, causal=True, block_table=table)
 
 
