@@ -28,6 +28,8 @@ def imports(path: pathlib.Path) -> set[str]:
         ("ops", ("..api", "flashattn2.api", "..modules", "flashattn2.modules")),
         # the layers use the public API, never the launchers or kernels behind it
         ("modules", ("..ops", "..kernels", "flashattn2.ops", "flashattn2.kernels")),
+        # context parallelism runs blocks through the ops (no autograd per block), never the kernels themselves
+        ("parallel", ("..kernels", "flashattn2.kernels", "..modules", "flashattn2.modules")),
     ],
 )
 def test_dependency_direction(folder, forbidden):

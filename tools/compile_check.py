@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, decode, dmask, fill, fwd, rotary  # noqa: E402
+from flashattn2.kernels import bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
@@ -424,6 +424,16 @@ def cases(arch):
             flags,
             T(8, 8, 4, 1),
             None,
+        )
+    # the ring's merge of partial results (flashattn2.parallel), first block and later ones, head dims to 512
+    for first, head_dim in ((True, 128), (False, 512)):
+        yield (
+            f"{arch}-merge-{'first' if first else 'next'}-d{head_dim}",
+            merge.merge_kernel,
+            2,
+            dict(FIRST=first, BLOCK_S=max(16, 8192 // head_dim), BLOCK_D=head_dim),
+            T(16, 16, 4, 1),
+            {"Acc": "*fp32", "Lse": "*fp32", "BLse": "*fp32"},
         )
 
 
