@@ -23,6 +23,9 @@
 #   serve-tests   the tests of serving without host syncs: no sync under set_sync_debug_mode("error") at every
 #              entry point, a decode step in a CUDA graph and under torch.compile, transformers' static cache,
 #              the batch-invariant mode, varlen (its cu_seqlens clamped on every call)
+#   parallel-tests  flashattn2.parallel's tests at GPU sizes (the ranks simulated in one process, and gloo ranks)
+#   parallel-bench  bench parallel on one GPU: zigzag ring and Ulysses at 128k tokens, 4 and 8 simulated ranks, beside
+#              single-GPU flashattn2 on the per-GPU length
 #   generate   bench generate: transformers' generate() with a static cache compiled into CUDA graphs, tokens/s of
 #              flashattn2 beside sdpa, batch 1 and 16
 #   decode     bench decode: the decode grid, eager and CUDA graph, beside SDPA's flash and cuDNN
@@ -41,7 +44,7 @@
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
 # "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order";
-# "env serve-tests"; "generate"; "decode host".
+# "env serve-tests"; "generate"; "decode host"; "parallel-tests parallel-bench".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -109,6 +112,11 @@ for s in "$@"; do
     serve-tests)
       stage serve-tests 400 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_no_sync.py tests/test_kvcache.py \
         tests/test_transformers.py tests/test_batch_invariant.py tests/test_varlen.py tests/test_launch.py ;;
+    parallel-tests)
+      stage parallel-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_parallel.py tests/test_layout.py ;;
+    parallel-bench)
+      stage parallel-bench 400 python3 -m flashattn2 bench parallel --worlds 4,8 --seqlens 131072 \
+        --csv "$OUT/parallel.csv" ;;
     generate)
       stage generate 500 python3 -m flashattn2 bench generate --csv "$OUT/generate.csv" ;;
     decode)

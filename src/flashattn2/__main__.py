@@ -1,4 +1,4 @@
-"""python -m flashattn2 [bench] [filters] | bench report | summary | features | decode | gpt | generate | ab
+"""python -m flashattn2 [bench] [filters] | bench report | summary | features | decode | gpt | generate | ab | parallel
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -34,14 +34,16 @@ def _parser():
         "what",
         nargs="?",
         default="kernels",
-        choices=["kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab"],
+        choices=["kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab", "parallel"],
         help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
         "summary: the README's benchmark summary from bench/results/ (--write: into README.md); "
         "features: what varlen, window and the other options cost (headdim 128 by default); "
         "decode: GB/s of K/V read when decoding over a KV cache; "
         "gpt: training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the paper's end-to-end table); "
         "generate: tokens/s of transformers' generate() with a static cache, compiled, beside sdpa (--batches 1,16); "
-        "ab: flashattn2 under two or more settings (--setting), alternated in one run",
+        "ab: flashattn2 under two or more settings (--setting), alternated in one run; "
+        "parallel: context parallelism's per-GPU TFLOP/s, the ranks simulated on one GPU (--worlds), or under "
+        "torchrun one rank per GPU (NCCL), beside PyTorch's context_parallel",
     )
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
@@ -100,6 +102,9 @@ def _parser():
         "(median reported; default 1 / 3)",
     )
     ap.add_argument("--no-cudnn", action="store_true", help="ab: leave SDPA's cuDNN kernels out")
+    ap.add_argument("--worlds", default="8", help="parallel: simulated world sizes (under torchrun: its world)")
+    ap.add_argument("--algorithms", default="zigzag,ulysses", help="parallel: zigzag, ring, ulysses")
+    ap.add_argument("--reps", type=int, default=3, help="parallel: timed calls per point (median)")
     return ap
 
 
@@ -155,6 +160,8 @@ def main(argv=None) -> int:
         return _ab(args)
     if args.what == "generate":
         return _generate(args)
+    if args.what == "parallel":
+        return _parallel(args)
     if args.command == "check" or not torch.cuda.is_available():
         return _cpu_check(argv)
     if args.what == "features":
@@ -275,6 +282,26 @@ def _generate(args):
     path = args.csv or os.path.join(RESULTS, f"generate-{_slug(torch.cuda.get_device_name())}.csv")
     generate.run(path, batches=batches)
     return 0
+
+
+def _parallel(args):
+    import torch
+
+    from .bench import parallel
+
+    if not torch.cuda.is_available():
+        print("bench parallel times attention over sequences of 128k tokens and more: it needs a CUDA GPU")
+        return 2
+    if os.environ.get("WORLD_SIZE"):  # under torchrun: one rank per GPU
+        import torch.distributed as dist
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    seqlens = _ints(args.seqlens) if args.seqlens != _parser().get_default("seqlens") else [131072]
+    modes = args.modes.split(",") if args.modes != _parser().get_default("modes") else ["fwd", "fwd_bwd"]
+    path = args.csv or os.path.join(RESULTS, f"parallel-{_slug(torch.cuda.get_device_name())}.csv")
+    parallel.run(path, seqlens, _ints(args.worlds), args.algorithms.split(","), modes, reps=args.reps)
+    return _write_markdown(path, parallel.markdown(path)) if int(os.environ.get("RANK", "0")) == 0 else 0
 
 
 def _slug(gpu: str) -> str:
