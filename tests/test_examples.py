@@ -4,6 +4,7 @@ the loss curve, sampling through the KV cache."""
 import importlib.util
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -31,7 +32,36 @@ def test_gpt_example_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unigram entropy" in proc.stdout and "sample:\ndef " in proc.stdout, proc.stdout[-2000:]
-    result = dict(line.split() for line in (tmp_path / "result.txt").read_text().splitlines())
+    result = _result(tmp_path)
     assert float(result["val_loss"]) > 0 and float(result["steps"]) == 3
     if importlib.util.find_spec("matplotlib") is not None:  # the loss curve needs it
         assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def _result(out_dir) -> dict:
+    return dict(line.split(" ", 1) for line in (out_dir / "result.txt").read_text().splitlines())
+
+
+def test_gpt_example_context_parallel_loss_matches_one_process(tmp_path):
+    """--context-parallel 2 under torchrun (gloo, the CPU interpreter): every step's loss is the single process's."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["OMP_NUM_THREADS"] = "1"
+    script = str(ROOT / "examples" / "gpt" / "train.py")
+    common = ["--smoke", "--device", "cpu", "--sample-tokens", "1"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = {
+        "one": [sys.executable, script, *common],
+        "two": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+        + [script, *common, "--context-parallel", "2"],
+    }
+    losses = {}
+    for name, cmd in runs.items():
+        out = tmp_path / name
+        proc = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        losses[name] = [float(x) for x in _result(out)["losses"].split()]
+    assert len(losses["one"]) == 3
+    for step, (a, b) in enumerate(zip(losses["one"], losses["two"])):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: loss {b} with two ranks, {a} in one process"

@@ -320,3 +320,20 @@ def test_gloo_ranks_equal_the_simulated_group(world):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count(": ok") == {2: 4, 4: 3}[world], run.stdout
+
+
+@pytest.mark.parametrize("algorithm", ["zigzag", "ring", "ulysses"])
+def test_context_parallel_attention_is_flash_cross_attention_on_shards(algorithm):
+    from flashattn2.modules.mha import FlashCrossAttention
+
+    world, seqlen, nheads, d = 2, 32, 2, 16
+    q = torch.randn(1, seqlen, nheads, d, device=DEVICE, dtype=torch.float16)
+    kv = torch.randn(1, seqlen, 2, nheads, d, device=DEVICE, dtype=torch.float16)
+    inner = parallel.ContextParallelAttention(causal=True, algorithm=algorithm, group=parallel.SimulatedGroup(world))
+    out = inner(_stack_shards(q, world, inner.layout, 1), _stack_shards(kv, world, inner.layout, 1))
+    want = FlashCrossAttention(causal=True)(q, kv)
+    assert (parallel.unshard(list(out), inner.layout, 1) - want).abs().max().item() < 2e-3
+    with pytest.raises(ArgumentError, match="algorithm"):
+        parallel.ContextParallelAttention(algorithm="stripe")
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        inner(q, kv, cu_seqlens=None)

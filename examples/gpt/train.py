@@ -4,6 +4,8 @@ as a PNG, then sample from the model through the KV cache.
 
     python examples/gpt/train.py                   # a CUDA GPU: ~11M parameters, a few minutes
     python examples/gpt/train.py --smoke           # a few steps of a tiny model, on the CPU by default
+    torchrun --nproc-per-node 2 examples/gpt/train.py --context-parallel 2
+                                                   # each sequence sharded over 2 ranks (zigzag ring attention)
 
 Tokens are bytes (vocabulary 256). The loss is compared with the corpus' unigram entropy: the
 loss of a model that knows only how often each byte occurs.
@@ -37,6 +39,14 @@ def parse_args(argv=None):
     ap.add_argument("--sample-tokens", type=int, default=400)
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (fullgraph)")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard every sequence over N ranks (launch with torchrun --nproc-per-node N): zigzag ring attention "
+        "(flashattn2.parallel), gradients averaged over the ranks; NCCL on GPUs, gloo on the CPU",
+    )
     ap.add_argument(
         "--out",
         default=str(pathlib.Path(__file__).resolve().parent / "out"),
@@ -79,6 +89,9 @@ def main(argv=None):
         os.environ["TRITON_INTERPRET"] = "1"  # the kernels run through Triton's interpreter (set before import)
     from flashattn2.models.gpt import GPT, GPTConfig
 
+    cp = ContextParallel.start(args.context_parallel, device)
+    device, log = cp.device, cp.log
+
     torch.manual_seed(args.seed)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,15 +102,14 @@ def main(argv=None):
     counts = torch.bincount(train, minlength=256).double()
     p = counts[counts > 0] / counts.sum()
     unigram = float(-(p * p.log()).sum())
-    print(
-        f"corpus: {len(data) / 1e6:.1f} MB of Python standard library source; unigram entropy {unigram:.3f} nats/byte"
-    )
+    log(f"corpus: {len(data) / 1e6:.1f} MB of Python standard library source; unigram entropy {unigram:.3f} nats/byte")
 
     config = GPTConfig(
         vocab_size=256, block_size=args.seqlen, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
     )
     model = GPT(config).to(device)
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {config}")
+    cp.attach(model)
+    log(f"model: {model.num_params() / 1e6:.2f}M parameters, {config}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -117,8 +129,9 @@ def main(argv=None):
         return rows[:, :-1], rows[:, 1:]
 
     def train_step(x, y):
+        x, y, positions = cp.shard(x), cp.shard(y), cp.shard(torch.arange(x.shape[1], device=device)[None])[0]
         with autocast:
-            _, loss = model(x, targets=y)
+            _, loss = model(x, targets=y, positions=positions)
         return loss
 
     step_fn = torch.compile(train_step, fullgraph=True) if args.compile else train_step
@@ -126,7 +139,7 @@ def main(argv=None):
     @torch.no_grad()
     def evaluate(batches=4):
         model.eval()
-        losses = [train_step(*batch_of(val)).item() for _ in range(batches)]
+        losses = [cp.mean(train_step(*batch_of(val))).item() for _ in range(batches)]
         model.train()
         return sum(losses) / len(losses)
 
@@ -139,7 +152,7 @@ def main(argv=None):
     try:
         from tqdm import tqdm
 
-        bar = tqdm(range(args.steps), desc="train", unit="step")
+        bar = tqdm(range(args.steps), desc="train", unit="step", disable=not cp.main)
     except ImportError:
         bar = range(args.steps)
     history, evals = [], []
@@ -150,24 +163,29 @@ def main(argv=None):
         loss = step_fn(*batch_of(train))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        cp.average_gradients(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        history.append(loss.item())
+        history.append(cp.mean(loss.detach()).item())
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{history[-1]:.3f}")
         elif step % 50 == 0:
-            print(f"step {step}: loss {history[-1]:.3f}", flush=True)
+            log(f"step {step}: loss {history[-1]:.3f}", flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             evals.append((step + 1, evaluate()))
     elapsed = time.time() - start
     val_loss = evals[-1][1]
-    print(
+    log(
         f"{args.steps} steps in {elapsed:.0f} s: train loss {history[-1]:.3f}, val loss {val_loss:.3f} nats/byte "
         f"({val_loss / unigram:.2f}x the unigram entropy {unigram:.3f})"
     )
+    if not cp.main:
+        cp.stop()
+        return
     (out_dir / "result.txt").write_text(
         f"steps {args.steps}\nseconds {elapsed:.1f}\nunigram {unigram:.4f}\n"
         f"train_loss {history[-1]:.4f}\nval_loss {val_loss:.4f}\n"
+        f"losses {' '.join(f'{x:.6f}' for x in history)}\n"
     )
 
     try:
@@ -176,7 +194,7 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no loss curve (pip install matplotlib)")
+        log("matplotlib is not installed: no loss curve (pip install matplotlib)")
     else:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(range(1, len(history) + 1), history, lw=0.8, label="train")
@@ -186,13 +204,92 @@ def main(argv=None):
         ax.legend()
         fig.tight_layout()
         fig.savefig(out_dir / "loss.png", dpi=120)
-        print(f"wrote {out_dir / 'loss.png'}")
+        log(f"wrote {out_dir / 'loss.png'}")
 
     model.eval()
+    cp.detach(model)  # sampling runs on this rank alone, the whole sequence here
     prompt = torch.tensor([list(b"def ")], device=device)
     with autocast:
         tokens = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50)
-    print("sample:\n" + bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+    log("sample:\n" + bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+    cp.stop()
+
+
+class ContextParallel:
+    """--context-parallel N: the ranks of a torchrun launch each hold a zigzag shard of every sequence (and of its
+    positions and targets); the attention is flashattn2.parallel's zigzag ring, the loss each rank's mean over its
+    tokens (equal counts: their mean is the whole batch's), the gradients averaged. N = 1: all of it is a no-op."""
+
+    def __init__(self, world: int, rank: int, device):
+        self.world, self.rank, self.device = world, rank, device
+        self.main = rank == 0
+        self._inner = {}
+
+    @classmethod
+    def start(cls, world: int, device):
+        if world == 1:
+            return cls(1, 0, device)
+        import torch
+        import torch.distributed as dist
+
+        if int(os.environ.get("WORLD_SIZE", "1")) != world:
+            sys.exit(f"--context-parallel {world}: launch with torchrun --nproc-per-node {world}")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(world, dist.get_rank(), device)
+
+    def attach(self, model):
+        if self.world == 1:
+            return
+        from flashattn2.parallel import ContextParallelAttention
+
+        for block in model.blocks:
+            self._inner[block] = block.attn.inner_cross_attn
+            block.attn.inner_cross_attn = ContextParallelAttention(causal=True, algorithm="zigzag")
+
+    def detach(self, model):
+        for block, inner in self._inner.items():
+            block.attn.inner_cross_attn = inner
+
+    def shard(self, x):
+        """This rank's zigzag shard of (batch, seqlen) tokens."""
+        if self.world == 1:
+            return x
+        from flashattn2.parallel import shard
+
+        return shard(x, self.world, self.rank, "zigzag", dim=1)
+
+    def mean(self, value):
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / self.world
+
+    def average_gradients(self, model):
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+
+    def log(self, *args, **kwargs):
+        """print, on rank 0 only."""
+        if self.main:
+            print(*args, **kwargs)
+
+    def stop(self):
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
   logsumexp in fp32. Names and argument order are ring-flash-attention's.
 - `ulysses_flash_attn_func` (and `_varlen_`): an all-to-all from sequence shards to head groups and back.
 - `shard`, `unshard`, `gather`: the layouts (`contiguous`, `zigzag`) on a dense or a packed sequence axis.
+- `ContextParallelAttention`: an MHA's inner attention on shards (models and the GPT example).
 - `SimulatedGroup(n)`: every rank in this process (a leading rank dimension), the communication by copies.
 
 NCCL on GPUs, gloo on the CPU (through Triton's interpreter): torch.distributed's own transport.
@@ -24,8 +25,10 @@ from .functions import (
     zigzag_ring_flash_attn_varlen_func,
 )
 from .layout import LAYOUTS, gather, shard, unshard
+from .module import ContextParallelAttention
 
 __all__ = [
+    "ContextParallelAttention",
     "LAYOUTS",
     "SimulatedGroup",
     "gather",
