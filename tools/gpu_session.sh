@@ -26,6 +26,7 @@
 #   parallel-tests  flashattn2.parallel's tests at GPU sizes (the ranks simulated in one process, and gloo ranks)
 #   parallel-bench  bench parallel on one GPU: zigzag ring and Ulysses at 128k tokens, 4 and 8 simulated ranks, beside
 #              single-GPU flashattn2 on the per-GPU length
+#   parallel-nccl1  bench parallel's torchrun path on this one GPU (a world of 1): NCCL, PyTorch's context_parallel
 #   generate   bench generate: transformers' generate() with a static cache compiled into CUDA graphs, tokens/s of
 #              flashattn2 beside sdpa, batch 1 and 16
 #   decode     bench decode: the decode grid, eager and CUDA graph, beside SDPA's flash and cuDNN
@@ -44,7 +45,7 @@
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
 # "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order";
-# "env serve-tests"; "generate"; "decode host"; "parallel-tests parallel-bench".
+# "env serve-tests"; "generate"; "decode host"; "parallel-tests parallel-bench parallel-nccl1".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -115,8 +116,12 @@ for s in "$@"; do
     parallel-tests)
       stage parallel-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_parallel.py tests/test_layout.py ;;
     parallel-bench)
-      stage parallel-bench 400 python3 -m flashattn2 bench parallel --worlds 4,8 --seqlens 131072 \
+      stage parallel-bench 200 python3 -m flashattn2 bench parallel --worlds 4,8 --seqlens 131072 \
         --csv "$OUT/parallel.csv" ;;
+    parallel-nccl1)
+      # the torchrun path (NCCL, PyTorch's context_parallel beside) on this one GPU: a world of 1
+      stage parallel-nccl1 150 python3 -m torch.distributed.run --nproc-per-node 1 -m flashattn2 bench parallel \
+        --seqlens 16384 --csv "$OUT/parallel-nccl1.csv" ;;
     generate)
       stage generate 500 python3 -m flashattn2 bench generate --csv "$OUT/generate.csv" ;;
     decode)
