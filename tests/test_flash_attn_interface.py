@@ -447,3 +447,42 @@ def test_autograd_classes_apply_with_2_8_positional_arguments():
     assert torch.equal(out, flat(expected))
     out = fai.FlashAttnVarlenQKVPackedFunc.apply(flat(qkv_), cu_q, 12, *common, False, True)
     assert torch.equal(out, flat(flashattn2.flash_attn_func(q, q, q, causal=True)))
+
+
+def test_install_as_flash_attn_stands_in_for_every_module():
+    """In a fresh interpreter: every flash_attn module path a library imports resolves to flashattn2's, the version
+    reads flash_attn's, a second call is a no-op, and a flash_attn imported before raises RuntimeError."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, types
+        import flashattn2
+        flashattn2.install_as_flash_attn()
+        flashattn2.install_as_flash_attn()
+        import flash_attn
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+        from flash_attn.flash_attn_interface import _flash_attn_forward
+        from flash_attn.bert_padding import unpad_input
+        from flash_attn.layers.rotary import apply_rotary_emb
+        from flash_attn.modules.mha import MHA
+        from flash_attn.utils.generation import InferenceParams
+        import flashattn2.flash_attn_interface as fai
+        assert flash_attn.__version__ == flashattn2.FLASH_ATTN_VERSION == "2.8.3"
+        assert flash_attn_func is flashattn2.flash_attn_func and _flash_attn_forward is fai._flash_attn_forward
+        assert flash_attn.flash_attn_interface is fai and MHA is flashattn2.modules.mha.MHA
+        del sys.modules["flash_attn"]
+        sys.modules["flash_attn"] = types.ModuleType("flash_attn")
+        try:
+            flashattn2.install_as_flash_attn()
+        except RuntimeError as e:
+            assert "already imported" in str(e)
+        else:
+            raise AssertionError("no RuntimeError over another flash_attn")
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

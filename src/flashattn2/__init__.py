@@ -13,6 +13,7 @@ from .api import (
 )
 from .ops.checks import set_value_checks
 from .ops.invariance import batch_invariant, set_batch_invariant
+from .compat import FLASH_ATTN_VERSION, install_as_flash_attn
 
 __version__ = "0.1.0"
 
@@ -30,5 +31,7 @@ __all__ = [
     "set_batch_invariant",
     "ArgumentError",
     "ArgumentTypeError",
+    "FLASH_ATTN_VERSION",
+    "install_as_flash_attn",
     "__version__",
 ]
