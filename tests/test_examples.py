@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import DEVICE
+from conftest import DEVICE, skip_without_interpreter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,6 +44,7 @@ def _result(out_dir) -> dict:
 
 def test_gpt_example_context_parallel_loss_matches_one_process(tmp_path):
     """--context-parallel 2 under torchrun (gloo, the CPU interpreter): every step's loss is the single process's."""
+    skip_without_interpreter()
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["OMP_NUM_THREADS"] = "1"
     script = str(ROOT / "examples" / "gpt" / "train.py")

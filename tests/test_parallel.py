@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flashattn2
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, skip_without_interpreter
 from flashattn2 import parallel
 from flashattn2.errors import ArgumentError
 from flashattn2.parallel import plan
@@ -313,6 +313,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_equal_the_simulated_group(world):
+    skip_without_interpreter()
     script = pathlib.Path(__file__).with_name("parallel_ranks.py")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     run = subprocess.run(
