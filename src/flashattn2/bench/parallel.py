@@ -135,8 +135,9 @@ def _inputs(batch, seqlen, nheads, nheads_k, headdim, dtype, leading=()):
 
 
 def _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype):
-    """PyTorch's context parallelism over SDPA's cuDNN kernel: a callable on full-length (batch, nheads, seqlen,
-    headdim) buffers, which context_parallel shards in place (each rank keeps its load-balanced shard)."""
+    """PyTorch's context parallelism over SDPA's cuDNN kernel: (call, leaves, stop). context_parallel shards the
+    full-length (batch, nheads, seqlen, headdim) buffers in place when entered (each rank keeps its load-balanced
+    shard) and routes SDPA to its ring while it stays entered; the leaves are those shards, requiring grad."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -144,15 +145,15 @@ def _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype):
 
     mesh = init_device_mesh("cuda", (world,))
     buffers = [torch.randn(batch, nheads, seqlen, headdim, device="cuda", dtype=dtype) for _ in range(3)]
+    context = context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(buffers))
+    context.__enter__()
+    leaves = [b.detach().requires_grad_() for b in buffers]
 
     def call(q, k, v):
-        with (
-            sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
-            context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}),
-        ):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    return call, buffers
+    return call, leaves, lambda: context.__exit__(None, None, None)
 
 
 def run(
@@ -251,8 +252,7 @@ def run(
 def _torch_rows(base, world, batch, seqlen, nheads, headdim, dtype, modes, reps, one):
     rows = []
     try:
-        call, buffers = _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype)
-        leaves = [b.requires_grad_() for b in buffers]
+        call, leaves, stop = _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype)
         for mode in modes:
             ms = _slowest(_time(_step(call, leaves, mode), reps))
             rate = _tflops(attention_flops(batch, nheads, seqlen, seqlen, headdim, True, mode) / world, ms)
@@ -267,6 +267,7 @@ def _torch_rows(base, world, batch, seqlen, nheads, headdim, dtype, modes, reps,
                     nheads_k=nheads,
                 )
             )
+        stop()
     except Exception as e:  # noqa: BLE001  (a peer that cannot run is a row saying why, not a crash)
         rows.append(dict(base, algorithm="torch-context-parallel-cudnn", problem=f"{type(e).__name__}: {e}"[:300]))
     return rows
