@@ -279,13 +279,14 @@ def markdown(path: str) -> str:
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     lines = [
-        "| transport | world | seqlen | per GPU | algorithm | mode | ms | TFLOP/s per GPU | vs 1 GPU | problem |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| transport | world | seqlen | per GPU | algorithm | mode | ms | TFLOP/s per GPU | vs 1 GPU | problem | git, date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['transport']} | {r['world']} | {r['seqlen']} | {r['per_gpu_seqlen']} | {r['algorithm']} | "
-            f"{r['mode']} | {r['ms']} | {r['tflops_per_gpu']} | {r['vs_one_gpu']} | {r['problem']} |"
+            f"{r['mode']} | {r['ms']} | {r['tflops_per_gpu']} | {r['vs_one_gpu']} | {r['problem']} | "
+            f"{r['git_sha']}, {r['date']} |"
         )
     first = rows[0] if rows else {}
     head = f"{first.get('gpu', '')}, torch {first.get('torch', '')}, triton {first.get('triton', '')}"
