@@ -22,6 +22,7 @@ import torch
 
 import flashattn2
 from flashattn2 import parallel
+from flashattn2.parallel.module import ALGORITHMS  # name -> (function, layout), as ContextParallelAttention's
 
 from .kernels import problems, run_metadata
 from .providers import attention_flops
@@ -50,11 +51,6 @@ FIELDS = [
     "vs_one_gpu",
     "problem",
 ]
-ALGORITHMS = {
-    "zigzag": (parallel.zigzag_ring_flash_attn_func, "zigzag"),
-    "ring": (parallel.ring_flash_attn_func, "contiguous"),
-    "ulysses": (parallel.ulysses_flash_attn_func, "contiguous"),
-}
 
 
 def _time(fn, reps: int) -> float:
