@@ -46,6 +46,26 @@ def _binder(kernel, args: tuple, kwargs: dict):
     every = ", ".join(f"a{i}" for i in range(len(values)))
     lines.append(f"if tuple(map(type, ({every},))) != types: return None")
     key, launch = [], []
+
+    def specialized(expr: str, a) -> None:
+        """key's terms for what Triton specializes an argument on (a tuple's elements each: the types check
+        covers only the top level, so a tuple's element types enter the key too)."""
+        if isinstance(a, torch.Tensor):
+            key.append(f"{expr}.dtype, {expr}.data_ptr() & 15 == 0")
+        elif type(a) is HostDesc:  # Triton specializes a descriptor on its dtype and box
+            key.append(f"{expr}[0].dtype, {expr}[3]")
+        elif type(a).__name__ == "TensorDescriptor":
+            key.append(f"{expr}.base.dtype, tuple({expr}.block_shape)")
+        elif type(a) is int:
+            # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
+            key.append(
+                f"1 if {expr} == 1 else ({expr} & 15 == 0, -0x80000000 <= {expr} < 0x80000000, {expr} >= 1 << 63)"
+            )
+        elif type(a) is tuple:
+            key.append(f"tuple(map(type, {expr}))")
+            for j, element in enumerate(a):
+                specialized(f"{expr}[{j}]", element)
+
     for i, (p, a) in enumerate(zip(params, values)):
         launch.append(f"a{i}")
         if p.is_constexpr:
@@ -54,13 +74,8 @@ def _binder(kernel, args: tuple, kwargs: dict):
             lines.append(f"p{i} = a{i}.data_ptr()")
             launch[-1] = f"p{i}"
             key.append(f"a{i}.dtype, p{i} & 15 == 0")
-        elif type(a) is HostDesc:  # Triton specializes a descriptor on its dtype and box
-            key.append(f"a{i}[0].dtype, a{i}[3]")
-        elif type(a).__name__ == "TensorDescriptor":
-            key.append(f"a{i}.base.dtype, tuple(a{i}.block_shape)")
-        elif type(a) is int:
-            # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
-            key.append(f"1 if a{i} == 1 else (a{i} & 15 == 0, -0x80000000 <= a{i} < 0x80000000, a{i} >= 1 << 63)")
+        else:
+            specialized(f"a{i}", a)
     options = [n for n in kwargs if n not in tail]
     key.append("(" + "".join(f"kwargs[{n!r}], " for n in options) + ")")
     src = "\n    ".join(["def bind(args, kwargs):", *lines, f"return ({', '.join(key)}), ({', '.join(launch)},)"])
