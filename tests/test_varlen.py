@@ -6,7 +6,7 @@ import torch
 import flashattn2
 from cases import cu_seqlens
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import checks, planning
+from flashattn2.ops import planning, seqlens
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
@@ -161,14 +161,14 @@ def test_cu_seqlens_checked_once_until_modified():
     q, k, v = make(lengths, lengths)
     cu_s = cu(lengths)
     ref = flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9)
-    assert checks.known(cu_s) == (14, 9)
+    assert seqlens.known(cu_s) == (14, 9)
     assert torch.equal(flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9), ref)
     with pytest.raises(ValueError, match="exceeds max_seqlen_q"):
         flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 8, 9)
     with pytest.raises(ValueError, match="past the"):
         flashattn2.flash_attn_varlen_func(q[:10], k, v, cu_s, cu_s, 9, 9)
     cu_s[1] = 20
-    assert checks.known(cu_s) is None
+    assert seqlens.known(cu_s) is None
     with pytest.raises(ValueError, match="non-decreasing"):
         flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 20, 20)
 
@@ -184,8 +184,8 @@ def test_longest_first_order_changes_nothing(causal, monkeypatch):
     results = []
     for sort in (False, True):
         if not sort:
-            unsorted = checks.remembered
-            monkeypatch.setattr(checks, "remembered", lambda cu: (unsorted(cu)[0], None))
+            unsorted = seqlens.remembered
+            monkeypatch.setattr(seqlens, "remembered", lambda cu: (unsorted(cu)[0], None))
         else:
             monkeypatch.undo()
         torch.manual_seed(7)
@@ -193,7 +193,7 @@ def test_longest_first_order_changes_nothing(causal, monkeypatch):
             q, k, v, cu_s, cu_s, max(lengths), max(lengths), dropout_p=0.2, causal=causal
         )
         results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
-    assert checks.remembered(cu_s)[1].tolist() == [1, 4, 3, 0, 2]
+    assert seqlens.remembered(cu_s)[1].tolist() == [1, 4, 3, 0, 2]
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -217,10 +217,10 @@ def test_unchecked_cu_seqlens_are_clamped_on_the_device():
     for result in results[1:]:
         for a, b in zip(results[0], result):
             assert torch.equal(a, b)
-    values, order = checks.remembered(past)
+    values, order = seqlens.remembered(past)
     assert values is None and order.tolist() == [1, 0]
     past[1] = 2
-    assert checks.remembered(past) == (None, None)
+    assert seqlens.remembered(past) == (None, None)
     pages = k.detach().new_zeros(4, 8, *k.shape[1:])
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
     with torch.no_grad():  # a block-table entry out of range is clamped to a real page, not followed
@@ -271,7 +271,7 @@ def test_varlen_under_inference_mode():
         q, k, v = (t.detach() for t in make(lengths, lengths))
         cu_s = cu(lengths)
         out = flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9)
-        assert checks.known(cu_s) is None
+        assert seqlens.known(cu_s) is None
         assert torch.equal(flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 9, 9), out)
         with pytest.raises(ValueError, match="exceeds max_seqlen_q"):
             flashattn2.flash_attn_varlen_func(q, k, v, cu_s, cu_s, 8, 9)

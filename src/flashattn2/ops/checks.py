@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
 
 from . import _runtime
+from .seqlens import _capturing, in_range, known, remember
 from ..errors import ArgumentError, ArgumentTypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,85 +150,6 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     return *clamped, maxes[0], maxes[1], verify
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def in_range(cu: torch.Tensor, rows: int) -> torch.Tensor:
-    """cu_seqlens with its values clamped into [0, rows] on the device, without reading them: the kernels then
-    stay within the rows whatever the values. The clamp runs on every call (a copy kept from an earlier call
-    would miss writes torch does not see, and a smaller row count). Beside it, the sequences longest first (the
-    grid's order, Varlen.order_*) are computed on the device once per tensor and remembered, for the clamped copy
-    too (the kernels and the backward look that up); an order gone stale only reorders the grid. Nothing is
-    remembered while torch.compile traces, a CUDA graph is captured or inference mode is on (the grid then keeps
-    the sequences' own order)."""
-    clamped = cu.clamp(0, rows)
-    if torch.compiler.is_compiling() or _capturing(cu) or torch.is_inference_mode_enabled() or cu.is_inference():
-        return clamped
-    seen = _entry(cu)
-    if seen is None:
-        lengths = clamped[1:] - clamped[:-1]
-        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-        _remember(cu, None, order)
-        _remember(clamped, None, order)
-    else:  # values read earlier stay true of the copy when they lie within the rows
-        _remember(clamped, seen.values if seen.values and seen.values[0] <= rows else None, seen.order)
-    return clamped
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """What is remembered of a cu_seqlens tensor (see `_SEEN`)."""
-
-    ref: weakref.ref
-    version: int  # torch's version counter when remembered
-    data_ptr: int
-    values: tuple[int, int] | None  # (last value, longest sequence) when read on the host, else None
-    order: torch.Tensor  # the sequence indices longest first, int32 on the tensor's device
-
-
-# id(cu_seqlens) -> _Seen: the sequences' order of every cu_seqlens seen (computed on the device), and the values
-# of those whose values were checked (set_value_checks). An entry holds while that tensor lives and is not modified
-# in place: torch bumps the version counter of a tensor and its views on every in-place op. Writes that bypass the
-# counter (through .data, numpy or DLPack, or by a custom kernel) are not seen: the kernels still read the new
-# values (clamped into range on every call), but a checked tensor's new values go unchecked and the grid's order
-# may be stale. Inference tensors have no counter and are never remembered.
-_SEEN: dict[int, _Seen] = {}
-_SEEN_MAX = 64
-
-
-def _entry(cu: torch.Tensor) -> _Seen | None:
-    if cu.is_inference():  # no version counter: never remembered
-        return None
-    seen = _SEEN.get(id(cu))
-    if seen is None or seen.ref() is not cu or seen.version != cu._version or seen.data_ptr != cu.data_ptr():
-        return None
-    return seen
-
-
-def known(cu: torch.Tensor) -> tuple[int, int] | None:
-    """(cu[-1], max sequence length) of a cu_seqlens tensor checked earlier and unchanged since, or None."""
-    return remembered(cu)[0]
-
-
-def remembered(cu: torch.Tensor) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
-    """(known(cu), the sequence indices longest first (int32, on cu's device)), or (None, None)
-    for a cu_seqlens not seen earlier or modified since; (None, order) for one whose values were
-    not read."""
-    seen = _entry(cu)
-    return (None, None) if seen is None else (seen.values, seen.order)
-
-
-def _remember(cu: torch.Tensor, values, order: torch.Tensor) -> None:
-    # a tensor made under torch.inference_mode has no version counter to trust; under it, order is one too
-    if cu.is_inference() or torch.is_inference_mode_enabled():
-        return
-    if len(_SEEN) >= _SEEN_MAX:
-        for key in [key for key, seen in _SEEN.items() if seen.ref() is None] or [next(iter(_SEEN))]:
-            del _SEEN[key]
-    _SEEN[id(cu)] = _Seen(weakref.ref(cu), cu._version, cu.data_ptr(), values, order)
-
-
 def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
@@ -287,9 +206,9 @@ def _check_cu_values(both, totals, maxes, tensors=None, copies=()):
         for i, (cu, values, order) in enumerate(zip(tensors, seen, orders)):
             if cu.device.type == "cuda":  # from pinned memory, without waiting for the kernels
                 order = order.pin_memory().to(cu.device, non_blocking=True)
-            _remember(cu, values, order)
+            remember(cu, values, order)
             if copies:
-                _remember(copies[i], values, order)
+                remember(copies[i], values, order)
 
 
 def check_device(device: torch.device, name: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, checks, launcher
+from . import _runtime, launcher, seqlens
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,8 +50,8 @@ class Varlen:
 
     @staticmethod
     def of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> "Varlen":
-        known_q, order_q = checks.remembered(cu_seqlens_q)
-        known_k, order_k = checks.remembered(cu_seqlens_k)
+        known_q, order_q = seqlens.remembered(cu_seqlens_q)
+        known_k, order_k = seqlens.remembered(cu_seqlens_k)
         return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, known_q, known_k, order_q, order_k)
 
 
@@ -116,7 +116,7 @@ def fill_tails(*slots) -> None:
     """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim, known), the rows of
     x past cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
     contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots. A slot whose
-    cu_seqlens is known (checks.remembered: known = (last value, longest)) to end at the last
+    cu_seqlens is known (seqlens.remembered: known = (last value, longest)) to end at the last
     row needs nothing: no launch then."""
     slots = [slot[:4] for slot in slots if (slot[4] or (-1,))[0] != slot[0].shape[slot[3]]]
     if not slots:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, checks, invariance, launcher, planning
+from . import _runtime, invariance, launcher, planning, seqlens
 from .geometry import block_d, column_parts, fill_tails
 from .tma import use_tma
 from .options import ScoreMods
@@ -569,6 +569,6 @@ def forward(
             launch_pdl=pdl,
         )
     if varlen_q is not None:
-        known = checks.known(varlen_q[0])
+        known = seqlens.known(varlen_q[0])
         fill_tails((out, varlen_q[0], 0.0, 0, known), (lse, varlen_q[0], float("inf"), 1, known))
     return out.to(q.dtype), lse
