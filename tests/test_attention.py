@@ -6,8 +6,8 @@ import torch
 import flashattn2
 from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn, shape_id
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import _runtime, launch_gluon, launcher, planning
-from flashattn2.ops.options import ScoreMods
+from flashattn2.ops import _runtime, launch_gluon, launcher, modes, planning, spec, tables
+from flashattn2.ops import call as calls
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close, check_against_reference
 
@@ -85,13 +85,11 @@ GLUON_BWD = planning.Features(gluon=True, deterministic=False)
 
 @pytest.fixture
 def fresh_plans(monkeypatch):
-    """Empty plan caches (planning's and the Gluon launches'), before and after: for a test that patches what
-    the plans read."""
-    planning._plan.cache_clear()
-    monkeypatch.setattr(launch_gluon, "FWD_PLANS", {})
-    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
+    """Empty plan caches (the prepared calls and planning's table lookups), before and after: for a test that patches
+    what the plans read."""
+    calls.clear()
     yield
-    planning._plan.cache_clear()
+    calls.clear()
 
 
 @pytest.mark.parametrize(
@@ -167,7 +165,7 @@ def test_gluon_backward_many_heads(causal, monkeypatch):
 def test_gluon_backward_key_blocks_limit(monkeypatch, fresh_plans):
     """More key blocks than CUDA's 65535 on the Gluon backward's second grid axis (lowered here to 4, so that 300
     keys are past it) take the Triton backward, and its gradients are right."""
-    monkeypatch.setattr(planning, "_GRID_YZ", 4)
+    monkeypatch.setattr(planning.dense, "_GRID_YZ", 4)
     launched = spy_launches(monkeypatch)
     q, k, v = make_qkv((2, 200, 300, 4, 2, 128), torch.float16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
@@ -194,14 +192,14 @@ def test_gluon_backward_grid_order(shape, groups, monkeypatch, fresh_plans):
     head_bytes = 2 * seqlen_q * d * 2 * (nheads // nheads_k)
     n_bh = batch * nheads_k
     want = {"head-major": 1, "3": 3, "all": n_bh}[groups]
-    monkeypatch.setattr(planning, "L2_GROUP_BYTES", max(want, 3) * head_bytes + 1)
+    monkeypatch.setattr(planning.dense, "L2_GROUP_BYTES", max(want, 3) * head_bytes + 1)
     grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv(shape, torch.bfloat16)
     with force(bwd_order="head-major" if groups == "head-major" else None):  # the backward runs under the forward's
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    block_n = planning.plan("sm90", q.dtype, d, True, seqlen_k, GLUON_BWD, "bwd").tile.block_n
+    block_n = planning.lookup("sm90", q.dtype, d, True, seqlen_k, GLUON_BWD, "bwd").tile.block_n
     assert grids == [((want, -(-seqlen_k // block_n), n_bh // want),)], grids
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
@@ -211,7 +209,7 @@ def test_gluon_backward_grid_rule():
     ones are head-major (0), unless force(bwd_order=...) says otherwise. launch_gluon.l2_heads: 1 for a budget of
     0, else as many heads as the budget holds, at least 1 and at most all. launch_gluon.bwd_grid: the largest
     divisor of the heads not above that (whole groups), raised where the third axis would pass 65535."""
-    order = lambda causal: planning.plan("sm90", torch.float16, 128, causal, 4096, GLUON_BWD, "bwd").l2_group_bytes
+    order = lambda causal: planning.lookup("sm90", torch.float16, 128, causal, 4096, GLUON_BWD, "bwd").l2_group_bytes
     budget = planning.L2_GROUP_BYTES
     assert (order(True), order(False)) == (budget, 0)
     with force(bwd_order="head-major"):
@@ -268,8 +266,8 @@ def test_plan_rule(monkeypatch, fresh_plans):
     deterministic=False; the Triton kernels for anything else (another head dim, fp32, varlen, a score
     modifier, deterministic=True, no Gluon), and under force(hopper=False) or FLASHATTN2_HOPPER=0, which
     force(hopper=True) overrides."""
-    fwd = lambda d, dtype=torch.float16, f=GLUON_FWD: planning.plan("sm90", dtype, d, False, 4096, f, "fwd").kernel
-    bwd = lambda d, f=GLUON_BWD: planning.plan("sm90", torch.bfloat16, d, True, 4096, f, "bwd")
+    fwd = lambda d, dtype=torch.float16, f=GLUON_FWD: planning.lookup("sm90", dtype, d, False, 4096, f, "fwd").kernel
+    bwd = lambda d, f=GLUON_BWD: planning.lookup("sm90", torch.bfloat16, d, True, 4096, f, "bwd")
     assert [fwd(d) for d in (64, 128, 256, 59, 96)] == ["fwd_hopper_persist"] * 2 + ["fwd_hopper_ws", "fwd", "fwd"]
     assert fwd(128, torch.float32) == fwd(128, f=planning.Features()) == "fwd"
     assert fwd(128, f=planning.Features(gluon=True, varlen=True)) == "fwd"
@@ -280,16 +278,16 @@ def test_plan_rule(monkeypatch, fresh_plans):
     assert bwd(128).dq_tile is None and bwd(96).dq_tile is not None
     with force(hopper=False):
         assert fwd(128) == "fwd" and bwd(128).kernel == "bwd_dkdv"
-    monkeypatch.setattr(planning, "_ENV_HOPPER", False)
-    planning._plan.cache_clear()
+    monkeypatch.setattr(_runtime, "_GLUON_SWITCH", False)  # FLASHATTN2_HOPPER=0
+    planning._lookup.cache_clear()
     assert fwd(128) == "fwd"
     with force(hopper=True):
         assert fwd(128) == "fwd_hopper_persist"
     # the interpreter: its one tile for every kernel, forced tiles before it
-    interp = planning.plan("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd")
-    assert (interp.kernel, interp.tile, interp.dq_tile) == ("bwd_dkdv", planning.INTERP, planning.INTERP)
+    interp = planning.lookup("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd")
+    assert (interp.kernel, interp.tile, interp.dq_tile) == ("bwd_dkdv", tables.INTERP, tables.INTERP)
     with force(bwd_dq=T(16, 16, 4, 1)):
-        assert planning.plan("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd").dq_tile == T(16, 16, 4, 1)
+        assert planning.lookup("interp", torch.float16, 128, False, 4096, GLUON_BWD, "bwd").dq_tile == T(16, 16, 4, 1)
 
 
 def test_backward_runs_under_its_forwards_force(monkeypatch):
@@ -406,7 +404,7 @@ def test_short_tile_launch(d, seqlen_k, monkeypatch):
     q, k, v = make_qkv((2, 100, seqlen_k, 4, 2, d), torch.float16)
     out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     check_against_reference(q, k, v, out, lse, None, None, True)
-    plan = planning.plan("sm90", torch.float16, d, True, seqlen_k, GLUON_FWD, "fwd")
+    plan = planning.lookup("sm90", torch.float16, d, True, seqlen_k, GLUON_FWD, "fwd")
     tile, extra = plan.tile, dict(plan.constexprs)
     assert launched == [(tile.block_m, tile.block_n, tile.num_stages, extra["QBUF"], extra["CONSUMERS"])], launched
     assert extra["QBUF"] == (1 if (d, seqlen_k) == (128, 130) else 2)
@@ -417,7 +415,7 @@ def test_short_tiles():
     row's past it; the causal flag apart; a forced tile beats every row."""
 
     def kernel_of(d, causal, n, dv=None):
-        return planning.plan("sm90", torch.float16, d, causal, n, GLUON_FWD, "fwd", dv)
+        return planning.lookup("sm90", torch.float16, d, causal, n, GLUON_FWD, "fwd", dv)
 
     bounded = [r for r in planning.TABLE if r.max_seqlen_k is not None]
     assert bounded
@@ -466,40 +464,42 @@ def test_table_rows():
                     assert (key in groups) != (key in planning.UNSUPPORTED), key
 
 
-def test_plan_keys():
-    """The keys under which ops.launch_gluon remembers the Gluon paths' choices: they change with what force()
-    holds (tile or switch), the dtype, the strides and the causal flag, and are None where a
-    call is not remembered (ALiBi, dropout)."""
-    forward_key, backward_key = launch_gluon.forward_key, launch_gluon.backward_key
+def test_spec_keys():
+    """The spec every cache keys on (ops.spec): it changes with what force() holds (tile or switch), the
+    batch-invariant mode, the dtype, the strides, the alignment and every option, and equal arguments give equal
+    specs (new tensors of the same layout included)."""
     q, k, v = make_qkv((2, 64, 64, 4, 2, 64), torch.float16, requires_grad=False)
-    mods = ScoreMods(causal=True)
-    key = forward_key(q, k, v, mods)
-    assert key == forward_key(q.clone(), k.clone(), v.clone(), mods)
+    args = (None, None, 0, 0, 0.0, None, True, (-1, -1), 0.0, None, None, False)
+    key = spec.attention(q, k, v, *args)
+    assert key == spec.attention(q.clone(), k.clone(), v.clone(), *args) and hash(key) == hash(
+        spec.attention(q.clone(), k.clone(), v.clone(), *args)
+    )
     with force(fwd_hopper_persist=T(64, 64, 8, 2)):
-        assert forward_key(q, k, v, mods) != key
+        assert spec.attention(q, k, v, *args) != key
     with force(hopper=False):
-        assert forward_key(q, k, v, mods) != key
-    assert forward_key(q, k, v, ScoreMods(causal=False)) != key
-    assert forward_key(q.bfloat16(), k.bfloat16(), v.bfloat16(), mods) != key
-    assert forward_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mods) != key
+        assert spec.attention(q, k, v, *args) != key
+    with flashattn2.batch_invariant():
+        assert spec.attention(q, k, v, *args) != key
+    assert spec.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *args) != key
+    assert spec.attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, *args) != key
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    assert spec.attention(unaligned, k, v, *args) != key
     alibi = torch.rand(4, device=q.device)
-    assert forward_key(q, k, v, ScoreMods(causal=True, alibi_slopes=alibi)) is None
-    out = torch.randn_like(q)
-    bkey = backward_key(out, q, k, v, out, None, mods)
-    assert bkey == backward_key(out.clone(), q, k, v, out.clone(), None, mods)
-    assert bkey != backward_key(out, q, k, v, out, torch.zeros(2, 4, 64, device=q.device), mods)
-    with force(bwd_order="head-major"):
-        assert backward_key(out, q, k, v, out, None, mods) != bkey
+    for i, other in ((6, False), (7, (3, -1)), (8, 1.5), (9, alibi), (10, alibi[:4]), (11, True), (5, 0.5), (4, 0.1)):
+        changed = list(args)
+        changed[i] = other
+        assert spec.attention(q, k, v, *changed) != key, i
+    with pytest.raises(spec.NotCanonical):  # a list: validated and normalized first (ops.call)
+        spec.attention(q, k, v, *args[:7], [-1, -1], *args[8:])
 
 
-@pytest.mark.skipif(not HOPPER, reason="the Gluon paths (whose choices are remembered) run on an H100/H200 only")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon paths (whose launches are kept) run on an H100/H200 only")
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_plans_repeated_signature(causal, monkeypatch):
-    """A call signature seen before runs from its remembered choices (launch_gluon.FWD_PLANS /
-    BWD_PLANS): new inputs of the same shapes, NaN-filled outputs, against the reference; a
-    force() between the calls is seen (another tile launches)."""
-    monkeypatch.setattr(launch_gluon, "FWD_PLANS", {})
-    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
+    """A call whose spec was seen before runs from its prepared call (ops.call: the Gluon launches kept on it): new
+    inputs of the same shapes, NaN-filled outputs, against the reference; a force() between the calls is seen
+    (another tile launches)."""
+    monkeypatch.setattr(calls, "CALLS", calls.Calls())
     launched = spy_launches(monkeypatch, "attn_fwd_persist_kernel", "BLOCK_M", "BLOCK_N", "STAGES")
     shape = (2, 300, 300, 8, 2, 128)  # a ragged last tile: the backward pads lse
     for _ in range(2):
@@ -508,13 +508,15 @@ def test_plans_repeated_signature(causal, monkeypatch):
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
         check_against_reference(q, k, v, out, lse, grads, do, causal)
-        assert len(launch_gluon.FWD_PLANS) == len(launch_gluon.BWD_PLANS) == 1
+        (call,) = set(calls.CALLS._calls.values())
+        assert call.launch is not None and len(call.backwards) == 1
     tile = T(64, 64, 8, 2)
     with force(fwd_hopper_persist=tile):
         q, k, v = make_qkv(shape, torch.float16)
         out, lse, _ = flashattn2.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     check_against_reference(q, k, v, out, lse, None, None, causal)
-    assert len(launch_gluon.FWD_PLANS) == 2 and launched[0] == launched[1] != launched[2] == (64, 64, 2), launched
+    assert len(set(calls.CALLS._calls.values())) == 2
+    assert launched[0] == launched[1] != launched[2] == (64, 64, 2), launched
 
 
 def test_persistent_constexprs():
@@ -523,7 +525,7 @@ def test_persistent_constexprs():
 
     def plan(tile, d=64, causal=True):
         with force(fwd_hopper_persist=tile):
-            return planning.plan("sm90", torch.float16, d, causal, 4096, GLUON_FWD, "fwd")
+            return planning.lookup("sm90", torch.float16, d, causal, 4096, GLUON_FWD, "fwd")
 
     assert dict(plan(T(64, 128, 12, 2)).constexprs) == dict(QBUF=2, SNAKE=True, CONSUMERS=3)
     assert dict(plan(T(64, 128, 8, 2), 128, False).constexprs) == dict(QBUF=2, SNAKE=False, CONSUMERS=2)
@@ -867,9 +869,9 @@ def test_arch_override(monkeypatch, fresh_plans):
     load path (the GPU tests run sm80 and sm86 that way); the interpreter ignores it, and a GPU
     without TMA cannot be made to take the sm90 path."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setitem(planning._ARCH, 0, "sm90")  # device 0 is an H200 (its capability is cached)
+    monkeypatch.setitem(modes._ARCH, 0, "sm90")  # device 0 is an H200 (its capability is cached)
     tile = lambda: (
-        planning.plan(planning.arch_of(cuda), torch.float16, 128, False, 4096, planning.Features(), "fwd").tile
+        planning.lookup(planning.arch_of(cuda), torch.float16, 128, False, 4096, planning.Features(), "fwd").tile
     )
     fwd = tile()
     assert fwd == T(128, 64, 4, 2)
@@ -883,7 +885,7 @@ def test_arch_override(monkeypatch, fresh_plans):
     with pytest.raises(ValueError, match="arch must be one of"):
         with force(arch="sm70"):
             pass
-    monkeypatch.setitem(planning._ARCH, 0, "sm80")
+    monkeypatch.setitem(modes._ARCH, 0, "sm80")
     with force(arch="sm90"):
         with pytest.raises(ValueError, match="no TMA"):
             planning.arch_of(cuda)

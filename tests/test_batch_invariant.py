@@ -15,7 +15,8 @@ import flashattn2
 from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.errors import ArgumentTypeError
-from flashattn2.ops import attention, invariance, kvcache
+from flashattn2.ops import attention, invariance, planning
+from flashattn2.ops import call as calls
 from flashattn2.reference import FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
@@ -150,7 +151,7 @@ def test_prefill_and_decode_agree(dims, opts):
         randn(1, length, hk, d, dtype=dtype),
     )
     kw = _kw(opts, h)
-    capacity = length + 2 * (kvcache.INVARIANT_SPLIT_KEYS if ON_GPU else kvcache.INVARIANT_SPLIT_KEYS_INTERP)
+    capacity = length + 2 * (planning.INVARIANT_SPLIT_KEYS if ON_GPU else planning.INVARIANT_SPLIT_KEYS_INTERP)
     k_cache, v_cache = torch.zeros(1, capacity, hk, d, dtype=dtype, device=DEVICE), None
     k_cache[:, :length] = k
     v_cache = torch.zeros_like(k_cache)
@@ -212,7 +213,7 @@ def test_entry_points_agree_with_decode(case):
         randn(2, length, hk, d, dtype=dtype),
         randn(2, length, hk, dv, dtype=dtype),
     )
-    extra = 2 * (kvcache.INVARIANT_SPLIT_KEYS if ON_GPU else kvcache.INVARIANT_SPLIT_KEYS_INTERP)
+    extra = 2 * (planning.INVARIANT_SPLIT_KEYS if ON_GPU else planning.INVARIANT_SPLIT_KEYS_INTERP)
     k_cache = torch.cat([k, k.new_zeros(2, extra, hk, d)], 1)
     v_cache = torch.cat([v, v.new_zeros(2, extra, hk, dv)], 1)
     seqlens = torch.full((2,), length, dtype=torch.int32, device=DEVICE)
@@ -238,7 +239,7 @@ def test_backward_is_deterministic_in_the_mode(monkeypatch):
     reference)."""
     seen = []
     real = attention.backward
-    monkeypatch.setattr(attention, "backward", lambda *a, **kw: seen.append(a[13]) or real(*a, **kw))
+    monkeypatch.setattr(attention, "backward", lambda *a, **kw: seen.append(a[0].spec.deterministic) or real(*a, **kw))
     h, hk, d, _ = DIMS[0]
     q, k, v = (randn(1, 70, n, d, dtype=torch.float16, requires_grad=True) for n in (h, hk, hk))
     with flashattn2.batch_invariant():
@@ -268,13 +269,15 @@ def test_mode_refuses_dropout_and_too_many_keys(monkeypatch):
     with flashattn2.batch_invariant():
         with pytest.raises(NotImplementedError, match="dropout_p > 0 in batch-invariant mode"):
             flashattn2.flash_attn_func(q, k, v, dropout_p=0.1)
-        monkeypatch.setattr(kvcache, "INVARIANT_MAX_SPLITS", 1)
-        monkeypatch.setattr(kvcache, "INVARIANT_SPLIT_KEYS", 16)
-        monkeypatch.setattr(kvcache, "INVARIANT_SPLIT_KEYS_INTERP", 16)
+        calls.clear()  # plans are made once per spec
+        monkeypatch.setattr(planning.decoding, "INVARIANT_MAX_SPLITS", 1)
+        monkeypatch.setattr(planning.decoding, "INVARIANT_SPLIT_KEYS", 16)
+        monkeypatch.setattr(planning.decoding, "INVARIANT_SPLIT_KEYS_INTERP", 16)
         with pytest.raises(
             NotImplementedError, match="batch-invariant mode: a sequence of up to 40 keys .* more than 1 splits"
         ):
             flashattn2.flash_attn_func(q, k, v)
+    calls.clear()
 
 
 def test_mode_under_torch_compile():

@@ -8,7 +8,7 @@ import torch
 import flashattn2
 from cases import randn
 from conftest import ON_GPU
-from flashattn2.ops import planning
+from flashattn2.ops import modes, planning
 
 CUDA = torch.device("cuda", 0)
 
@@ -18,8 +18,8 @@ def gpu(monkeypatch):
     """mock(name, capability, hip=None): device 0 reports these from now on (caches emptied)."""
 
     def mock(name, capability, hip=None):
-        monkeypatch.setattr(planning, "_ARCH", {})
-        monkeypatch.setattr(planning, "_WGMMA", {})
+        monkeypatch.setattr(modes, "_ARCH", {})
+        monkeypatch.setattr(modes, "_WGMMA", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -3,6 +3,8 @@ v's) and head dims up to 512 for q/k and v each (576/512 in flash_attn_with_kvca
 Forward, logsumexp and gradients against the reference by flash_attn's rule; dense, varlen, KV cache (contiguous,
 paged, splits, a V cache that is a view of the K cache), the private functions, torch.compile; errors."""
 
+from dataclasses import astuple, replace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from conftest import DEVICE, ON_GPU
 from flashattn2.ops import _runtime
 from flashattn2 import flash_attn_interface
 from flashattn2.errors import ArgumentError
-from flashattn2.ops import planning, registry
+from flashattn2.ops import planning, registry, spec
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from flashattn2.reference.kvcache import kvcache_ref
 from tolerance import assert_close, check_against_reference
@@ -287,20 +289,18 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
     table = torch.randperm(blocks, device=DEVICE).view(batch, -1).to(torch.int32)
     seqlens = torch.tensor([capacity - 5, 17], dtype=torch.int32, device=DEVICE)
     v_cache = kv if dv == dqk else kv[..., :dv]
-    cache = kvcache.Cache(kv, v_cache, seqlens, 0, None, None, table)
-    assert kvcache.v_from_k(cache, dqk)
+    assert planning.v_from_k(spec.tensor(kv), spec.tensor(v_cache), True)
     args = dict(cache_seqlens=seqlens, block_table=table)
     ref = kvcache_ref(q, kv, v_cache, **args)
     low = kvcache_ref(q, kv, v_cache, upcast=False, **args)
-    chosen, real = [], kvcache.kv_tma
-    monkeypatch.setattr(kvcache, "kv_tma", lambda *a: chosen.append(real(*a)) or chosen[-1])
-    latent = kvcache._latent(cache, dqk, dv)
+    chosen = spy_decode_plans(monkeypatch)
+    latent = planning.latent_dims(dqk, dv)
     call = lambda splits: flashattn2.flash_attn_with_kvcache(q, kv, v_cache, num_splits=splits, **args)  # noqa: E731
     for num_splits in (1, 3):
         # TMA on: the interpreter runs the descriptors too (Hopper's default; MLA's shape takes them)
         with planning.force(tma=True if dqk == 576 else None):
             out = call(num_splits)
-        assert chosen.pop() == (dqk == 576 and (not ON_GPU or planning.arch_of(q.device) == "sm90"))
+        assert chosen.pop().kv_tma == (dqk == 576 and (not ON_GPU or planning.arch_of(q.device) == "sm90"))
         assert_close(f"out, {num_splits} splits", out, ref[0], low[0], FWD_FACTOR)
         with planning.force(tma=False):  # the same tile by pointers (TMA and pointer tiles may round apart)
             pointers = call(num_splits)
@@ -308,8 +308,8 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
             # v tile of its own: 352 KB on the H200; only a V cache of k's memory reaches it)
             if not (ON_GPU and latent and heads >= 64):
                 with monkeypatch.context() as m:
-                    m.setattr(kvcache, "v_from_k", lambda cache, head_dim: False)
-                    m.setattr(kvcache, "_latent", lambda *a: latent)
+                    forward = kvcache.forward
+                    m.setattr(kvcache, "forward", lambda plan, *a, **kw: forward(replace(plan, v_from_k=False), *a, **kw))
                     separate = call(num_splits)
                 assert torch.equal(pointers, separate)
         assert_close(f"pointers, {num_splits} splits", pointers, ref[0], low[0], FWD_FACTOR)
@@ -320,7 +320,6 @@ def test_mla_speculative_decode(monkeypatch):
     tokens appended to the latent cache) with lengths that end inside a key block: the decode kernel's latent path
     (the keys' tile as values; whole key blocks by TMA on an H100/H200 and under force(tma=True) on the CPU, the
     causal diagonal inside the TMA loop), against the reference."""
-    from flashattn2.ops import kvcache
 
     # the 3 queries' rows in one row block (16 heads: the 64-row tile; 4 on the CPU), so that a block's diagonal
     # falls in the TMA loop where a sequence ends on a block's end (the first)
@@ -334,32 +333,29 @@ def test_mla_speculative_decode(monkeypatch):
     args = dict(cache_seqlens=seqlens, block_table=table, causal=True)
     ref = kvcache_ref(q, kv, kv[..., :512], k_new, k_new[..., :512], **args)
     low = kvcache_ref(q, kv, kv[..., :512], k_new, k_new[..., :512], upcast=False, **args)
-    chosen, real = [], kvcache.kv_tma
-    monkeypatch.setattr(kvcache, "kv_tma", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    chosen = spy_decode_plans(monkeypatch)
     with planning.force(tma=True):
         out = flashattn2.flash_attn_with_kvcache(q, kv, kv[..., :512], k_new, k_new[..., :512], **args)
-    assert chosen == [not ON_GPU or planning.arch_of(q.device) == "sm90"]
+    assert [plan.kv_tma for plan in chosen] == [not ON_GPU or planning.arch_of(q.device) == "sm90"]
     assert_close("mla speculative out", out, ref[0], low[0], FWD_FACTOR)
     assert torch.equal(kv, ref[2])
 
 
 def test_values_from_the_keys_rule():
     """v_from_k: only the K cache's own memory, strides and first column block (as wide as the kernel loads it)."""
-    from flashattn2.ops import kvcache
-
     kv = randn(4, 16, 2, 576, dtype=torch.bfloat16)
-    cache = lambda k, v: kvcache.Cache(k, v, None, 16, None, None, None)  # noqa: E731
-    assert kvcache.v_from_k(cache(kv, kv[..., :512]), 576)
-    assert not kvcache.v_from_k(cache(kv, kv[..., :512].clone()), 576)  # its own memory
-    assert not kvcache.v_from_k(cache(kv, kv[..., :256]), 576)  # narrower than k's first block
-    assert not kvcache.v_from_k(cache(kv, kv[..., 64:]), 576)  # other columns
+    v_from_k = lambda k, v: planning.v_from_k(spec.tensor(k), spec.tensor(v), k.data_ptr() == v.data_ptr())  # noqa: E731
+    assert v_from_k(kv, kv[..., :512])
+    assert not v_from_k(kv, kv[..., :512].clone())  # its own memory
+    assert not v_from_k(kv, kv[..., :256])  # narrower than k's first block
+    assert not v_from_k(kv, kv[..., 64:])  # other columns
     k128 = kv[..., :128]
-    assert kvcache.v_from_k(cache(k128, k128), 128)
-    assert not kvcache.v_from_k(cache(k128, k128[..., :64]), 128)  # k's block is 128 wide
+    assert v_from_k(k128, k128)
+    assert not v_from_k(k128, k128[..., :64])  # k's block is 128 wide
     other = kv.as_strided(k128.shape, (kv.stride(0), kv.stride(1), 128, 1))  # same start, heads at other strides
-    assert not kvcache.v_from_k(cache(k128, other), 128)
+    assert not v_from_k(k128, other)
     kd = kv[..., :96]
-    assert kvcache.v_from_k(cache(kd, kd[..., :64]), 96)  # 96 = 64 + 32: k's first block is 64
+    assert v_from_k(kd, kd[..., :64])  # 96 = 64 + 32: k's first block is 64
 
 
 def test_compile_and_opcheck():
@@ -406,27 +402,27 @@ def test_plans_read_the_wider_head_dim():
     """The table is read by the wider of the two head dims (its tiles hold both), and past 256 no Gluon row
     applies."""
     features = planning.Features(gluon=True, deterministic=False)
-    wide = planning.plan("sm90", torch.bfloat16, 512, True, 4096, features, "fwd")
+    wide = planning.lookup("sm90", torch.bfloat16, 512, True, 4096, features, "fwd")
     assert wide.kernel == "fwd" and wide.tile == planning.T(64, 64, 8, 1)
-    assert planning.plan("sm90", torch.bfloat16, 512, True, 4096, features, "bwd").kernel == "bwd_dkdv"
+    assert planning.lookup("sm90", torch.bfloat16, 512, True, 4096, features, "bwd").kernel == "bwd_dkdv"
     with pytest.raises(NotImplementedError, match="99 KB"):
-        planning.plan("sm86", torch.float32, 384, False, 100, planning.Features(), "bwd")
+        planning.lookup("sm86", torch.float32, 384, False, 100, planning.Features(), "bwd")
     from flashattn2.ops.geometry import Geometry
 
     q, k, v = make((1, 5, 5, 2, 2, 192, 128), torch.float16, False)
     geo = Geometry.of(q, k, None, v)
     assert (geo.head_dim, geo.head_dim_v) == (192, 128)
     # the bucket is the wider head dim's, v's too
-    assert planning.plan("sm90", torch.bfloat16, 64, True, 4096, features, "fwd", 512) == wide
+    assert planning.lookup("sm90", torch.bfloat16, 64, True, 4096, features, "fwd", 512) == wide
     # the 256 bucket's rows for a narrower v (DeepSeek-V3's 192/128): its own tiles; an equal v keeps the d256 ones
-    narrow = planning.plan("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd", 128)
-    equal = planning.plan("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd")
+    narrow = planning.lookup("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd", 128)
+    equal = planning.lookup("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd")
     assert narrow.tile == planning.T(128, 64, 8, 3) and equal.tile == planning.T(128, 64, 8, 2)
-    narrow = planning.plan("sm90", torch.bfloat16, 192, True, 8192, planning.Features(), "bwd", 128)
+    narrow = planning.lookup("sm90", torch.bfloat16, 192, True, 8192, planning.Features(), "bwd", 128)
     assert (narrow.tile, narrow.dq_tile) == (planning.T(32, 64, 4, 2), planning.T(128, 64, 8, 2))
-    assert planning.plan("sm90", torch.bfloat16, 128, True, 8192, planning.Features(), "bwd", 256).tile != narrow.tile
+    assert planning.lookup("sm90", torch.bfloat16, 128, True, 8192, planning.Features(), "bwd", 256).tile != narrow.tile
     # past 256 the backward's columns are split (DSPLIT), on the CPU too
-    assert dict(planning.plan("interp", torch.float16, 512, True, 64, planning.Features(), "bwd").constexprs) == {
+    assert dict(planning.lookup("interp", torch.float16, 512, True, 64, planning.Features(), "bwd").constexprs) == {
         "DSPLIT": 2
     }
 
@@ -434,15 +430,15 @@ def test_plans_read_the_wider_head_dim():
 def test_gluon_pairs():
     """The Gluon kernels run DeepSeek-V3's 192/128 (q's and k's head dim in two parts, 128 + 64: Gluon's tiles are
     powers of two) and the equal pairs 64/128/256, forward and backward; other pairs take the Triton kernels."""
-    fwd = lambda d, dv, causal=False: planning.plan("sm90", torch.bfloat16, d, causal, 8192, GLUON_BWD, "fwd", dv)
-    bwd = lambda d, dv: planning.plan("sm90", torch.bfloat16, d, True, 8192, GLUON_BWD, "bwd", dv).kernel
+    fwd = lambda d, dv, causal=False: planning.lookup("sm90", torch.bfloat16, d, causal, 8192, GLUON_BWD, "fwd", dv)
+    bwd = lambda d, dv: planning.lookup("sm90", torch.bfloat16, d, True, 8192, GLUON_BWD, "bwd", dv).kernel
     assert fwd(192, 128).kernel == fwd(192, 128, True).kernel == "fwd_hopper_persist"
     assert fwd(192, 128).tile != fwd(128, 128).tile
     assert fwd(128, 128).kernel == "fwd_hopper_persist" and fwd(256, 256).kernel == "fwd_hopper_ws"
     for d, dv in [(160, 128), (192, 192), (256, 128), (128, 64), (64, 128), (192, 64)]:
         assert fwd(d, dv).kernel == "fwd", (d, dv)
     assert bwd(192, 128) == bwd(128, 128) == "bwd_hopper" and bwd(160, 128) == bwd(192, 64) == "bwd_dkdv"
-    full = planning.plan("sm90", torch.bfloat16, 192, False, 8192, GLUON_BWD, "bwd", 128)
+    full = planning.lookup("sm90", torch.bfloat16, 192, False, 8192, GLUON_BWD, "bwd", 128)
     assert full.kernel == "bwd_hopper" and dict(full.constexprs)["DQ_SPLIT"] == 2  # dQ_i in the head dim's parts
     from flashattn2.ops.geometry import column_parts
 
@@ -471,45 +467,62 @@ def test_gluon_runs(dims, monkeypatch):
     assert ("attn_bwd_ws_kernel" in launched) == gluon and ("attn_bwd_dkdv_kernel" in launched) == (not gluon)
 
 
+# the contiguous refinements exist for one split setting each
+_REFINED_ONLY = {("contiguous-short", False), ("contiguous-many", True)}
+
+
+def spy_decode_plans(monkeypatch) -> list:
+    """The plans the KV-cache kernel runs from here on, in order (ops.kvcache.forward's)."""
+    from flashattn2.ops import kvcache
+
+    plans, forward = [], kvcache.forward
+    monkeypatch.setattr(kvcache, "forward", lambda plan, *a, **kw: plans.append(plan) or forward(plan, *a, **kw))
+    return plans
+
+
 def test_decode_tiles():
     """The decode tiles for any pair of head dims: powers of two (tl.arange's), the key block's bytes those of the
     d128 entry's at most, one stage past 256/256 (shared memory), fewer rows for wide heads (registers)."""
-    from flashattn2.ops import kvcache
-
+    paths = ("contiguous", "contiguous-short", "contiguous-many", "page-block", "page-row")
     for d, dv in [(64, 64), (128, 128), (192, 128), (96, 40), (64, 256), (320, 200), (512, 512), (576, 512)]:
-        for path, split in kvcache.DECODE_TILES:
+        for path, split in [(p, s) for p in paths for s in (False, True) if (p, s) not in _REFINED_ONLY]:
             for rows in (1, 16, 128):
-                block_m, block_n, _, stages = kvcache._tiles(rows, d, False, 2, path, split, dv)
+                tile = planning.decode_tile(planning.decode_row(path, split), rows, d, dv, 2)
+                block_m, block_n, stages = tile.block_m, tile.block_n, tile.num_stages
                 assert block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0, (d, dv, path, block_n)
                 if d + dv > 512:
                     assert stages == 1 and block_m <= 32
-    assert kvcache._tiles(128, 576, False, 2, "page-block", True, 512)[:2] == (16, 32)
+    tile = planning.decode_tile(planning.decode_row("page-block", True), 128, 576, 512, 2)
+    assert (tile.block_m, tile.block_n) == (16, 32)
 
 
 def test_latent_tiles():
     """MLA's latent cache (v the K cache's first 512 columns, q/k 576) takes LATENT_TILES on sm90 in 16-bit types, by
     the packed rows (64 rows a program at 128 heads: one wgmma over the heads); anything else the generic tiles."""
-    from flashattn2.ops import kvcache
-
     pages = torch.empty(64, 64, 1, 576, dtype=torch.bfloat16)
-    latent = kvcache.Cache(pages, pages[..., :512], None, 4096, None, None, torch.zeros(1, 64, dtype=torch.int32))
-    apart = kvcache.Cache(pages, pages[..., :512].clone(), None, 4096, None, None, latent.block_table)
-    plan = lambda cache, rows, arch="sm90", elem_bytes=2, dv=512: kvcache.plan(  # noqa: E731
-        cache, rows, 1, 576, elem_bytes, 0, 132, False, dv, arch
-    )
-    assert plan(latent, 128)[:4] == kvcache.LATENT_TILES[64] == (64, 64, 8, 2)
-    assert plan(latent, 33)[:4] == kvcache.LATENT_TILES[64]
-    assert plan(latent, 20)[:4] == kvcache.LATENT_TILES[32] and plan(latent, 16)[:4] == kvcache.LATENT_TILES[16]
-    generic = plan(latent, 128, arch="sm80")
+    table = torch.zeros(1, 64, dtype=torch.int32)
+
+    def plan(k, v, rows, arch="sm90", dtype=torch.bfloat16):
+        q = torch.empty(1, 1, rows, k.shape[-1], dtype=dtype)
+        s = spec.kvcache(q, k.to(dtype), v.to(dtype) if dtype != k.dtype else v, *(None,) * 7, table, None, False,
+                         (-1, -1), 0.0, True, None, 0, None)  # fmt: skip
+        p = planning.decode(planning.kvcache_cache(s), arch, planning.Forced(), False, 0, 132)
+        return (*astuple(p.tile)[:4], p.splits, p.chunk)
+
+    latent_rows = {d.when[1][1]: astuple(d.tile)[:4] for d in planning.DECODE_ROWS if ("latent", True) in d.when}
+    latent = (pages, pages[..., :512])
+    assert plan(*latent, 128)[:4] == latent_rows[64] == (64, 64, 8, 2)
+    assert plan(*latent, 33)[:4] == latent_rows[64]
+    assert plan(*latent, 20)[:4] == latent_rows[32] and plan(*latent, 16)[:4] == latent_rows[16]
+    generic = plan(*latent, 128, arch="sm80")
     assert generic[:2] == (16, 32)  # the generic rows: 16 a program at these widths
-    assert plan(apart, 128) == generic and plan(latent, 128, elem_bytes=4)[0] == 16
+    assert plan(pages, pages[..., :512].clone(), 128) == generic
+    assert plan(*latent, 128, dtype=torch.float32)[0] == 16
     # the splits count the latent tile's programs: 2 row blocks of 64, not 8 of 16
-    assert plan(latent, 128)[4:] == (64, 64)  # 2 programs: 64 splits of one 64-key block (at most one a block)
+    assert plan(*latent, 128)[4:] == (64, 64)  # 2 programs: 64 splits of one 64-key block (at most one a block)
     assert generic[4:] == (32, 128)  # 8 programs: 2 x 132 / 8 = 33 splits of 32 keys, rounded to 32 of 128
     view192 = torch.empty(64, 64, 1, 192, dtype=torch.bfloat16)
-    cache192 = kvcache.Cache(view192, view192[..., :128], None, 4096, None, None, latent.block_table)
-    on = lambda arch: kvcache.plan(cache192, 128, 1, 192, 2, 0, 132, False, 128, arch)  # noqa: E731
+    on = lambda arch: plan(view192, view192[..., :128], 128, arch)  # noqa: E731
     assert on("sm90") == on("sm80")  # 192/128 with v a view of k: the generic tiles, not the latent ones
-    cache320 = kvcache.Cache(pages[..., :320], pages[..., :256], None, 4096, None, None, latent.block_table)
-    on320 = lambda arch: kvcache.plan(cache320, 128, 1, 320, 2, 0, 132, False, 256, arch)  # noqa: E731
+    on320 = lambda arch: plan(pages[..., :320], pages[..., :256], 128, arch)  # noqa: E731
     assert on320("sm90") == on320("sm80")  # a 256-wide latent: the generic tiles

@@ -4,6 +4,7 @@ against no split. On the CPU a pairwise covering sample of the options; on the G
 
 import itertools
 import random
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -661,18 +662,29 @@ def test_window_past_the_cache_is_no_window():
     check(q, k_cache, v_cache, {**kwargs, "window_size": (40, 40)}, 1)
 
 
+def decode_plan(q, k_cache, v_cache, block_table=None, num_splits=0, arch="sm90", leftpad=None, elem_bytes=None):
+    """ops.planning's KV-cache plan of a flash_attn_with_kvcache call on (meta) tensors, on an H200-sized `arch`
+    (132 SMs)."""
+    from flashattn2.ops import planning, spec
+
+    s = spec.kvcache(q, k_cache, v_cache, *(None,) * 6, leftpad, block_table, None, False, (-1, -1), 0.0, True, None,
+                     num_splits, None)  # fmt: skip
+    return planning.decode(planning.kvcache_cache(s), arch, planning.Forced(), False, num_splits, 132)
+
+
 def test_decode_plan():
     """The tile and split choice (no kernel runs: the cache tensors are meta). The points are
     the H200 measurements the table names (132 SMs, bf16, headdim 128, 32 query heads)."""
-    from flashattn2.ops import kvcache
+    from flashattn2.ops import planning
 
     def plan(batch, nheads_k, capacity, num_splits=0, page=None, group=None):
         shape = (batch * -(-capacity // page), page, nheads_k, 128) if page else (batch, capacity, nheads_k, 128)
         k = torch.empty(shape, dtype=torch.bfloat16, device="meta")
         table = torch.empty(batch, -(-capacity // page), dtype=torch.int32, device="meta") if page else None
-        cache = kvcache.Cache(k, k, None, capacity, None, None, table)
         rows = group if group is not None else 32 // nheads_k
-        return kvcache.plan(cache, rows, batch, 128, 2, num_splits, 132, False, arch="sm90")
+        q = torch.empty(batch, 1, rows * nheads_k, 128, dtype=torch.bfloat16, device="meta")
+        p = decode_plan(q, k, k, block_table=table, num_splits=num_splits)
+        return (*astuple(p.tile)[:4], p.splits, p.chunk)
 
     # GQA-8 1 x 32k: 32 splits of 1024 keys, short splits take 64-key blocks
     assert plan(1, 8, 32768) == (16, 64, 4, 3, 32, 1024)
@@ -683,7 +695,7 @@ def test_decode_plan():
     assert plan(64, 8, 8192) == (16, 128, 4, 3, 1, 8192)
     assert plan(8, 32, 8192) == (16, 128, 4, 3, 1, 8192)
     # paged caches keep their own entries; num_splits=1 never splits; a forced count is kept
-    assert plan(1, 8, 32768, page=16)[1:4] == kvcache.DECODE_TILES[("page-row", True)]
+    assert plan(1, 8, 32768, page=16)[1:4] == astuple(planning.decode_row("page-row", True).tile)[1:4]
     assert plan(1, 8, 32768, num_splits=1)[4] == 1
     assert plan(1, 8, 32768, num_splits=5)[4] == 5
     rng = random.Random(0)
@@ -695,4 +707,4 @@ def test_decode_plan():
         )
         capacity = -(-capacity // page) * page if page else capacity  # whole pages
         assert chunk % block_n == 0 and (splits - 1) * chunk < capacity <= splits * chunk, (capacity, splits, chunk)
-        assert 1 <= splits <= kvcache.MAX_SPLITS
+        assert 1 <= splits <= planning.MAX_SPLITS

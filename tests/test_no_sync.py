@@ -182,7 +182,7 @@ def test_no_host_sync(name, monkeypatch):
 
 
 def test_value_checks_read_the_environment():
-    """Off unless FLASHATTN2_VALUE_CHECKS (or the earlier FLASHATTN2_KVCACHE_CHECKS) says on."""
+    """Off unless FLASHATTN2_VALUE_CHECKS says on."""
     probe = "import flashattn2; print(flashattn2.set_value_checks(False))"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_CHECKS")}
     for extra, expected in (({}, "False"), ({"FLASHATTN2_VALUE_CHECKS": "1"}, "True")):

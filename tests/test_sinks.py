@@ -9,7 +9,8 @@ import flashattn2
 from cases import cu_seqlens, make_qkv, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.errors import ArgumentError, ArgumentTypeError
-from flashattn2.ops import _runtime, launch_gluon, planning
+from flashattn2.ops import _runtime, planning
+from flashattn2.ops import call as calls
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from flashattn2.reference.kvcache import kvcache_ref
 from tolerance import assert_close
@@ -112,13 +113,13 @@ def test_sinks_take_the_gluon_kernels(headdim, causal):
     if planning.arch_of(torch.device(DEVICE)) != "sm90" or _runtime.hopper_kernels() is None:
         pytest.skip("the Gluon kernels do not run here (not sm_90, or another Triton)")
     q, k, v = make_qkv((2, 1024, 1024, 4, 2, headdim), torch.bfloat16)
-    launch_gluon.FWD_PLANS.clear(), launch_gluon.BWD_PLANS.clear()
-    flashattn2.flash_attn_func(q, k, v, causal=causal)[0].sum().backward()
-    plain = (len(launch_gluon.FWD_PLANS), len(launch_gluon.BWD_PLANS))
-    launch_gluon.FWD_PLANS.clear(), launch_gluon.BWD_PLANS.clear()
-    sink = sink_like(4)
-    flashattn2.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)[0].sum().backward()
-    assert (len(launch_gluon.FWD_PLANS), len(launch_gluon.BWD_PLANS)) == plain
+    plans = []
+    for sink in (None, sink_like(4)):
+        flashattn2.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)[0].sum().backward()
+        call = calls.attention(q, k, v, None, None, 0, 0, 0.0, None, causal, (-1, -1), 0.0, None, sink, False)
+        (backward,) = set(call.backwards._calls.values())
+        plans.append((call.plan.kernel, backward.plan.kernel))
+    assert plans[0] == plans[1] and plans[0][0].startswith("fwd_hopper"), plans
     assert sink.grad is not None and torch.isfinite(sink.grad).all()
 
 

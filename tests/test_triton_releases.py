@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture
 def fresh_choice(monkeypatch):
     """hopper_kernels() decided anew under the test's environment, and again after it."""
-    monkeypatch.delenv("FLASHATTN2_HOPPER", raising=False)
+    monkeypatch.setattr(_runtime, "_GLUON_SWITCH", None)  # FLASHATTN2_HOPPER unset (it is read once, at import)
     monkeypatch.setattr(_runtime, "_WARNED_WITHOUT_GLUON", False)
     _runtime.hopper_kernels.cache_clear()
     yield monkeypatch
@@ -29,7 +29,7 @@ def test_gluon_kernels_on_a_tested_release(fresh_choice):
     fresh_choice.setattr(_runtime, "GLUON_TESTED", (triton.__version__,))
     assert _runtime.hopper_kernels() is _runtime.gluon_modules()
     assert _runtime.gluon_modules().fwd is not None and _runtime.gluon_modules().bwd is not None
-    fresh_choice.setenv("FLASHATTN2_HOPPER", "0")  # the plan table's switch: force(hopper=True) still has them
+    fresh_choice.setattr(_runtime, "_GLUON_SWITCH", False)  # =0: the plan table's switch; force(hopper=True) runs them
     _runtime.hopper_kernels.cache_clear()
     assert _runtime.hopper_kernels() is _runtime.gluon_modules()
     with warnings.catch_warnings():
@@ -46,7 +46,7 @@ def test_untested_release_warns_once_and_opts_in(fresh_choice):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _runtime.warn_without_gluon("bwd")  # once per process
-    fresh_choice.setenv("FLASHATTN2_HOPPER", "1")
+    fresh_choice.setattr(_runtime, "_GLUON_SWITCH", True)  # FLASHATTN2_HOPPER=1
     _runtime.hopper_kernels.cache_clear()
     assert _runtime.hopper_kernels() is _runtime.gluon_modules()
 

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
-from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
+from flashattn2.ops import _runtime, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
 
@@ -38,6 +38,8 @@ KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bw
 T = planning.TileConfig
 
 
+# the latent rows' tiles by their packed rows' block
+LATENT_TILES = {dict(row.when)["rows"]: row.tile for row in planning.DECODE_ROWS if dict(row.when).get("latent")}
 INDEX_POINTERS = {"CacheSeqlens", "CacheBatchIdx", "LeftPad", "BlockTable", "Offsets", "Err", "SeqOrder"}
 
 
@@ -364,23 +366,23 @@ def cases(arch):
                 continue
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
-                    tile = T(*kvcache._tiles(rows, head_dim, False, elem_bytes, path, split, head_dim_v))
+                    tile = planning.decode_tile(planning.decode_row(path, split), rows, head_dim, head_dim_v, elem_bytes)
                     many = dict(chosen, ROW_BLOCKS_ADJACENT=True) if rows > tile.block_m else chosen  # as forward
                     yield kvcache_case(f"m{tile.block_m}-{path}", elem_bytes, many, tile)
             # v read from the keys' tile (v_cache a view of k_cache's first block, or k_cache itself)
-            tile = T(*kvcache._tiles(16, head_dim, False, elem_bytes, "page-block", True, head_dim_v))
+            tile = planning.decode_tile(planning.decode_row("page-block", True), 16, head_dim, head_dim_v, elem_bytes)
             chosen = dict(variants[("page-block", True)], V_FROM_K=block_d(head_dim_v) == column_parts(head_dim)[0])
             yield kvcache_case(f"m{tile.block_m}-page-block-vk", elem_bytes, chosen, tile)
         if arch == "sm90" and column_parts(head_dim)[1] and head_dim + head_dim_v > 512:
-            # MLA's latent cache (ops.kvcache.LATENT_TILES): v read from the key tile by TMA, 128 query heads' rows
-            for block_m, tile in kvcache.LATENT_TILES.items():
+            # MLA's latent cache (the latent rows of DECODE_ROWS): v read from the key tile by TMA, 128 query heads' rows
+            for block_m, tile in LATENT_TILES.items():
                 for split in (False, True):
                     chosen = dict(PAGED=True, PAGE_SIZE=64, SEQLENS_TENSOR=True, SPLIT=split, PDL=split, SINK=split)
                     chosen.update(V_FROM_K=True, ROW_BLOCKS_ADJACENT=True, KV_TMA=True)
-                    yield kvcache_case(f"latent-m{block_m}-page-block", 2, chosen, T(*tile))
+                    yield kvcache_case(f"latent-m{block_m}-page-block", 2, chosen, tile)
                 # without TMA (a contiguous cache, small pages, left padding): the pointer loop at the latent tile
                 chosen = dict(PAGED=False, PAGE_SIZE=1, LEFTPAD=True, SPLIT=True, V_FROM_K=True)
-                yield kvcache_case(f"latent-m{block_m}-contiguous", 2, dict(chosen, ROW_BLOCKS_ADJACENT=True), T(*tile))
+                yield kvcache_case(f"latent-m{block_m}-contiguous", 2, dict(chosen, ROW_BLOCKS_ADJACENT=True), tile)
         for paged, rotate in ((False, True), (True, False)):
             append = dict(
                 CHECK=True,
@@ -452,7 +454,7 @@ def length_one_cases(arch):
     paths = [(True, False), (False, False)] if arch == "sm90" else [(False, False)]
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         for seqlen_q, seqlen_k, group in LENGTHS_ONE:
-            plan = planning.plan(
+            plan = planning.lookup(
                 arch,
                 torch.float16,
                 head_dim,

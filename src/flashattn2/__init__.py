@@ -14,6 +14,7 @@ from .api import (
 from .ops.checks import set_value_checks
 from .ops.invariance import batch_invariant, set_batch_invariant
 from .compat import FLASH_ATTN_VERSION, install_as_flash_attn
+from .explain import explain
 
 __version__ = "0.1.0"
 
@@ -33,5 +34,6 @@ __all__ = [
     "ArgumentTypeError",
     "FLASH_ATTN_VERSION",
     "install_as_flash_attn",
+    "explain",
     "__version__",
 ]

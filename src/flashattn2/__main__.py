@@ -1,4 +1,5 @@
 """python -m flashattn2 [bench] [filters] | bench report | summary | features | decode | gpt | generate | ab | parallel
+python -m flashattn2 explain [shape and options]: the plan of a call (python -m flashattn2 explain --help)
 
 With a CUDA GPU: the kernel benchmark (flashattn2 beside SDPA's flash, cuDNN and efficient
 kernels and naive PyTorch), appended to a CSV, then the table and plots. Without one: the
@@ -34,7 +35,7 @@ def _parser():
         "what",
         nargs="?",
         default="kernels",
-        choices=["kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab", "parallel"],
+        choices=["kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab", "parallel", "host"],
         help="kernels (default): measure; report: only rebuild table and plots from the CSV; "
         "summary: the README's benchmark summary from bench/results/ (--write: into README.md); "
         "features: what varlen, window and the other options cost (headdim 128 by default); "
@@ -43,7 +44,9 @@ def _parser():
         "generate: tokens/s of transformers' generate() with a static cache, compiled, beside sdpa (--batches 1,16); "
         "ab: flashattn2 under two or more settings (--setting), alternated in one run; "
         "parallel: context parallelism's per-GPU TFLOP/s, the ranks simulated on one GPU (--worlds), or under "
-        "torchrun one rank per GPU (NCCL), beside PyTorch's context_parallel",
+        "torchrun one rank per GPU (NCCL), beside PyTorch's context_parallel; "
+        "host: host time per call of each entry point beside SDPA's and an empty custom op (on the CPU: launches "
+        "stubbed; results into bench/results/host-<device>.csv/.md)",
     )
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--headdims", default="64,128")
@@ -138,6 +141,10 @@ def _report(path, plots):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["explain"]:
+        from .explain import main as explain
+
+        return explain(argv[1:])
     args = _parser().parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         print(f"bench: --rounds must be 1 or more, got {args.rounds}")
@@ -162,6 +169,8 @@ def main(argv=None) -> int:
         return _generate(args)
     if args.what == "parallel":
         return _parallel(args)
+    if args.what == "host":
+        return _host(args, argv)
     if args.command == "check" or not torch.cuda.is_available():
         return _cpu_check(argv)
     if args.what == "features":
@@ -190,6 +199,20 @@ def main(argv=None) -> int:
         rounds=args.rounds or 1,
     )
     return _report(path, args.plots)
+
+
+def _host(args, argv):
+    import torch
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported: run again with it
+        os.execv(sys.executable, [sys.executable, "-m", "flashattn2", *argv])
+    from .bench import host
+
+    slug = "cpu" if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else None
+    slug = slug or _slug(torch.cuda.get_device_name())
+    path = args.csv or os.path.join(RESULTS, f"host-{slug}.csv")
+    return host.main(path, os.path.splitext(path)[0] + ".md", args.rounds or 7)
 
 
 def _features(args):

@@ -15,87 +15,75 @@ import threading
 import torch
 
 from .errors import ArgumentError
+from .ops import call as calls
 from .ops import checks
 from .ops.kvcache import Check
 from .ops.options import Options
-from .ops.registry import Attention, EmptyAttention, PackedAttention, run_fwd
+from .ops.registry import EmptyAttention, PackedAttention, kvcache_forward, paged_forward
+from .ops.registry import fwd_kvcache as registry_fwd_kvcache
 from .ops.registry import dropout_probs as _dropout_probs_op
-from .ops.registry import fwd as _fwd_op
-from .ops.registry import run_fwd_kvcache as _fwd_kvcache_op
+from .ops.registry import forward as _forward
 from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
+from .ops.registry import run as _run
 
 
-_DENSE = (None, None, 0, 0)  # Options' sequence fields (cu_seqlens_q/k, max_seqlen_q/k) when dense
+def _seed(call, q) -> torch.Tensor | None:
+    """The Philox seed of a call with dropout, drawn from torch's generator for q's device (torch.manual_seed makes
+    runs reproducible; the backward reuses it); None without dropout."""
+    if call.options.dropout_p > 0:
+        return torch.randint(2**62, (1,), dtype=torch.int64, device=q.device)
+    return None
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink=None) -> Options:
-    """Validate; return the call's Options. With dropout, the Philox seed is drawn from torch's generator for q's
-    device, so torch.manual_seed makes runs reproducible; the backward reuses it."""
-    checks.check_qkv(q, k, v, varlen=False, empty_ok=True)
-    checks.check_sink(sink, q)
-    return _options(q, _DENSE, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-
-
-def _prepare_varlen(
-    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink=None
-):
-    """_prepare for varlen; returns (options, verify): call verify() once the kernels are queued,
-    it raises on bad cu_seqlens values without stalling the GPU (checks.check_cu_seqlens)."""
-    checks.check_qkv(q, k, v, varlen=True)
-    checks.check_sink(sink, q)
-    *seq_args, verify = checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k, q, k)
-    options = _options(
-        q, seq_args, cu_q.shape[0] - 1, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes
+def _traced(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi, sink):
+    """While torch.compile traces: the arguments validated and the op (flashattn2::fwd) called, with its registered
+    backward (no caches: dynamo would trace them)."""
+    max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap = calls.validate_attention(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi, sink
     )
-    return options, verify
-
-
-def _options(q, seq_args, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes) -> Options:
-    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    checks.check_alibi(alibi_slopes, q, batch)
-    scale = _scale(q, softmax_scale)
-    left, right = (int(w) for w in window_size)
-    dropout_p = float(dropout_p)
     seed = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-    return Options(*seq_args, dropout_p, seed, scale, bool(causal), left, right, float(softcap))
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    options = Options(cu_q, cu_k, max_q, max_k, dropout_p, seed, scale, causal, *window_size, softcap)
+    return _forward(q, k, v, options, alibi, sink), options
 
 
-def _scale(q, softmax_scale) -> float:
-    return float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-
-
-def _attention(q, k, v, options: Options, alibi_slopes, deterministic, sink=None):
-    """The fwd op while torch.compile traces (with its autograd registration); in eager mode its
-    body, through the Attention autograd.Function when a gradient is needed: the op's dispatch
-    and autograd wrapper cost host time on every call and only tracing needs them."""
-    if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, *options.op_args(), alibi_slopes, sink)
-    if torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
-    ):
-        return Attention.apply(q, k, v, alibi_slopes, sink, bool(deterministic), options)
-    return run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
-
-
-def _empty(q, k) -> bool:
-    """A dense call with seqlen_q or seqlen_k 0 (flash_attn accepts it): EmptyAttention, no kernel."""
-    return q.shape[1] == 0 or k.shape[1] == 0
-
-
-def _result(out, lse, return_attn_probs, q=None, k=None, options=None, alibi_slopes=None):
+def _result(out, lse, return_attn_probs, q=None, k=None, call=None, alibi_slopes=None, cu=(None, None), seed=None):
     if not return_attn_probs:
         return out
-    dropout_p = options.dropout_p if options is not None else 0.0
-    if dropout_p == 0:
+    if call is None or call.options.dropout_p == 0:
         # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
         return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
-    if not options.varlen and _empty(q, k):
+    if call.empty:
         rounded = lambda n: -(-n // 128) * 128
         shape = (q.shape[0], q.shape[2], rounded(q.shape[1]), rounded(k.shape[1]))
         return out, lse, torch.zeros(shape, dtype=out.dtype, device=out.device)
+    options = call.options.with_tensors(*cu, seed)
     with torch.no_grad():
         s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options.op_args(), alibi_slopes)
     return out, lse, s_dmask
+
+
+def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           deterministic, return_attn_probs, sink):  # fmt: skip
+    """flash_attn_func and its packed forms: q, k, v (views of `packed` when packing is "qkv" or "kv")."""
+    if torch.compiler.is_compiling():
+        (out, lse), _ = _traced(
+            q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink
+        )
+        return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
+    call = calls.attention(
+        q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink,
+        deterministic,
+    )  # fmt: skip
+    seed = _seed(call, q)
+    if call.empty:
+        out, lse = EmptyAttention.apply(q, k, v, sink)
+    elif packing is None:
+        out, lse = _run(call, q, k, v, alibi_slopes, sink, seed=seed)
+    else:
+        first = None if packing == "qkv" else q
+        out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, None, None, seed)
+    return _result(out, lse, return_attn_probs, q, k, call, alibi_slopes, seed=seed)
 
 
 def flash_attn_func(
@@ -151,12 +139,10 @@ def flash_attn_func(
             exp(score - rowmax) where kept and -exp(score - rowmax) where dropped (0 outside the
             visible region), a testing aid computed by a second pass.
     """
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    if _empty(q, k):
-        out, lse = EmptyAttention.apply(q, k, v, learnable_sink)
-    else:
-        out, lse = _attention(q, k, v, options, alibi_slopes, deterministic, learnable_sink)
-    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+    return _dense(
+        q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, learnable_sink,
+    )  # fmt: skip
 
 
 def flash_attn_qkvpacked_func(
@@ -178,12 +164,10 @@ def flash_attn_qkvpacked_func(
     """
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    if _empty(q, k):
-        out, lse = EmptyAttention.apply(q, k, v, learnable_sink)
-    else:
-        out, lse = PackedAttention.apply(None, qkv, alibi_slopes, learnable_sink, "qkv", bool(deterministic), options)
-    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+    return _dense(
+        q, k, v, qkv, "qkv", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, learnable_sink,
+    )  # fmt: skip
 
 
 def flash_attn_kvpacked_func(
@@ -204,12 +188,10 @@ def flash_attn_kvpacked_func(
     nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
-    options = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    if _empty(q, k):
-        out, lse = EmptyAttention.apply(q, k, v, learnable_sink)
-    else:
-        out, lse = PackedAttention.apply(q, kv, alibi_slopes, learnable_sink, "kv", bool(deterministic), options)
-    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+    return _dense(
+        q, k, v, kv, "kv", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, learnable_sink,
+    )  # fmt: skip
 
 
 def flash_attn_varlen_func(
@@ -256,42 +238,38 @@ def flash_attn_varlen_func(
     """
     if block_table is not None:
         return _varlen_paged(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-            alibi_slopes,
-            return_attn_probs,
-            block_table,
-            learnable_sink,
-        )
-    options, verify = _prepare_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        learnable_sink,
-    )
-    out, lse = _attention(q, k, v, options, alibi_slopes, deterministic, learnable_sink)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, return_attn_probs, block_table, learnable_sink,
+        )  # fmt: skip
+    return _varlen(
+        q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+    )  # fmt: skip
+
+
+def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sink):  # fmt: skip
+    """flash_attn_varlen_func and its packed forms. The cu_seqlens values are checked on the host (value checks on)
+    after the kernels are queued, from a copy that does not wait for them."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal)
+    if torch.compiler.is_compiling():
+        checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
+        max_q, max_k = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
+        cu_q, cu_k, _ = calls.sequences(cu_seqlens_q, cu_seqlens_k, max_q, max_k, q, k)  # clamped, nothing read
+        traced = (q, k, v, cu_q, cu_k, max_q, max_k, *args[7:])
+        (out, lse), _ = _traced(*traced, window_size, softcap, alibi_slopes, sink)
+        return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
+    call = calls.attention(*args, window_size, softcap, alibi_slopes, sink, deterministic)
+    o = call.options
+    cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)
+    seed = _seed(call, q)
+    if packing is None:
+        out, lse = _run(call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed)
+    else:
+        first = None if packing == "qkv" else q
+        out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, cu_q, cu_k, seed)
     verify()
-    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+    return _result(out, lse, return_attn_probs, q, k, call, alibi_slopes, (cu_q, cu_k), seed)
 
 
 def _varlen_paged(
@@ -313,29 +291,28 @@ def _varlen_paged(
     learnable_sink,
 ):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
-    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    checks.check_sink(learnable_sink, q)
-    cu_seqlens_q, max_q = checks.check_varlen_paged(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
-    )
-    scale = _scale(q, softmax_scale)
-    left, right = (int(w) for w in window_size)
-    out, lse = _fwd_varlen_paged_op(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_q,
-        block_table,
-        scale,
-        bool(causal),
-        left,
-        right,
-        float(softcap),
-        alibi_slopes,
-        learnable_sink,
-    )
+    if torch.compiler.is_compiling():
+        checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+        checks.check_sink(learnable_sink, q)
+        max_q, max_k = checks.check_varlen_paged(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
+        )
+        left, right = (int(w) for w in window_size)
+        scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+        out, lse = _fwd_varlen_paged_op(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, scale, bool(causal), left, right,
+            float(softcap), alibi_slopes, learnable_sink,
+        )  # fmt: skip
+    else:
+        call = calls.paged(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, learnable_sink,
+        )  # fmt: skip
+        spec = call.spec
+        cu_q = checks.paged_sequences(
+            q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
+        )
+        out, lse = paged_forward(call, q, k, v, cu_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink)
     if not return_attn_probs:
         return out
     return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
@@ -359,25 +336,10 @@ def flash_attn_varlen_qkvpacked_func(
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
     checks.check_packed("qkv", qkv, 3, varlen=True)
     q, k, v = qkv.unbind(dim=1)
-    options, verify = _prepare_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        learnable_sink,
-    )
-    out, lse = PackedAttention.apply(None, qkv, alibi_slopes, learnable_sink, "qkv", bool(deterministic), options)
-    verify()
-    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+    return _varlen(
+        q, k, v, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+    )  # fmt: skip
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -402,25 +364,10 @@ def flash_attn_varlen_kvpacked_func(
     headdim); the backward writes one dkv."""
     checks.check_packed("kv", kv, 2, varlen=True)
     k, v = kv.unbind(dim=1)
-    options, verify = _prepare_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        learnable_sink,
-    )
-    out, lse = PackedAttention.apply(q, kv, alibi_slopes, learnable_sink, "kv", bool(deterministic), options)
-    verify()
-    return _result(out, lse, return_attn_probs, q, k, options, alibi_slopes)
+    return _varlen(
+        q, k, v, kv, "kv", cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+    )  # fmt: skip
 
 
 def flash_attn_with_kvcache(
@@ -483,87 +430,70 @@ def flash_attn_with_kvcache(
     writes nothing when a value is out of range, and the call then raises ValueError (the host
     reads one flag after the launches, so the call waits for its kernels).
     """
-    checks.check_kvcache(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary_cos,
-        rotary_sin,
-        cache_seqlens,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        num_splits,
-        alibi_slopes,
-    )
-    checks.check_sink(learnable_sink, q)
-    checks.check_options(0.0, softmax_scale, window_size, softcap)
-    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    # flash_attn's rule: a window edge that reaches past the cache is no edge (this decides
-    # whether q is rotated per token)
-    left, right = (-1 if int(w) >= capacity else int(w) for w in window_size)
-    per_token = causal or left >= 0 or right >= 0
-    q_positions = q.shape[1] if per_token else 1
-    values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, q_positions)
-    # an int cache_seqlens is checked here (no device read); the tensors' values by the kernels
-    if not isinstance(cache_seqlens, torch.Tensor):
-        checks.check_kvcache_seqlen(
-            capacity if cache_seqlens is None else cache_seqlens,
-            capacity,
-            0 if k is None else k.shape[1],
-            rotary_cos,
-            q_positions,
-            block_table is not None,
-        )
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
+    if torch.compiler.is_compiling():
+        out, lse = _traced_kvcache(
+            *args, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+            num_splits, learnable_sink,
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse else out
+    call = calls.kvcache(
+        *args, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        learnable_sink,
+    )  # fmt: skip
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens, seqlen_int = cache_seqlens, 0
+    else:  # an int is checked here (no device read); the tensors' values by the kernels
+        seqlens, seqlen_int = None, call.seqlen(cache_seqlens, rotary_cos)
+    values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, call.q_positions)
     check = None
-    if any(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)):
-        check = _kvcache_check(q, capacity, k, rotary_cos, q_positions)
+    if checks.value_checks() and (
+        seqlens is not None or cache_batch_idx is not None or cache_leftpad is not None or block_table is not None
+    ):
+        check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
         if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
             checks.check_kvcache_values(*values)  # no kernel will run to check them
             check = None
-    scale = _scale(q, softmax_scale)
-    if isinstance(cache_seqlens, torch.Tensor):
-        seqlens, seqlen_int = cache_seqlens, 0
-    else:
-        seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
-    bad = False
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad)
+    if check is None:
+        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink)
+        return (out, lse) if return_softmax_lse else out
     try:
-        out, lse = _fwd_kvcache_op(
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            rotary_cos,
-            rotary_sin,
-            seqlens,
-            seqlen_int,
-            cache_batch_idx,
-            cache_leftpad,
-            block_table,
-            scale,
-            bool(causal),
-            left,
-            right,
-            float(softcap),
-            bool(rotary_interleaved),
-            alibi_slopes,
-            int(num_splits),
-            learnable_sink,
-            check=check,
-        )
-        bad = check is not None and bool(check.err.item())
+        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink, check)
+        bad = bool(check.err.item())
     except BaseException:
-        if check is not None:  # the flag may be set: drop it (the next call makes a new one)
-            _ERROR_FLAGS.pop(check.key, None)
+        _ERROR_FLAGS.pop(check.key, None)  # the flag may be set: drop it (the next call makes a new one)
         raise
     if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
         checks.check_kvcache_values(*values)  # raises with the details
         raise ArgumentError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
+
+
+def _traced_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, learnable_sink):  # fmt: skip
+    """While torch.compile traces: validated, then the op (flashattn2::fwd_kvcache), which declares that it writes
+    k_cache and v_cache."""
+    checks.check_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        num_splits, alibi_slopes,
+    )  # fmt: skip
+    checks.check_sink(learnable_sink, q)
+    checks.check_options(0.0, softmax_scale, window_size, softcap)
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens, seqlen_int = cache_seqlens, 0
+    else:
+        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+        seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    left, right = (int(w) for w in window_size)
+    return registry_fwd_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad,
+        block_table, scale, bool(causal), left, right, float(softcap), bool(rotary_interleaved), alibi_slopes,
+        int(num_splits), learnable_sink,
+    )  # fmt: skip
 
 
 def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
@@ -598,12 +528,15 @@ def set_kvcache_checks(enabled: bool) -> bool:
 # cleared once rather than per call. At most _ERROR_FLAGS_MAX streams and threads are kept.
 _ERROR_FLAGS: dict = {}
 _ERROR_FLAGS_MAX = 64
+_ERROR_FLAGS_LOCK = threading.Lock()
 
 
 def _error_flag(key) -> torch.Tensor:
     flag = _ERROR_FLAGS.get(key)
     if flag is None:
-        if len(_ERROR_FLAGS) >= _ERROR_FLAGS_MAX:
-            _ERROR_FLAGS.clear()  # a call holding a dropped flag still has it through its Check
-        flag = _ERROR_FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=key[0])
+        flag = torch.zeros(1, dtype=torch.int32, device=key[0])
+        with _ERROR_FLAGS_LOCK:
+            if len(_ERROR_FLAGS) >= _ERROR_FLAGS_MAX:
+                _ERROR_FLAGS.clear()  # a call holding a dropped flag still has it through its Check
+            _ERROR_FLAGS[key] = flag
     return flag

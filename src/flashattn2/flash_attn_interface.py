@@ -49,8 +49,8 @@ from .api import (
     flash_attn_with_kvcache,
 )
 from .errors import ArgumentError, ArgumentTypeError
-from .ops import _runtime, checks
-from .ops import registry
+from .ops import _runtime, checks, registry
+from .ops import call as calls
 from .ops.options import Options
 
 __all__ = [
@@ -193,7 +193,7 @@ def _flash_attn_forward(
     options = Options(
         None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right, softcap
     )
-    out, lse = registry.run_fwd(q, k, v, *options.op_args(), alibi_slopes)
+    out, lse = registry.forward(q, k, v, options, alibi_slopes)
     return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
 
 
@@ -262,9 +262,7 @@ def _flash_attn_varlen_forward(
             zero_tensors,
         )
     checks.check_qkv(q, k, v, varlen=True)
-    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
-    )
+    cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dropout_p, scale, left, right, softcap = _options(
         q, cu_q.shape[0] - 1, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
     )
@@ -273,11 +271,20 @@ def _flash_attn_varlen_forward(
     options = Options(
         cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right, softcap
     )
-    out, lse = registry.run_fwd(q, k, v, *options.op_args(), alibi_slopes)
+    out, lse = registry.forward(q, k, v, options, alibi_slopes)
     verify()
     if zero_tensors:
         _fill_lse_tail(lse, cu_q)
     return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+    """A varlen call's cu_seqlens validated (q, k, v are): (cu_seqlens_q, cu_seqlens_k clamped for the kernels,
+    max_seqlen_q, max_seqlen_k as ints, verify) (ops.checks.cu_seqlens_for_kernels)."""
+    checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
+    max_q, max_k = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
+    cu_q, cu_k, verify = checks.cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_q, max_k, q, k)
+    return cu_q, cu_k, max_q, max_k, verify
 
 
 def _varlen_paged_forward(
@@ -301,25 +308,15 @@ def _varlen_paged_forward(
 ):
     _check_return_softmax(return_softmax, dropout_p)
     checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
-    cu_seqlens_q, max_q = checks.check_varlen_paged(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
+    call = calls.paged(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, softmax_scale, causal,
+        (int(window_size_left), int(window_size_right)), softcap, alibi_slopes, None,
+    )  # fmt: skip
+    spec = call.spec
+    cu_seqlens_q = checks.paged_sequences(
+        q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
     )
-    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    out, lse = registry.fwd_varlen_paged(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_q,
-        block_table,
-        scale,
-        bool(causal),
-        int(window_size_left),
-        int(window_size_right),
-        float(softcap),
-        alibi_slopes,
-    )
+    out, lse = registry.paged_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, None)
     if zero_tensors:
         _fill_lse_tail(lse, cu_seqlens_q)
     return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), _new_rng_state(q, 0.0)
@@ -374,32 +371,11 @@ def _flash_attn_backward(
     )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
-    registry.run_bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        softmax_lse,
-        None,
-        dq,
-        dk,
-        dv,
-        None,
-        None,
-        0,
-        0,
-        dropout_p,
-        seed,
-        scale,
-        bool(causal),
-        left,
-        right,
-        softcap,
-        alibi_slopes,
-        None,
-        None,
-        bool(deterministic) or registry.invariant(),  # the batch-invariant mode's backward is the deterministic one
+    options = Options(None, None, 0, 0, dropout_p, seed, scale, bool(causal), left, right, softcap)
+    # the batch-invariant mode's backward is the deterministic one
+    deterministic = bool(deterministic) or registry.invariant()
+    registry.backward(
+        dout, q, k, v, out, softmax_lse, None, dq, dk, dv, options, alibi_slopes, None, None, deterministic
     )
     return _softmax_d(dout, out, dropout_p, varlen=False)
 
@@ -435,40 +411,17 @@ def _flash_attn_varlen_backward(
     gives that). Returns softmax_d (nheads, total_q) float32."""
     checks.check_qkv(q, k, v, varlen=True)
     _check_backward_inputs(dout, out, softmax_lse, q, v, (q.shape[1], q.shape[0]))
-    cu_q, cu_k, max_q, max_k, verify = checks.check_cu_seqlens(
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
-    )
+    cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dropout_p, scale, left, right, softcap = _options(
         q, cu_q.shape[0] - 1, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
     )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
-    registry.run_bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        softmax_lse,
-        None,
-        dq,
-        dk,
-        dv,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        dropout_p,
-        seed,
-        scale,
-        bool(causal),
-        left,
-        right,
-        softcap,
-        alibi_slopes,
-        None,
-        None,
-        bool(deterministic) or registry.invariant(),  # the batch-invariant mode's backward is the deterministic one
+    options = Options(cu_q, cu_k, max_q, max_k, dropout_p, seed, scale, bool(causal), left, right, softcap)
+    # the batch-invariant mode's backward is the deterministic one
+    deterministic = bool(deterministic) or registry.invariant()
+    registry.backward(
+        dout, q, k, v, out, softmax_lse, None, dq, dk, dv, options, alibi_slopes, None, None, deterministic
     )
     verify()
     return _softmax_d(dout, out, dropout_p, varlen=True)

@@ -37,8 +37,8 @@ def kernels() -> types.SimpleNamespace:
 # The Triton releases the Gluon kernels were measured and tested on (the H200 suite and the bench). Gluon's API is
 # experimental and moves between releases: the kernels compile on every release in pyproject's range (its moves
 # are shimmed in kernels/pipeline.py; tests/test_compile_targets.py compiles them), but on a release not listed
-# here they run only when FLASHATTN2_HOPPER=1 asks for them (FLASHATTN2_HOPPER=0 turns them off on any release,
-# through the plan table: planning._ENV_HOPPER).
+# here they run only when FLASHATTN2_HOPPER=1 asks for them (FLASHATTN2_HOPPER=0 turns them off on any release:
+# gluon_switch).
 GLUON_TESTED = ("3.6.",)
 
 
@@ -65,12 +65,18 @@ def gluon_tested() -> bool:
     return triton.__version__.startswith(GLUON_TESTED)
 
 
+def gluon_switch() -> bool | None:
+    """FLASHATTN2_HOPPER, read once: False (0) the Gluon kernels off (the plan table's rows for them are passed
+    over; force(hopper=True) still runs them), True (1) on, also on a Triton release they were not measured on,
+    None (unset) on where they were measured (GLUON_TESTED)."""
+    return _GLUON_SWITCH
+
+
 @functools.cache
 def hopper_kernels() -> types.SimpleNamespace | None:
     """The Gluon kernels the launchers may take (gluon_modules()) on a Triton release they were tested on
-    (gluon_tested()) or with FLASHATTN2_HOPPER=1; None on another release: the Triton kernels run then.
-    FLASHATTN2_HOPPER=0 is the plan table's switch (planning._ENV_HOPPER), which force(hopper=True) overrides."""
-    return gluon_modules() if gluon_tested() or env_flag("FLASHATTN2_HOPPER") is True else None
+    (gluon_tested()) or with FLASHATTN2_HOPPER=1; None on another release: the Triton kernels run then."""
+    return gluon_modules() if gluon_tested() or gluon_switch() is True else None
 
 
 _WARNED_WITHOUT_GLUON = False
@@ -80,7 +86,7 @@ def warn_without_gluon(direction: str) -> None:
     """Once per process, a warning that a call on a Hopper GPU takes the Triton kernels where the Gluon ones would
     run: which Triton, what it costs, how to opt in. Silent when FLASHATTN2_HOPPER=0 turned them off."""
     global _WARNED_WITHOUT_GLUON
-    if _WARNED_WITHOUT_GLUON or env_flag("FLASHATTN2_HOPPER") is False:
+    if _WARNED_WITHOUT_GLUON or gluon_switch() is False:
         return
     _WARNED_WITHOUT_GLUON = True
     import warnings
@@ -122,6 +128,9 @@ def env_flag(name: str) -> bool | None:
     value, None when unset. Read at import by the modules that use it (not per launch)."""
     env = os.environ.get(name)
     return None if env is None else env.lower() not in ("0", "false", "off", "no")
+
+
+_GLUON_SWITCH = env_flag("FLASHATTN2_HOPPER")
 
 
 def device_of(t: torch.Tensor):

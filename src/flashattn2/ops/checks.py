@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 from . import _runtime
@@ -70,8 +72,7 @@ def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, li
 
 # Whether the entry points read the values of index tensors (cu_seqlens, cache_seqlens,
 # cache_leftpad, cache_batch_idx, block_table) to raise on a bad one; see set_value_checks.
-_ENV_CHECKS = _runtime.env_flag("FLASHATTN2_VALUE_CHECKS")
-_VALUE_CHECKS = bool(_runtime.env_flag("FLASHATTN2_KVCACHE_CHECKS") if _ENV_CHECKS is None else _ENV_CHECKS)
+_VALUE_CHECKS = _runtime.env_flag("FLASHATTN2_VALUE_CHECKS") is True
 
 
 def value_checks() -> bool:
@@ -100,21 +101,17 @@ def set_value_checks(enabled: bool) -> bool:
     return previous
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
-    """Validate varlen's cu_seqlens (int32, (batch + 1,)) and max_seqlen (an int or a
-    one-element tensor). Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    verify): the cu_seqlens for the kernels, clamped into [0, rows] on the device (in_range) so
-    that the kernels stay in bounds whatever the values, and verify(), to call once the kernels
-    are queued.
+def cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, q, k):
+    """A varlen call's cu_seqlens (validated tensors: check_cu_tensors) for the kernels: (cu_seqlens_q, cu_seqlens_k,
+    verify), the tensors clamped into [0, rows] on the device (in_range) so that the kernels stay in bounds whatever
+    the values, and verify(), to call once the kernels are queued.
 
-    Without value checks (the default), under torch.compile and during CUDA-graph capture,
-    nothing is read back: verify does nothing. With value checks (set_value_checks) the values
-    must also start at 0, not decrease, end within q / k and keep every sequence within
-    max_seqlen: a copy to pinned host memory is queued and verify() waits for that copy only
-    (not for the kernels) and raises ValueError on a bad value; a tensor whose values passed is
-    remembered (see `_SEEN`) and not read again."""
-    _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
-    maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
+    Without value checks (the default), under torch.compile and during CUDA-graph capture, nothing is read back:
+    verify does nothing. With value checks (set_value_checks) the values must also start at 0, not decrease, end
+    within q / k and keep every sequence within max_seqlen: a copy to pinned host memory is queued and verify() waits
+    for that copy only (not for the kernels) and raises ValueError on a bad value; a tensor whose values passed is
+    remembered (ops.seqlens) and not read again."""
+    maxes = (max_seqlen_q, max_seqlen_k)
     totals = (q.shape[0], k.shape[0])
     cus = (cu_seqlens_q, cu_seqlens_k)
     clamped = (in_range(cu_seqlens_q, totals[0]),)
@@ -123,7 +120,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
     else:
         clamped += (in_range(cu_seqlens_k, totals[1]),)
     if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
-        return *clamped, maxes[0], maxes[1], _nothing
+        return *clamped, _nothing
     seen_q, seen_k = known(cu_seqlens_q), known(cu_seqlens_k)
     if (
         seen_q is not None
@@ -133,10 +130,10 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         and seen_q[1] <= maxes[0]
         and seen_k[1] <= maxes[1]
     ):
-        return *clamped, maxes[0], maxes[1], _nothing
+        return *clamped, _nothing
     if q.device.type != "cuda":
         _check_cu_values(torch.stack(cus), totals, maxes, cus, clamped)
-        return *clamped, maxes[0], maxes[1], _nothing
+        return *clamped, _nothing
     host = torch.empty((2, cu_seqlens_q.shape[0]), dtype=torch.int32, pin_memory=True)
     host[0].copy_(cu_seqlens_q, non_blocking=True)
     host[1].copy_(cu_seqlens_k, non_blocking=True)
@@ -147,10 +144,10 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
         copied.synchronize()
         _check_cu_values(host, totals, maxes, cus, clamped)
 
-    return *clamped, maxes[0], maxes[1], verify
+    return *clamped, verify
 
 
-def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
+def check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -167,7 +164,7 @@ def _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q) -> None:
         )
 
 
-def _max_seqlens(max_seqlen_q, max_seqlen_k) -> list[int]:
+def max_seqlens(max_seqlen_q, max_seqlen_k) -> list[int]:
     """max_seqlen_q/k as ints (a one-element tensor is read)."""
     maxes = []
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
@@ -211,8 +208,12 @@ def _check_cu_values(both, totals, maxes, tensors=None, copies=()):
                 remember(copies[i], values, order)
 
 
+# flashattn2.explain's meta tensors (shapes without memory) pass the device check; nothing launches on them
+META_OK = contextvars.ContextVar("flashattn2_meta_ok", default=False)
+
+
 def check_device(device: torch.device, name: str) -> None:
-    if device.type == "cuda":
+    if device.type == "cuda" or (device.type == "meta" and META_OK.get()):
         return
     if device.type == "cpu":
         if not _runtime.interpreted():
@@ -495,11 +496,8 @@ def check_varlen_paged(
     dropout_p,
     alibi_slopes=None,
 ):
-    """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, then, with
-    value checks on (set_value_checks) and outside torch.compile, the values of cu_seqlens and
-    block_table in one host read. Returns (cu_seqlens_q for the kernels, max_seqlen_q): clamped
-    into q's rows on the device when its values are not read (the kernels clamp the keys'
-    lengths and the table's entries themselves)."""
+    """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, dtypes and devices; returns
+    (max_seqlen_q, max_seqlen_k) as ints. The values: paged_sequences, per call."""
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
     _tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
     _tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim_v) with block_table")
@@ -518,18 +516,27 @@ def check_varlen_paged(
     check_heads(nheads, k_cache.shape[2], head_dim, q.device, "k/v", v_cache.shape[3])
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 with block_table (paged K/V) is not supported: it is forward-only")
-    _check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
+    check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     batch = cu_seqlens_q.shape[0] - 1
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ArgumentError(f"block_table must be (batch={batch}, max_blocks) int32")
     _index_tensor("block_table", block_table, block_table.shape)
     if block_table.device != q.device:
         raise ArgumentError(f"block_table is on {block_table.device}, q on {q.device}")
-    maxes = _max_seqlens(max_seqlen_q, max_seqlen_k)
+    maxes = max_seqlens(max_seqlen_q, max_seqlen_k)
     check_alibi(alibi_slopes, q, batch)
+    return maxes
+
+
+def paged_sequences(q, k_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table):
+    """A paged prefill's per-call part (its tensors validated by check_varlen_paged): cu_seqlens_q clamped into q's
+    rows on the device (the kernels clamp the keys' lengths and the table's entries themselves); with value checks
+    on (set_value_checks) and outside torch.compile, the values of cu_seqlens and block_table, in one host read."""
     clamped = in_range(cu_seqlens_q, q.shape[0])
     if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
-        return clamped, maxes[0]
+        return clamped
+    maxes = (max_seqlen_q, max_seqlen_k)
+    batch = cu_seqlens_q.shape[0] - 1
     cu_q, cu_k, table = _to_host(cu_seqlens_q, cu_seqlens_k, block_table)
     capacity = block_table.shape[1] * k_cache.shape[1]
     _check_cu_values(torch.stack((cu_q, cu_k)), (q.shape[0], batch * capacity), maxes)
@@ -544,4 +551,4 @@ def check_varlen_paged(
             f"block_table entries must index the {k_cache.shape[0]} blocks of k, got values in "
             f"[{int(live.min())}, {int(live.max())}]"
         )
-    return clamped, maxes[0]
+    return clamped

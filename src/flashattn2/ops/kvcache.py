@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, invariance, launcher, planning, seqlens
+from . import _runtime, launcher, planning, seqlens
 from .geometry import block_d, column_parts, fill_tails
-from .tma import use_tma
 from .options import ScoreMods
+from .planning import Plan
+from .tables import INVARIANT_MAX_SPLITS
 from . import rotary as _rotary
 
 MAX_SPLITS = 128
@@ -55,6 +56,13 @@ class Check:
     err: torch.Tensor
     seqlen_limit: int
     key: object = None  # where the caller keeps err between calls
+
+
+def mods(causal, left: int, right: int, softcap: float, alibi_slopes, sink) -> ScoreMods:
+    """The KV-cache kernel's score modifiers (no dropout): alibi_slopes and the sink contiguous, as it reads them."""
+    alibi = None if alibi_slopes is None else alibi_slopes.contiguous()
+    sink = None if sink is None else sink.contiguous()
+    return ScoreMods(bool(causal), left, right, softcap, alibi, 0.0, None, sink)
 
 
 def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, check: Check | None = None) -> None:
@@ -163,247 +171,18 @@ def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Te
     return q
 
 
-# (path, split) -> (BLOCK_N, num_warps, num_stages) at headdim 128 in 16-bit types. Paths:
-# "contiguous" (a cache row per sequence), "page-block" (pages a multiple of BLOCK_N, no left
-# padding: a key block lies in one page), "page-row" (a page per key row: small pages). Chosen
-# by a sweep of 12 tiles on the H200 (CUDA-graph GB/s of K/V read at
-# bf16, 32 query heads, MHA and GQA-8, batch 1/8/64, cache 1k-128k); the numbers name points
-# where the entry won or came within 2%:
-DECODE_TILES = {
-    ("contiguous", True): (128, 4, 2),  # MHA 1x32k 3626 GB/s, 1x128k 4017; GQA 8x32k 3996
-    ("contiguous", False): (128, 4, 3),  # GQA 64x8k 4462 (stages 2: 3995), 64x128k 4659; MHA 64x32k 4580
-    ("page-block", True): (128, 8, 2),  # page 256: MHA 1x32k 3662, 1x128k 4118; GQA 1x32k 2195
-    ("page-block", False): (128, 8, 3),  # page 256: MHA 8x8k 4247, 64x32k 4550; GQA 64x8k 4403
-    ("page-row", True): (128, 4, 2),  # page 16: MHA 1x128k 4000; GQA 8x32k 4000
-    ("page-row", False): (128, 8, 2),  # page 16: MHA 8x8k 4043, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317
-    #                                      (64/4/3 wins at batch 64, 4513 and 4509, but loses 20% at batch 8)
-    # Contiguous refinements, H200 sweep of 9 and 5 tiles (CUDA-graph GB/s,
-    # median of 3 interleaved rounds, two runs for the non-split points):
-    ("contiguous-short", True): (64, 4, 3),  # splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 (128/4/2:
-    #   2610), 1x8k 1444 (1389); MHA 1x8k 2769 (2685). Longer splits keep 128/4/2: GQA 8x32k (8k keys a
-    #   split) 4249 vs 4225, MHA 1x128k (16k) 4431 vs 4399
-    ("contiguous-many", False): (128, 4, 2),  # >= MANY_PROGRAMS programs (3 resident per SM, not 1):
-    #   MHA 64x1k 4318 and 4320 (128/4/3: 4224, 4225), 64x8k 4629 (4545). With fewer, 128/4/3 stays:
-    #   GQA 64x8k 4455 vs 3995, GQA 64x1k 3355 vs 3268, MHA 8x8k 4288 vs 4294
-}
-SHORT_SPLIT = 1024
-MANY_PROGRAMS = 1024
-# Batch-invariant mode (ops.invariance): one tile per (head dims, dtype) -- invariant_tiles -- and splits of a fixed
-# number of keys, counted from each sequence's first key, every row through the combine, whose reduction over the
-# splits has one fixed width (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The
-# interpreter splits every 32 keys, so that the CPU tests cross split boundaries. Not yet tuned on the GPU.
-INVARIANT_SPLIT_KEYS = 4096
-INVARIANT_SPLIT_KEYS_INTERP = 32
-INVARIANT_MAX_SPLITS = 256
-# A latent cache (MLA: v_cache the K cache's first column block, v_from_k; q/k wider than v by a second column
-# block, 576 = 512 + 64; together past 512 columns) on sm90 in 16-bit types: (BLOCK_M, BLOCK_N, num_warps,
-# num_stages) by BLOCK_M, the packed rows' power of two up to 64 (16, 32, 64); whole key blocks by TMA (kv_tma). H200
-# sweeps, bf16, paged 64, CUDA graphs, 3 alternated rounds (bench/results/provenance-nvidia-h200.md, "latent cache");
-# TFLOP/s count 2 * (576 + 512) per query head and key. The 64-row tile is the one whose wgmma spans the heads
-# (ptxas: 255 registers and ~1 KB of spills beside the 64 x 512 fp32 accumulator, with TMA too):
-LATENT_TILES = {
-    64: (64, 64, 8, 2),  # TMA: h128 64x16k 221, 128x8k 221, 8x8k 146-148; h64 209-221 (s1 175-186; 64x32w8 s2 195,
-    #                      s3 188; without TMA 64x64w8s1 169-172; the generic 16x32w8: 66, 66, 72, 64; 32x32w4 124-127)
-    32: (32, 64, 8, 2),  # TMA: h32 64x16k 129 = 0.77x a device copy's GB/s (32x32w4 s2 122, s1 110; 16x32w4s2 106;
-    #                      64x64w8s2 110)
-    16: (16, 32, 4, 2),  # TMA: h16 64x16k 97 = 1.16x the copy's (s1 76-77; 16x64w8s2 84; without TMA 66; 16x32w8 57)
-}
-
-
-def v_from_k(cache: Cache, head_dim: int) -> bool:
-    """Whether the V cache is the K cache's first column block (MLA: v_cache = k_cache[..., :512] of a 576-wide
-    cache): the same memory and strides, v as wide as the block the kernel loads k's first columns in. The decode
-    kernel then takes each key block's values from its keys' tile (V_FROM_K) instead of reading them again."""
-    k, v = cache.k, cache.v
-    first = column_parts(head_dim)[0]
-    return (
-        v.data_ptr() == k.data_ptr()
-        and v.stride()[:3] == k.stride()[:3]
-        and v.shape[-1] == min(head_dim, first)
-        and block_d(v.shape[-1]) == first
-    )
-
-
-def _latent(cache: Cache, head_dim: int, head_dim_v: int) -> bool:
-    """MLA's latent cache (LATENT_TILES): v the K cache's first 512 columns, q/k one more (rotary) block: 512 + 64
-    as DeepSeek's (or 512 + 16, 512 + 32; the tiles were measured at 576/512)."""
-    return _latent_dims(head_dim, head_dim_v) and v_from_k(cache, head_dim)
-
-
-def _latent_dims(head_dim: int, head_dim_v: int) -> bool:
-    """_latent's head dims: v 512 wide, q/k 512 and a second power-of-two block."""
-    hi, lo = column_parts(head_dim)
-    return head_dim_v == 512 and hi == 512 and lo > 0
-
-
-def kv_tma(cache: Cache, latent: bool, block_n: int, elem_bytes: int, arch: str) -> bool:
-    """Whether the decode kernel reads the whole key blocks of a latent cache (latent: _latent's answer) by TMA
-    (KV_TMA): the LATENT_TILES calls (or the interpreter, with force(tma=True)), paged with pages of contiguous rows,
-    a key block in one page, no left padding, TMA's alignment; force(tma=False) turns it off."""
-    if not latent or not (arch == "interp" or (arch == "sm90" and elem_bytes == 2)):
-        return False
-    k = cache.k
-    return (
-        cache.block_table is not None
-        and cache.leftpad is None
-        and cache.page_size % block_n == 0
-        and k.stride(0) == cache.page_size * k.stride(1)
-        and use_tma(arch, k)
-    )
-
-
-def _path(cache: Cache, block_n: int) -> str:
-    if cache.block_table is None:
-        return "contiguous"
-    if cache.leftpad is None and cache.page_size % block_n == 0:
-        return "page-block"
-    return "page-row"
-
-
-def _width(head_dim: int) -> int:
-    """The columns the decode kernel holds of q and k: their column blocks' (ops.geometry.column_parts: 576 as
-    512 + 64, not 1024)."""
-    return sum(column_parts(head_dim))
-
-
-def _rows_block(rows: int) -> int:
-    """The packed rows' power of two, 16 to 64: the rows a program takes before any register bound."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
-
-
-def _chunked(capacity: int, splits: int, block_n: int) -> tuple[int, int]:
-    """(splits, chunk) for about `splits` splits of the capacity: each split's keys a multiple of block_n, the count
-    recomputed from that chunk (rounding can leave fewer)."""
-    chunk = -(-capacity // (splits * block_n)) * block_n
-    return -(-capacity // chunk), chunk
-
-
-def _block_m(rows: int, head_dim: int = 128, head_dim_v: int = 128) -> int:
-    """Rows per program: the packed rows, at most what keeps q and the fp32 accumulator of one program within 96 KB
-    of registers (head dims past 256: 32 rows at 512/512, 16 for the MLA shape 576/512)."""
-    block_m = _rows_block(rows)
-    while block_m > 16 and block_m * (2 * _width(head_dim) + 4 * block_d(head_dim_v)) > 96 * 1024:
-        block_m //= 2
-    return block_m
-
-
-def _tiles(
-    rows: int,
-    head_dim: int,
-    interp: bool,
-    elem_bytes: int = 2,
-    path: str = "contiguous",
-    split: bool = True,
-    head_dim_v: int | None = None,
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decoding reads K/V once per group: the rows are
-    few (group x seqlen_q), the keys many. Other head dims keep the bytes of a key block (K and V) of the
-    headdim-128 entry; fp32 halves it and drops the pipeline so that headdim 256 fits the 99 KB
-    of shared memory of sm86/89 (compile_check). head_dim_v: v's, when it differs from q's and k's."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    block_m = _block_m(rows, head_dim, head_dim_v)
-    if interp:
-        return block_m, 16, 1, 1
-    block_n, warps, stages = DECODE_TILES[(path, split)]
-    widths = max(64, _width(head_dim)) + max(64, block_d(head_dim_v))
-    block_n = max(32, min(256, 1 << (block_n * 256 // widths).bit_length() - 1))  # a power of two, rounded down
-    if elem_bytes == 4:
-        return block_m, max(16, block_n // (4 if max(head_dim, head_dim_v) > 128 else 2)), 4, 1
-    if widths > 512:  # past 256/256: one stage (a 32-key block of K and V is 64 KB at 512/512, 96 KB at 576/512)
-        stages = 1
-    return block_m, block_n, warps, stages
-
-
-def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, sm_count: int) -> int:
-    """num_splits > 0: that many (at most MAX_SPLITS and one per key block). 0: when the batch
-    alone does not fill the GPU, as many splits as keep the programs at or below two per SM, and
-    at least one key block per split. Rounding up instead cost 5-12% wherever it pushed the
-    programs past 2 x SMs (H200, CUDA-graph GB/s, median of 3: MHA 1 x 128k 9
-    splits 4159 vs 8 splits 4423; GQA-8 batch 8 x 128k 5 splits 4279 vs 4 splits 4529); it tied
-    or won at all 11 points swept (batch 1-8, cache 8k-128k, MHA and GQA-8). Short caches gain
-    from splits of a single block: at 1k keys 8 splits against the former floor of four blocks
-    per split (2): GQA-8 batch 1 345 vs 243 GB/s, MHA batch 1 997 vs 836; GQA-8 1 x 4k, 16
-    splits 952 vs 8 splits 839."""
-    n_blocks = max(1, -(-capacity // block_n))
-    if num_splits > 0:
-        return max(1, min(num_splits, n_blocks, MAX_SPLITS))
-    if programs >= sm_count:
-        return 1
-    return max(1, min(MAX_SPLITS, 2 * sm_count // programs, n_blocks))
-
-
-def invariant_tiles(head_dim: int, head_dim_v: int, elem_bytes: int, interp: bool) -> tuple[int, int, int, int]:
-    """The batch-invariant mode's (BLOCK_M, BLOCK_N, num_warps, num_stages): a function of the head dims and the
-    element size only (the contiguous split entry's, at 16 rows: the widest head dims' row count), so that every
-    call of a model's attention -- prefill, decode, any batch, any cache layout -- runs the same tile."""
-    return _tiles(16, head_dim, interp, elem_bytes, "contiguous", True, head_dim_v)
-
-
-def _invariant_plan(cache: Cache, head_dim: int, head_dim_v: int, elem_bytes: int, interp: bool):
-    block_m, block_n, warps, stages = invariant_tiles(head_dim, head_dim_v, elem_bytes, interp)
-    chunk = INVARIANT_SPLIT_KEYS_INTERP if interp else INVARIANT_SPLIT_KEYS
-    keys = cache.capacity if cache.max_keys is None else min(cache.max_keys, cache.capacity)
-    splits = max(1, -(-keys // chunk))
-    if splits > INVARIANT_MAX_SPLITS:
-        raise NotImplementedError(
-            f"batch-invariant mode: a sequence of up to {keys} keys (a cache's capacity, or the longest sequence) is "
-            f"more than {INVARIANT_MAX_SPLITS} splits of {chunk} keys ({INVARIANT_MAX_SPLITS * chunk}); the mode's "
-            "split-merging reduction has that fixed width"
-        )
-    return block_m, block_n, warps, stages, splits, chunk
-
-
-def plan(
-    cache: Cache,
-    rows: int,
-    batch: int,
-    head_dim: int,
-    elem_bytes: int,
-    num_splits: int,
-    sm_count: int,
-    interp: bool,
-    head_dim_v: int | None = None,
-    arch: str | None = None,
-) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, chunk) of a decode call: rows = group x
-    seqlen_q rows per program; each split reads chunk keys (a multiple of BLOCK_N). head_dim_v: v's, when it
-    differs from q's and k's; arch: the table's (planning.ARCHS), for the tiles measured on one."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    if arch == "sm90" and elem_bytes == 2 and _latent(cache, head_dim, head_dim_v):
-        block_m, block_n, warps, stages = LATENT_TILES[_rows_block(rows)]
-        programs = -(-rows // block_m) * batch * cache.k.shape[2]
-        splits = num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count)
-        return block_m, block_n, warps, stages, *_chunked(cache.capacity, splits, block_n)
-    programs = -(-rows // _block_m(rows, head_dim, head_dim_v)) * batch * cache.k.shape[2]
-    split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
-    # the tile's path; the kernel itself takes the one-page-per-block addressing when its
-    # PAGE_SIZE and BLOCK_N allow it
-    path = _path(cache, DECODE_TILES[("page-block", split)][0])
-    if path == "contiguous" and not split and programs >= MANY_PROGRAMS:
-        path = "contiguous-many"
-    block_m, block_n, warps, stages = _tiles(rows, head_dim, interp, elem_bytes, path, split, head_dim_v)
-    splits, chunk = _chunked(
-        cache.capacity, num_splits_for(num_splits, programs, cache.capacity, block_n, sm_count), block_n
-    )
-    if path == "contiguous" and splits > 1 and chunk <= SHORT_SPLIT:
-        # a smaller key block (it divides the chunk: both are powers of two, this one smaller)
-        block_m, block_n, warps, stages = _tiles(
-            rows, head_dim, interp, elem_bytes, "contiguous-short", True, head_dim_v
-        )
-    return block_m, block_n, warps, stages, splits, chunk
-
-
 def forward(
+    plan: Plan,
     q: torch.Tensor,
     cache: Cache,
     seqlen_new: int,
     softmax_scale: float,
     mods: ScoreMods,
-    num_splits: int,
     varlen_q: tuple[torch.Tensor, int] | None = None,
     check: Check | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append).
+    """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append), as planned
+    (ops.planning.decode: the tile, the splits, the combine, the load path).
     Returns out like q and lse fp32 (batch, nheads, seqlen_q). With varlen_q = (cu_seqlens_q,
     max_seqlen_q), q is (total_q, nheads, headdim) and lse (nheads, total_q) (paged prefill).
     Values read from the cache tensors are clamped into range; with check, a value out of range
@@ -428,19 +207,10 @@ def forward(
         if mods.sinks is not None and cache.capacity == 0 and lse.numel():  # the rows see only the sink
             lse.copy_(mods.sinks[:, None].expand_as(lse))
         return out.to(q.dtype), lse
-    sm_count = 64 if interp else _runtime.sm_count(q.device)
-    arch = "interp" if interp else planning.arch_of(q.device)  # an unsupported GPU raises here
     rows = group * seqlen_q
-    invariant = invariance.enabled()
-    if invariant:  # num_splits (a speed knob) yields to the mode's fixed splits
-        block_m, block_n, warps, stages, splits, chunk = _invariant_plan(
-            cache, head_dim, head_dim_v, q.element_size(), interp
-        )
-    else:
-        block_m, block_n, warps, stages, splits, chunk = plan(
-            cache, rows, batch, head_dim, q.element_size(), num_splits, sm_count, interp, head_dim_v, arch
-        )
-    split = splits > 1 or invariant  # the mode merges even one split: every row's last steps are the combine's
+    block_m, block_n, warps, stages = plan.tile.block_m, plan.tile.block_n, plan.tile.num_warps, plan.tile.num_stages
+    splits, chunk, split = plan.splits, plan.chunk, plan.combine
+    invariant = plan.invariant
     # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
     # varlen the query index is the row of the packed tensor and the batch stride is 0
     if split:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
@@ -461,15 +231,7 @@ def forward(
     runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
     flags.pop("DROPOUT")
     upcast = interp or q.dtype == torch.float32
-    if arch == "sm86" and upcast and _width(head_dim) + block_d(head_dim_v) > 1024:
-        raise NotImplementedError(
-            f"flash_attn_with_kvcache in fp32 with head dims {head_dim}/{head_dim_v} on {arch}: its smallest tile needs "
-            "128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
-        )
-    pdl = split and _runtime.PDL and arch == "sm90"
-    values_from_keys = v_from_k(cache, head_dim)
-    latent = values_from_keys and _latent_dims(head_dim, head_dim_v)
-    tma = not invariant and kv_tma(cache, latent, block_n, q.element_size(), arch)
+    pdl, values_from_keys, tma = plan.pdl, plan.v_from_k, plan.kv_tma
     row_blocks = -(-rows // block_m)
     if tma and not interp:
         _runtime.ensure_tma_allocator()

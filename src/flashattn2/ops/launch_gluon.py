@@ -1,54 +1,20 @@
 """The Gluon kernels' launches (kernels/fwd_hopper.py, kernels/bwd_hopper.py: sm_90, dense, causal or not).
 
 A training or serving loop repeats a few call signatures, and on the H200's host making the choices below cost
-about a third of a forward's host time: each launch's arguments beyond the tensors are kept per signature
-(ForwardLaunch, BackwardLaunch in FWD_PLANS / BWD_PLANS, keyed by forward_key / backward_key)."""
+about a third of a forward's host time: each launch's arguments beyond the tensors are made once per prepared call
+(ops.call: ForwardLaunch and BackwardLaunch are kept on the call of their spec) and reused by its later calls."""
 
 from __future__ import annotations
 
 import torch
 
-from . import _runtime, launcher, planning
+from . import _runtime, launcher
 from .geometry import Geometry, cdiv, column_parts
 from .launch_triton import SinkGrad, launch_preprocess, preprocess
-from .options import ScoreMods
 from .planning import Plan
 from .tma import host_desc, use_tma
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2^31 - 1)
-
-
-def ready(direction: str, arch: str, geo: Geometry, q: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """What planning.Features.gluon says for a call: sm_90 exactly (wgmma, which sm_100 lacks), the Gluon module
-    for `direction` ("fwd", "bwd") importing under this Triton, dense inputs, and every tensor with its heads
-    adjacent in memory (3-D descriptors over (batch, seqlen, heads * headdim)) and TMA's alignment; the (q/k, v)
-    head dims a pair of planning.GLUON_HEAD_DIMS[direction] (a `v = k[..., :dv]` view has heads that are not
-    adjacent: it runs the Triton kernels)."""
-    if not (
-        arch == "sm90"
-        and geo.varlen is None
-        and (geo.head_dim, geo.head_dim_v) in planning.GLUON_HEAD_DIMS[direction]
-        and planning.wgmma(q.device)
-    ):
-        return False
-    if not (all(t.stride(2) == t.shape[3] for t in tensors) and use_tma(arch, *tensors)):
-        return False
-    hopper = _runtime.hopper_kernels()
-    if hopper is None or getattr(hopper, direction) is None:
-        if planning.forced().hopper is not False:  # not asked for the Triton kernels: say what is lost
-            _runtime.warn_without_gluon(direction)
-        return False
-    return True
-
-
-def remember(plans: dict, key, launch) -> None:
-    """plans[key] = launch unless key is None; past 1024 signatures (a loop that never repeats one)
-    the dict starts over."""
-    if key is None:
-        return
-    if len(plans) >= 1024:
-        plans.clear()
-    plans[key] = launch
 
 
 class ForwardLaunch:
@@ -106,43 +72,6 @@ class ForwardLaunch:
             softmax_scale,
             **self.kwargs,
         )
-
-
-FWD_PLANS: dict = {}
-
-
-def forward_key(q, k, v, mods: ScoreMods):
-    """What the Gluon forward's choices read (ForwardLaunch), for a dense call without ALiBi or
-    dropout; None otherwise (those are not remembered). The output is new and contiguous: its
-    layout follows from q's shape. A sink enters as present or not (its tensor is an argument of each run)."""
-    if mods.alibi_slopes is not None or mods.dropout_p != 0:
-        return None
-    return (
-        q.shape,
-        k.shape,
-        v.shape,
-        q.stride(),
-        k.stride(),
-        v.stride(),
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16,
-        mods.causal,
-        mods.window_left,
-        mods.window_right,
-        mods.softcap,
-        mods.sinks is not None,
-        planning.forced(),
-    )
-
-
-def forward(plan: Plan, q, k, v, out, lse, geo: Geometry, softmax_scale: float, sinks=None, key=None) -> None:
-    """The Gluon forward (the plan's fwd_hopper_persist or fwd_hopper_ws) into out and lse; remembered under key."""
-    launch = ForwardLaunch(plan, geo, lse.shape, sinks is not None)
-    launch.launch(q, k, v, out, lse, softmax_scale, sinks)
-    remember(FWD_PLANS, key, launch)
 
 
 def _divisors(n: int) -> list[int]:
@@ -259,64 +188,3 @@ class BackwardLaunch:
         for dst, src in ((dk, gk), (dv, gv)):
             if src is not dst:
                 dst.copy_(src)
-
-
-BWD_PLANS: dict = {}
-
-
-def backward_key(dout, q, k, v, out, dlse, mods: ScoreMods):
-    """What the Gluon backward's choices read (BackwardLaunch) for a dense call without ALiBi or
-    dropout, or None. (Where dK/dV are written is decided at each call.)"""
-    if mods.alibi_slopes is not None or mods.dropout_p != 0:
-        return None
-    return (
-        q.shape,
-        k.shape,
-        v.shape,
-        out.shape,
-        dout.shape,
-        q.stride(),
-        k.stride(),
-        v.stride(),
-        out.stride(),
-        dout.stride(),
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        out.dtype,
-        dout.dtype,
-        q.device,
-        (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | dout.data_ptr()) % 16,
-        dlse is None,
-        mods.causal,
-        mods.window_left,
-        mods.window_right,
-        mods.softcap,
-        mods.sinks is not None,
-        planning.forced(),
-    )
-
-
-def backward(
-    plan: Plan,
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dlse,
-    dq,
-    dk,
-    dv,
-    geo: Geometry,
-    arch: str,
-    softmax_scale: float,
-    sinks=None,
-    dsink=None,
-    key=None,
-) -> None:
-    """The Gluon backward (the plan's bwd_hopper) into dq, dk, dv (and the sink's gradient); remembered under key."""
-    launch = BackwardLaunch(plan, geo, arch, q.dtype)
-    launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, sinks, dsink)
-    remember(BWD_PLANS, key, launch)

@@ -5,6 +5,7 @@ profiler's launch hooks and in the interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -146,8 +147,30 @@ def _for_triton(args: tuple) -> tuple:
     return tuple(out)
 
 
+_STUB = None  # stubbed(): each launch goes here instead
+
+
+@contextlib.contextmanager
+def stubbed(record: list | None = None):
+    """Inside the block no kernel runs: each launch is a no-op (appended to `record` as (kernel name, grid) when
+    given). What is left is the host's path around the launches (`python -m flashattn2 bench host`; tests that count
+    launches). Process-wide: for a benchmark or a test, not for a server."""
+    global _STUB
+    previous = _STUB
+    _STUB = (
+        (lambda kernel, grid: None) if record is None else (lambda kernel, grid: record.append((kernel.__name__, grid)))
+    )
+    try:
+        yield record
+    finally:
+        _STUB = previous
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs); every parameter after the positional ones by keyword."""
+    if _STUB is not None:
+        _STUB(kernel, grid)
+        return
     if not DIRECT_LAUNCH or _runtime.interpreted() or kernel.pre_run_hooks or _launch_hooks():
         kernel[grid](*_for_triton(args), **kwargs)
         return

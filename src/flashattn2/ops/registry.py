@@ -1,73 +1,87 @@
-"""torch.library registration: `flashattn2::fwd` (functional, differentiable) and
-`flashattn2::bwd` (writes dq, dk, dv in place, so packed callers can pass views of one tensor).
-Both have fake implementations, so torch.compile traces them without a graph break."""
+"""The attention ops: torch.library registration for torch.compile, and the autograd Functions eager calls take.
+
+Internal callers pass an attention call's options by name (ops.options.Options); only the torch.library shims
+flatten them, their parameter lists derived from Options' fields:
+
+    flashattn2::fwd(q, k, v, *Options, alibi_slopes, learnable_sink) -> (out, lse)
+    flashattn2::bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *Options, alibi_slopes, learnable_sink, dsink,
+                    deterministic)   (writes dq, dk, dv and dsink in place: packed callers pass views of one tensor)
+
+Their fake implementations let torch.compile trace them without a graph break. Eager calls skip the dispatcher (it
+costs host time and only tracing needs it): forward() and backward() run the prepared call (ops.call) directly, and
+the API's autograd Functions below call them.
+"""
 
 from __future__ import annotations
 
+import inspect
+import typing
+
 import torch
 
-from . import _runtime, attention, invariance, kvcache, planning
-from .geometry import Varlen
-from .options import N_OP_ARGS, Options, ScoreMods
+from . import _runtime, attention, call as calls, invariance, kvcache, planning
+from .options import N_OP_ARGS, Options
 
 
-def _for_kernels(t: torch.Tensor) -> torch.Tensor:
-    """Last dimension contiguous and no broadcast (stride-0) dimension: what the kernels and TMA
-    descriptors accept. A gradient of out.sum() arrives expanded, with stride 0."""
+def for_kernels(t: torch.Tensor) -> torch.Tensor:
+    """Last dimension contiguous and no broadcast (stride-0) dimension: what the kernels and TMA descriptors
+    accept. A gradient of out.sum() arrives expanded, with stride 0."""
     s = t.stride()
     if s[-1] != 1 or 0 in s:
         return t.contiguous()
     return t
 
 
-def _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks=None) -> ScoreMods:
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.contiguous()
-    if sinks is not None:
-        sinks = sinks.contiguous()
-    return ScoreMods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
+def _signature(head: list[tuple[str, object]], tail: list[tuple[str, object, object]]) -> inspect.Signature:
+    """An op's signature: `head` (name, type), Options' fields in order, `tail` (name, type, default or EMPTY)."""
+    hints = typing.get_type_hints(Options)
+    P = inspect.Parameter
+    params = [P(name, P.POSITIONAL_OR_KEYWORD, annotation=ty) for name, ty in head]
+    params += [P(f, P.POSITIONAL_OR_KEYWORD, annotation=hints[f]) for f in Options.__dataclass_fields__]
+    params += [P(name, P.POSITIONAL_OR_KEYWORD, annotation=ty, default=d) for name, ty, d in tail]
+    return inspect.Signature(params, return_annotation=None)
 
 
-def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen | None:
-    if cu_seqlens_q is None:
-        return None
-    return Varlen.of(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k)
+def _custom_op(name: str, impl, signature: inspect.Signature, result, mutates_args=()):
+    impl.__signature__ = signature.replace(return_annotation=result)
+    return torch.library.custom_op(name, impl, mutates_args=mutates_args)
 
 
-def fwd_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    seed: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    learnable_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flashattn2::fwd: dense q (batch, seqlen_q, nheads, d), or varlen q (total_q, nheads, d) with
-    cu_seqlens; (out, lse). Eager callers run this body directly: the op's dispatch costs tens of
-    microseconds of host time per call and only torch.compile needs it (run_fwd chooses)."""
-    q, k, v = (_for_kernels(t) for t in (q, k, v))
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, learnable_sink)
-    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+Tensor, OptTensor, EMPTY = torch.Tensor, typing.Optional[torch.Tensor], inspect.Parameter.empty
+
+
+def _split(rest: tuple, tail: int) -> tuple:
+    """(Options, the tail's values, missing trailing ones None) from an op's arguments after its head."""
+    return Options(*rest[:N_OP_ARGS]), *rest[N_OP_ARGS:], *(None,) * (N_OP_ARGS + tail - len(rest))
+
+
+def forward(q, k, v, options: Options, alibi_slopes=None, learnable_sink=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention forward without autograd: (out, lse). The op while torch.compile traces, the prepared call's
+    launches otherwise (ring blocks, the private _flash_attn_* functions)."""
+    if torch.compiler.is_compiling():
+        return fwd(q, k, v, *options.op_args(), alibi_slopes, learnable_sink)
+    return _forward(q, k, v, options, alibi_slopes, learnable_sink)
+
+
+def _forward(q, k, v, options: Options, alibi_slopes, learnable_sink):
+    q, k, v = for_kernels(q), for_kernels(k), for_kernels(v)
+    call = calls.from_options(q, k, v, options, alibi_slopes, learnable_sink)
     with _runtime.device_of(q):
-        return attention.forward(q, k, v, softmax_scale, mods, varlen)
+        return attention.forward(
+            call, q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, alibi_slopes, learnable_sink, options.seed
+        )
 
 
-fwd = torch.library.custom_op("flashattn2::fwd", fwd_impl, mutates_args=())
+def _fwd_impl(q, k, v, *rest):
+    options, alibi_slopes, learnable_sink = _split(rest, 2)
+    return _forward(q, k, v, options, alibi_slopes, learnable_sink)
 
 
-def run_fwd(*args):
-    """fwd's arguments: the op while torch.compile traces, its body otherwise."""
-    return fwd(*args) if torch.compiler.is_compiling() else fwd_impl(*args)
+_FWD_SIGNATURE = _signature(
+    [("q", Tensor), ("k", Tensor), ("v", Tensor)],
+    [("alibi_slopes", OptTensor, EMPTY), ("learnable_sink", OptTensor, None)],
+)
+fwd = _custom_op("flashattn2::fwd", _fwd_impl, _FWD_SIGNATURE, tuple[Tensor, Tensor])
 
 
 @fwd.register_fake
@@ -80,53 +94,68 @@ def _(q, k, v, cu_seqlens_q, *_):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def bwd_impl(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    seed: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    learnable_sink: torch.Tensor | None,
-    dsink: torch.Tensor | None,
-    deterministic: bool = True,
+def backward(
+    dout, q, k, v, out, lse, dlse, dq, dk, dv, options: Options, alibi_slopes, learnable_sink, dsink, deterministic
 ) -> None:
-    """flashattn2::bwd: writes dq, dk, dv, and with learnable_sink its gradient into dsink (fp32 (nheads,))
-    (see fwd_impl for eager callers). deterministic=False lets a Hopper GPU take the Gluon backward (dQ added in
-    any order). (dsink, a mutated argument, has no default: the dispatcher drops trailing arguments equal to
-    their defaults, and a mutated one dropped breaks torch 2.11's in-place bookkeeping.)"""
-    dout, q, k, v, out = (_for_kernels(t) for t in (dout, q, k, v, out))
+    """One attention backward without autograd, into dq, dk, dv (and dsink): the op while torch.compile traces, the
+    prepared call's launches otherwise. deterministic=False lets a Hopper GPU take the Gluon backward (dQ added in
+    any order)."""
+    args = (dout, q, k, v, out, lse, dlse, dq, dk, dv)
+    if torch.compiler.is_compiling():
+        bwd(*args, *options.op_args(), alibi_slopes, learnable_sink, dsink, deterministic)
+    else:
+        _backward_impl(*args, options, alibi_slopes, learnable_sink, dsink, deterministic)
+
+
+def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slopes, sink, dsink, deterministic):
+    dout, q, k, v, out = (for_kernels(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, learnable_sink)
-    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = calls.from_options(q, k, v, options, alibi_slopes, sink)
+    bcall = call.backward(dout, dlse, (dq, dk, dv), bool(deterministic))
     with _runtime.device_of(q):
-        attention.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, mods, varlen, deterministic, dsink)
+        attention.backward(
+            bcall,
+            call,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dlse,
+            dq,
+            dk,
+            dv,
+            options.cu_seqlens_q,
+            options.cu_seqlens_k,
+            alibi_slopes,
+            sink,
+            options.seed,
+            dsink,
+        )
 
 
-bwd = torch.library.custom_op("flashattn2::bwd", bwd_impl, mutates_args=("dq", "dk", "dv", "dsink"))
+def _bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, *rest) -> None:
+    options, alibi_slopes, sink, dsink, deterministic = _split(rest, 4)
+    _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slopes, sink, dsink, bool(deterministic))
 
 
-def run_bwd(*args):
-    """bwd's arguments: the op while torch.compile traces, its body otherwise."""
-    return bwd(*args) if torch.compiler.is_compiling() else bwd_impl(*args)
+# (dsink, a mutated argument, has no default: the dispatcher drops trailing arguments equal to their defaults, and a
+# mutated one dropped breaks torch 2.11's in-place bookkeeping)
+_BWD_SIGNATURE = _signature(
+    [(name, Tensor) for name in ("dout", "q", "k", "v", "out", "lse")]
+    + [("dlse", OptTensor)]
+    + [(name, Tensor) for name in ("dq", "dk", "dv")],
+    [
+        ("alibi_slopes", OptTensor, EMPTY),
+        ("learnable_sink", OptTensor, EMPTY),
+        ("dsink", OptTensor, EMPTY),
+        ("deterministic", bool, True),
+    ],
+)
+bwd = _custom_op("flashattn2::bwd", _bwd_impl, _BWD_SIGNATURE, None, mutates_args=("dq", "dk", "dv", "dsink"))
 
 
 @bwd.register_fake
@@ -134,29 +163,23 @@ def _(*_):
     return None
 
 
-@torch.library.custom_op("flashattn2::dropout_probs", mutates_args=())
-def dropout_probs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    seed: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-) -> torch.Tensor:
-    """S_dmask for the dropout mask fwd drew with the same seed (forward only, a testing aid)."""
-    q, k = _for_kernels(q), _for_kernels(k)
-    mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
-    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+def _dropout_probs_impl(q, k, *rest) -> torch.Tensor:
+    options, alibi_slopes = _split(rest, 1)
+    q, k = for_kernels(q), for_kernels(k)
+    call = calls.from_options(q, k, k, options, alibi_slopes, None)
     with _runtime.device_of(q):
-        return attention.dropout_probs(q, k, softmax_scale, mods, varlen)
+        return attention.dropout_probs(
+            call, q, k, options.cu_seqlens_q, options.cu_seqlens_k, alibi_slopes, options.seed
+        )
+
+
+# S_dmask for the dropout mask fwd drew with the same seed (forward only, a testing aid)
+dropout_probs = _custom_op(
+    "flashattn2::dropout_probs",
+    _dropout_probs_impl,
+    _signature([("q", Tensor), ("k", Tensor)], [("alibi_slopes", OptTensor, EMPTY)]),
+    Tensor,
+)
 
 
 @dropout_probs.register_fake
@@ -168,18 +191,25 @@ def _(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
     return q.new_empty((batch, q.shape[-2], round128(seqlen_q), round128(seqlen_k)))
 
 
-def _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options: Options) -> None:
-    """What a backward needs: the tensors, the options, and the forward's planning.force() state (the backward
-    runs in autograd's thread, which does not see it)."""
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, *options.tensors())
-    ctx.options = options.without_tensors()
-    # (torch.compile traces this, and not ContextVar.get: its backward is the op's, planned where it runs)
-    ctx.forced = None if torch.compiler.is_compiling() else planning.forced()
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, *args, alibi_slopes, sink = inputs
-    _save(ctx, q, k, v, *output, alibi_slopes, sink, Options(*args))
+    q, k, v, *rest = inputs
+    options, alibi_slopes, sink = _split(tuple(rest), 2)
+    ctx.save_for_backward(q, k, v, *output, alibi_slopes, sink, *options.tensors())
+    ctx.options = options.without_tensors()
+
+
+def _op_backward(ctx, dout, dlse):
+    """The op's own backward (torch.compile, direct callers of torch.ops.flashattn2.fwd): the deterministic one."""
+    q, k, v, out, lse, alibi_slopes, sink, *tensors = ctx.saved_tensors
+    options = ctx.options.with_tensors(*tensors)
+    dout = grad_of_out(dout, out)
+    dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
+    dsink = _dsink(sink)
+    bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, sink, dsink, True)
+    return dq, dk, dv, *(None,) * (1 + N_OP_ARGS), dsink
+
+
+fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def invariant() -> bool:
@@ -190,62 +220,101 @@ def invariant() -> bool:
     return not torch.compiler.is_compiling() and invariance.enabled()
 
 
-def _saved(ctx):
-    """What _save saved: (q, k, v, out, lse, alibi_slopes, sink, options)."""
-    q, k, v, out, lse, alibi_slopes, sink, *tensors = ctx.saved_tensors
-    return q, k, v, out, lse, alibi_slopes, sink, ctx.options.with_tensors(*tensors)
-
-
 def _dsink(sink: torch.Tensor | None) -> torch.Tensor | None:
     """The sink's gradient buffer (fp32, its shape) the backward writes, or None without a sink."""
     return None if sink is None else _runtime.empty(sink.shape, torch.float32, sink.device)
 
 
-def _backward(ctx, dout, dlse, backward_op=None, deterministic=True):
-    q, k, v, out, lse, alibi_slopes, sink, options = _saved(ctx)
-    dout = _grad_of_out(dout, out)
-    dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
+def grad_of_out(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The output's gradient; zeros when only the logsumexp received one. (The autograd.Functions below do not
+    materialize missing gradients: a training step's unused logsumexp then costs no zero-filled tensor, and the
+    preprocess reads no lse gradient.)"""
+    return torch.zeros_like(out) if dout is None else for_kernels(dout)
+
+
+def _save(ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, deterministic):
+    """What a backward needs: the tensors, the prepared call, and the forward's planning.force() state (the backward
+    runs in autograd's thread, which does not see it)."""
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed)
+    ctx.call, ctx.forced = call, call.spec.modes.forced
+    ctx.deterministic = bool(deterministic) or call.spec.modes.invariant
+    ctx.set_materialize_grads(False)
+
+
+def _run_backward(ctx, dout, dlse, dq, dk, dv):
+    q, k, v, out, lse, alibi_slopes, sink, cu_q, cu_k, seed = ctx.saved_tensors
+    dout = grad_of_out(dout, out)
     dsink = _dsink(sink)
-    with planning.entered(ctx.forced):
-        (backward_op or bwd)(
-            dout, q, k, v, out, lse, dlse, dq, dk, dv, *options.op_args(), alibi_slopes, sink, dsink, deterministic
+    call = ctx.call
+    bcall = call.backward(dout, dlse, (dq, dk, dv), ctx.deterministic)
+    with planning.entered(ctx.forced), _runtime.device_of(q):
+        attention.backward(
+            bcall, call, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink
         )
-    return dq, dk, dv, *(None,) * (1 + N_OP_ARGS), dsink
-
-
-fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _grad_of_out(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """The output's gradient; zeros when only the logsumexp received one. (The autograd.Functions
-    below do not materialize missing gradients: a training step's unused logsumexp then costs no
-    zero-filled tensor, and the preprocess reads no lse gradient.)"""
-    return torch.zeros_like(out) if dout is None else dout
+    return dsink
 
 
 class Attention(torch.autograd.Function):
-    """fwd's body and bwd's through an autograd.Function: the API's eager path (no dispatcher, no
-    per-call autograd wrapper). The op's own register_autograd serves torch.compile and direct
-    callers of torch.ops.flashattn2.fwd (those backwards are deterministic)."""
+    """An attention call through autograd (the API's eager path: no dispatcher, no per-call autograd wrapper): the
+    prepared call's forward, and its backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, sink, deterministic, options: Options):
-        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
-        _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
-        ctx.deterministic = deterministic or invariant()
-        ctx.set_materialize_grads(False)
+    def forward(ctx, q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed):
+        out, lse = attention.forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed)
+        _save(
+            ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, call.spec.deterministic
+        )
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = _backward(ctx, dout, dlse, run_bwd, ctx.deterministic)
-        return *grads[:3], None, grads[-1], None, None
+        q, k, v = ctx.saved_tensors[:3]
+        dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
+        dsink = _run_backward(ctx, dout, dlse, dq, dk, dv)
+        return dq, dk, dv, None, dsink, None, None, None, None
+
+
+class PackedAttention(torch.autograd.Function):
+    """Attention over packed inputs whose backward writes one packed gradient (no concat).
+
+    packing "qkv": `packed` is qkv (..., 3, nheads, headdim) and `q` is None; packing "kv": `packed` is kv (..., 2,
+    nheads_k, headdim) beside `q`. The packed dimension is 2 for dense (batch, seqlen, ...) inputs and 1 for varlen
+    (total, ...) ones.
+    """
+
+    @staticmethod
+    def forward(ctx, q, packed, alibi_slopes, sink, packing, call, cu_seqlens_q, cu_seqlens_k, seed):
+        dim = 1 if call.spec.varlen else 2
+        if packing == "qkv":
+            q, k, v = packed.unbind(dim=dim)
+        else:
+            k, v = packed.unbind(dim=dim)
+        out, lse = attention.forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed)
+        _save(
+            ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, call.spec.deterministic
+        )
+        ctx.packing, ctx.dim = packing, dim
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k = ctx.saved_tensors[:2]
+        dim = ctx.dim
+        if ctx.packing == "qkv":
+            dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
+            dq, dk, dv = dpacked.unbind(dim=dim)
+        else:
+            dq = _runtime.empty_like(q)
+            dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
+            dk, dv = dpacked.unbind(dim=dim)
+        dsink = _run_backward(ctx, dout, dlse, dq, dk, dv)
+        return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None, None, None
 
 
 class EmptyAttention(torch.autograd.Function):
-    """Dense attention with no query or no key position (seqlen_q or seqlen_k 0), which flash_attn
-    accepts: out zeros, lse +inf (rows that see no key; with a sink, the sink's logit), gradients zeros
-    (the sink's: the lse gradient summed over batch and rows, since lse = sink there). No kernel runs."""
+    """Dense attention with no query or no key position (seqlen_q or seqlen_k 0), which flash_attn accepts: out
+    zeros, lse +inf (rows that see no key; with a sink, the sink's logit), gradients zeros (the sink's: the lse
+    gradient summed over batch and rows, since lse = sink there). No kernel runs."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink=None):
@@ -267,171 +336,128 @@ class EmptyAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
 
 
-class PackedAttention(torch.autograd.Function):
-    """Attention over packed inputs whose backward writes one packed gradient (no concat).
-
-    packing "qkv": `packed` is qkv (..., 3, nheads, headdim) and `q` is None; packing "kv":
-    `packed` is kv (..., 2, nheads_k, headdim) beside `q`. The packed dimension is 2 for dense
-    (batch, seqlen, ...) inputs and 1 for varlen (total, ...) ones.
-    """
-
-    @staticmethod
-    def forward(ctx, q, packed, alibi_slopes, sink, packing, deterministic, options: Options):
-        dim = 1 if options.varlen else 2
-        if packing == "qkv":
-            q, k, v = packed.unbind(dim=dim)
-        else:
-            k, v = packed.unbind(dim=dim)
-        out, lse = run_fwd(q, k, v, *options.op_args(), alibi_slopes, sink)
-        _save(ctx, q, k, v, out, lse, alibi_slopes, sink, options)
-        ctx.packing, ctx.dim, ctx.deterministic = packing, dim, deterministic or invariant()
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, alibi_slopes, sink, options = _saved(ctx)
-        dim = ctx.dim
-        dsink = _dsink(sink)
-        if ctx.packing == "qkv":
-            dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
-            dq, dk, dv = dpacked.unbind(dim=dim)
-        else:
-            dq = _runtime.empty_like(q)
-            dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
-            dk, dv = dpacked.unbind(dim=dim)
-        with planning.entered(ctx.forced):
-            run_bwd(
-                _grad_of_out(dout, out),
-                q,
-                k,
-                v,
-                out,
-                lse,
-                dlse,
-                dq,
-                dk,
-                dv,
-                *options.op_args(),
-                alibi_slopes,
-                sink,
-                dsink,
-                ctx.deterministic,
-            )
-        return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None
+def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None):
+    """An eager attention call (the API's): through Attention when a gradient is needed, else the forward alone."""
+    if torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    ):
+        return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
+    with _runtime.device_of(q):
+        return attention.forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed)
 
 
-def fwd_kvcache_impl(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    rotary_cos,
-    rotary_sin,
-    cache_seqlens,
-    cache_seqlen_int,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    softmax_scale,
-    causal,
-    window_left,
-    window_right,
-    softcap,
-    rotary_interleaved,
-    alibi_slopes,
-    num_splits,
-    learnable_sink=None,
-    check=None,
-):
-    """The body of flashattn2::fwd_kvcache (eager callers run it directly, see fwd_impl). check:
-    a kvcache.Check (eager calls only), set when a cache tensor holds a value out of range."""
+# ---- the KV cache --------------------------------------------------------------------------------------------------
+
+
+def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlen_int, batch_idx,
+                    leftpad, block_table, alibi_slopes, sink, check=None):  # fmt: skip
+    """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated), rotate q, attend (ops.kvcache), as
+    the prepared call (ops.call.KVCacheCall) planned. check: a kvcache.Check (eager calls only), set when a cache
+    tensor holds a value out of range."""
+    spec = call.spec
     with _runtime.device_of(q):
         cache = kvcache.Cache(
             k_cache,
             v_cache,
             _contiguous(cache_seqlens),
-            cache_seqlen_int,
-            _contiguous(cache_batch_idx),
-            _contiguous(cache_leftpad),
+            seqlen_int,
+            _contiguous(batch_idx),
+            _contiguous(leftpad),
             _contiguous(block_table),
         )
-        rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), rotary_interleaved)
+        rotary = (
+            None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), spec.rotary_interleaved)
+        )
         seqlen_new = 0
         if k is not None:
             kvcache.append_(cache, k, v, rotary, check)
             seqlen_new = k.shape[1]
             if rotary is not None:
-                q = kvcache.rotate_q(q, cache, rotary, per_token=causal or window_left >= 0 or window_right >= 0)
-        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None, learnable_sink)
+                q = kvcache.rotate_q(q, cache, rotary, per_token=call.per_token)
+        mods = kvcache.mods(call.spec.causal, call.left, call.right, call.spec.softcap, alibi_slopes, sink)
         # an append that ran checked every value the attention reads (pages included)
         appended = k is not None and k.shape[0] * k.shape[1] > 0
         return kvcache.forward(
-            _for_kernels(q), cache, seqlen_new, softmax_scale, mods, num_splits, check=None if appended else check
+            call.plan, for_kernels(q), cache, seqlen_new, call.scale, mods, check=None if appended else check
         )
-
-
-@torch.library.custom_op("flashattn2::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
-def fwd_kvcache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None,
-    rotary_sin: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None,
-    cache_seqlen_int: int,
-    cache_batch_idx: torch.Tensor | None,
-    cache_leftpad: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    rotary_interleaved: bool,
-    alibi_slopes: torch.Tensor | None,
-    num_splits: int,
-    learnable_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over
-    the cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int
-    cache_seqlens travels as cache_seqlen_int with cache_seqlens None."""
-    return fwd_kvcache_impl(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary_cos,
-        rotary_sin,
-        cache_seqlens,
-        cache_seqlen_int,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        softmax_scale,
-        causal,
-        window_left,
-        window_right,
-        softcap,
-        rotary_interleaved,
-        alibi_slopes,
-        num_splits,
-        learnable_sink,
-    )
-
-
-def run_fwd_kvcache(*args, check=None):
-    """fwd_kvcache's arguments: the op while torch.compile traces (check is then None), its body
-    otherwise."""
-    return fwd_kvcache(*args) if torch.compiler.is_compiling() else fwd_kvcache_impl(*args, check=check)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
+
+
+def _fwd_kvcache_impl(*args):
+    a = dict(zip(_KVCACHE_PARAMS, args))
+    seqlens = a["cache_seqlen_int"] if a["cache_seqlens"] is None else a["cache_seqlens"]
+    call = calls.kvcache(
+        *(a[name] for name in _KVCACHE_PARAMS[:7]),
+        seqlens,
+        a["cache_batch_idx"],
+        a["cache_leftpad"],
+        a["block_table"],
+        a["softmax_scale"],
+        a["causal"],
+        (a["window_left"], a["window_right"]),
+        a["softcap"],
+        a["rotary_interleaved"],
+        a["alibi_slopes"],
+        a["num_splits"],
+        a.get("learnable_sink"),
+    )
+    return kvcache_forward(
+        call,
+        *(a[name] for name in _KVCACHE_PARAMS[:9]),
+        a["cache_batch_idx"],
+        a["cache_leftpad"],
+        a["block_table"],
+        a["alibi_slopes"],
+        a.get("learnable_sink"),
+    )
+
+
+# flashattn2::fwd_kvcache: append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over the
+# cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int cache_seqlens travels as
+# cache_seqlen_int with cache_seqlens None. torch.compile's path; eager calls run kvcache_forward.
+_KVCACHE_SIGNATURE = [
+    ("q", Tensor),
+    ("k_cache", Tensor),
+    ("v_cache", Tensor),
+    ("k", OptTensor),
+    ("v", OptTensor),
+    ("rotary_cos", OptTensor),
+    ("rotary_sin", OptTensor),
+    ("cache_seqlens", OptTensor),
+    ("cache_seqlen_int", int),
+    ("cache_batch_idx", OptTensor),
+    ("cache_leftpad", OptTensor),
+    ("block_table", OptTensor),
+    ("softmax_scale", float),
+    ("causal", bool),
+    ("window_left", int),
+    ("window_right", int),
+    ("softcap", float),
+    ("rotary_interleaved", bool),
+    ("alibi_slopes", OptTensor),
+    ("num_splits", int),
+    ("learnable_sink", OptTensor),
+]
+_KVCACHE_PARAMS = [name for name, _ in _KVCACHE_SIGNATURE]
+
+
+def _plain_signature(params, result) -> inspect.Signature:
+    P = inspect.Parameter
+    last = len(params) - 1  # learnable_sink, added after the others: a default
+    return inspect.Signature(
+        [
+            P(n, P.POSITIONAL_OR_KEYWORD, annotation=t, default=None if i == last else EMPTY)
+            for i, (n, t) in enumerate(params)
+        ],
+        return_annotation=result,
+    )
+
+
+_fwd_kvcache_impl.__signature__ = _plain_signature(_KVCACHE_SIGNATURE, tuple[Tensor, Tensor])
+fwd_kvcache = torch.library.custom_op("flashattn2::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
 
 
 @fwd_kvcache.register_fake
@@ -440,34 +466,61 @@ def _(q, k_cache, v_cache, *_):
     return q.new_empty((*q.shape[:-1], v_cache.shape[-1])), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashattn2::fwd_varlen_paged", mutates_args=())
-def fwd_varlen_paged(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    learnable_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_varlen_func over a paged K/V (forward only): q (total_q, nheads, headdim),
-    k_cache/v_cache (num_blocks, page_size, nheads_k, headdim), sequence b's keys are its first
-    cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b]. (out, lse (nheads, total_q))."""
+def paged_forward(call, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sink):
+    """The body of flashattn2::fwd_varlen_paged: varlen q over a paged K/V, as the prepared call (ops.call.PagedCall)
+    planned; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b].
+    (out, lse (nheads, total_q))."""
+    spec = call.spec
     with _runtime.device_of(q):
         cu_k = cu_seqlens_k.contiguous()
         seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
         cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, None, None, block_table.contiguous())
-        mods = _mods(causal, window_left, window_right, softcap, alibi_slopes, 0.0, None, learnable_sink)
-        return kvcache.forward(
-            _for_kernels(q), cache, 0, softmax_scale, mods, 0, varlen_q=(cu_seqlens_q.contiguous(), max_seqlen_q)
-        )
+        left, right = spec.window
+        mods = kvcache.mods(spec.causal, left, right, spec.softcap, alibi_slopes, sink)
+        varlen_q = (cu_seqlens_q.contiguous(), spec.max_seqlen_q)
+        return kvcache.forward(call.plan, for_kernels(q), cache, 0, call.scale, mods, varlen_q=varlen_q)
+
+
+def _fwd_varlen_paged_impl(*args):
+    a = dict(zip(_PAGED_PARAMS, args))
+    window = (a["window_left"], a["window_right"])
+    call = calls.paged(
+        *(a[name] for name in _PAGED_PARAMS[:6]),
+        a["max_seqlen_k"],
+        a["block_table"],
+        0.0,
+        a["softmax_scale"],
+        a["causal"],
+        window,
+        a["softcap"],
+        a["alibi_slopes"],
+        a.get("learnable_sink"),
+    )
+    return paged_forward(call, *(a[n] for n in ("q", "k_cache", "v_cache", "cu_seqlens_q", "cu_seqlens_k",
+                                                "block_table", "alibi_slopes")), a.get("learnable_sink"))  # fmt: skip
+
+
+# flashattn2::fwd_varlen_paged: flash_attn_varlen_func over a paged K/V (forward only), torch.compile's path
+_PAGED_SIGNATURE = [
+    ("q", Tensor),
+    ("k_cache", Tensor),
+    ("v_cache", Tensor),
+    ("cu_seqlens_q", Tensor),
+    ("cu_seqlens_k", Tensor),
+    ("max_seqlen_q", int),
+    ("max_seqlen_k", int),
+    ("block_table", Tensor),
+    ("softmax_scale", float),
+    ("causal", bool),
+    ("window_left", int),
+    ("window_right", int),
+    ("softcap", float),
+    ("alibi_slopes", OptTensor),
+    ("learnable_sink", OptTensor),
+]
+_PAGED_PARAMS = [name for name, _ in _PAGED_SIGNATURE]
+_fwd_varlen_paged_impl.__signature__ = _plain_signature(_PAGED_SIGNATURE, tuple[Tensor, Tensor])
+fwd_varlen_paged = torch.library.custom_op("flashattn2::fwd_varlen_paged", _fwd_varlen_paged_impl, mutates_args=())
 
 
 @fwd_varlen_paged.register_fake
@@ -476,8 +529,8 @@ def _(q, k_cache, v_cache, *_):
 
 
 def _paged_backward(ctx, dout, dlse):
-    """The forward runs with inputs that require grad (as flash_attn's); a backward through it
-    does not exist (there neither)."""
+    """The forward runs with inputs that require grad (as flash_attn's); a backward through it does not exist (there
+    neither)."""
     raise NotImplementedError(
         "flash_attn_varlen_func with block_table is forward-only (as in flash_attn): "
         "no backward through a paged K/V; detach the output, or call it under torch.no_grad()"

@@ -20,6 +20,7 @@ import torch
 
 from ..ops import _runtime, registry
 from ..ops.merge import merge_
+from ..ops.options import Options
 from . import plan
 from .plan import Block, Sharding
 
@@ -44,20 +45,27 @@ def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int) -> torch.Tensor:
     return t.narrow(dim, rows[0], rows[1] - rows[0])
 
 
-def _varlen_args(blk: Block, device) -> tuple:
-    if blk.cu_q is None:
-        return None, None, 0, 0
-    return _cu_on(blk.cu_q, device), _cu_on(blk.cu_k, device), blk.max_q, blk.max_k
-
-
-def _mask_args(blk: Block, o: RingOptions) -> tuple:
-    """fwd_impl's arguments from dropout_p through alibi_slopes."""
-    return 0.0, None, o.softmax_scale, blk.causal, blk.window[0], blk.window[1], o.softcap, None
+def _options(blk: Block, o: RingOptions, device) -> Options:
+    """A block's flash_attn call: its own sequences (packed documents) and mask, the ring's scale and softcap."""
+    cu_q = cu_k = None
+    if blk.cu_q is not None:
+        cu_q, cu_k = _cu_on(blk.cu_q, device), _cu_on(blk.cu_k, device)
+    return Options(
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=blk.max_q if cu_q is not None else 0,
+        max_seqlen_k=blk.max_k if cu_q is not None else 0,
+        softmax_scale=o.softmax_scale,
+        causal=blk.causal,
+        window_left=blk.window[0],
+        window_right=blk.window[1],
+        softcap=o.softcap,
+    )
 
 
 def _block_forward(q, k, v, blk: Block, o: RingOptions, seq: int):
     qb, kb, vb = _rows(q, blk.q_rows, seq), _rows(k, blk.k_rows, seq), _rows(v, blk.k_rows, seq)
-    return registry.fwd_impl(qb, kb, vb, *_varlen_args(blk, q.device), *_mask_args(blk, o))
+    return registry.forward(qb, kb, vb, _options(blk, o, q.device))
 
 
 def forward(comm, q, k, v, sharding: Sharding, o: RingOptions):
@@ -101,7 +109,7 @@ def backward(comm, dout, dlse, q, k, v, out, lse, sharding: Sharding, o: RingOpt
             for blk in plan.blocks(sharding, rank, (rank - step) % comm.world, o.causal, o.window):
                 qb, kb, vb = _rows(q[i], blk.q_rows, seq), _rows(k[i], blk.k_rows, seq), _rows(v[i], blk.k_rows, seq)
                 dqb, dkb, dvb = (_runtime.empty(t.shape, t.dtype, t.device) for t in (qb, kb, vb))
-                registry.bwd_impl(
+                registry.backward(
                     _rows(dout[i], blk.q_rows, seq),
                     qb,
                     kb,
@@ -112,8 +120,8 @@ def backward(comm, dout, dlse, q, k, v, out, lse, sharding: Sharding, o: RingOpt
                     dqb,
                     dkb,
                     dvb,
-                    *_varlen_args(blk, q.device),
-                    *_mask_args(blk, o),
+                    _options(blk, o, q.device),
+                    None,
                     None,
                     None,
                     o.deterministic,

@@ -1,31 +1,17 @@
-"""Which kernel and tile run a dense attention call: one table (TABLE) and one pure function (plan).
+"""The plan table's data: which kernel and tile run a call, one row each with the measurement that chose it.
 
-    plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v=None) -> Plan
-
-reads TABLE's rows for (direction, arch, head-dim bucket, bytes per element) in order and returns the
-first whose kernel the call can run (Features, REQUIRES) and whose causal, key-length and value-head-dim bounds
-hold. head_dim is q's and k's, head_dim_v v's (None: head_dim); the bucket is the wider one's.
-Every list of rows ends with a Triton kernel that runs everything, so a plan always exists. Each row
-says in one line which measurement chose it; the full numbers, the runners-up and the rejected
-variants are in bench/results/provenance-nvidia-h200.md, the method in docs/tuning.md.
-
-Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...`, held in a
-context variable (each thread and task its own). The environment has one switch: FLASHATTN2_HOPPER=0 turns
-the Gluon (Hopper) kernels off.
+TABLE: the dense and varlen attention rows, keyed by direction ("fwd", "bwd"), arch, head-dim bucket and bytes per
+element, first match wins (ops.planning reads it). DECODE_ROWS: the KV-cache kernel's rows (flash_attn_with_kvcache,
+the paged prefill, the batch-invariant mode), beside it in the same form. The full numbers, the runners-up and the
+rejected variants of each measured row are in bench/results/provenance-nvidia-h200.md; the method in docs/tuning.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import torch
-
-from ..errors import ArgumentError, ArgumentTypeError
-from . import _runtime
+from ..errors import ArgumentError
 
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block); sm80: A100 / A800 /
 # Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB); interp: Triton's CPU interpreter
@@ -83,18 +69,6 @@ def parse_tile(text: str) -> TileConfig | None:
 
 
 @dataclass(frozen=True)
-class Features:
-    """What a call asks of a kernel beyond its shape and dtype (the launcher fills it in)."""
-
-    varlen: bool = False
-    score_mods: bool = False  # a window (other than causal's), softcap, ALiBi or dropout
-    # the Gluon kernels can run: a wgmma device (sm_90 exactly), a Triton they build on, every tensor with its heads
-    # adjacent and TMA's 16-byte alignment
-    gluon: bool = False
-    deterministic: bool = True  # backward: dQ in its own pass, bitwise-identical gradients run to run
-
-
-@dataclass(frozen=True)
 class Row:
     """One row of TABLE: where it applies, what runs, why."""
 
@@ -110,28 +84,6 @@ class Row:
     dq_tile: TileConfig | None = None  # direction "bwd" with kernel bwd_dkdv: the dQ pass's tile
     constexprs: tuple[tuple[str, object], ...] = ()
     head_dim_v: int | None = None  # applies when v's head-dim bucket is at most this (None: any)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What runs: the kernel, its tile (and the dQ pass's), its constexprs beyond the call's own, the launch's
-    num_warps, query rows per program (block_m x consumers), and the backward's program order."""
-
-    kernel: str
-    tile: TileConfig
-    why: str = ""
-    causal: bool = False
-    dq_tile: TileConfig | None = None
-    constexprs: tuple[tuple[str, object], ...] = ()
-    num_warps: int = 4
-    consumers: int = 1
-    # the Gluon backward's program order: 0, head-major; else heads in groups whose Q and dO fit this many bytes
-    # (kernels/bwd_hopper.py's _ws_program; ops/launch_gluon.bwd_grid)
-    l2_group_bytes: int = 0
-
-    @property
-    def rows(self) -> int:
-        return self.tile.block_m * self.consumers
 
 
 def _rings(split: bool, do_stages: int | None, dq_split: int, dq_stages: int) -> tuple:
@@ -268,251 +220,84 @@ _OTHER = [
 
 TABLE: tuple[Row, ...] = (*_SM90, *_OTHER)
 assert not any((r.direction, r.arch, r.head_dim, r.elem_bytes) in UNSUPPORTED for r in TABLE)
-_ROWS: dict[tuple[str, str, int, int], tuple[Row, ...]] = {}
+# TABLE's rows by (direction, arch, head-dim bucket, bytes per element), in order
+ROWS: dict[tuple[str, str, int, int], tuple[Row, ...]] = {}
 for _row in TABLE:
     _key = (_row.direction, _row.arch, _row.head_dim, _row.elem_bytes)
-    _ROWS[_key] = (*_ROWS.get(_key, ()), _row)
-
-
-def _gluon_applies(direction: str):
-    """Whether a call can run the Gluon kernels of `direction`: dense fp16/bf16 inputs with a (q/k, v) head-dim
-    pair of GLUON_HEAD_DIMS, causal or not and no other score modification, keys present, on a device and
-    tensors they run on (Features.gluon)."""
-    pairs = GLUON_HEAD_DIMS[direction]
-    return lambda features, dtype, head_dim, head_dim_v, max_seqlen_k: (
-        features.gluon
-        and not features.varlen
-        and not features.score_mods
-        and (head_dim, head_dim_v) in pairs
-        and dtype in (torch.float16, torch.bfloat16)
-        and max_seqlen_k > 0
-    )
-
-
-_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
-
-# kernel -> whether a call can run it (features, dtype, head_dim, head_dim_v, max_seqlen_k); the Triton kernels run
-# everything
-_GLUON_FWD, _GLUON_BWD = _gluon_applies("fwd"), _gluon_applies("bwd")
-REQUIRES = {
-    "fwd": lambda f, dtype, d, dv, n: True,
-    "bwd_dkdv": lambda f, dtype, d, dv, n: True,
-    "fwd_hopper_persist": _GLUON_FWD,
-    "fwd_hopper_ws": _GLUON_FWD,
-    # dQ added in any order: deterministic=False only; the key blocks (64 keys at least) on the grid's second axis
-    "bwd_hopper": lambda f, dtype, d, dv, n: (
-        not f.deterministic and _GLUON_BWD(f, dtype, d, dv, n) and -(-n // 64) <= _GRID_YZ
-    ),
-}
+    ROWS[_key] = (*ROWS.get(_key, ()), _row)
 
 
 @dataclass(frozen=True)
-class Forced:
-    """What force() holds: tiles by kernel, and the switches below (None: not forced)."""
+class DecodeRow:
+    """One row of DECODE_ROWS: the facts a call must have (ops.planning's decode facts, each a name and the value it
+    must take), what runs, why. tile.block_m 0: the packed rows' block (planning's register bound, 16 to 64 rows).
+    scaled: the tile's BLOCK_N, warps and stages were measured at head dims 128/128 in 16-bit types and other head
+    dims keep the bytes of a key block (planning's rule); the latent rows were measured at their own 576/512."""
 
-    tiles: tuple[tuple[str, TileConfig], ...] = ()
-    arch: str | None = None  # another architecture's rows and load path (sm80 on an H200: pointer loads, no PDL)
-    hopper: bool | None = None  # False: the Triton kernels where the Gluon ones would run
-    tma: bool | None = None  # the TMA load path on (where alignment allows it; any arch) or off
-    host_desc: bool | None = None  # host-built TMA descriptors on the Triton path (dense, power-of-two head dims)
-    bwd_order: str | None = None  # the Gluon backward's program order: "head-major" or "grouped"
-
-    def tile(self, kernel: str) -> TileConfig | None:
-        for name, t in self.tiles:
-            if name == kernel:
-                return t
-        return None
+    when: tuple[tuple[str, object], ...]
+    tile: TileConfig
+    why: str
+    scaled: bool = True
 
 
-_FORCED: contextvars.ContextVar[Forced] = contextvars.ContextVar("flashattn2_forced", default=Forced())
-_ENV_HOPPER = _runtime.env_flag("FLASHATTN2_HOPPER")
-_BWD_ORDERS = ("head-major", "grouped")
+# KV-cache splits: at most this many (the combine's reduction width); 0 (the default) chooses from the GPU's size
+MAX_SPLITS = 128
+# the contiguous path's refinements (sweeps below): splits of at most SHORT_SPLIT keys, or at least MANY_PROGRAMS
+# programs without splits
+SHORT_SPLIT = 1024
+MANY_PROGRAMS = 1024
+# Batch-invariant mode (ops.invariance): one tile per (head dims, dtype) and splits of a fixed number of keys, counted
+# from each sequence's first key, every row through the combine, whose reduction over the splits has one fixed width
+# (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The interpreter splits every 32 keys, so
+# that the CPU tests cross split boundaries. Not yet tuned on the GPU.
+INVARIANT_SPLIT_KEYS = 4096
+INVARIANT_SPLIT_KEYS_INTERP = 32
+INVARIANT_MAX_SPLITS = 256
 
-
-def forced() -> Forced:
-    """What force() holds in this context (a thread, a task); hashable: part of the launchers' plan-cache keys."""
-    return _FORCED.get()
-
-
-@contextlib.contextmanager
-def force(
-    arch: str | None = None,
-    hopper: bool | None = None,
-    tma: bool | None = None,
-    host_desc: bool | None = None,
-    bwd_order: str | None = None,
-    **tiles: TileConfig,
-):
-    """Inside the with-block (this thread or task only), plans use these tiles (fwd=TileConfig(...),
-    fwd_hopper_persist=..., a kernel of KERNELS each) and switches: arch (another architecture's rows and
-    load path on a CUDA device; the interpreter ignores it), hopper=False (the Triton kernels instead of the
-    Gluon ones; True: as the default, whatever FLASHATTN2_HOPPER says), tma (the TMA load path on or off),
-    host_desc (host-built TMA descriptors on the Triton path), bwd_order ("head-major" or "grouped": the Gluon
-    backward's program order). Arguments left None keep what an enclosing force() set. A call's backward through
-    autograd runs under its forward's force() (a with-block around the forward is enough; one around only the
-    backward is not seen: autograd runs it in another thread)."""
-    unknown = set(tiles) - set(KERNELS)
-    if unknown:
-        raise ArgumentError(f"force: unknown kernel(s) {sorted(unknown)}; expected one of {KERNELS}")
-    for name, tile in tiles.items():
-        if not isinstance(tile, TileConfig):
-            raise ArgumentTypeError(f"force: {name} must be a TileConfig, got {type(tile).__name__}")
-        if tile.qbuf is not None and name != "fwd_hopper_persist":
-            raise ArgumentError(
-                f"force: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}"
-            )
-    if arch is not None and arch not in ARCHS[:-1]:
-        raise ArgumentError(f"force: arch must be one of {ARCHS[:-1]}, got {arch!r}")
-    if bwd_order is not None and bwd_order not in _BWD_ORDERS:
-        raise ArgumentError(f"force: bwd_order must be one of {_BWD_ORDERS}, got {bwd_order!r}")
-    now = _FORCED.get()
-    merged = dict(now.tiles)
-    merged.update(tiles)
-    switches = {
-        name: value
-        for name, value in dict(arch=arch, hopper=hopper, tma=tma, host_desc=host_desc, bwd_order=bwd_order).items()
-        if value is not None
-    }
-    with entered(replace(now, tiles=tuple(sorted(merged.items())), **switches)):
-        yield
-
-
-@contextlib.contextmanager
-def entered(state: Forced | None):
-    """Plans under a Forced that forced() returned earlier: an autograd backward runs in the engine's worker
-    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.registry). None: as is."""
-    if state is None:
-        yield
-        return
-    token = _FORCED.set(state)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
-
-
-def head_dim_bucket(head_dim: int) -> int:
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    return max(block_d, 64)
-
-
-def plan(
-    arch: str,
-    dtype: torch.dtype,
-    head_dim: int,
-    causal: bool,
-    max_seqlen_k: int,
-    features: Features,
-    direction: str,
-    head_dim_v: int | None = None,
-) -> Plan:
-    """The plan of one call (see the module docstring), under what force() holds."""
-    return _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, _FORCED.get())
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced: Forced) -> Plan:
-    hopper = forced.hopper if forced.hopper is not None else _ENV_HOPPER is not False
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    v_bucket = head_dim_bucket(head_dim_v)
-    key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), 4 if dtype == torch.float32 else 2)
-    if key in UNSUPPORTED:
-        raise NotImplementedError(
-            f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
-        )
-    for row in _ROWS[key]:
-        if (
-            (row.causal is not None and row.causal != causal)
-            or (row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k)
-            or (row.head_dim_v is not None and v_bucket > row.head_dim_v)
-        ):
-            continue
-        if (row.kernel in GLUON_KERNELS and not hopper) or not REQUIRES[row.kernel](
-            features, dtype, head_dim, head_dim_v, max_seqlen_k
-        ):
-            continue
-        return _derive(row, forced, causal)
-    raise AssertionError(f"no row for {direction} {arch} d{head_dim} {dtype}")  # the Triton rows match everything
-
-
-def _derive(row: Row, forced: Forced, causal: bool) -> Plan:
-    """The row's plan with forced tiles in place and the constexprs that follow from the tile."""
-    tile = forced.tile(row.kernel) or row.tile
-    constexprs = dict(row.constexprs)
-    num_warps, consumers, l2 = tile.num_warps, 1, 0
-    if row.kernel == "fwd_hopper_persist":
-        if tile.num_warps not in (8, 12):
-            raise ArgumentError(
-                f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {tile.num_warps}"
-            )
-        consumers = tile.num_warps // 4
-        # 4: the default partition's warps (the producer); snake order under a causal mask
-        constexprs.update(QBUF=tile.qbuf or 2, SNAKE=causal, CONSUMERS=consumers)
-        num_warps = 4
-    elif row.kernel == "fwd_hopper_ws":
-        consumers = 2
-    elif row.kernel == "bwd_hopper":
-        if constexprs["DO_STAGES"] is None:
-            constexprs["DO_STAGES"] = tile.num_stages
-        grouped = forced.bwd_order == "grouped" or (forced.bwd_order is None and causal)
-        l2 = L2_GROUP_BYTES if grouped else 0
-    dq_tile = (forced.tile("bwd_dq") or row.dq_tile) if row.kernel == "bwd_dkdv" else None
-    return Plan(row.kernel, tile, row.why, causal, dq_tile, tuple(constexprs.items()), num_warps, consumers, l2)
-
-
-def rows(arch: str | None = None):
-    """TABLE's rows (of one arch if given): what the compile-only check builds."""
-    return [row for row in TABLE if arch is None or row.arch == arch]
-
-
-def arch_of(device: torch.device) -> str:
-    """The table's architecture for a device ("interp" off CUDA), or what force(arch=...) says."""
-    if device.type != "cuda":
-        return "interp"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    arch = _ARCH.get(index)
-    if arch is None:  # get_device_capability costs ~5 us of host time per call
-        arch = _ARCH[index] = native_arch(index)
-    want = _FORCED.get().arch
-    if want is not None:  # a test runs another architecture's tiles and load path
-        if want == "sm90" and arch != "sm90":
-            raise ArgumentError(f"force(arch='sm90') on a {arch} GPU: it has no TMA or PDL")
-        return want
-    return arch
-
-
-_ARCH: dict = {}
-
-
-def native_arch(index: int) -> str:
-    """The table's architecture for CUDA device index, from its compute capability: sm90 for Hopper and
-    Blackwell datacenter parts (TMA), sm80 for A100/Orin (164 KB shared memory), sm86 for the other Ampere and
-    newer GPUs (99 KB). What the kernels were not built for raises NotImplementedError naming the GPU, never a
-    fallback: ROCm devices (their capability reads like sm_9x on MI200/MI300, which would pick the Hopper paths;
-    the tiles, TMA and wgmma are NVIDIA's) and NVIDIA GPUs before Ampere (flash_attn 2 refuses them too)."""
-    name = torch.cuda.get_device_name(index)
-    if torch.version.hip:
-        raise NotImplementedError(
-            f"flashattn2 runs on NVIDIA GPUs (CUDA) only: {name} is a ROCm device "
-            f"(torch.version.hip {torch.version.hip}); its kernels and tiles are untested there"
-        )
-    major, minor = torch.cuda.get_device_capability(index)
-    if major < 8:
-        raise NotImplementedError(
-            f"flashattn2 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or "
-            f"newer, as flash_attn 2): {name} is sm_{major}{minor}"
-        )
-    return "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
-
-
-def wgmma(device: torch.device) -> bool:
-    """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernels are written with."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    found = _WGMMA.get(index)
-    if found is None:
-        # native_arch first: it refuses ROCm devices, whose capability can read (9, 0)
-        found = _WGMMA[index] = native_arch(index) == "sm90" and torch.cuda.get_device_capability(index) == (9, 0)
-    return found
-
-
-_WGMMA: dict = {}
+# fmt: off
+# The KV-cache kernel's rows, first match wins. Paths: "contiguous" (a cache row per sequence), "page-block" (pages
+# a multiple of the key block, no left padding: a key block lies in one page), "page-row" (a page per key row: small
+# pages). The contiguous, page-block and page-row rows: a sweep of 12 tiles on the H200 (CUDA-graph GB/s of K/V read
+# at bf16, 32 query heads, MHA and GQA-8, batch 1/8/64, cache 1k-128k); the numbers name points where the row won or
+# came within 2%. The contiguous refinements: H200 sweeps of 9 and 5 tiles (CUDA-graph GB/s, median of 3
+# interleaved rounds, two runs for the non-split points). The latent rows (MLA's latent cache: v_cache the K cache's
+# first 512 columns, q/k one more block, 576 = 512 + 64; sm90, 16-bit types; whole key blocks by TMA): H200 sweeps,
+# bf16, paged 64, CUDA graphs, 3 alternated rounds (provenance, "latent cache"); TFLOP/s count 2 * (576 + 512) per
+# query head and key; the 64-row tile is the one whose wgmma spans the heads (ptxas: 255 registers and ~1 KB of
+# spills beside the 64 x 512 fp32 accumulator, with TMA too).
+DECODE_ROWS: tuple[DecodeRow, ...] = (
+    DecodeRow((("interp", True),), T(0, 16, 1, 1), scaled=False,
+              why="the interpreter: ~4 ms per program step whatever the tile, so few steps"),
+    DecodeRow((("invariant", True),), T(16, 128, 4, 2),
+              why="batch-invariant mode: the contiguous split row's tile at 16 rows for every call (prefill, decode, "
+                  "any batch or cache layout), a function of head dims and element size only"),
+    DecodeRow((("latent", True), ("rows", 64)), T(64, 64, 8, 2), scaled=False,
+              why="TMA: h128 64x16k 221, 128x8k 221, 8x8k 146-148; h64 209-221 TFLOP/s (s1 175-186; 64x32w8 s2 "
+                  "195, s3 188; without TMA 64x64w8s1 169-172; the generic 16x32w8: 66, 66, 72, 64; 32x32w4 124-127)"),
+    DecodeRow((("latent", True), ("rows", 32)), T(32, 64, 8, 2), scaled=False,
+              why="TMA: h32 64x16k 129 = 0.77x a device copy's GB/s (32x32w4 s2 122, s1 110; 16x32w4s2 106; "
+                  "64x64w8s2 110)"),
+    DecodeRow((("latent", True), ("rows", 16)), T(16, 32, 4, 2), scaled=False,
+              why="TMA: h16 64x16k 97 = 1.16x the copy's (s1 76-77; 16x64w8s2 84; without TMA 66; 16x32w8 57)"),
+    DecodeRow((("path", "contiguous"), ("split", True), ("short", True)), T(0, 64, 4, 3),
+              why="splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 GB/s (128/4/2: 2610), 1x8k 1444 (1389); MHA 1x8k "
+                  "2769 (2685); longer splits keep 128/4/2: GQA 8x32k 4249 vs 4225, MHA 1x128k 4431 vs 4399"),
+    DecodeRow((("path", "contiguous"), ("split", True)), T(0, 128, 4, 2),
+              why="MHA 1x32k 3626 GB/s, 1x128k 4017; GQA 8x32k 3996"),
+    DecodeRow((("path", "contiguous"), ("split", False), ("many", True)), T(0, 128, 4, 2),
+              why=">= MANY_PROGRAMS programs (3 resident per SM, not 1): MHA 64x1k 4318 and 4320 GB/s (128/4/3: "
+                  "4224, 4225), 64x8k 4629 (4545)"),
+    DecodeRow((("path", "contiguous"), ("split", False)), T(0, 128, 4, 3),
+              why="GQA 64x8k 4462 GB/s (stages 2: 3995), 64x128k 4659; MHA 64x32k 4580; with fewer than "
+                  "MANY_PROGRAMS programs it beats 128/4/2: GQA 64x8k 4455 vs 3995, 64x1k 3355 vs 3268"),
+    DecodeRow((("path", "page-block"), ("split", True)), T(0, 128, 8, 2),
+              why="page 256: MHA 1x32k 3662 GB/s, 1x128k 4118; GQA 1x32k 2195"),
+    DecodeRow((("path", "page-block"), ("split", False)), T(0, 128, 8, 3),
+              why="page 256: MHA 8x8k 4247 GB/s, 64x32k 4550; GQA 64x8k 4403"),
+    DecodeRow((("path", "page-row"), ("split", True)), T(0, 128, 4, 2),
+              why="page 16: MHA 1x128k 4000 GB/s; GQA 8x32k 4000"),
+    DecodeRow((("path", "page-row"), ("split", False)), T(0, 128, 8, 2),
+              why="page 16: MHA 8x8k 4043 GB/s, 8x128k 4313, 64x32k 4309; GQA 64x128k 4317 (64/4/3 wins at batch "
+                  "64, 4513 and 4509, but loses 20% at batch 8)"),
+)
+# fmt: on

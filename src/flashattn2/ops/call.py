@@ -1,0 +1,448 @@
+"""Every call goes the same way: its spec (ops.spec), the prepared call of that spec, its launches.
+
+A prepared call is what every call of one spec shares: the arguments validated (each error names the argument), the
+options normalized (ops.options.Options), the plan (ops.planning.plan), and what the launchers keep between calls
+(a Gluon launch's arguments, the backward's prepared calls). The first call of a spec makes it; later calls go from
+their arguments to their launches, checking per call only what the spec cannot prove: index tensors' values (the
+opt-in value checks), an int cache_seqlens against the capacity.
+
+The caches (CALLS) are safe under concurrent calls: a read is one dict read; inserts, and the clear past LIMIT specs,
+happen under a lock. A spec can be prepared twice by two threads at once; both preparations are equal and one is
+kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from . import checks, planning
+from . import spec as specs
+from .options import Options
+
+
+class Calls:
+    """spec -> prepared call, bounded: past LIMIT specs (a loop that never repeats one) it starts over."""
+
+    LIMIT = 4096
+
+    def __init__(self):
+        self._calls: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, spec):
+        return self._calls.get(spec)
+
+    def add(self, spec, call):
+        with self._lock:
+            if len(self._calls) >= self.LIMIT:
+                self._calls.clear()
+            return self._calls.setdefault(spec, call)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._calls.clear()
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+CALLS = Calls()
+
+
+def clear() -> None:
+    """Forget every prepared call (tests that change what a plan reads: the Triton release's Gluon switch...)."""
+    CALLS.clear()
+    planning._lookup.cache_clear()
+
+
+def _scale(head_dim: int, softmax_scale) -> float:
+    return float(head_dim**-0.5 if softmax_scale is None else softmax_scale)
+
+
+class AttentionCall:
+    """A validated and planned attention call (dense, varlen, packed; a ring block): options (Options without its
+    tensors), the forward's plan, the Gluon forward's launch once made, and the backward's prepared calls."""
+
+    __slots__ = ("spec", "options", "plan", "launch", "backwards", "empty", "batch")
+
+    def __init__(self, spec: specs.AttentionSpec, options: Options, plan: planning.Plan | None):
+        self.spec, self.options, self.plan = spec, options, plan
+        self.launch = None
+        self.backwards = Calls()
+        # a dense call with no query or no key position (flash_attn accepts it): registry.EmptyAttention, no kernel
+        self.empty = not spec.varlen and (spec.q.shape[1] == 0 or spec.k.shape[1] == 0)
+        self.batch = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else spec.q.shape[0]
+
+    def backward(self, dout, dlse, grads, deterministic: bool) -> BackwardCall:
+        """The prepared backward for an output gradient dout (its layout), a logsumexp gradient or None, and the
+        gradients' buffers (their layouts)."""
+        spec = specs.BackwardSpec(
+            self.spec,
+            specs.tensor(dout),
+            dlse is not None,
+            deterministic,
+            tuple(specs.tensor(g) for g in grads),
+            specs.aligned(dout, *grads),
+        )
+        found = self.backwards.get(spec)
+        if found is None:
+            found = self.backwards.add(spec, BackwardCall(spec, planning.plan(spec)))
+        return found
+
+
+@dataclass
+class BackwardCall:
+    """A planned attention backward; launch: the Gluon backward's launch once made."""
+
+    spec: specs.BackwardSpec
+    plan: planning.Plan
+    launch: object = None
+
+
+def _options(q, spec: specs.AttentionSpec, cu_seqlens_q=None, cu_seqlens_k=None) -> Options:
+    left, right = spec.window
+    return Options(
+        cu_seqlens_q,
+        cu_seqlens_k,
+        spec.max_seqlen_q,
+        spec.max_seqlen_k,
+        float(spec.dropout_p),
+        None,
+        _scale(spec.q.shape[-1], spec.softmax_scale),
+        bool(spec.causal),
+        int(left),
+        int(right),
+        float(spec.softcap),
+    )
+
+
+def validate_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    learnable_sink,
+):
+    """Validate an attention call's arguments (each error names the argument); returns them normalized as a spec
+    takes them: (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap)."""
+    varlen = cu_seqlens_q is not None
+    checks.check_qkv(q, k, v, varlen=varlen, empty_ok=not varlen)
+    checks.check_sink(learnable_sink, q)
+    maxes = (0, 0)
+    batch = q.shape[0]
+    if varlen:
+        checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
+        maxes = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
+        batch = cu_seqlens_q.shape[0] - 1
+    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+    checks.check_alibi(alibi_slopes, q, batch)
+    left, right = (int(w) for w in window_size)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return (*maxes, float(dropout_p), scale, bool(causal), (left, right), float(softcap))
+
+
+def attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    learnable_sink,
+    deterministic,
+) -> AttentionCall:
+    """The prepared call of an attention call's arguments: found by its spec, or validated, planned and kept."""
+    try:
+        spec = specs.attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            learnable_sink,
+            deterministic,
+        )
+        found = CALLS.get(spec)
+    except (specs.NotCanonical, AttributeError, TypeError):  # a list, a tensor max_seqlen, a non-tensor
+        spec = found = None
+    if found is not None:
+        return found
+    max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap = validate_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        learnable_sink,
+    )
+    canonical = specs.attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        max_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        learnable_sink,
+        bool(deterministic),
+    )
+    found = CALLS.get(canonical)
+    if found is None:
+        call = AttentionCall(canonical, _options(q, canonical), None)
+        if not call.empty:
+            call.plan = planning.plan(canonical)
+        found = CALLS.add(canonical, call)
+    if spec is not None and spec != canonical:
+        CALLS.add(spec, found)
+    return found
+
+
+def from_options(q, k, v, options: Options, alibi_slopes, learnable_sink, deterministic: bool = False):
+    """The prepared call of an op's arguments (flashattn2::fwd's and ::bwd's: Options, already normalized; the ring's
+    blocks, the private _flash_attn_* functions)."""
+    return attention(
+        q,
+        k,
+        v,
+        options.cu_seqlens_q,
+        options.cu_seqlens_k,
+        options.max_seqlen_q,
+        options.max_seqlen_k,
+        options.dropout_p,
+        options.softmax_scale,
+        options.causal,
+        (options.window_left, options.window_right),
+        options.softcap,
+        alibi_slopes,
+        learnable_sink,
+        deterministic,
+    )
+
+
+def sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, q, k):
+    """A varlen call's per-call part: cu_seqlens clamped into the rows for the kernels, and verify(), to call once the
+    kernels are queued (the opt-in value checks: checks.check_cu_values)."""
+    return checks.cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+
+
+class KVCacheCall:
+    """A validated and planned flash_attn_with_kvcache call: its normalized options, the plan, the capacity and the
+    per-call checks an int cache_seqlens needs."""
+
+    __slots__ = ("spec", "plan", "scale", "left", "right", "capacity", "seqlen_new", "q_positions", "per_token")
+
+    def __init__(self, spec: specs.KVCacheSpec, plan: planning.Plan):
+        self.spec, self.plan = spec, plan
+        self.scale = _scale(spec.q.shape[-1], spec.softmax_scale)
+        paged = spec.block_table is not None
+        self.capacity = spec.block_table.shape[1] * spec.k_cache.shape[1] if paged else spec.k_cache.shape[1]
+        # flash_attn's rule: a window edge that reaches past the cache is no edge (this decides whether q is
+        # rotated per token)
+        self.left, self.right = (-1 if int(w) >= self.capacity else int(w) for w in spec.window)
+        self.per_token = bool(spec.causal) or self.left >= 0 or self.right >= 0
+        self.q_positions = spec.q.shape[1] if self.per_token else 1
+        self.seqlen_new = 0 if spec.k is None else spec.k.shape[1]
+
+    def seqlen(self, cache_seqlens, rotary_cos) -> int:
+        """An int (or absent) cache_seqlens checked against the capacity and the rotary table: the int the kernels
+        take (None: the whole cache)."""
+        seqlen = self.capacity if cache_seqlens is None else cache_seqlens
+        checks.check_kvcache_seqlen(
+            seqlen, self.capacity, self.seqlen_new, rotary_cos, self.q_positions, self.spec.block_table is not None
+        )
+        return seqlen
+
+
+def kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    learnable_sink,
+) -> KVCacheCall:
+    """The prepared call of a flash_attn_with_kvcache call's arguments."""
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+        learnable_sink,
+    )
+    try:
+        spec = specs.kvcache(*args)
+        found = CALLS.get(spec)
+    except (specs.NotCanonical, AttributeError, TypeError):
+        spec = found = None
+    if found is not None:
+        return found
+    checks.check_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        num_splits,
+        alibi_slopes,
+    )
+    checks.check_sink(learnable_sink, q)
+    checks.check_options(0.0, softmax_scale, window_size, softcap)
+    window = tuple(int(w) for w in window_size)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    canonical = specs.kvcache(
+        *args[:11], scale, bool(causal), window, float(softcap), bool(rotary_interleaved), *args[16:]
+    )
+    found = CALLS.get(canonical)
+    if found is None:
+        found = CALLS.add(canonical, KVCacheCall(canonical, planning.plan(canonical)))
+    if spec is not None and spec != canonical:
+        CALLS.add(spec, found)
+    return found
+
+
+class PagedCall:
+    """A validated and planned paged prefill (flash_attn_varlen_func with block_table)."""
+
+    __slots__ = ("spec", "plan", "scale")
+
+    def __init__(self, spec: specs.PagedSpec, plan: planning.Plan):
+        self.spec, self.plan = spec, plan
+        self.scale = _scale(spec.q.shape[-1], spec.softmax_scale)
+
+
+def paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    block_table,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    learnable_sink,
+) -> PagedCall:
+    """The prepared call of a paged prefill's arguments (shapes, dtypes and options validated; the values of
+    cu_seqlens and block_table per call, with the value checks on: checks.check_paged_values)."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p)
+    try:
+        spec = specs.paged(*args, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+        found = CALLS.get(spec)
+    except (specs.NotCanonical, AttributeError, TypeError):
+        spec = found = None
+    if found is not None:
+        return found
+    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+    checks.check_sink(learnable_sink, q)
+    max_q, max_k = checks.check_varlen_paged(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        block_table,
+        dropout_p,
+        alibi_slopes,
+    )
+    canonical = specs.paged(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        max_k,
+        block_table,
+        float(dropout_p),
+        None if softmax_scale is None else float(softmax_scale),
+        bool(causal),
+        tuple(int(w) for w in window_size),
+        float(softcap),
+        alibi_slopes,
+        learnable_sink,
+    )
+    found = CALLS.get(canonical)
+    if found is None:
+        found = CALLS.add(canonical, PagedCall(canonical, planning.plan(canonical)))
+    if spec is not None and spec != canonical:
+        CALLS.add(spec, found)
+    return found

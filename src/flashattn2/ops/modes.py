@@ -1,0 +1,153 @@
+"""What a call runs under, beside its arguments: planning.force()'s state (a context variable: each thread and task
+its own) and the device's architecture as the plan table names it. Both enter every call's spec (ops.spec.Modes).
+
+Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import ArgumentError, ArgumentTypeError
+from .tables import ARCHS, KERNELS, TileConfig
+
+
+@dataclass(frozen=True)
+class Forced:
+    """What force() holds: tiles by kernel, and the switches below (None: not forced)."""
+
+    tiles: tuple[tuple[str, TileConfig], ...] = ()
+    arch: str | None = None  # another architecture's rows and load path (sm80 on an H200: pointer loads, no PDL)
+    hopper: bool | None = None  # False: the Triton kernels where the Gluon ones would run
+    tma: bool | None = None  # the TMA load path on (where alignment allows it; any arch) or off
+    host_desc: bool | None = None  # host-built TMA descriptors on the Triton path (dense, power-of-two head dims)
+    bwd_order: str | None = None  # the Gluon backward's program order: "head-major" or "grouped"
+
+    def tile(self, kernel: str) -> TileConfig | None:
+        for name, t in self.tiles:
+            if name == kernel:
+                return t
+        return None
+
+
+_FORCED: contextvars.ContextVar[Forced] = contextvars.ContextVar("flashattn2_forced", default=Forced())
+_BWD_ORDERS = ("head-major", "grouped")
+
+
+def forced() -> Forced:
+    """What force() holds in this context (a thread, a task); hashable: part of the launchers' plan-cache keys."""
+    return _FORCED.get()
+
+
+@contextlib.contextmanager
+def force(
+    arch: str | None = None,
+    hopper: bool | None = None,
+    tma: bool | None = None,
+    host_desc: bool | None = None,
+    bwd_order: str | None = None,
+    **tiles: TileConfig,
+):
+    """Inside the with-block (this thread or task only), plans use these tiles (fwd=TileConfig(...),
+    fwd_hopper_persist=..., a kernel of KERNELS each) and switches: arch (another architecture's rows and
+    load path on a CUDA device; the interpreter ignores it), hopper=False (the Triton kernels instead of the
+    Gluon ones; True: as the default, whatever FLASHATTN2_HOPPER says), tma (the TMA load path on or off),
+    host_desc (host-built TMA descriptors on the Triton path), bwd_order ("head-major" or "grouped": the Gluon
+    backward's program order). Arguments left None keep what an enclosing force() set. A call's backward through
+    autograd runs under its forward's force() (a with-block around the forward is enough; one around only the
+    backward is not seen: autograd runs it in another thread)."""
+    unknown = set(tiles) - set(KERNELS)
+    if unknown:
+        raise ArgumentError(f"force: unknown kernel(s) {sorted(unknown)}; expected one of {KERNELS}")
+    for name, tile in tiles.items():
+        if not isinstance(tile, TileConfig):
+            raise ArgumentTypeError(f"force: {name} must be a TileConfig, got {type(tile).__name__}")
+        if tile.qbuf is not None and name != "fwd_hopper_persist":
+            raise ArgumentError(
+                f"force: qbuf (Q buffers per consumer) is a fwd_hopper_persist setting, given for {name}"
+            )
+    if arch is not None and arch not in ARCHS[:-1]:
+        raise ArgumentError(f"force: arch must be one of {ARCHS[:-1]}, got {arch!r}")
+    if bwd_order is not None and bwd_order not in _BWD_ORDERS:
+        raise ArgumentError(f"force: bwd_order must be one of {_BWD_ORDERS}, got {bwd_order!r}")
+    now = _FORCED.get()
+    merged = dict(now.tiles)
+    merged.update(tiles)
+    switches = {
+        name: value
+        for name, value in dict(arch=arch, hopper=hopper, tma=tma, host_desc=host_desc, bwd_order=bwd_order).items()
+        if value is not None
+    }
+    with entered(replace(now, tiles=tuple(sorted(merged.items())), **switches)):
+        yield
+
+
+@contextlib.contextmanager
+def entered(state: Forced | None):
+    """Plans under a Forced that forced() returned earlier: an autograd backward runs in the engine's worker
+    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.registry). None: as is."""
+    if state is None:
+        yield
+        return
+    token = _FORCED.set(state)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def arch_of(device: torch.device) -> str:
+    """The table's architecture for a device ("interp" off CUDA), or what force(arch=...) says."""
+    if device.type != "cuda":
+        return "interp"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH.get(index)
+    if arch is None:  # get_device_capability costs ~5 us of host time per call
+        arch = _ARCH[index] = native_arch(index)
+    want = _FORCED.get().arch
+    if want is not None:  # a test runs another architecture's tiles and load path
+        if want == "sm90" and arch != "sm90":
+            raise ArgumentError(f"force(arch='sm90') on a {arch} GPU: it has no TMA or PDL")
+        return want
+    return arch
+
+
+_ARCH: dict = {}
+
+
+def native_arch(index: int) -> str:
+    """The table's architecture for CUDA device index, from its compute capability: sm90 for Hopper and
+    Blackwell datacenter parts (TMA), sm80 for A100/Orin (164 KB shared memory), sm86 for the other Ampere and
+    newer GPUs (99 KB). What the kernels were not built for raises NotImplementedError naming the GPU, never a
+    fallback: ROCm devices (their capability reads like sm_9x on MI200/MI300, which would pick the Hopper paths;
+    the tiles, TMA and wgmma are NVIDIA's) and NVIDIA GPUs before Ampere (flash_attn 2 refuses them too)."""
+    name = torch.cuda.get_device_name(index)
+    if torch.version.hip:
+        raise NotImplementedError(
+            f"flashattn2 runs on NVIDIA GPUs (CUDA) only: {name} is a ROCm device "
+            f"(torch.version.hip {torch.version.hip}); its kernels and tiles are untested there"
+        )
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        raise NotImplementedError(
+            f"flashattn2 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or "
+            f"newer, as flash_attn 2): {name} is sm_{major}{minor}"
+        )
+    return "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
+
+
+def wgmma(device: torch.device) -> bool:
+    """Whether a CUDA device is sm_90 (Hopper): wgmma, which the Gluon kernels are written with."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _WGMMA.get(index)
+    if found is None:
+        # native_arch first: it refuses ROCm devices, whose capability can read (9, 0)
+        found = _WGMMA[index] = native_arch(index) == "sm90" and torch.cuda.get_device_capability(index) == (9, 0)
+    return found
+
+
+_WGMMA: dict = {}

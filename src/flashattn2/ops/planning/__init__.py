@@ -1,0 +1,135 @@
+"""Which kernel, tile and load path run a call: one function over the plan table.
+
+    plan(spec) -> Plan
+
+for every call a spec describes (ops.spec): dense, packed and varlen attention forward (AttentionSpec) and backward
+(BackwardSpec), the KV-cache kernel (KVCacheSpec: decoding, chunked prefill; its tiles, splits and load path), the
+paged prefill (PagedSpec), the batch-invariant mode (any of them under it), and the blocks of the context-parallel
+ring (attention calls of their own). The rows are data in ops.tables, each with the measurement that chose it;
+`explain(spec)` prints the plan and the rows passed over, with why. Dense rows: TABLE's rows for (direction, arch,
+head-dim bucket, bytes per element) in order, the first whose kernel the call can run (REQUIRES) and whose causal,
+key-length and value-head-dim bounds hold; every list ends with a Triton row that runs everything. KV-cache rows:
+DECODE_ROWS in order, the first whose facts the call has (decode_facts).
+
+Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...` (ops.modes). The
+environment has one switch here: FLASHATTN2_HOPPER (ops._runtime.gluon_switch): 0 turns the Gluon (Hopper) kernels
+off, 1 runs them on a Triton release they were not measured on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import spec as specs
+from ..modes import ARCHS, Forced, arch_of, entered, force, forced, native_arch, wgmma  # noqa: F401  (the API of plans)
+from ..tables import (  # noqa: F401  (TABLE and its types are read through this module)
+    DECODE_ROWS,
+    GLUON_HEAD_DIMS,
+    GLUON_KERNELS,
+    HEAD_DIM_BUCKETS,
+    INVARIANT_MAX_SPLITS,
+    INVARIANT_SPLIT_KEYS,
+    INVARIANT_SPLIT_KEYS_INTERP,
+    KERNELS,
+    MAX_SPLITS,
+    TABLE,
+    UNSUPPORTED,
+    DecodeRow,
+    Row,
+    TileConfig,
+    parse_tile,
+)
+from .common import Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401
+from .decoding import (  # noqa: F401
+    Cache,
+    decode,
+    decode_facts,
+    decode_row,
+    decode_tile,
+    invariant_cache,
+    kvcache_cache,
+    latent_dims,
+    paged_cache,
+    v_from_k,
+)
+from .dense import REQUIRES, _lookup, _derive, lookup  # noqa: F401  (tests, the compile check)
+from . import decoding, dense  # noqa: F401  (tests patch their constants)
+
+DIRECTIONS = ("fwd", "bwd")
+
+
+def plan(spec) -> Plan:
+    """The plan of a call its spec describes (the module docstring)."""
+    if isinstance(spec, specs.AttentionSpec):
+        if spec.modes.invariant:
+            return _decode_of(invariant_cache(spec), spec.modes, 0, spec.q.device)
+        return dense.forward(spec)
+    if isinstance(spec, specs.BackwardSpec):
+        return dense.backward(spec)
+    if isinstance(spec, specs.KVCacheSpec):
+        return _decode_of(kvcache_cache(spec), spec.modes, spec.num_splits, spec.q.device)
+    if isinstance(spec, specs.PagedSpec):
+        return _decode_of(paged_cache(spec), spec.modes, 0, spec.q.device)
+    raise TypeError(f"plan: not a call spec: {type(spec).__name__}")
+
+
+def _decode_of(c: Cache, modes: specs.Modes, num_splits: int, device: torch.device) -> Plan:
+    return decode(c, modes.arch, modes.forced, modes.invariant, num_splits, decoding.sm_count(device, modes.arch))
+
+
+def explain(spec) -> str:
+    """The plan of a call and the rows passed over, with why: what `flashattn2.explain` prints."""
+    chosen = plan(spec)
+    lines = [f"{type(spec).__name__} on {spec_arch(spec)}: {chosen.kernel} {chosen.tile}"]
+    if (
+        isinstance(spec, specs.AttentionSpec)
+        and spec.modes.invariant
+        or not isinstance(spec, (specs.AttentionSpec, specs.BackwardSpec))
+    ):
+        c = (
+            invariant_cache(spec)
+            if isinstance(spec, specs.AttentionSpec)
+            else kvcache_cache(spec)
+            if isinstance(spec, specs.KVCacheSpec)
+            else paged_cache(spec)
+        )
+        modes = spec.modes
+        num_splits = spec.num_splits if isinstance(spec, specs.KVCacheSpec) else 0
+        facts = decode_facts(c, modes.arch, modes.invariant, num_splits, decoding.sm_count(spec.q.device, modes.arch))
+        walk = list(decoding.walk(facts))
+        lines.append("  facts: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
+        lines.append(
+            f"  splits {chosen.splits} of {chosen.chunk} keys, combine {chosen.combine}, pdl {chosen.pdl}, "
+            f"kv_tma {chosen.kv_tma}, v_from_k {chosen.v_from_k}"
+        )
+        describe = lambda row: " ".join(f"{k}={v}" for k, v in row.when) + f" {row.tile}"  # noqa: E731
+    else:
+        b = spec if isinstance(spec, specs.BackwardSpec) else None
+        s = spec.forward if b is not None else spec
+        args, tma, host = (
+            dense.attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
+            if b is not None
+            else dense.attention_plan(s, "fwd", True)
+        )
+        walk = list(dense.walk(*args))
+        if not chosen.gluon:
+            lines.append(
+                f"  load path: {'host-built TMA descriptors' if chosen.host_desc else 'TMA' if chosen.tma else 'pointers'}"
+            )
+        describe = lambda row: (
+            f"{row.kernel} {row.tile}"
+            + (  # noqa: E731
+                f" (causal {row.causal})" if row.causal is not None else ""
+            )
+            + (f" (up to {row.max_seqlen_k} keys)" if row.max_seqlen_k else "")
+        )
+    lines.append(f"  why: {chosen.why}")
+    for row, why_not in walk:
+        if why_not is None:
+            break
+        lines.append(f"  passed over: {describe(row)}: {why_not}")
+    return "\n".join(lines)
+
+
+def spec_arch(spec) -> str:
+    return (spec.forward if isinstance(spec, specs.BackwardSpec) else spec).modes.arch

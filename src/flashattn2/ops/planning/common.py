@@ -1,0 +1,113 @@
+"""What a plan is (Plan), what a call asks of a kernel (Features), and the rules every direction shares: the
+window's resolution, the TMA load path's conditions, what the kernels write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .. import spec as specs
+from ..geometry import block_d
+from ..modes import Forced
+from ..tables import GLUON_KERNELS, TABLE, TileConfig
+
+_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a call asks of a kernel beyond its shape and dtype."""
+
+    varlen: bool = False
+    score_mods: bool = False  # a window (other than causal's), softcap, ALiBi or dropout
+    # the Gluon kernels can run: a wgmma device (sm_90 exactly), a Triton they build on, every tensor with its heads
+    # adjacent and TMA's 16-byte alignment; gluon_why says why not
+    gluon: bool = False
+    deterministic: bool = True  # backward: dQ in its own pass, bitwise-identical gradients run to run
+    gluon_why: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs and how it is launched.
+
+    Dense and varlen attention: the kernel, its tile (and the dQ pass's), its constexprs beyond the call's own, the
+    launch's num_warps, query rows per program (block_m x consumers), the Gluon backward's program order, and the
+    Triton kernels' load path (tma: TMA descriptors, made by each program or, host_desc, on the host; else pointers).
+    The KV-cache kernel ("decode"): its tile (block_m the packed rows per program), the key splits and the keys each
+    reads (chunk), whether the split-merging kernel runs (combine) and as a programmatic dependent launch (pdl),
+    whether whole key blocks arrive by TMA (kv_tma) and whether the values are the keys' tile (v_from_k)."""
+
+    kernel: str
+    tile: TileConfig
+    why: str = ""
+    causal: bool = False
+    dq_tile: TileConfig | None = None
+    constexprs: tuple[tuple[str, object], ...] = ()
+    num_warps: int = 4
+    consumers: int = 1
+    # the Gluon backward's program order: 0, head-major; else heads in groups whose Q and dO fit this many bytes
+    # (kernels/bwd_hopper.py's _ws_program; ops/launch_gluon.bwd_grid)
+    l2_group_bytes: int = 0
+    tma: bool = False
+    host_desc: bool = False
+    splits: int = 1
+    chunk: int = 0
+    combine: bool = False
+    pdl: bool = False
+    kv_tma: bool = False
+    v_from_k: bool = False
+    invariant: bool = False  # the batch-invariant mode's plan: every row through the combine, its fixed width
+
+    @property
+    def rows(self) -> int:
+        return self.tile.block_m * self.consumers
+
+    @property
+    def gluon(self) -> bool:
+        return self.kernel in GLUON_KERNELS
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    return max(block_d(head_dim), 64)
+
+
+def rows(arch: str | None = None):
+    """TABLE's rows (of one arch if given): what the compile-only check builds."""
+    return [row for row in TABLE if arch is None or row.arch == arch]
+
+
+class Window(NamedTuple):
+    """flash_attn's (causal, window_size) resolved: causal sets the right edge to 0; a window that is only that is the
+    CAUSAL path, any other finite edge the LOCAL path. left and right are -1 where unbounded."""
+
+    left: int
+    right: int
+    causal: bool
+    local: bool
+
+
+def window(causal: bool, left: int, right: int) -> Window:
+    right = 0 if causal else right
+    is_causal = left < 0 and right == 0
+    return Window(left, right, is_causal, not is_causal and (left >= 0 or right >= 0))
+
+
+def tma_ok(arch: str, forced: Forced, aligned: bool, *tensors: specs.TensorSpec) -> bool:
+    """Whether the TMA load path may run: Hopper (or force(tma=True) anywhere), every base 16-byte aligned and every
+    leading stride a 16-byte multiple (force(tma=False): never)."""
+    if forced.tma is False or (forced.tma is None and arch != "sm90") or not aligned:
+        return False
+    for t in tensors:
+        es = t.dtype.itemsize
+        if any(s == 0 or (s * es) % 16 for s in t.stride[:-1]):
+            return False
+    return True
+
+
+def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
+    """What the kernels write: the interpreter truncates fp32 -> 16-bit instead of rounding, so it writes fp32 and
+    torch casts."""
+    return torch.float32 if arch == "interp" else dtype

@@ -1,0 +1,210 @@
+"""The dense and varlen attention plans: TABLE's rows for (direction, arch, head-dim bucket, bytes per element) in
+order, the first whose kernel the call can run (REQUIRES: why not) and whose causal, key-length and value-head-dim
+bounds hold; every list ends with a Triton row that runs everything. The load path (TMA, host-built descriptors,
+pointers) and whether the Gluon kernels can run come from the spec."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import torch
+
+from ...errors import ArgumentError
+from .. import _runtime
+from .. import spec as specs
+from ..geometry import block_d
+from ..modes import Forced, forced, wgmma
+from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
+from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_ok, window
+
+
+def _gluon_requires(direction: str):
+    """Why a call cannot run the Gluon kernels of `direction`, or None: they take dense fp16/bf16 inputs with a
+    (q/k, v) head-dim pair of GLUON_HEAD_DIMS, causal or not and no other score modification, keys present, on a
+    device and tensors they run on (Features.gluon)."""
+    pairs = GLUON_HEAD_DIMS[direction]
+
+    def why_not(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
+        if features.varlen:
+            return "varlen: the Gluon kernels take dense inputs"
+        if features.score_mods:
+            return "a window, softcap, ALiBi or dropout: the Gluon kernels take a causal mask or none"
+        if (head_dim, head_dim_v) not in pairs:
+            return (
+                f"head dims {head_dim}/{head_dim_v}: the Gluon kernels take {', '.join(f'{a}/{b}' for a, b in pairs)}"
+            )
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"{dtype}: the Gluon kernels take fp16 and bf16"
+        if max_seqlen_k == 0:
+            return "no keys"
+        if not features.gluon:
+            return features.gluon_why
+        return None
+
+    return why_not
+
+
+def _gluon_bwd(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
+    if features.deterministic:
+        return "deterministic: the Gluon backward adds dQ in any order"
+    if -(-max_seqlen_k // 64) > _GRID_YZ:  # its key blocks (64 keys at least) on the grid's second axis
+        return f"{max_seqlen_k} keys: more key blocks than a grid's second axis holds"
+    return _GLUON_BWD(features, dtype, head_dim, head_dim_v, max_seqlen_k)
+
+
+_GLUON_FWD, _GLUON_BWD = _gluon_requires("fwd"), _gluon_requires("bwd")
+# kernel -> why a call cannot run it (features, dtype, head_dim, head_dim_v, max_seqlen_k), None when it can; the
+# Triton kernels run everything
+REQUIRES = {
+    "fwd": lambda f, dtype, d, dv, n: None,
+    "bwd_dkdv": lambda f, dtype, d, dv, n: None,
+    "fwd_hopper_persist": _GLUON_FWD,
+    "fwd_hopper_ws": _GLUON_FWD,
+    "bwd_hopper": _gluon_bwd,
+}
+
+
+def walk(arch, dtype, head_dim, causal, max_seqlen_k, features: Features, direction, head_dim_v, forced: Forced):
+    """TABLE's rows for the call in order, each with why it is passed over (None: it runs)."""
+    hopper = forced.hopper if forced.hopper is not None else _runtime.gluon_switch() is not False
+    v_bucket = head_dim_bucket(head_dim_v)
+    key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), 4 if dtype == torch.float32 else 2)
+    if key in UNSUPPORTED:
+        raise NotImplementedError(
+            f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
+        )
+    for row in ROWS[key]:
+        if row.causal is not None and row.causal != causal:
+            yield row, "causal calls only" if row.causal else "non-causal calls only"
+        elif row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k:
+            yield row, f"up to {row.max_seqlen_k} keys; the call has {max_seqlen_k}"
+        elif row.head_dim_v is not None and v_bucket > row.head_dim_v:
+            yield row, f"v's head dim up to {row.head_dim_v}; the call's is {head_dim_v}"
+        elif row.kernel in GLUON_KERNELS and not hopper:
+            yield row, "the Gluon kernels are off (FLASHATTN2_HOPPER=0 or force(hopper=False))"
+        else:
+            yield row, REQUIRES[row.kernel](features, dtype, head_dim, head_dim_v, max_seqlen_k)
+
+
+def lookup(
+    arch: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    causal: bool,
+    max_seqlen_k: int,
+    features: Features,
+    direction: str,
+    head_dim_v: int | None = None,
+) -> Plan:
+    """TABLE's plan for a call with these features, under what force() holds (the tile and kernel part of plan();
+    tests read the table through it)."""
+    return _lookup(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced())
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced: Forced) -> Plan:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    for row, why_not in walk(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced):
+        if why_not is None:
+            return _derive(row, forced, causal)
+    raise AssertionError(f"no row for {direction} {arch} d{head_dim} {dtype}")  # the Triton rows match everything
+
+
+def _derive(row: Row, forced: Forced, causal: bool) -> Plan:
+    """The row's plan with forced tiles in place and the constexprs that follow from the tile."""
+    tile = forced.tile(row.kernel) or row.tile
+    constexprs = dict(row.constexprs)
+    num_warps, consumers, l2 = tile.num_warps, 1, 0
+    if row.kernel == "fwd_hopper_persist":
+        if tile.num_warps not in (8, 12):
+            raise ArgumentError(
+                f"fwd_hopper_persist: num_warps counts the consumer warps (8 or 12), got {tile.num_warps}"
+            )
+        consumers = tile.num_warps // 4
+        # 4: the default partition's warps (the producer); snake order under a causal mask
+        constexprs.update(QBUF=tile.qbuf or 2, SNAKE=causal, CONSUMERS=consumers)
+        num_warps = 4
+    elif row.kernel == "fwd_hopper_ws":
+        consumers = 2
+    elif row.kernel == "bwd_hopper":
+        if constexprs["DO_STAGES"] is None:
+            constexprs["DO_STAGES"] = tile.num_stages
+        grouped = forced.bwd_order == "grouped" or (forced.bwd_order is None and causal)
+        l2 = L2_GROUP_BYTES if grouped else 0
+    dq_tile = (forced.tile("bwd_dq") or row.dq_tile) if row.kernel == "bwd_dkdv" else None
+    return Plan(row.kernel, tile, row.why, causal, dq_tile, tuple(constexprs.items()), num_warps, consumers, l2)
+
+
+def _host_desc_ok(forced: Forced, tma: bool, varlen: bool, *tensors: specs.TensorSpec) -> bool:
+    """Host-built descriptors on the Triton path: the TMA path, dense, power-of-two head dims, heads adjacent."""
+    return (
+        forced.host_desc is not False
+        and tma
+        and not varlen
+        and all(t.shape[-1] == block_d(t.shape[-1]) and t.heads_adjacent for t in tensors)
+    )
+
+
+def _gluon_ready(direction: str, s: specs.AttentionSpec, *tensors: specs.TensorSpec) -> tuple[bool, str]:
+    """(Features.gluon, why not): sm_90 exactly (wgmma, which sm_100 lacks), the Gluon module for `direction` importing
+    under this Triton, and every tensor with its heads adjacent in memory (3-D descriptors over (batch, seqlen,
+    heads * headdim)) and TMA's alignment (a `v = k[..., :dv]` view has heads that are not adjacent)."""
+    arch, forced_ = s.modes.arch, s.modes.forced
+    if arch != "sm90":
+        return False, f"arch {arch}: the Gluon kernels are sm_90's"
+    if not (s.q.device.type == "meta" or wgmma(s.q.device)):  # (meta: explain's device of the spec's arch)
+        return False, "not an sm_90 device (the Gluon kernels use wgmma)"
+    if not all(t.heads_adjacent for t in tensors):
+        return False, "a tensor's heads are not adjacent in memory (the Gluon kernels' 3-D TMA boxes)"
+    if not tma_ok(arch, forced_, s.aligned, *tensors):
+        return False, "a tensor not 16-byte aligned, or TMA forced off"
+    hopper = _runtime.hopper_kernels()
+    if hopper is None or getattr(hopper, direction) is None:
+        if forced_.hopper is not False:  # not asked for the Triton kernels: say what is lost
+            _runtime.warn_without_gluon(direction)
+        return False, "the Gluon kernels do not run on this Triton release (README: compatibility)"
+    return True, ""
+
+
+def _out_spec(s: specs.AttentionSpec, dtype: torch.dtype) -> specs.TensorSpec:
+    """The fresh output's layout: contiguous, q's shape with v's head dim."""
+    shape = (*s.q.shape[:-1], s.v.shape[-1])
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return specs.TensorSpec(torch.Size(shape), stride, dtype, s.q.device)
+
+
+def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, extra=(), aligned=True):
+    """The dense/varlen plan of an attention call's forward, or of its backward (extra: dout and the gradients'
+    specs); returns (arguments of _walk, the plan's load path)."""
+    arch, forced_ = s.modes.arch, s.modes.forced
+    w = window(s.causal, *s.window)
+    score_mods = w.local or s.softcap > 0 or s.alibi is not None or s.dropout_p > 0
+    max_seqlen_k = s.max_seqlen_k if s.varlen else s.k.shape[1]
+    out = _out_spec(s, out_dtype(s.q.dtype, arch))
+    tensors = (s.q, s.k, s.v, out, *extra)
+    gluon, gluon_why = False, "varlen: the Gluon kernels take dense inputs"
+    if not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
+        gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
+    features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why)
+    tma = tma_ok(arch, forced_, s.aligned and aligned, *tensors)
+    host = _host_desc_ok(forced_, tma, s.varlen, *tensors)
+    args = (arch, s.q.dtype, s.q.shape[-1], w.causal, max_seqlen_k, features, direction, s.v.shape[-1], forced_)
+    return args, tma, host
+
+
+def forward(s: specs.AttentionSpec) -> Plan:
+    args, tma, host = attention_plan(s, "fwd", True)
+    plan = _lookup(*args)
+    return plan if plan.gluon else replace(plan, tma=tma, host_desc=host)
+
+
+def backward(b: specs.BackwardSpec) -> Plan:
+    s = b.forward
+    args, tma, host = attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
+    plan = _lookup(*args)
+    if plan.gluon:
+        return plan
+    # past 256 each block's columns are split over programs (DSPLIT), whose chunks are pointer loads
+    return replace(plan, tma=tma, host_desc=host and dict(plan.constexprs).get("DSPLIT", 1) == 1)

@@ -1,0 +1,325 @@
+"""A call described once: the spec every cache keys on.
+
+A spec is built at the API boundary from a call's arguments, before anything is validated, and holds everything a
+call's validation, plan and launch arguments depend on: each tensor's shape, strides, dtype and device, the options'
+values, whether every input is 16-byte aligned (Triton and TMA specialize on it), the device's arch and the modes in
+force (planning.force(), the batch-invariant mode). Two calls with equal specs are validated, planned and launched
+alike, so a call whose spec was seen before goes straight to its launches (ops.call); a new option enters every key
+by being a field here. What changes from call to call without changing any of that -- the tensors' data, a dropout
+seed, an int cache_seqlens -- is not in the spec (an int cache_seqlens enters as Triton's class of it: see
+int_class).
+
+Specs are NamedTuples: frozen, hashable and cheap to build (a call builds one on every call). A builder raises
+NotCanonical where an argument is not of the plain type a spec holds (a window given as a list, a max_seqlen given as
+a tensor, a non-tensor where a tensor belongs): the caller then validates the arguments, which names the bad one or
+normalizes them, and builds the spec from the normalized values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import invariance, planning
+
+
+class NotCanonical(Exception):
+    """An argument is not of the type a spec holds: validate and normalize first."""
+
+
+class TensorSpec(NamedTuple):
+    """What a call's validation and launches read of a tensor: everything but its data."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def heads_adjacent(self) -> bool:
+        """Whether a (..., heads, headdim) tensor's heads are adjacent rows of one matrix (TMA's 3-D boxes)."""
+        return self.stride[-2] == self.shape[-1]
+
+
+_tensor = TensorSpec._make
+
+
+def tensor(t) -> TensorSpec:
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+        raise NotCanonical
+    return _tensor((t.shape, t.stride(), t.dtype, t.device))
+
+
+def optional(t) -> TensorSpec | None:
+    return None if t is None else tensor(t)
+
+
+def aligned(*tensors) -> bool:
+    """Whether every given tensor (None skipped) starts at a 16-byte boundary."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & 15 == 0
+
+
+def int_class(n: int) -> int:
+    """What Triton specializes a runtime integer on: 1 (a constant), a multiple of 16, or neither (0, 16, 2)."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 2
+
+
+def _number(x):
+    if type(x) not in (int, float, bool):
+        raise NotCanonical
+    return x
+
+
+def _window(window_size) -> tuple:
+    if type(window_size) is not tuple or len(window_size) != 2:
+        raise NotCanonical
+    left, right = window_size
+    if type(left) is not int or type(right) is not int:
+        raise NotCanonical
+    return window_size
+
+
+class Modes(NamedTuple):
+    """The modes a call runs under (each thread's or task's own): planning.force()'s state and the batch-invariant
+    mode; and the device's arch the plan table is read for."""
+
+    arch: str
+    forced: planning.Forced
+    invariant: bool
+
+
+def modes(device: torch.device) -> Modes:
+    arch = planning.arch_of(device) if device.type == "cuda" else "interp"
+    return Modes(arch, planning.forced(), invariance.enabled())
+
+
+class AttentionSpec(NamedTuple):
+    """flash_attn_func, flash_attn_varlen_func and their packed forms (and the ops they run, ring blocks
+    included): q, k, v dense (batch, seqlen, heads, headdim) or varlen (total, heads, headdim) with cu_seqlens."""
+
+    varlen: bool
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    cu_seqlens_q: TensorSpec | None
+    cu_seqlens_k: TensorSpec | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    dropout_p: float
+    softmax_scale: float | None
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    alibi: TensorSpec | None
+    sink: TensorSpec | None
+    deterministic: bool
+    aligned: bool
+    modes: Modes
+
+
+def attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    learnable_sink,
+    deterministic,
+) -> AttentionSpec:
+    """The spec of an attention call from its arguments (raises NotCanonical, see the module docstring)."""
+    qs = tensor(q)
+    varlen = cu_seqlens_q is not None
+    if varlen and (type(max_seqlen_q) is not int or type(max_seqlen_k) is not int):
+        raise NotCanonical
+    return AttentionSpec(
+        varlen,
+        qs,
+        tensor(k),
+        tensor(v),
+        optional(cu_seqlens_q),
+        optional(cu_seqlens_k),
+        max_seqlen_q if varlen else 0,
+        max_seqlen_k if varlen else 0,
+        _number(dropout_p),
+        None if softmax_scale is None else _number(softmax_scale),
+        _number(causal),
+        _window(window_size),
+        _number(softcap),
+        optional(alibi_slopes),
+        optional(learnable_sink),
+        _number(deterministic),
+        aligned(q, k, v),
+        modes(qs.device),
+    )
+
+
+class BackwardSpec(NamedTuple):
+    """An attention call's backward: its forward's spec, the output gradient's layout, whether the logsumexp has a
+    gradient, whether it must be deterministic, and where the gradients go (a packed tensor's views or their own)."""
+
+    forward: AttentionSpec
+    dout: TensorSpec
+    dlse: bool
+    deterministic: bool
+    grads: tuple[TensorSpec, TensorSpec, TensorSpec]
+    aligned: bool
+
+
+class KVCacheSpec(NamedTuple):
+    """flash_attn_with_kvcache: q over a contiguous or paged cache, with or without new keys to append first.
+    cache_seqlens is a TensorSpec, or for an int its Triton class (int_class), or None."""
+
+    q: TensorSpec
+    k_cache: TensorSpec
+    v_cache: TensorSpec
+    v_from_k: bool  # v_cache starts where k_cache does (MLA's latent cache: a view of its first columns)
+    k: TensorSpec | None
+    v: TensorSpec | None
+    rotary_cos: TensorSpec | None
+    rotary_sin: TensorSpec | None
+    cache_seqlens: TensorSpec | int | None
+    cache_batch_idx: TensorSpec | None
+    cache_leftpad: TensorSpec | None
+    block_table: TensorSpec | None
+    softmax_scale: float | None
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    rotary_interleaved: bool
+    alibi: TensorSpec | None
+    num_splits: int
+    sink: TensorSpec | None
+    aligned: bool
+    modes: Modes
+
+
+def kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    learnable_sink,
+) -> KVCacheSpec:
+    """The spec of a flash_attn_with_kvcache call from its arguments (raises NotCanonical)."""
+    qs = tensor(q)
+    if type(cache_seqlens) is int:
+        seqlens = int_class(cache_seqlens)
+    else:
+        seqlens = optional(cache_seqlens)
+    if type(num_splits) is not int:
+        raise NotCanonical
+    return KVCacheSpec(
+        qs,
+        tensor(k_cache),
+        tensor(v_cache),
+        v_cache.data_ptr() == k_cache.data_ptr(),
+        optional(k),
+        optional(v),
+        optional(rotary_cos),
+        optional(rotary_sin),
+        seqlens,
+        optional(cache_batch_idx),
+        optional(cache_leftpad),
+        optional(block_table),
+        None if softmax_scale is None else _number(softmax_scale),
+        _number(causal),
+        _window(window_size),
+        _number(softcap),
+        _number(rotary_interleaved),
+        optional(alibi_slopes),
+        num_splits,
+        optional(learnable_sink),
+        aligned(q, k_cache, v_cache, k, v),
+        modes(qs.device),
+    )
+
+
+class PagedSpec(NamedTuple):
+    """flash_attn_varlen_func with block_table: varlen q over a paged K/V (forward only)."""
+
+    q: TensorSpec
+    k_cache: TensorSpec
+    v_cache: TensorSpec
+    cu_seqlens_q: TensorSpec
+    cu_seqlens_k: TensorSpec
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: TensorSpec
+    dropout_p: float
+    softmax_scale: float | None
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    alibi: TensorSpec | None
+    sink: TensorSpec | None
+    aligned: bool
+    modes: Modes
+
+
+def paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    block_table,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    learnable_sink,
+) -> PagedSpec:
+    """The spec of a paged varlen call from its arguments (raises NotCanonical)."""
+    qs = tensor(q)
+    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        raise NotCanonical
+    return PagedSpec(
+        qs,
+        tensor(k_cache),
+        tensor(v_cache),
+        tensor(cu_seqlens_q),
+        tensor(cu_seqlens_k),
+        max_seqlen_q,
+        max_seqlen_k,
+        tensor(block_table),
+        _number(dropout_p),
+        None if softmax_scale is None else _number(softmax_scale),
+        _number(causal),
+        _window(window_size),
+        _number(softcap),
+        optional(alibi_slopes),
+        optional(learnable_sink),
+        aligned(q, k_cache, v_cache),
+        modes(qs.device),
+    )
