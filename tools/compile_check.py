@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
+from flashattn2.kernels import append, bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
@@ -382,7 +382,7 @@ def cases(arch):
                 chosen = dict(PAGED=False, PAGE_SIZE=1, LEFTPAD=True, SPLIT=True, V_FROM_K=True)
                 yield kvcache_case(f"latent-m{block_m}-contiguous", 2, dict(chosen, ROW_BLOCKS_ADJACENT=True), T(*tile))
         for paged, rotate in ((False, True), (True, False)):
-            append = dict(
+            append_flags = dict(
                 CHECK=True,
                 PAGED=paged,
                 BATCH_IDX=not paged,
@@ -400,9 +400,9 @@ def cases(arch):
             )
             yield (
                 f"{arch}-append-{name_d}-{'paged' if paged else 'rotary'}",
-                decode.kvcache_append_kernel,
+                append.kvcache_append_kernel,
                 2,
-                append,
+                append_flags,
                 T(16, 16, 4, 1),
                 None,
             )

@@ -88,7 +88,7 @@ def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, chec
     dummy = k_new
     block_t = min(16, 1 << (seqlen_new - 1).bit_length())
     launcher.launch(
-        _runtime.kernels().decode.kvcache_append_kernel,
+        _runtime.kernels().append.kvcache_append_kernel,
         (batch, -(-seqlen_new // block_t)),
         k_new,
         v_new,
