@@ -357,7 +357,8 @@ def cases(arch):
             )
             split = "-split" if chosen.get("SPLIT") else ""
             name = f"{arch}-kvcache-{name_d}-{TYPE[elem_bytes]}-{label}{split}"
-            return name, decode.attn_kvcache_kernel, elem_bytes, flags, tile, {"Out": "*fp32"} if split else None
+            types = dict(KVCACHE_TYPES, **({"Out": "*fp32"} if split else {}))
+            return name, decode.attn_kvcache_kernel, elem_bytes, _grouped(flags, KVCACHE_GROUPS), tile, types
 
         for elem_bytes in (2, 4):
             if arch == "sm86" and elem_bytes == 4 and sum(column_parts(head_dim)) + bdv > 1024:  # refused there
@@ -402,9 +403,9 @@ def cases(arch):
                 f"{arch}-append-{name_d}-{'paged' if paged else 'rotary'}",
                 append.kvcache_append_kernel,
                 2,
-                append_flags,
+                _grouped(append_flags, APPEND_GROUPS),
                 T(16, 16, 4, 1),
-                None,
+                APPEND_TYPES,
             )
         combine = dict(HEAD_DIM=head_dim_v, BLOCK_S=128, CHUNK_S=16, BLOCK_D=bdv, PDL=arch == "sm90", SINK=True)
         yield (
@@ -413,7 +414,7 @@ def cases(arch):
             2,
             combine,
             T(16, 16, 2, 1),
-            {"OutPart": "*fp32", "LsePart": "*fp32"},
+            {"OutPart": "*fp32", "LsePart": "*fp32", "lse_strides": _i32(3), "shape": _i32(3)},
         )
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
@@ -435,6 +436,47 @@ def cases(arch):
             T(16, 16, 4, 1),
             {"Acc": "*fp32", "Lse": "*fp32", "BLse": "*fp32"},
         )
+
+
+def _i32(n: int) -> tuple:
+    """The signature type of a tuple of n int32 (a tensor's strides, a shape)."""
+    return ("i32",) * n
+
+
+def _grouped(flat: dict, groups: dict) -> dict:
+    """A kernel's constexprs, given flat, as the kernel takes them: each group's NamedTuple of its fields' values
+    under the group's parameter name (groups: name -> NamedTuple class); the names in no group as they are."""
+    grouped = {name: cls(**{f: flat[f] for f in cls._fields}) for name, cls in groups.items()}
+    fields = {f for cls in groups.values() for f in cls._fields}
+    return dict(grouped, **{n: v for n, v in flat.items() if n not in fields})
+
+
+# attn_kvcache_kernel's and kvcache_append_kernel's constexpr groups and tuple parameters
+KVCACHE_GROUPS = dict(
+    MODS=decode.DecodeMods,
+    CACHE=decode.CacheLayout,
+    PATH=decode.DecodePath,
+    DOTS=decode.DecodeDots,
+    TILE=decode.DecodeTile,
+)
+KVCACHE_TYPES = dict(
+    q_strides=_i32(3),
+    k_strides=_i32(3),
+    v_strides=_i32(3),
+    out_strides=_i32(4),
+    lse_strides=_i32(3),
+    shape=_i32(10),
+    score=("i32", "i32", "fp32", "fp32"),  # (window_left, window_right, sm_scale, softcap)
+)
+APPEND_GROUPS = dict(CACHE=decode.CacheLayout, TILE=append.AppendTile)
+APPEND_TYPES = dict(
+    knew_strides=_i32(3),
+    vnew_strides=_i32(3),
+    k_strides=_i32(3),
+    v_strides=_i32(3),
+    shape=_i32(7),
+    cos_shape=_i32(2),
+)
 
 
 # Triton specializes an integer argument equal to 1 into a constant: a one-token query or key sequence, or
