@@ -267,13 +267,14 @@ def cases(arch):
     # the Gluon backward at 192/128: the accumulator (q's head dim) wider than O
     narrow = dict(pre, HEAD_DIM=128, BLOCK_D=128, ACC_DIM=192, BLOCK_ACC=256)
     yield f"{arch}-preprocess-padded-d192-dv128", bwd.attn_bwd_preprocess_kernel, 2, narrow, T(32, 32, 4, 1)
+    slot = ("i32", "i32", "i32", "i32", "fp32")  # (total_rows, stride_r, stride_c, ncols, value)
     yield (
         f"{arch}-fill-tail",
         fill.fill_tail_kernel,
         2,
         dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
         T(64, 64, 4, 1),
-        {"X1": "*fp32"},
+        {"X1": "*fp32", "slot0": slot, "slot1": slot, "slot2": slot},
     )
     dmask_flags = dict(
         CAUSAL=False,
@@ -424,7 +425,7 @@ def cases(arch):
             2,
             flags,
             T(8, 8, 4, 1),
-            None,
+            {"x_strides": _i32(3), "shape": _i32(4)},
         )
     # the ring's merge of partial results (flashattn2.parallel), first block and later ones, head dims to 512
     for first, head_dim in ((True, 128), (False, 512)):
@@ -434,7 +435,15 @@ def cases(arch):
             2,
             dict(FIRST=first, BLOCK_S=max(16, 8192 // head_dim), BLOCK_D=head_dim),
             T(16, 16, 4, 1),
-            {"Acc": "*fp32", "Lse": "*fp32", "BLse": "*fp32"},
+            {
+                "Acc": "*fp32",
+                "Lse": "*fp32",
+                "BLse": "*fp32",
+                "acc_strides": _i32(3),
+                "lse_strides": _i32(2),
+                "out_strides": _i32(3),
+                "blse_strides": _i32(2),
+            },
         )
 
 
