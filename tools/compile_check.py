@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
+from flashattn2.kernels import append, bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.ops import _runtime, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
@@ -269,13 +269,14 @@ def cases(arch):
     # the Gluon backward at 192/128: the accumulator (q's head dim) wider than O
     narrow = dict(pre, HEAD_DIM=128, BLOCK_D=128, ACC_DIM=192, BLOCK_ACC=256)
     yield f"{arch}-preprocess-padded-d192-dv128", bwd.attn_bwd_preprocess_kernel, 2, narrow, T(32, 32, 4, 1)
+    slot = ("i32", "i32", "i32", "i32", "fp32")  # (total_rows, stride_r, stride_c, ncols, value)
     yield (
         f"{arch}-fill-tail",
         fill.fill_tail_kernel,
         2,
         dict(SLOTS=3, BLOCK_R=64, BLOCK_C=128),
         T(64, 64, 4, 1),
-        {"X1": "*fp32"},
+        {"X1": "*fp32", "slot0": slot, "slot1": slot, "slot2": slot},
     )
     dmask_flags = dict(
         CAUSAL=False,
@@ -359,7 +360,8 @@ def cases(arch):
             )
             split = "-split" if chosen.get("SPLIT") else ""
             name = f"{arch}-kvcache-{name_d}-{TYPE[elem_bytes]}-{label}{split}"
-            return name, decode.attn_kvcache_kernel, elem_bytes, flags, tile, {"Out": "*fp32"} if split else None
+            types = dict(KVCACHE_TYPES, **({"Out": "*fp32"} if split else {}))
+            return name, decode.attn_kvcache_kernel, elem_bytes, _grouped(flags, KVCACHE_GROUPS), tile, types
 
         for elem_bytes in (2, 4):
             if arch == "sm86" and elem_bytes == 4 and sum(column_parts(head_dim)) + bdv > 1024:  # refused there
@@ -384,7 +386,7 @@ def cases(arch):
                 chosen = dict(PAGED=False, PAGE_SIZE=1, LEFTPAD=True, SPLIT=True, V_FROM_K=True)
                 yield kvcache_case(f"latent-m{block_m}-contiguous", 2, dict(chosen, ROW_BLOCKS_ADJACENT=True), tile)
         for paged, rotate in ((False, True), (True, False)):
-            append = dict(
+            append_flags = dict(
                 CHECK=True,
                 PAGED=paged,
                 BATCH_IDX=not paged,
@@ -402,11 +404,11 @@ def cases(arch):
             )
             yield (
                 f"{arch}-append-{name_d}-{'paged' if paged else 'rotary'}",
-                decode.kvcache_append_kernel,
+                append.kvcache_append_kernel,
                 2,
-                append,
+                _grouped(append_flags, APPEND_GROUPS),
                 T(16, 16, 4, 1),
-                None,
+                APPEND_TYPES,
             )
         combine = dict(HEAD_DIM=head_dim_v, BLOCK_S=128, CHUNK_S=16, BLOCK_D=bdv, PDL=arch == "sm90", SINK=True)
         yield (
@@ -415,7 +417,7 @@ def cases(arch):
             2,
             combine,
             T(16, 16, 2, 1),
-            {"OutPart": "*fp32", "LsePart": "*fp32"},
+            {"OutPart": "*fp32", "LsePart": "*fp32", "lse_strides": _i32(3), "shape": _i32(3)},
         )
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
@@ -425,7 +427,7 @@ def cases(arch):
             2,
             flags,
             T(8, 8, 4, 1),
-            None,
+            {"x_strides": _i32(3), "shape": _i32(4)},
         )
     # the ring's merge of partial results (flashattn2.parallel), first block and later ones, head dims to 512
     for first, head_dim in ((True, 128), (False, 512)):
@@ -435,8 +437,57 @@ def cases(arch):
             2,
             dict(FIRST=first, BLOCK_S=max(16, 8192 // head_dim), BLOCK_D=head_dim),
             T(16, 16, 4, 1),
-            {"Acc": "*fp32", "Lse": "*fp32", "BLse": "*fp32"},
+            {
+                "Acc": "*fp32",
+                "Lse": "*fp32",
+                "BLse": "*fp32",
+                "acc_strides": _i32(3),
+                "lse_strides": _i32(2),
+                "out_strides": _i32(3),
+                "blse_strides": _i32(2),
+            },
         )
+
+
+def _i32(n: int) -> tuple:
+    """The signature type of a tuple of n int32 (a tensor's strides, a shape)."""
+    return ("i32",) * n
+
+
+def _grouped(flat: dict, groups: dict) -> dict:
+    """A kernel's constexprs, given flat, as the kernel takes them: each group's NamedTuple of its fields' values
+    under the group's parameter name (groups: name -> NamedTuple class); the names in no group as they are."""
+    grouped = {name: cls(**{f: flat[f] for f in cls._fields}) for name, cls in groups.items()}
+    fields = {f for cls in groups.values() for f in cls._fields}
+    return dict(grouped, **{n: v for n, v in flat.items() if n not in fields})
+
+
+# attn_kvcache_kernel's and kvcache_append_kernel's constexpr groups and tuple parameters
+KVCACHE_GROUPS = dict(
+    MODS=decode.DecodeMods,
+    CACHE=decode.CacheLayout,
+    PATH=decode.DecodePath,
+    DOTS=decode.DecodeDots,
+    TILE=decode.DecodeTile,
+)
+KVCACHE_TYPES = dict(
+    q_strides=_i32(3),
+    k_strides=_i32(3),
+    v_strides=_i32(3),
+    out_strides=_i32(4),
+    lse_strides=_i32(3),
+    shape=_i32(10),
+    score=("i32", "i32", "fp32", "fp32"),  # (window_left, window_right, sm_scale, softcap)
+)
+APPEND_GROUPS = dict(CACHE=decode.CacheLayout, TILE=append.AppendTile)
+APPEND_TYPES = dict(
+    knew_strides=_i32(3),
+    vnew_strides=_i32(3),
+    k_strides=_i32(3),
+    v_strides=_i32(3),
+    shape=_i32(7),
+    cos_shape=_i32(2),
+)
 
 
 # Triton specializes an integer argument equal to 1 into a constant: a one-token query or key sequence, or

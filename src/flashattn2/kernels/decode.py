@@ -36,11 +36,65 @@ A learnable sink (SINK: a logit per query head in every row's denominator) joins
 final step without splits, in the combine with them (never in a split's partial logsumexp).
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import LN2, LOG2E, alibi_bias, sink_join, tanh, visible
+
+
+class DecodeMods(NamedTuple):
+    """How attn_kvcache_kernel forms and masks the scores (ops.options.ScoreMods.kernel_args' flags, no dropout)."""
+
+    CAUSAL: bool  # bottom-right causal mask
+    LOCAL: bool  # sliding window (window_left, window_right); excludes CAUSAL
+    SOFTCAP: bool  # softcap * tanh(s / softcap)
+    ALIBI: bool  # per-head ALiBi slopes (Alibi, stride_alibi_b)
+    SINK: bool  # a learnable logit per query head in the denominator (Sinks)
+
+
+class CacheLayout(NamedTuple):
+    """The cache as the decode and append kernels address it (ops.kvcache.Cache)."""
+
+    PAGED: bool  # pages through BlockTable, else a cache row per sequence
+    BATCH_IDX: bool  # sequence b's cache row is CacheBatchIdx[b] (not paged)
+    LEFTPAD: bool  # sequence b's keys start at LeftPad[b]
+    SEQLENS_TENSOR: bool  # cache_seqlens per sequence in CacheSeqlens, else the one runtime cache_seqlen
+    PAGE_SIZE: int  # rows of a page (1 when not paged)
+
+
+class DecodePath(NamedTuple):
+    """Which of attn_kvcache_kernel's paths a launch takes: its grid, its outputs, how it reads K/V."""
+
+    SPLIT: bool  # split-KV: partial out and lse in fp32, merged by attn_combine_kernel
+    VARLEN_Q: bool  # paged prefill: q rows from CuSeqlensQ of a packed (total_q, nheads, headdim) q
+    CHECK: bool  # values out of range set Err
+    PDL: bool  # the combine is a programmatic dependent launch (sm90)
+    V_FROM_K: bool  # V is K's first column block: the key tile is the value tile
+    ROW_BLOCKS_ADJACENT: bool  # several row blocks, consecutive on the grid's first axis
+    KV_TMA: bool  # whole key blocks by TMA into shared memory (ops.kvcache.kv_tma)
+
+
+class DecodeDots(NamedTuple):
+    """How attn_kvcache_kernel's dots compute."""
+
+    UPCAST: bool  # q, k and v to fp32 before the dots (fp32 inputs, the interpreter)
+    DOT_PRECISION: str  # tl.dot's input_precision: "ieee" or "tf32"
+    ROW_EXACT: bool  # _row_exact_dot instead of tl.dot (the batch-invariant mode in the interpreter)
+
+
+class DecodeTile(NamedTuple):
+    """attn_kvcache_kernel's head dims and tile (ops.kvcache.plan)."""
+
+    HEAD_DIM: int  # q's and k's head dim
+    BLOCK_M: int  # packed rows (query heads x queries) per program
+    BLOCK_N: int  # keys per block
+    BLOCK_D: int  # q's and k's first column block
+    HEAD_DIM_V: int  # v's head dim
+    BLOCK_DV: int  # v's columns, a power of two
+    BLOCK_D_LO: int  # q's and k's second column block (HEAD_DIM = BLOCK_D + BLOCK_D_LO), or 0
 
 
 @triton.jit
@@ -58,69 +112,39 @@ def attn_kvcache_kernel(
     Sinks,
     CuSeqlensQ,
     Err,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_os,
-    stride_ob,
-    stride_oq,
-    stride_oh,
-    stride_ls,
-    stride_lb,
-    stride_lh,
+    q_strides,  # (batch, query, head)
+    k_strides,  # (batch or page, position, head)
+    v_strides,
+    out_strides,  # (split, batch, query, head)
+    lse_strides,  # (split, batch, head)
     stride_bt,
     stride_alibi_b,
-    nheads,
-    nheads_k,
-    seqlen_q,
-    seqlen_new,
-    cache_seqlen,
-    chunk,
-    capacity,
-    n_rows,
-    row_blocks,
-    seqlen_limit,
-    window_left,
-    window_right,
-    sm_scale,
-    softcap,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    SINK: tl.constexpr,
-    PAGED: tl.constexpr,
-    BATCH_IDX: tl.constexpr,
-    LEFTPAD: tl.constexpr,
-    SEQLENS_TENSOR: tl.constexpr,
-    SPLIT: tl.constexpr,
-    VARLEN_Q: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    CHECK: tl.constexpr,
-    PDL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_D_LO: tl.constexpr = 0,
-    V_FROM_K: tl.constexpr = False,
-    ROW_BLOCKS_ADJACENT: tl.constexpr = False,
-    KV_TMA: tl.constexpr = False,
-    ROW_EXACT: tl.constexpr = False,
+    shape,  # (nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, row_blocks, seqlen_limit)
+    score,  # (window_left, window_right, sm_scale, softcap)
+    MODS: tl.constexpr,
+    CACHE: tl.constexpr,
+    PATH: tl.constexpr,
+    DOTS: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    if PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
+    stride_qb, stride_qs, stride_qh = q_strides
+    stride_kb, stride_ks, stride_kh = k_strides
+    stride_vb, stride_vs, stride_vh = v_strides
+    stride_os, stride_ob, stride_oq, stride_oh = out_strides
+    stride_ls, stride_lb, stride_lh = lse_strides
+    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, row_blocks, seqlen_limit = shape
+    window_left, window_right, sm_scale, softcap = score
+    HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
+    BLOCK_D_LO: tl.constexpr = TILE.BLOCK_D_LO
+    HEAD_DIM_V: tl.constexpr = TILE.HEAD_DIM_V
+    PAGE_SIZE: tl.constexpr = CACHE.PAGE_SIZE
+    if PATH.PDL:  # the combine kernel may be scheduled now: it waits (gdc_wait) for this grid's writes
         gdc_launch_dependents()
-    if ROW_BLOCKS_ADJACENT:  # a flat first axis: consecutive programs take the row blocks of one (batch, kv head)
+    if PATH.ROW_BLOCKS_ADJACENT:  # a flat first axis: consecutive programs take the row blocks of one (batch, kv head)
         flat = tl.program_id(0).to(tl.int64)
         off_bhk = flat // row_blocks
         pid_m = flat % row_blocks
@@ -133,7 +157,7 @@ def attn_kvcache_kernel(
     group = nheads // nheads_k
 
     q_start = 0
-    if VARLEN_Q:  # paged prefill: q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of a (total_q, ...) tensor
+    if PATH.VARLEN_Q:  # paged prefill: q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of a (total_q, ...) tensor
         q_start = tl.load(CuSeqlensQ + off_b).to(tl.int64)
         seqlen_q = (tl.load(CuSeqlensQ + off_b + 1) - q_start).to(tl.int32)
         if pid_m * BLOCK_M >= seqlen_q * group:
@@ -143,13 +167,13 @@ def attn_kvcache_kernel(
     # padding past the keys, a cache row or page that does not exist) also sets Err, which the
     # host reads after the launch
     bad = tl.full([], 0, tl.int1)
-    if SEQLENS_TENSOR:
+    if CACHE.SEQLENS_TENSOR:
         cache_seqlen = tl.load(CacheSeqlens + off_b)
         bad = (cache_seqlen < 0) | (cache_seqlen > seqlen_limit)
         cache_seqlen = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
     key_end = cache_seqlen + seqlen_new  # physical end of this sequence's keys
     left_pad = 0
-    if LEFTPAD:
+    if CACHE.LEFTPAD:
         left_pad = tl.load(LeftPad + off_b)
         bad |= (left_pad < 0) | (left_pad > cache_seqlen)
         left_pad = tl.minimum(tl.maximum(left_pad, 0), key_end)
@@ -174,7 +198,7 @@ def attn_kvcache_kernel(
         mask=row_ok[:, None] & col_ok[None, :],
         other=0.0,
     )
-    if UPCAST:
+    if DOTS.UPCAST:
         q = q.to(tl.float32)
     if BLOCK_D_LO > 0:  # q's second column block (HEAD_DIM = BLOCK_D + BLOCK_D_LO)
         cols_lo = BLOCK_D + tl.arange(0, BLOCK_D_LO)
@@ -187,7 +211,7 @@ def attn_kvcache_kernel(
             mask=row_ok[:, None],
             other=0.0,
         )
-        if UPCAST:
+        if DOTS.UPCAST:
             q_lo = q_lo.to(tl.float32)
 
     # this split's keys, narrowed to what the block's rows can see
@@ -196,19 +220,19 @@ def attn_kvcache_kernel(
     diag = seqlen_k - seqlen_q
     qi_first = pid_m * BLOCK_M // group
     qi_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    if CAUSAL:
+    if MODS.CAUSAL:
         n_hi = tl.minimum(n_hi, qi_last + diag + 1)
-    if LOCAL:
+    if MODS.LOCAL:
         n_hi = tl.minimum(n_hi, qi_last + diag + window_right + 1)
         n_lo = tl.maximum(n_lo, (qi_first + diag - window_left) // BLOCK_N * BLOCK_N)
 
-    if PAGED:
+    if CACHE.PAGED:
         bt_row = BlockTable + off_b * stride_bt
         k_base = K + off_hk * stride_kh
         v_base = V + off_hk * stride_vh
     else:
         cache_row = off_b
-        if BATCH_IDX:
+        if CACHE.BATCH_IDX:
             cache_row = tl.load(CacheBatchIdx + off_b).to(tl.int64)
             bad |= (cache_row < 0) | (cache_row >= n_rows)
             cache_row = tl.minimum(tl.maximum(cache_row, 0), n_rows - 1)
@@ -218,15 +242,18 @@ def attn_kvcache_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
+    # what _softmax_step masks and scales by
+    lens = (seqlen_q, seqlen_k)
+    score2 = (window_left, window_right, qk_scale, softcap_in, softcap_out)
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ALIBI:
+    if MODS.ALIBI:
         slope2 = tl.load(Alibi + off_b * stride_alibi_b + heads, mask=row_ok, other=0.0) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     page_bad = tl.full([], 0, tl.int1)
-    if KV_TMA:
+    if PATH.KV_TMA:
         # whole key blocks by TMA into shared memory, where the dots read them (the page's rows: k_base's rows of
         # the pages, stride_ks apart); a last partial block goes to the loop below (pointers: keys past the end
         # read as zeros, so the values' garbage rows there never meet p = 0)
@@ -237,7 +264,9 @@ def attn_kvcache_kernel(
             k_base + BLOCK_D, shape=[n_rows * PAGE_SIZE, BLOCK_D_LO], strides=[stride_ks, 1],
             block_shape=[BLOCK_N, BLOCK_D_LO],
         )  # fmt: skip
-        tl.static_assert(V_FROM_K and BLOCK_D_LO > 0 and PAGED and not LEFTPAD, "KV_TMA: ops.kvcache.kv_tma's cache")
+        tl.static_assert(
+            PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD, "KV_TMA: ops.kvcache.kv_tma's cache"
+        )
         n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_lo, n_full, BLOCK_N):
             kj = start_n + tl.arange(0, BLOCK_N)
@@ -246,22 +275,20 @@ def attn_kvcache_kernel(
             row = (tl.minimum(tl.maximum(page, 0), n_rows - 1) * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)
             k = k_desc.load([row, 0])
             k_lo = k_lo_desc.load([row, 0])
-            if UPCAST:
+            if DOTS.UPCAST:
                 k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
-            p, alpha, l_i, m_i = _softmax_step(
-                qk, kj, kj < n_hi, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_in, softcap_out, CAUSAL, LOCAL, SOFTCAP, ALIBI,
-            )  # fmt: skip
+            qk = tl.dot(q, tl.trans(k), input_precision=DOTS.DOT_PRECISION)
+            qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOTS.DOT_PRECISION)
+            p, alpha, l_i, m_i = _softmax_step(qk, kj, kj < n_hi, qi, m_i, l_i, slope2, lens, score2, MODS)
             acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(k.dtype), k, acc, input_precision=DOT_PRECISION)  # v: k's first block (V_FROM_K)
+            acc = tl.dot(p.to(k.dtype), k, acc, input_precision=DOTS.DOT_PRECISION)  # v: k's first block (V_FROM_K)
         n_lo = n_full
     for start_n in range(n_lo, n_hi, BLOCK_N):
         kj = start_n + tl.arange(0, BLOCK_N)
         k_ok = kj < n_hi
-        if PAGED:
-            if PAGE_SIZE % BLOCK_N == 0 and not LEFTPAD:  # the block (start_n: a multiple of BLOCK_N) is in one page
+        if CACHE.PAGED:
+            # the block (start_n: a multiple of BLOCK_N) is in one page
+            if PAGE_SIZE % BLOCK_N == 0 and not CACHE.LEFTPAD:
                 page = tl.load(bt_row + start_n // PAGE_SIZE)
                 page_bad |= (page < 0) | (page >= n_rows)
                 in_page = (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -279,41 +306,38 @@ def attn_kvcache_kernel(
             v_off = pos * stride_vs
         # [BLOCK_N, BLOCK_D]
         k = tl.load(k_base + k_off[:, None] + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
+        if DOTS.UPCAST:
             k = k.to(tl.float32)
         # [BLOCK_M, BLOCK_N]
-        if ROW_EXACT:
+        if DOTS.ROW_EXACT:
             qk = _row_exact_dot(q, tl.trans(k))
         else:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOTS.DOT_PRECISION)
         if BLOCK_D_LO > 0:
             k_lo = tl.load(k_base + k_off[:, None] + cols_lo[None, :], mask=k_ok[:, None], other=0.0)
-            if UPCAST:
+            if DOTS.UPCAST:
                 k_lo = k_lo.to(tl.float32)
-            if ROW_EXACT:
+            if DOTS.ROW_EXACT:
                 qk += _row_exact_dot(q_lo, tl.trans(k_lo))
             else:
-                qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOT_PRECISION)
-        p, alpha, l_i, m_new = _softmax_step(
-            qk, kj, k_ok, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            softcap_out, CAUSAL, LOCAL, SOFTCAP, ALIBI,
-        )  # fmt: skip
-        if V_FROM_K:  # v is k's first column block (ops.kvcache.v_from_k): the tile already loaded
+                qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOTS.DOT_PRECISION)
+        p, alpha, l_i, m_new = _softmax_step(qk, kj, k_ok, qi, m_i, l_i, slope2, lens, score2, MODS)
+        if PATH.V_FROM_K:  # v is k's first column block (ops.kvcache.v_from_k): the tile already loaded
             v = k
         else:  # [BLOCK_N, BLOCK_DV]
             v = tl.load(v_base + v_off[:, None] + cols_v[None, :], mask=k_ok[:, None] & col_v_ok[None, :], other=0.0)
-            if UPCAST:
+            if DOTS.UPCAST:
                 v = v.to(tl.float32)
         acc = acc * alpha[:, None]
-        if ROW_EXACT:
+        if DOTS.ROW_EXACT:
             acc += _row_exact_dot(p.to(v.dtype), v)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOTS.DOT_PRECISION)
         m_i = m_new
 
-    if CHECK:
+    if PATH.CHECK:
         tl.store(Err, 1, mask=bad | page_bad)
-    if SINK and not SPLIT:  # with splits, the combine adds the sink
+    if MODS.SINK and not PATH.SPLIT:  # with splits, the combine adds the sink
         m_i, l_i, alpha = sink_join(m_i, l_i, tl.load(Sinks + heads, mask=row_ok, other=0.0) * LOG2E)
         acc = acc * alpha[:, None]
     empty = l_i == 0.0
@@ -321,7 +345,7 @@ def attn_kvcache_kernel(
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * LN2
     # a split (or a row) that saw no key: lse -inf for the combine, +inf in the final result
-    lse = tl.where(empty, float("-inf") if SPLIT else float("inf"), lse)
+    lse = tl.where(empty, float("-inf") if PATH.SPLIT else float("inf"), lse)
     o_ptrs = (
         Out
         + split * stride_os
@@ -344,19 +368,20 @@ def _row_exact_dot(a, b):
 
 
 @triton.jit
-def _softmax_step(
-    qk, kj, k_ok, qi, m_i, l_i, slope2, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-    softcap_out, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-):  # fmt: skip
+def _softmax_step(qk, kj, k_ok, qi, m_i, l_i, slope2, lens, score2, MODS: tl.constexpr):
     """One key block's step of the online softmax: the scores of qk (scaled, softcapped, ALiBi, masked; keys
-    outside k_ok masked) in base 2. Returns (p, alpha: the old accumulator's rescale, l_i, m_i) updated."""
-    if SOFTCAP:
+    outside k_ok masked) in base 2. lens: (seqlen_q, seqlen_k); score2: (window_left, window_right, qk_scale,
+    softcap_in, softcap_out), the scales in base 2. Returns (p, alpha: the old accumulator's rescale, l_i, m_i)
+    updated."""
+    seqlen_q, seqlen_k = lens
+    window_left, window_right, qk_scale, softcap_in, softcap_out = score2
+    if MODS.SOFTCAP:
         s = tanh(qk * softcap_in) * softcap_out
     else:
         s = qk * qk_scale
-    if ALIBI:
+    if MODS.ALIBI:
         s += alibi_bias(qi[:, None], kj[None, :], seqlen_q, seqlen_k, slope2[:, None])
-    mask = visible(qi[:, None], kj[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL)
+    mask = visible(qi[:, None], kj[None, :], seqlen_q, seqlen_k, window_left, window_right, MODS.CAUSAL, MODS.LOCAL)
     s = tl.where(mask & k_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -374,12 +399,8 @@ def attn_combine_kernel(
     Lse,
     Sinks,
     stride_ps,
-    stride_ls,
-    stride_lb,
-    stride_lh,
-    seqlen_q,
-    nheads,
-    num_splits,
+    lse_strides,  # (split, batch, head) of LsePart; Lse's (batch, head) are the same
+    shape,  # (seqlen_q, nheads, num_splits)
     SINK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -395,6 +416,8 @@ def attn_combine_kernel(
     strides. One program per row, the splits read CHUNK_S at a time: a batch of one sequence
     has few rows and up to 128 splits, so rows are the parallel axis, not splits. PDL: launched
     as a programmatic dependent of the split kernel (sm90+), it waits here for that grid's writes."""
+    stride_ls, stride_lb, stride_lh = lse_strides
+    seqlen_q, nheads, num_splits = shape
     if PDL:
         gdc_wait()
     r = tl.program_id(0).to(tl.int64)
@@ -431,185 +454,3 @@ def attn_combine_kernel(
         acc += tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
     tl.store(Out + row_off + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
     tl.store(Lse + lse_off, lse)
-
-
-@triton.jit
-def _values_out_of_range(
-    CacheSeqlens,
-    CacheBatchIdx,
-    LeftPad,
-    BlockTable,
-    stride_bt,
-    batch,
-    cache_seqlen,
-    seqlen_new,
-    seqlen_limit,
-    n_rows,
-    PAGED: tl.constexpr,
-    BATCH_IDX: tl.constexpr,
-    LEFTPAD: tl.constexpr,
-    SEQLENS_TENSOR: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """Whether any sequence has cache_seqlens outside [0, seqlen_limit], left padding outside
-    [0, cache_seqlens], a cache row that does not exist, or a page it writes to (positions
-    cache_seqlens .. + seqlen_new) that does not exist."""
-    bad = tl.zeros([BLOCK_B], dtype=tl.int1)
-    for b0 in range(0, batch, BLOCK_B):
-        bs = b0 + tl.arange(0, BLOCK_B)
-        b_ok = bs < batch
-        if SEQLENS_TENSOR:
-            sl = tl.load(CacheSeqlens + bs, mask=b_ok, other=0)
-        else:
-            sl = tl.zeros([BLOCK_B], dtype=tl.int32) + cache_seqlen
-        sl_bad = (sl < 0) | (sl > seqlen_limit)
-        bad |= b_ok & sl_bad
-        if LEFTPAD:
-            pad = tl.load(LeftPad + bs, mask=b_ok, other=0)
-            bad |= b_ok & ((pad < 0) | (pad > sl))
-        if BATCH_IDX:
-            row = tl.load(CacheBatchIdx + bs, mask=b_ok, other=0)
-            bad |= b_ok & ((row < 0) | (row >= n_rows))
-        if PAGED:
-            live_b = b_ok & ~sl_bad
-            first = tl.where(live_b, sl, 0) // PAGE_SIZE
-            last = (tl.where(live_b, sl, 0) + seqlen_new - 1) // PAGE_SIZE
-            for p in range(0, (seqlen_new - 1) // PAGE_SIZE + 2):
-                live = live_b & (first + p <= last)
-                page = tl.load(BlockTable + bs.to(tl.int64) * stride_bt + first + p, mask=live, other=0)
-                bad |= live & ((page < 0) | (page >= n_rows))
-    return tl.max(bad.to(tl.int32), 0) > 0
-
-
-@triton.jit
-def kvcache_append_kernel(
-    KNew,
-    VNew,
-    K,
-    V,
-    Cos,
-    Sin,
-    CacheSeqlens,
-    CacheBatchIdx,
-    LeftPad,
-    BlockTable,
-    Err,
-    stride_nb,
-    stride_ns,
-    stride_nh,
-    stride_wb,
-    stride_ws,
-    stride_wh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_cs,
-    batch,
-    nheads_k,
-    seqlen_new,
-    cache_seqlen,
-    capacity,
-    n_rows,
-    seqlen_limit,
-    seqlen_ro,
-    half,
-    CHECK: tl.constexpr,
-    PAGED: tl.constexpr,
-    BATCH_IDX: tl.constexpr,
-    LEFTPAD: tl.constexpr,
-    SEQLENS_TENSOR: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    ROTARY: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
-    into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
-    GPT-J pairs of the first 2 * half features, by the angle of its position, in fp32, rounded
-    once). CHECK: every program first checks every sequence's values (and Err, set by the
-    page check that runs before it) and none writes when one is out of range (Err is set
-    instead), so a bad call leaves the cache untouched. The values are
-    also clamped into range, so that nothing is written out of bounds without CHECK."""
-    off_b = tl.program_id(0).to(tl.int64)
-    pid_t = tl.program_id(1)
-    if CHECK:  # Err may already be set by the host's page check (ops.kvcache._check_pages_read)
-        if _values_out_of_range(
-            CacheSeqlens,
-            CacheBatchIdx,
-            LeftPad,
-            BlockTable,
-            stride_bt,
-            batch,
-            cache_seqlen,
-            seqlen_new,
-            seqlen_limit,
-            n_rows,
-            PAGED,
-            BATCH_IDX,
-            LEFTPAD,
-            SEQLENS_TENSOR,
-            PAGE_SIZE,
-            BLOCK_B,
-        ) | (tl.load(Err) != 0):
-            tl.store(Err, 1)
-            return
-    if SEQLENS_TENSOR:
-        cache_seqlen = tl.load(CacheSeqlens + off_b)
-    start = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < seqlen_new
-    pos = start + t
-    if PAGED:
-        page = tl.load(BlockTable + off_b * stride_bt + pos // PAGE_SIZE, mask=t_ok, other=0)
-        page = tl.minimum(tl.maximum(page, 0), n_rows - 1).to(tl.int64)
-        k_rows = K + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
-        v_rows = V + page * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vs
-    else:
-        row = off_b
-        if BATCH_IDX:
-            row = tl.minimum(tl.maximum(tl.load(CacheBatchIdx + off_b), 0), n_rows - 1).to(tl.int64)
-        k_rows = K + row * stride_kb + pos.to(tl.int64) * stride_ks
-        v_rows = V + row * stride_vb + pos.to(tl.int64) * stride_vs
-    cols = tl.arange(0, BLOCK_D)
-    mask = t_ok[:, None] & (cols < HEAD_DIM)[None, :]
-    cols_v = tl.arange(0, BLOCK_DV)
-    mask_v = t_ok[:, None] & (cols_v < HEAD_DIM_V)[None, :]
-    t64 = t.to(tl.int64)
-    if ROTARY:
-        rot = cols < 2 * half
-        if INTERLEAVED:  # pairs (2j, 2j + 1)
-            partner = cols ^ 1
-            angle = cols // 2
-            sign = tl.where(cols % 2 == 0, -1.0, 1.0)
-        else:  # halves (j, j + half)
-            partner = tl.where(cols < half, cols + half, cols - half)
-            angle = tl.where(cols < half, cols, cols - half)
-            sign = tl.where(cols < half, -1.0, 1.0)
-        partner = tl.where(rot, partner, cols)
-        cs_mask = mask & rot[None, :] & (pos < seqlen_ro)[:, None]
-        cs_off = pos.to(tl.int64)[:, None] * stride_cs + angle[None, :]
-        c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)
-        s = tl.load(Sin + cs_off, mask=cs_mask, other=0.0).to(tl.float32) * sign[None, :]
-    for h in range(0, nheads_k):
-        src = KNew + off_b * stride_nb + t64[:, None] * stride_ns + h * stride_nh
-        x = tl.load(src + cols[None, :], mask=mask, other=0.0)
-        if ROTARY:
-            x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
-        tl.store(k_rows[:, None] + h * stride_kh + cols[None, :], x, mask=mask)
-        val = tl.load(
-            VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols_v[None, :],
-            mask=mask_v,
-            other=0.0,
-        )
-        tl.store(v_rows[:, None] + h * stride_vh + cols_v[None, :], val, mask=mask_v)

@@ -8,20 +8,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _fill_rows(
-    X,
-    CuSeqlens,
-    batch,
-    total_rows,
-    stride_r,
-    stride_c,
-    ncols,
-    value,
-    start_r,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """Rows [start_r, start_r + BLOCK_R) of X that lie past cu_seqlens[batch] get `value`."""
+def _fill_rows(X, CuSeqlens, slot, batch, start_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [start_r, start_r + BLOCK_R) of X that lie past cu_seqlens[batch] get `value`; slot: fill_tail_kernel's
+    (total_rows, stride_r, stride_c, ncols, value) of X."""
+    total_rows, stride_r, stride_c, ncols, value = slot
     first_unused = tl.load(CuSeqlens + batch)
     if (start_r + BLOCK_R > first_unused) & (start_r < total_rows):
         rows = start_r + tl.arange(0, BLOCK_R)
@@ -38,33 +28,21 @@ def _fill_rows(
 def fill_tail_kernel(
     X0,
     CuSeqlens0,
-    total0,
-    stride_r0,
-    stride_c0,
-    ncols0,
-    value0,
+    slot0,  # (total_rows, stride_r, stride_c, ncols, value) of X0
     X1,
     CuSeqlens1,
-    total1,
-    stride_r1,
-    stride_c1,
-    ncols1,
-    value1,
+    slot1,
     X2,
     CuSeqlens2,
-    total2,
-    stride_r2,
-    stride_c2,
-    ncols2,
-    value2,
+    slot2,
     batch,
     SLOTS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     start_r = tl.program_id(0) * BLOCK_R
-    _fill_rows(X0, CuSeqlens0, batch, total0, stride_r0, stride_c0, ncols0, value0, start_r, BLOCK_R, BLOCK_C)
+    _fill_rows(X0, CuSeqlens0, slot0, batch, start_r, BLOCK_R, BLOCK_C)
     if SLOTS > 1:
-        _fill_rows(X1, CuSeqlens1, batch, total1, stride_r1, stride_c1, ncols1, value1, start_r, BLOCK_R, BLOCK_C)
+        _fill_rows(X1, CuSeqlens1, slot1, batch, start_r, BLOCK_R, BLOCK_C)
     if SLOTS > 2:
-        _fill_rows(X2, CuSeqlens2, batch, total2, stride_r2, stride_c2, ncols2, value2, start_r, BLOCK_R, BLOCK_C)
+        _fill_rows(X2, CuSeqlens2, slot2, batch, start_r, BLOCK_R, BLOCK_C)

@@ -18,16 +18,10 @@ def merge_kernel(
     Lse,
     Out,
     BLse,
-    stride_acc_b,
-    stride_acc_s,
-    stride_acc_h,
-    stride_lse_b,
-    stride_lse_h,
-    stride_out_b,
-    stride_out_s,
-    stride_out_h,
-    stride_blse_b,
-    stride_blse_h,
+    acc_strides,  # (batch, row, head)
+    lse_strides,  # (batch, head)
+    out_strides,  # (batch, row, head)
+    blse_strides,  # (batch, head)
     seqlen,
     head_dim,
     FIRST: tl.constexpr,
@@ -36,6 +30,10 @@ def merge_kernel(
 ):
     """Rows [pid0 * BLOCK_S, +BLOCK_S) of head pid1, batch pid2; the last dimension (head_dim) and the
     logsumexps' row axis are contiguous."""
+    stride_acc_b, stride_acc_s, stride_acc_h = acc_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    stride_out_b, stride_out_s, stride_out_h = out_strides
+    stride_blse_b, stride_blse_h = blse_strides
     pid_s = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)

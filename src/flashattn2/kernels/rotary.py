@@ -13,14 +13,9 @@ def rotary_kernel(
     Sin,
     CuSeqlens,
     Offsets,
-    stride_xb,
-    stride_xs,
-    stride_xh,
+    x_strides,  # (batch, row, head)
     stride_cs,
-    seqlen,
-    nheads,
-    seqlen_ro,
-    half,
+    shape,  # (seqlen, nheads, seqlen_ro, half): x's rows and heads, cos's rows and columns
     offset,
     IS_VARLEN: tl.constexpr,
     OFFSETS_TENSOR: tl.constexpr,
@@ -29,6 +24,8 @@ def rotary_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    stride_xb, stride_xs, stride_xh = x_strides
+    seqlen, nheads, seqlen_ro, half = shape
     pid_m = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     if IS_VARLEN:

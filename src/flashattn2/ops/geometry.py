@@ -129,11 +129,11 @@ def fill_tails(*slots) -> None:
             stride_r, stride_c, ncols = x.stride(0), 1, math.prod(x.shape[1:])
         else:
             stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
-        args += [x, cu_seqlens, total, stride_r, stride_c, ncols, value]
+        args += [x, cu_seqlens, (total, stride_r, stride_c, ncols, value)]
         totals.append(total)
     if max(totals) == 0:
         return
-    args += args[:7] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
+    args += args[:3] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
     block_r = 64
     launcher.launch(
         _runtime.kernels().fill.fill_tail_kernel,

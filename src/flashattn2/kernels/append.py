@@ -1,0 +1,162 @@
+"""Appending the new keys and values to a KV cache (flash_attn_with_kvcache's k and v; ops.kvcache.append_): one
+kernel for every cache layout (kernels/decode.py's CacheLayout), k rotated on the way."""
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+
+class AppendTile(NamedTuple):
+    """kvcache_append_kernel's head dims and tile (ops.kvcache.append_)."""
+
+    HEAD_DIM: int  # k's head dim
+    BLOCK_B: int  # sequences _values_out_of_range checks at a time
+    BLOCK_T: int  # new tokens per program
+    BLOCK_D: int  # k's columns, a power of two
+    HEAD_DIM_V: int  # v's head dim
+    BLOCK_DV: int  # v's columns, a power of two
+
+
+@triton.jit
+def _values_out_of_range(
+    CacheSeqlens, CacheBatchIdx, LeftPad, block_table, shape, CACHE: tl.constexpr, BLOCK_B: tl.constexpr
+):
+    """Whether any sequence has cache_seqlens outside [0, seqlen_limit], left padding outside
+    [0, cache_seqlens], a cache row that does not exist, or a page it writes to (positions
+    cache_seqlens .. + seqlen_new) that does not exist. block_table: (BlockTable, stride_bt); shape:
+    kvcache_append_kernel's."""
+    BlockTable, stride_bt = block_table
+    batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit = shape
+    PAGE_SIZE: tl.constexpr = CACHE.PAGE_SIZE
+    bad = tl.zeros([BLOCK_B], dtype=tl.int1)
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B)
+        b_ok = bs < batch
+        if CACHE.SEQLENS_TENSOR:
+            sl = tl.load(CacheSeqlens + bs, mask=b_ok, other=0)
+        else:
+            sl = tl.zeros([BLOCK_B], dtype=tl.int32) + cache_seqlen
+        sl_bad = (sl < 0) | (sl > seqlen_limit)
+        bad |= b_ok & sl_bad
+        if CACHE.LEFTPAD:
+            pad = tl.load(LeftPad + bs, mask=b_ok, other=0)
+            bad |= b_ok & ((pad < 0) | (pad > sl))
+        if CACHE.BATCH_IDX:
+            row = tl.load(CacheBatchIdx + bs, mask=b_ok, other=0)
+            bad |= b_ok & ((row < 0) | (row >= n_rows))
+        if CACHE.PAGED:
+            live_b = b_ok & ~sl_bad
+            first = tl.where(live_b, sl, 0) // PAGE_SIZE
+            last = (tl.where(live_b, sl, 0) + seqlen_new - 1) // PAGE_SIZE
+            for p in range(0, (seqlen_new - 1) // PAGE_SIZE + 2):
+                live = live_b & (first + p <= last)
+                page = tl.load(BlockTable + bs.to(tl.int64) * stride_bt + first + p, mask=live, other=0)
+                bad |= live & ((page < 0) | (page >= n_rows))
+    return tl.max(bad.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def kvcache_append_kernel(
+    KNew,
+    VNew,
+    K,
+    V,
+    Cos,
+    Sin,
+    CacheSeqlens,
+    CacheBatchIdx,
+    LeftPad,
+    BlockTable,
+    Err,
+    knew_strides,  # (batch, token, head)
+    vnew_strides,
+    k_strides,  # (batch or page, position, head)
+    v_strides,
+    stride_bt,
+    stride_cs,
+    shape,  # (batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit)
+    cos_shape,  # (seqlen_ro, half): the rotary table's rows and the rotated feature pairs
+    CHECK: tl.constexpr,
+    CACHE: tl.constexpr,
+    ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
+    into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
+    GPT-J pairs of the first 2 * half features, by the angle of its position, in fp32, rounded
+    once). CHECK: every program first checks every sequence's values (and Err, set by the
+    page check that runs before it) and none writes when one is out of range (Err is set
+    instead), so a bad call leaves the cache untouched. The values are
+    also clamped into range, so that nothing is written out of bounds without CHECK."""
+    stride_nb, stride_ns, stride_nh = knew_strides
+    stride_wb, stride_ws, stride_wh = vnew_strides
+    stride_kb, stride_ks, stride_kh = k_strides
+    stride_vb, stride_vs, stride_vh = v_strides
+    batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit = shape
+    seqlen_ro, half = cos_shape
+    PAGE_SIZE: tl.constexpr = CACHE.PAGE_SIZE
+    HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
+    BLOCK_T: tl.constexpr = TILE.BLOCK_T
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    HEAD_DIM_V: tl.constexpr = TILE.HEAD_DIM_V
+    BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
+    off_b = tl.program_id(0).to(tl.int64)
+    pid_t = tl.program_id(1)
+    if CHECK:  # Err may already be set by the host's page check (ops.kvcache._check_pages_read)
+        if _values_out_of_range(
+            CacheSeqlens, CacheBatchIdx, LeftPad, (BlockTable, stride_bt), shape, CACHE, TILE.BLOCK_B
+        ) | (tl.load(Err) != 0):
+            tl.store(Err, 1)
+            return
+    if CACHE.SEQLENS_TENSOR:
+        cache_seqlen = tl.load(CacheSeqlens + off_b)
+    start = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < seqlen_new
+    pos = start + t
+    if CACHE.PAGED:
+        page = tl.load(BlockTable + off_b * stride_bt + pos // PAGE_SIZE, mask=t_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), n_rows - 1).to(tl.int64)
+        k_rows = K + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
+        v_rows = V + page * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vs
+    else:
+        row = off_b
+        if CACHE.BATCH_IDX:
+            row = tl.minimum(tl.maximum(tl.load(CacheBatchIdx + off_b), 0), n_rows - 1).to(tl.int64)
+        k_rows = K + row * stride_kb + pos.to(tl.int64) * stride_ks
+        v_rows = V + row * stride_vb + pos.to(tl.int64) * stride_vs
+    cols = tl.arange(0, BLOCK_D)
+    mask = t_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    cols_v = tl.arange(0, BLOCK_DV)
+    mask_v = t_ok[:, None] & (cols_v < HEAD_DIM_V)[None, :]
+    t64 = t.to(tl.int64)
+    if ROTARY:
+        rot = cols < 2 * half
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            partner = cols ^ 1
+            angle = cols // 2
+            sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+        else:  # halves (j, j + half)
+            partner = tl.where(cols < half, cols + half, cols - half)
+            angle = tl.where(cols < half, cols, cols - half)
+            sign = tl.where(cols < half, -1.0, 1.0)
+        partner = tl.where(rot, partner, cols)
+        cs_mask = mask & rot[None, :] & (pos < seqlen_ro)[:, None]
+        cs_off = pos.to(tl.int64)[:, None] * stride_cs + angle[None, :]
+        c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)
+        s = tl.load(Sin + cs_off, mask=cs_mask, other=0.0).to(tl.float32) * sign[None, :]
+    for h in range(0, nheads_k):
+        src = KNew + off_b * stride_nb + t64[:, None] * stride_ns + h * stride_nh
+        x = tl.load(src + cols[None, :], mask=mask, other=0.0)
+        if ROTARY:
+            x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
+        tl.store(k_rows[:, None] + h * stride_kh + cols[None, :], x, mask=mask)
+        val = tl.load(
+            VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols_v[None, :],
+            mask=mask_v,
+            other=0.0,
+        )
+        tl.store(v_rows[:, None] + h * stride_vh + cols_v[None, :], val, mask=mask_v)
