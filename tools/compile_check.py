@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
+from flashattn2.kernels import bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.kernels.constexprs import Mods, Path, Tile  # noqa: E402
 from flashattn2.ops import _runtime, kvcache, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
@@ -323,7 +323,7 @@ def cases(arch):
         HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, SINK=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256
     )
     pre.update(ACC_DIM=256, BLOCK_ACC=256)
-    pre_fn = bwd.attn_bwd_preprocess_kernel
+    pre_fn = bwd_preprocess.attn_bwd_preprocess_kernel
     pre_types, _ = _tuple_types(pre_fn)
     yield f"{arch}-preprocess", pre_fn, 2, pre, T(32, 32, 4, 1), pre_types
     wide = dict(pre, HEAD_DIM=512, BLOCK_M=16, BLOCK_D=512)  # v's head dim 512: the launcher's 16 rows
@@ -569,7 +569,7 @@ def length_one_cases(arch):
         ACC_DIM=head_dim,
         BLOCK_ACC=planning.head_dim_bucket(head_dim),
     )
-    pre_fn = bwd.attn_bwd_preprocess_kernel
+    pre_fn = bwd_preprocess.attn_bwd_preprocess_kernel
     types, pinned = _tuple_types(pre_fn, {"max_seqlen_q": 1})
     yield f"{arch}-preprocess-seqlen_q1", pre_fn, 2, {**pre, **pinned}, T(32, 32, 4, 1), types
 

@@ -29,9 +29,18 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernels() -> types.SimpleNamespace:
-    from ..kernels import bwd, decode, dmask, fill, fwd, merge, rotary
+    from ..kernels import bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary
 
-    return types.SimpleNamespace(fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary, decode=decode, merge=merge)
+    return types.SimpleNamespace(
+        fwd=fwd,
+        bwd=bwd,
+        bwd_preprocess=bwd_preprocess,
+        fill=fill,
+        dmask=dmask,
+        rotary=rotary,
+        decode=decode,
+        merge=merge,
+    )
 
 
 # The Triton releases the Gluon kernels were measured and tested on (the H200 suite and the bench). Gluon's API is

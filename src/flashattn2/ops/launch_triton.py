@@ -1,5 +1,5 @@
-"""The Triton kernels' launches (kernels/fwd.py, kernels/bwd.py, kernels/dmask.py): every arch, every option,
-dense and varlen. What runs is decided before (ops.planning's Plan); this allocates, builds the arguments, launches."""
+"""The Triton kernels' launches (kernels/fwd.py, kernels/bwd_preprocess.py, kernels/bwd.py, kernels/dmask.py):
+every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); this allocates, builds the arguments, launches."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_p
     if sink is not None:
         sink.parts = _runtime.empty(grid, torch.float32, delta.device)
     launcher.launch(
-        _runtime.kernels().bwd.attn_bwd_preprocess_kernel,
+        _runtime.kernels().bwd_preprocess.attn_bwd_preprocess_kernel,
         grid,
         out,
         dout,
@@ -224,7 +224,7 @@ def backward(
     softmax_scale: float,
     dsink: torch.Tensor | None = None,
 ) -> None:
-    """kernels/bwd.py: the delta preprocess, dK/dV (one program per key block over its query blocks), then dQ
+    """kernels/bwd_preprocess.py's delta preprocess, then kernels/bwd.py's dK/dV (one program per key block over its query blocks), then dQ
     (one program per query block over its key blocks): deterministic, no atomics. A sink changes only lse (which
     P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess)."""
     K = _runtime.kernels().bwd
