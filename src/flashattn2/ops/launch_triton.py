@@ -1,5 +1,6 @@
 """The Triton kernels' launches (kernels/fwd.py, kernels/bwd_preprocess.py, kernels/bwd.py, kernels/dmask.py):
-every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); this allocates, builds the arguments, launches."""
+every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); this allocates,
+builds the arguments, launches."""
 
 from __future__ import annotations
 
@@ -224,9 +225,10 @@ def backward(
     softmax_scale: float,
     dsink: torch.Tensor | None = None,
 ) -> None:
-    """kernels/bwd_preprocess.py's delta preprocess, then kernels/bwd.py's dK/dV (one program per key block over its query blocks), then dQ
-    (one program per query block over its key blocks): deterministic, no atomics. A sink changes only lse (which
-    P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess)."""
+    """kernels/bwd_preprocess.py's delta preprocess, then kernels/bwd.py's dK/dV (one program per key block over its
+    query blocks) and dQ (one program per query block over its key blocks): deterministic, no atomics. A sink
+    changes only lse (which P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the
+    preprocess)."""
     K = _runtime.kernels().bwd
     cu_q, cu_k = geo.cu_seqlens(lse)
     is_varlen = geo.varlen is not None
