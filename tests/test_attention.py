@@ -60,9 +60,18 @@ def test_forward_backward(shape, dtype, causal, path):
     check_against_reference(q, k, v, out, lse, grads, do, causal)
 
 
+def launch_keyword(kwargs: dict, name: str):
+    """A launch's constexpr `name`: a keyword argument, or a field of one (kernels/constexprs.py's
+    bundles, TILE.BLOCK_M)."""
+    if name in kwargs:
+        return kwargs[name]
+    (value,) = [getattr(v, name) for v in kwargs.values() if name in getattr(v, "_fields", ())]
+    return value
+
+
 def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -> list:
     """The names of the kernels launcher.launch runs from now on (in this test), in order; with
-    kernel_name, the values of the keyword arguments kwargs_of of each launch of that kernel ("grid":
+    kernel_name, the values of the constexprs kwargs_of of each launch of that kernel (launch_keyword; "grid":
     the grid it is launched on)."""
     launched = []
     real = launcher.launch
@@ -71,7 +80,7 @@ def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -
         if kernel_name is None:
             launched.append(kernel.__name__)
         elif kernel.__name__ == kernel_name:
-            launched.append(tuple(tuple(grid) if k == "grid" else kwargs[k] for k in kwargs_of))
+            launched.append(tuple(tuple(grid) if k == "grid" else launch_keyword(kwargs, k) for k in kwargs_of))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(launcher, "launch", spy)

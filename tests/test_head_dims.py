@@ -403,7 +403,7 @@ def test_plans_read_the_wider_head_dim():
     applies."""
     features = planning.Features(gluon=True, deterministic=False)
     wide = planning.lookup("sm90", torch.bfloat16, 512, True, 4096, features, "fwd")
-    assert wide.kernel == "fwd" and wide.tile == planning.T(64, 64, 8, 1)
+    assert wide.kernel == "fwd" and wide.tile == planning.TileConfig(64, 64, 8, 1)
     assert planning.lookup("sm90", torch.bfloat16, 512, True, 4096, features, "bwd").kernel == "bwd_dkdv"
     with pytest.raises(NotImplementedError, match="99 KB"):
         planning.lookup("sm86", torch.float32, 384, False, 100, planning.Features(), "bwd")
@@ -417,9 +417,9 @@ def test_plans_read_the_wider_head_dim():
     # the 256 bucket's rows for a narrower v (DeepSeek-V3's 192/128): its own tiles; an equal v keeps the d256 ones
     narrow = planning.lookup("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd", 128)
     equal = planning.lookup("sm90", torch.bfloat16, 192, False, 8192, planning.Features(), "fwd")
-    assert narrow.tile == planning.T(128, 64, 8, 3) and equal.tile == planning.T(128, 64, 8, 2)
+    assert narrow.tile == planning.TileConfig(128, 64, 8, 3) and equal.tile == planning.TileConfig(128, 64, 8, 2)
     narrow = planning.lookup("sm90", torch.bfloat16, 192, True, 8192, planning.Features(), "bwd", 128)
-    assert (narrow.tile, narrow.dq_tile) == (planning.T(32, 64, 4, 2), planning.T(128, 64, 8, 2))
+    assert (narrow.tile, narrow.dq_tile) == (planning.TileConfig(32, 64, 4, 2), planning.TileConfig(128, 64, 8, 2))
     assert planning.lookup("sm90", torch.bfloat16, 128, True, 8192, planning.Features(), "bwd", 256).tile != narrow.tile
     # past 256 the backward's columns are split (DSPLIT), on the CPU too
     assert dict(planning.lookup("interp", torch.float16, 512, True, 64, planning.Features(), "bwd").constexprs) == {

@@ -25,7 +25,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashattn2.kernels import append, bwd, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
+from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
+from flashattn2.kernels.constexprs import Mods, Path, Tile  # noqa: E402
 from flashattn2.ops import _runtime, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
@@ -140,9 +141,79 @@ VARIANTS = {
 }
 
 
-def _kernel_flags(kernel: str, flags: dict) -> dict:
-    """A VARIANTS entry as `kernel` takes it (the backward's kernels have no SINK)."""
-    return flags if kernel == "fwd" else {f: on for f, on in flags.items() if f != "SINK"}
+def _attn_constexprs(kernel: str, flags: dict, use_tma: bool, host: bool, upcast: bool, tile: Tile) -> dict:
+    """The constexprs of `kernel` (fwd, bwd_dkdv, bwd_dq) for a VARIANTS entry, a load path and a tile (the
+    backward's kernels take no sink: a sink changes only lse there; their DSPLIT is added by the caller)."""
+    mods = Mods(**{f: flags[f] and (f != "SINK" or kernel == "fwd") for f in Mods._fields})
+    return dict(
+        MODS=mods,
+        IS_VARLEN=flags["IS_VARLEN"],
+        SORTED=flags["SORTED"],
+        PATH=Path(USE_TMA=use_tma, HOST_DESC=host, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32"),
+        TILE=tile,
+    )
+
+
+_S2, _S3 = ("i32",) * 2, ("i32",) * 3
+_SCORE = ("i32", "i32", "fp32", "fp32", "fp32")  # window_left, window_right, sm_scale, softcap, dropout_p
+# the Triton attention kernels' tuple parameters: each tensor's strides, the sizes (`shape`), the score's scalars
+TUPLE_TYPES = {
+    "attn_fwd_kernel": dict(
+        q_strides=_S3, k_strides=_S3, v_strides=_S3, out_strides=_S3, lse_strides=_S2, shape=("i32",) * 5, score=_SCORE
+    ),
+    "attn_bwd_dkdv_kernel": dict(
+        q_strides=_S3,
+        k_strides=_S3,
+        v_strides=_S3,
+        dout_strides=_S3,
+        dk_strides=_S3,
+        dv_strides=_S3,
+        lse_strides=_S2,
+        shape=("i32",) * 5,
+        score=_SCORE,
+    ),
+    "attn_bwd_dq_kernel": dict(
+        q_strides=_S3,
+        k_strides=_S3,
+        v_strides=_S3,
+        dout_strides=_S3,
+        dq_strides=_S3,
+        lse_strides=_S2,
+        shape=("i32",) * 5,
+        score=_SCORE,
+    ),
+    "attn_bwd_preprocess_kernel": dict(
+        out_strides=_S3,
+        dout_strides=_S3,
+        lse_strides=_S2,
+        delta_strides=_S2,
+        dqacc_strides=_S3,
+        shape=("i32",) * 3,
+    ),
+    "attn_dropout_mask_kernel": dict(
+        q_strides=_S3, k_strides=_S3, sdmask_strides=_S3, shape=("i32",) * 5, score=("i32", "i32", "fp32", "fp32")
+    ),
+}
+# the names of `shape`'s elements (length_one_cases pins some to 1)
+SHAPE = {
+    "attn_fwd_kernel": ("batch", "nheads", "max_seqlen_q", "max_seqlen_k", "group_size"),
+    "attn_bwd_dkdv_kernel": ("nheads", "nheads_k", "max_seqlen_q", "max_seqlen_k", "group_size"),
+    "attn_bwd_dq_kernel": ("batch", "nheads", "max_seqlen_q", "max_seqlen_k", "group_size"),
+    "attn_bwd_preprocess_kernel": ("nheads", "max_seqlen_q", "seqlen_pad"),
+}
+
+
+def _tuple_types(fn, ones=()) -> tuple[dict, dict]:
+    """(the signature types of fn's tuple parameters (TUPLE_TYPES), the constexprs that pin `shape`'s elements
+    named in `ones` to 1): Triton specializes an integer equal to 1 into a constant, a tuple's element too, keyed
+    by its path (argument index, element index)."""
+    types = dict(TUPLE_TYPES[fn.__name__])
+    pinned = {}
+    for name in ones:
+        arg, element = fn.arg_names.index("shape"), SHAPE[fn.__name__].index(name)
+        pinned[(arg, element)] = 1
+        types["shape"] = tuple("constexpr" if i == element else t for i, t in enumerate(types["shape"]))
+    return types, pinned
 
 
 # the rows of each tensor's tile: query-side tensors BLOCK_M, key-side BLOCK_N
@@ -229,26 +300,18 @@ def cases(arch):
                 for variant, flags in VARIANTS.items():
                     if host and flags["IS_VARLEN"]:
                         continue
-                    # bf16 needs the same shared memory as fp16
-                    constexprs = dict(
-                        **_kernel_flags(kernel, flags),
-                        USE_TMA=use_tma,
-                        HOST_DESC=host,
-                        UPCAST=fp32,
-                        DOT_PRECISION="ieee" if fp32 else "tf32",
-                        HEAD_DIM=bucket,
-                        BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n,
-                        BLOCK_D=bucket,
-                        # v's as wide as the row allows: the widest pair it holds (its tiles fit any narrower v)
-                        HEAD_DIM_V=row.head_dim_v or bucket,
-                        BLOCK_DV=row.head_dim_v or bucket,
-                    )
+                    # bf16 needs the same shared memory as fp16; v's head dim as wide as the row allows: the
+                    # widest pair it holds (its tiles fit any narrower v)
+                    dv = row.head_dim_v or bucket
+                    tile = Tile(bucket, cfg.block_m, cfg.block_n, bucket, dv, dv)
+                    constexprs = _attn_constexprs(kernel, flags, use_tma, host, fp32, tile)
                     if kernel != "fwd":
                         constexprs["DSPLIT"] = dict(row.constexprs).get("DSPLIT", 1)
                         if constexprs["DSPLIT"] > 1 and host:  # its column chunks are pointers (launch_triton)
                             continue
-                    types = _descriptor_types(kernel, elem_bytes, bucket, cfg, row.head_dim_v) if host else None
+                    types, _ = _tuple_types(KERNELS[kernel])
+                    if host:
+                        types.update(_descriptor_types(kernel, elem_bytes, bucket, cfg, row.head_dim_v))
                     dims = f"d{bucket}" + (f"-dv{row.head_dim_v}" if row.head_dim_v else "")
                     name = (
                         f"{arch}-{dims}-{TYPE[elem_bytes]}-{kernel}-"
@@ -261,14 +324,16 @@ def cases(arch):
         HAS_DLSE=True, IS_VARLEN=True, PADDED=False, COPY_LSE=False, SINK=True, HEAD_DIM=256, BLOCK_M=32, BLOCK_D=256
     )
     pre.update(ACC_DIM=256, BLOCK_ACC=256)
-    yield f"{arch}-preprocess", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
+    pre_fn = bwd_preprocess.attn_bwd_preprocess_kernel
+    pre_types, _ = _tuple_types(pre_fn)
+    yield f"{arch}-preprocess", pre_fn, 2, pre, T(32, 32, 4, 1), pre_types
     wide = dict(pre, HEAD_DIM=512, BLOCK_M=16, BLOCK_D=512)  # v's head dim 512: the launcher's 16 rows
-    yield f"{arch}-preprocess-d512", bwd.attn_bwd_preprocess_kernel, 2, wide, T(16, 16, 4, 1)
+    yield f"{arch}-preprocess-d512", pre_fn, 2, wide, T(16, 16, 4, 1), pre_types
     pre = dict(pre, IS_VARLEN=False, PADDED=True, COPY_LSE=True)
-    yield f"{arch}-preprocess-padded", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
+    yield f"{arch}-preprocess-padded", pre_fn, 2, pre, T(32, 32, 4, 1), pre_types
     # the Gluon backward at 192/128: the accumulator (q's head dim) wider than O
     narrow = dict(pre, HEAD_DIM=128, BLOCK_D=128, ACC_DIM=192, BLOCK_ACC=256)
-    yield f"{arch}-preprocess-padded-d192-dv128", bwd.attn_bwd_preprocess_kernel, 2, narrow, T(32, 32, 4, 1)
+    yield f"{arch}-preprocess-padded-d192-dv128", pre_fn, 2, narrow, T(32, 32, 4, 1), pre_types
     slot = ("i32", "i32", "i32", "i32", "fp32")  # (total_rows, stride_r, stride_c, ncols, value)
     yield (
         f"{arch}-fill-tail",
@@ -290,7 +355,8 @@ def cases(arch):
         BLOCK_N=64,
         BLOCK_D=256,
     )
-    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, T(64, 64, 4, 1)
+    dmask_types, _ = _tuple_types(dmask.attn_dropout_mask_kernel)
+    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, T(64, 64, 4, 1), dmask_types
     # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path
@@ -526,23 +592,14 @@ def length_one_cases(arch):
             variants = {"full": dict(VARIANTS["causal"], CAUSAL=False)}
             if (seqlen_q, seqlen_k, group) == (1, None, None):
                 variants.update(VARIANTS)
+            types, pinned = _tuple_types(KERNELS[kernel], ints)  # (its keys: the lengths equal to 1)
+            bucket = planning.head_dim_bucket(head_dim)
+            tile = Tile(head_dim, cfg.block_m, cfg.block_n, bucket, head_dim, bucket)
             for use_tma, _ in paths:
                 for variant, flags in variants.items():
-                    constexprs = dict(
-                        **_kernel_flags(kernel, flags),
-                        **ints,
-                        USE_TMA=use_tma,
-                        HOST_DESC=False,
-                        UPCAST=False,
-                        DOT_PRECISION="tf32",
-                        HEAD_DIM=head_dim,
-                        BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n,
-                        BLOCK_D=planning.head_dim_bucket(head_dim),
-                        HEAD_DIM_V=head_dim,
-                        BLOCK_DV=planning.head_dim_bucket(head_dim),
-                        **({} if kernel == "fwd" else {"DSPLIT": 1}),
-                    )
+                    constexprs = {**_attn_constexprs(kernel, flags, use_tma, False, False, tile), **pinned}
+                    if kernel != "fwd":
+                        constexprs["DSPLIT"] = 1
                     lengths = "-".join(f"{n.removeprefix('max_')}1" for n in ints)
                     yield (
                         f"{arch}-d{head_dim}-fp16-{kernel}-{'tma' if use_tma else 'ptr'}-{variant}-{lengths}",
@@ -550,7 +607,7 @@ def length_one_cases(arch):
                         2,
                         constexprs,
                         cfg,
-                        None,
+                        types,
                     )
     pre = dict(
         HAS_DLSE=False,
@@ -563,9 +620,10 @@ def length_one_cases(arch):
         BLOCK_D=planning.head_dim_bucket(head_dim),
         ACC_DIM=head_dim,
         BLOCK_ACC=planning.head_dim_bucket(head_dim),
-        max_seqlen_q=1,
     )
-    yield f"{arch}-preprocess-seqlen_q1", bwd.attn_bwd_preprocess_kernel, 2, pre, T(32, 32, 4, 1)
+    pre_fn = bwd_preprocess.attn_bwd_preprocess_kernel
+    types, pinned = _tuple_types(pre_fn, ("max_seqlen_q",))
+    yield f"{arch}-preprocess-seqlen_q1", pre_fn, 2, {**pre, **pinned}, T(32, 32, 4, 1), types
 
 
 def case_id(name: str, cfg) -> str:
@@ -576,7 +634,8 @@ def case_id(name: str, cfg) -> str:
 
 def _key(case):
     name, fn, elem_bytes, constexprs, cfg, *types = case
-    return (fn.__name__, elem_bytes, tuple(sorted(constexprs.items())), cfg, repr(types))
+    # (str: a constexpr's key is its name or, for a tuple's element, its path)
+    return (fn.__name__, elem_bytes, tuple(sorted(constexprs.items(), key=str)), cfg, repr(types))
 
 
 def main():

@@ -80,77 +80,59 @@ def store_rows(
 
 @triton.jit
 def tile_src(
-    X,
+    x,
     off_b,
     row0,
     off_h,
-    stride_b,
-    stride_s,
-    stride_h,
     seqlen,
     HEAD_DIM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    HOST_DESC: tl.constexpr,
+    PATH: tl.constexpr,
 ):
-    """Where the (seqlen, HEAD_DIM) rows of batch entry off_b, head off_h are read or written, as
-    (source, batch entry, first column) for load_tile / store_tile. HOST_DESC: X is a descriptor
-    built on the host over (batch, seqlen, heads * HEAD_DIM) with a [1, BLOCK_ROWS, HEAD_DIM] box
-    (dense inputs only: row0 is 0), read at column off_h * HEAD_DIM; no descriptor is written per
-    program. Otherwise a descriptor made here (USE_TMA) or the base pointer of those rows."""
-    if HOST_DESC:
-        return X, off_b.to(tl.int32), (off_h * HEAD_DIM).to(tl.int32)
+    """Where the (seqlen, HEAD_DIM) rows of batch entry off_b, head off_h of x = (tensor, its (batch, row, head)
+    strides) are read or written, as (source, batch entry, first column, seqlen, row stride) for load_tile /
+    store_tile. PATH (constexprs.Path).HOST_DESC: the tensor is a descriptor built on the host over (batch, seqlen,
+    heads * HEAD_DIM) with a [1, BLOCK_ROWS, HEAD_DIM] box (dense inputs only: row0 is 0), read at column
+    off_h * HEAD_DIM; no descriptor is written per program. Otherwise a descriptor made here (USE_TMA) or the base
+    pointer of those rows."""
+    X, strides = x
+    stride_b, stride_s, stride_h = strides
+    if PATH.HOST_DESC:
+        return X, off_b.to(tl.int32), (off_h * HEAD_DIM).to(tl.int32), seqlen, stride_s
     else:
         base = X + off_b * stride_b + row0 * stride_s + off_h * stride_h
-        return make_desc_or_ptr(base, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA), 0, 0
+        src = make_desc_or_ptr(base, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA)
+        return src, 0, 0, seqlen, stride_s
 
 
 @triton.jit
-def load_tile(
-    src,
-    start,
-    seqlen,
-    stride_s,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    HOST_DESC: tl.constexpr,
-):
+def load_tile(tile, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PATH: tl.constexpr):
     """load_rows of a tile_src source."""
-    if HOST_DESC:
-        x = src[0].load([src[1], start, src[2]]).reshape(BLOCK_ROWS, BLOCK_D)
-        if UPCAST:
+    src, b, col, seqlen, stride_s = tile
+    if PATH.HOST_DESC:
+        x = src.load([b, start, col]).reshape(BLOCK_ROWS, BLOCK_D)
+        if PATH.UPCAST:
             x = x.to(tl.float32)
         return x
     else:
-        return load_rows(src[0], start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA, UPCAST)
+        return load_rows(src, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA, PATH.UPCAST)
 
 
 @triton.jit
 def store_tile(
-    dst,
-    x,
-    start,
-    seqlen,
-    stride_s,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    HOST_DESC: tl.constexpr,
+    tile, x, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PATH: tl.constexpr
 ):
     """store_rows of x, cast to the destination's dtype, into a tile_src destination."""
-    if USE_TMA:  # a descriptor's dtype is its element type
-        x = x.to(dst[0].dtype)
+    dst, b, col, seqlen, stride_s = tile
+    if PATH.USE_TMA:  # a descriptor's dtype is its element type
+        x = x.to(dst.dtype)
     else:
-        x = x.to(dst[0].dtype.element_ty)
-    if HOST_DESC:
-        dst[0].store([dst[1], start, dst[2]], x.reshape(1, BLOCK_ROWS, BLOCK_D))
+        x = x.to(dst.dtype.element_ty)
+    if PATH.HOST_DESC:
+        dst.store([b, start, col], x.reshape(1, BLOCK_ROWS, BLOCK_D))
     else:
-        store_rows(dst[0], x, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA)
+        store_rows(dst, x, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA)
 
 
 @triton.jit
@@ -277,24 +259,16 @@ def seq_bounds(CuSeqlens, off_b, max_seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(
-    seed,
-    rng_row0,
-    start_m,
-    start_n,
-    max_seqlen_k,
-    dropout_p,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TRANS: tl.constexpr,
-):
+def dropout_keep(drop, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """True where the score (query, key) of the tile [start_m, +BLOCK_M) x [start_n, +BLOCK_N)
-    is kept ([BLOCK_N, BLOCK_M] when TRANS); rng_row0 = (batch * nheads + head) * max_seqlen_q.
+    is kept ([BLOCK_N, BLOCK_M] when TRANS); drop = (seed, rng_row0, max_seqlen_k, dropout_p) with
+    rng_row0 = (batch * nheads + head) * max_seqlen_q.
 
     One Philox call (4 x 32 bits) gives eight 16-bit numbers, for keys 8c .. 8c + 7 of a row, at
     offset (rng_row0 + query) * cdiv(max_seqlen_k, 8) + c: the number of a score does not depend
     on the tiling, so the backward's tiles regenerate the forward's mask. A score is kept when its
     number is >= round(dropout_p * 2^16). start_n and BLOCK_N are multiples of 8."""
+    seed, rng_row0, max_seqlen_k, dropout_p = drop
     rows = rng_row0 + start_m + tl.arange(0, BLOCK_M).to(tl.int64)
     groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
     # [BLOCK_M, BLOCK_N // 8]
@@ -332,23 +306,21 @@ def query_block_program(batch, nheads, max_seqlen_q, CAUSAL: tl.constexpr, BLOCK
 
 @triton.jit
 def query_program(
-    batch,
-    nheads,
-    group_size,
-    max_seqlen_q,
-    max_seqlen_k,
+    shape,
     CuSeqlensQ,
     CuSeqlensK,
+    SeqOrder,
     CAUSAL: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    SeqOrder,
     SORTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Where a program of the query-block grid works: (start_m, off_bh, off_b, off_h, off_hk,
     q_start, seqlen_q, k_start, seqlen_k); off_hk is the K/V head of query head off_h (GQA).
-    SORTED (varlen): grid slot s works on sequence SeqOrder[s], longest first, so that the
-    heaviest programs start first and the grid's tail is short."""
+    shape = (batch, nheads, max_seqlen_q, max_seqlen_k, group_size). SORTED (varlen): grid slot s
+    works on sequence SeqOrder[s], longest first, so that the heaviest programs start first and
+    the grid's tail is short."""
+    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
     start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)

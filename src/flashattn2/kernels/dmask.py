@@ -11,16 +11,10 @@ from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_r
 @triton.jit
 def _scores(
     q,
-    k_base,
+    k_rows,
     start_n,
     offs_m,
-    seqlen_q,
-    seqlen_k,
-    stride_ks,
-    qk_scale,
-    slope2,
-    window_left,
-    window_right,
+    scoring,
     CAUSAL: tl.constexpr,
     LOCAL: tl.constexpr,
     ALIBI: tl.constexpr,
@@ -30,7 +24,11 @@ def _scores(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] base-2 scores of keys [start_n, start_n + BLOCK_N), -inf where not visible."""
+    """[BLOCK_M, BLOCK_N] base-2 scores of keys [start_n, start_n + BLOCK_N), -inf where not visible. k_rows = (the
+    first key row of this (batch, head), the row stride); scoring = (seqlen_q, seqlen_k, qk_scale, slope2,
+    window_left, window_right)."""
+    k_base, stride_ks = k_rows
+    seqlen_q, seqlen_k, qk_scale, slope2, window_left, window_right = scoring
     k = load_rows(k_base, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -49,25 +47,12 @@ def attn_dropout_mask_kernel(
     CuSeqlensQ,
     CuSeqlensK,
     Seed,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_sb,
-    stride_sh,
-    stride_sm,
+    q_strides,
+    k_strides,
+    sdmask_strides,
     stride_alibi_b,
-    batch,
-    nheads,
-    max_seqlen_q,
-    max_seqlen_k,
-    group_size,
-    window_left,
-    window_right,
-    sm_scale,
-    dropout_p,
+    shape,
+    score,
     CAUSAL: tl.constexpr,
     LOCAL: tl.constexpr,
     ALIBI: tl.constexpr,
@@ -79,19 +64,15 @@ def attn_dropout_mask_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # q's and k's strides (batch, row, head), SDmask's (batch, head, row); shape = (batch, nheads, max_seqlen_q,
+    # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, dropout_p)
+    stride_qb, stride_qs, stride_qh = q_strides
+    stride_kb, stride_ks, stride_kh = k_strides
+    stride_sb, stride_sh, stride_sm = sdmask_strides
+    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
+    window_left, window_right, sm_scale, dropout_p = score
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
-        batch,
-        nheads,
-        group_size,
-        max_seqlen_q,
-        max_seqlen_k,
-        CuSeqlensQ,
-        CuSeqlensK,
-        False,
-        IS_VARLEN,
-        BLOCK_M,
-        CuSeqlensQ,
-        False,
+        shape, CuSeqlensQ, CuSeqlensK, CuSeqlensQ, False, IS_VARLEN, False, BLOCK_M
     )
     if start_m >= seqlen_q:
         return
@@ -110,7 +91,8 @@ def attn_dropout_mask_kernel(
         False,
         UPCAST,
     )
-    k_base = K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh
+    k_rows = (K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, stride_ks)
+    scoring = (seqlen_q, seqlen_k, qk_scale, slope2, window_left, window_right)
     n_lo, full_lo, full_hi, n_end = key_block_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
     )
@@ -118,25 +100,7 @@ def attn_dropout_mask_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for start_n in range(n_lo, n_end, BLOCK_N):
         s, offs_n = _scores(
-            q,
-            k_base,
-            start_n,
-            offs_m,
-            seqlen_q,
-            seqlen_k,
-            stride_ks,
-            qk_scale,
-            slope2,
-            window_left,
-            window_right,
-            CAUSAL,
-            LOCAL,
-            ALIBI,
-            UPCAST,
-            DOT_PRECISION,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
+            q, k_rows, start_n, offs_m, scoring, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_N, BLOCK_D
         )
         m_i = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -144,28 +108,10 @@ def attn_dropout_mask_kernel(
     out_base = SDmask + off_b * stride_sb + off_h * stride_sh
     for start_n in range(n_lo, n_end, BLOCK_N):
         s, offs_n = _scores(
-            q,
-            k_base,
-            start_n,
-            offs_m,
-            seqlen_q,
-            seqlen_k,
-            stride_ks,
-            qk_scale,
-            slope2,
-            window_left,
-            window_right,
-            CAUSAL,
-            LOCAL,
-            ALIBI,
-            UPCAST,
-            DOT_PRECISION,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
+            q, k_rows, start_n, offs_m, scoring, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_N, BLOCK_D
         )
         p = tl.math.exp2(s - m_shift[:, None])
-        keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
+        keep = dropout_keep((seed, rng_row0, max_seqlen_k, dropout_p), start_m, start_n, BLOCK_M, BLOCK_N, False)
         val = tl.where(keep, p, -p)
         ptrs = out_base + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :]
         tl.store(

@@ -33,59 +33,48 @@ def _fwd_inner(
     l_i,
     m_i,
     q,
-    k_src,
-    v_src,
+    k_tile,
+    v_tile,
     start_m,
     n_lo,
     n_hi,
-    seqlen_q,
-    seqlen_k,
-    stride_ks,
-    stride_vs,
-    qk_scale,
-    softcap_in,
-    softcap_out,
-    slope2,
-    window_left,
-    window_right,
-    seed,
-    rng_row0,
-    max_seqlen_k,
-    dropout_p,
+    scoring,
+    drop,
     MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    HOST_DESC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    MODS: tl.constexpr,
+    PATH: tl.constexpr,
+    TILE: tl.constexpr,
 ):
+    """The online softmax over key blocks [n_lo, n_hi) (MASKED: with the mask applied). k_tile, v_tile: tile_src's;
+    scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right); drop:
+    dropout_keep's."""
+    seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right = scoring
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
-        k = load_tile(k_src, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+        k = load_tile(k_tile, start_n, TILE.HEAD_DIM, BLOCK_N, TILE.BLOCK_D, PATH)
         # [BLOCK_M, BLOCK_N]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or SOFTCAP or ALIBI:
+        qk = tl.dot(q, tl.trans(k), input_precision=PATH.DOT_PRECISION)
+        if MASKED or MODS.SOFTCAP or MODS.ALIBI:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             # scores in base 2: softcap * tanh(qk * scale / softcap), then the ALiBi bias
-            if SOFTCAP:
+            if MODS.SOFTCAP:
                 s = tanh(qk * softcap_in) * softcap_out
             else:
                 s = qk * qk_scale
-            if ALIBI:
+            if MODS.ALIBI:
                 s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, slope2)
             if MASKED:
                 mask = visible(
-                    offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL
+                    offs_m[:, None],
+                    offs_n[None, :],
+                    seqlen_q,
+                    seqlen_k,
+                    window_left,
+                    window_right,
+                    MODS.CAUSAL,
+                    MODS.LOCAL,
                 )
                 s = tl.where(mask, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -99,14 +88,14 @@ def _fwd_inner(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
+        if MODS.DROPOUT:
             # the normaliser keeps every score; only the values mixed into O are dropped
-            keep = dropout_keep(seed, rng_row0, start_m, start_n, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N, False)
+            keep = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(v_src, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA, UPCAST, HOST_DESC)
+        v = load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH)
         # [BLOCK_M, BLOCK_DV]
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -124,278 +113,80 @@ def attn_fwd_kernel(
     CuSeqlensK,
     Seed,
     SeqOrder,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_lse_b,
-    stride_lse_h,
+    q_strides,
+    k_strides,
+    v_strides,
+    out_strides,
+    lse_strides,
     stride_alibi_b,
-    batch,
-    nheads,
-    max_seqlen_q,
-    max_seqlen_k,
-    group_size,
-    window_left,
-    window_right,
-    sm_scale,
-    softcap,
-    dropout_p,
-    CAUSAL: tl.constexpr,
-    LOCAL: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    SINK: tl.constexpr,
+    shape,
+    score,
+    MODS: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SORTED: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    HOST_DESC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    PATH: tl.constexpr,
+    TILE: tl.constexpr,
 ):
+    # (batch, row, head) strides per tensor, Lse's (batch, head); shape = (batch, nheads, max_seqlen_q,
+    # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, softcap, dropout_p)
+    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
+    window_left, window_right, sm_scale, softcap, dropout_p = score
+    HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    HEAD_DIM_V: tl.constexpr = TILE.HEAD_DIM_V
+    BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
     # varlen: programs cover max_seqlen_q; those past their own sequence's end return at once
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
-        batch,
-        nheads,
-        group_size,
-        max_seqlen_q,
-        max_seqlen_k,
-        CuSeqlensQ,
-        CuSeqlensK,
-        CAUSAL,
-        IS_VARLEN,
-        BLOCK_M,
-        SeqOrder,
-        SORTED,
+        shape, CuSeqlensQ, CuSeqlensK, SeqOrder, MODS.CAUSAL, IS_VARLEN, SORTED, BLOCK_M
     )
     if start_m >= seqlen_q:
         return
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
-    slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, DROPOUT)
+    slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, MODS.DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
+    scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
+    drop = (seed, rng_row0, max_seqlen_k, dropout_p)
 
-    q_src = tile_src(
-        Q,
-        off_b,
-        q_start,
-        off_h,
-        stride_qb,
-        stride_qs,
-        stride_qh,
-        seqlen_q,
-        HEAD_DIM,
-        BLOCK_M,
-        BLOCK_D,
-        USE_TMA,
-        HOST_DESC,
-    )
-    k_src = tile_src(
-        K,
-        off_b,
-        k_start,
-        off_hk,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        seqlen_k,
-        HEAD_DIM,
-        BLOCK_N,
-        BLOCK_D,
-        USE_TMA,
-        HOST_DESC,
-    )
-    v_src = tile_src(
-        V,
-        off_b,
-        k_start,
-        off_hk,
-        stride_vb,
-        stride_vs,
-        stride_vh,
-        seqlen_k,
-        HEAD_DIM_V,
-        BLOCK_N,
-        BLOCK_DV,
-        USE_TMA,
-        HOST_DESC,
-    )
-    o_src = tile_src(
-        Out,
-        off_b,
-        q_start,
-        off_h,
-        stride_ob,
-        stride_os,
-        stride_oh,
-        seqlen_q,
-        HEAD_DIM_V,
-        BLOCK_M,
-        BLOCK_DV,
-        USE_TMA,
-        HOST_DESC,
-    )
+    q_tile = tile_src((Q, q_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
+    k_tile = tile_src((K, k_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, PATH)
+    v_tile = tile_src((V, v_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PATH)
+    o_tile = tile_src((Out, out_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
 
-    q = load_tile(q_src, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, UPCAST, HOST_DESC)
+    q = load_tile(q_tile, start_m, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_lo, full_lo, full_hi, n_end = key_block_range(
-        start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
+        start_m, seqlen_q, seqlen_k, window_left, window_right, MODS.CAUSAL, MODS.LOCAL, BLOCK_M, BLOCK_N
     )
-    if LOCAL:
+    if MODS.LOCAL:
         acc, l_i, m_i = _fwd_inner(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_src,
-            v_src,
-            start_m,
-            n_lo,
-            full_lo,
-            seqlen_q,
-            seqlen_k,
-            stride_ks,
-            stride_vs,
-            qk_scale,
-            softcap_in,
-            softcap_out,
-            slope2,
-            window_left,
-            window_right,
-            seed,
-            rng_row0,
-            max_seqlen_k,
-            dropout_p,
-            True,
-            CAUSAL,
-            LOCAL,
-            SOFTCAP,
-            ALIBI,
-            DROPOUT,
-            USE_TMA,
-            HOST_DESC,
-            UPCAST,
-            DOT_PRECISION,
-            HEAD_DIM,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            HEAD_DIM_V,
-            BLOCK_DV,
+            acc, l_i, m_i, q, k_tile, v_tile, start_m, n_lo, full_lo, scoring, drop, True, MODS, PATH, TILE
         )
     acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_src,
-        v_src,
-        start_m,
-        full_lo,
-        full_hi,
-        seqlen_q,
-        seqlen_k,
-        stride_ks,
-        stride_vs,
-        qk_scale,
-        softcap_in,
-        softcap_out,
-        slope2,
-        window_left,
-        window_right,
-        seed,
-        rng_row0,
-        max_seqlen_k,
-        dropout_p,
-        False,
-        CAUSAL,
-        LOCAL,
-        SOFTCAP,
-        ALIBI,
-        DROPOUT,
-        USE_TMA,
-        HOST_DESC,
-        UPCAST,
-        DOT_PRECISION,
-        HEAD_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_D,
-        HEAD_DIM_V,
-        BLOCK_DV,
+        acc, l_i, m_i, q, k_tile, v_tile, start_m, full_lo, full_hi, scoring, drop, False, MODS, PATH, TILE
     )
     acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_src,
-        v_src,
-        start_m,
-        full_hi,
-        n_end,
-        seqlen_q,
-        seqlen_k,
-        stride_ks,
-        stride_vs,
-        qk_scale,
-        softcap_in,
-        softcap_out,
-        slope2,
-        window_left,
-        window_right,
-        seed,
-        rng_row0,
-        max_seqlen_k,
-        dropout_p,
-        True,
-        CAUSAL,
-        LOCAL,
-        SOFTCAP,
-        ALIBI,
-        DROPOUT,
-        USE_TMA,
-        HOST_DESC,
-        UPCAST,
-        DOT_PRECISION,
-        HEAD_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_D,
-        HEAD_DIM_V,
-        BLOCK_DV,
+        acc, l_i, m_i, q, k_tile, v_tile, start_m, full_hi, n_end, scoring, drop, True, MODS, PATH, TILE
     )
 
-    if SINK:
+    if MODS.SINK:
         m_i, l_i, alpha = sink_join(m_i, l_i, tl.load(Sinks + off_h) * LOG2E)
         acc = acc * alpha[:, None]
     # a row that sees no key: output 0 and logsumexp +inf (flash-attn 2's convention; with a sink, the sink's logit)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    if DROPOUT:
+    if MODS.DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    store_tile(o_src, acc, start_m, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA, HOST_DESC)
+    store_tile(o_tile, acc, start_m, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    stride_lse_b, stride_lse_h = lse_strides
     lse_row0 = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     tl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)

@@ -29,10 +29,18 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def kernels() -> types.SimpleNamespace:
-    from ..kernels import append, bwd, decode, dmask, fill, fwd, merge, rotary
+    from ..kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary
 
     return types.SimpleNamespace(
-        fwd=fwd, bwd=bwd, fill=fill, dmask=dmask, rotary=rotary, decode=decode, append=append, merge=merge
+        fwd=fwd,
+        bwd=bwd,
+        bwd_preprocess=bwd_preprocess,
+        fill=fill,
+        dmask=dmask,
+        rotary=rotary,
+        decode=decode,
+        append=append,
+        merge=merge,
     )
 
 

@@ -1,10 +1,12 @@
-"""The Triton kernels' launches (kernels/fwd.py, kernels/bwd.py, kernels/dmask.py): every arch, every option,
-dense and varlen. What runs is decided before (ops.planning's Plan); this allocates, builds the arguments, launches."""
+"""The Triton kernels' launches (kernels/fwd.py, kernels/bwd_preprocess.py, kernels/bwd.py, kernels/dmask.py):
+every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); this allocates,
+builds the arguments, launches."""
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.constexprs import Mods, Path, Tile
 from . import _runtime, launcher, planning
 from .geometry import Geometry, Varlen, block_d, cdiv, fill_tails
 from .options import ScoreMods
@@ -49,9 +51,13 @@ def sources(geo: Geometry, tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple
 
 
 def score_scalars(runtime: dict, softmax_scale: float) -> tuple:
-    """The score arguments the forward, dK/dV and dQ kernels take in this order: window_left,
-    window_right, sm_scale, softcap, dropout_p."""
+    """The forward's, dK/dV's and dQ's `score` argument: (window_left, window_right, sm_scale, softcap, dropout_p)."""
     return runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"], runtime["dropout_p"]
+
+
+def tile_of(geo: Geometry, cfg) -> Tile:
+    """The forward's, dK/dV's and dQ's TILE for a tile config (planning.TileConfig)."""
+    return Tile(geo.head_dim, cfg.block_m, cfg.block_n, block_d(geo.head_dim), geo.head_dim_v, block_d(geo.head_dim_v))
 
 
 def forward(
@@ -74,29 +80,19 @@ def forward(
         *geo.cu_seqlens(lse),
         runtime["Seed"],
         order,
-        *geo.strides(q),
-        *geo.strides(k),
-        *geo.strides(v),
-        *geo.strides(out),
-        *geo.lse_strides(lse),
+        geo.strides(q),
+        geo.strides(k),
+        geo.strides(v),
+        geo.strides(out),
+        geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        geo.batch,
-        geo.nheads,
-        geo.max_seqlen_q,
-        geo.max_seqlen_k,
-        geo.nheads // geo.nheads_k,
-        *score_scalars(runtime, softmax_scale),
-        **flags,
+        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k),
+        score_scalars(runtime, softmax_scale),
+        MODS=Mods(**flags),
         IS_VARLEN=geo.varlen is not None,
         SORTED=is_sorted,
-        **tma,
-        HOST_DESC=host,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d(geo.head_dim),
-        HEAD_DIM_V=geo.head_dim_v,
-        BLOCK_DV=block_d(geo.head_dim_v),
+        PATH=Path(**tma, HOST_DESC=host),
+        TILE=tile_of(geo, cfg),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -122,7 +118,7 @@ def preprocess(
     With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
     seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
     `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch. Returns the
-    launch's (grid, integer arguments, keywords): the Gluon backward's cached plan repeats it with them."""
+    launch's (grid, integer arguments (tuples), keywords): the Gluon backward's cached plan repeats it with them."""
     padded = seqlen_pad is not None
     rows = seqlen_pad if padded else geo.max_seqlen_q
     bd = block_d(geo.head_dim_v)  # O's and dO's
@@ -131,14 +127,12 @@ def preprocess(
     acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
     grid = (cdiv(rows, pre_m) * geo.batch * geo.nheads,)
     ints = (
-        *geo.strides(out),
-        *geo.strides(dout),
-        *geo.lse_strides(lse),
-        *geo.lse_strides(delta),
-        *acc_strides,
-        geo.nheads,
-        geo.max_seqlen_q,
-        rows,
+        geo.strides(out),
+        geo.strides(dout),
+        geo.lse_strides(lse),
+        geo.lse_strides(delta),
+        acc_strides,
+        (geo.nheads, geo.max_seqlen_q, rows),
     )
     kwargs = dict(
         HAS_DLSE=dlse is not None,
@@ -180,7 +174,7 @@ def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_p
     if sink is not None:
         sink.parts = _runtime.empty(grid, torch.float32, delta.device)
     launcher.launch(
-        _runtime.kernels().bwd.attn_bwd_preprocess_kernel,
+        _runtime.kernels().bwd_preprocess.attn_bwd_preprocess_kernel,
         grid,
         out,
         dout,
@@ -231,11 +225,11 @@ def backward(
     softmax_scale: float,
     dsink: torch.Tensor | None = None,
 ) -> None:
-    """kernels/bwd.py: the delta preprocess, dK/dV (one program per key block over its query blocks), then dQ
-    (one program per query block over its key blocks): deterministic, no atomics. A sink changes only lse (which
-    P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess)."""
+    """kernels/bwd_preprocess.py's delta preprocess, then kernels/bwd.py's dK/dV (one program per key block over its
+    query blocks) and dQ (one program per query block over its key blocks): deterministic, no atomics. A sink
+    changes only lse (which P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the
+    preprocess)."""
     K = _runtime.kernels().bwd
-    bd = block_d(geo.head_dim)
     cu_q, cu_k = geo.cu_seqlens(lse)
     is_varlen = geo.varlen is not None
 
@@ -258,16 +252,7 @@ def backward(
     # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
     # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
     dsplit = dict(plan.constexprs).get("DSPLIT", 1)
-    common = dict(
-        **mod_flags,
-        IS_VARLEN=is_varlen,
-        **flags,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_D=bd,
-        HEAD_DIM_V=geo.head_dim_v,
-        BLOCK_DV=block_d(geo.head_dim_v),
-        DSPLIT=dsplit,
-    )
+    mods = Mods(**mod_flags, SINK=False)
     # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
     order_q, sorted_q = geo.order("q", cu_q)
     order_k, sorted_k = geo.order("k", cu_k)
@@ -299,25 +284,22 @@ def backward(
         cu_k,
         runtime["Seed"],
         order_q,
-        *geo.strides(q),
-        *geo.strides(k),
-        *geo.strides(v),
-        *geo.strides(dout),
-        *geo.strides(gk),
-        *geo.strides(gv),
-        *geo.lse_strides(lse),
+        geo.strides(q),
+        geo.strides(k),
+        geo.strides(v),
+        geo.strides(dout),
+        geo.strides(gk),
+        geo.strides(gv),
+        geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        geo.nheads,
-        geo.nheads_k,
-        geo.max_seqlen_q,
-        geo.max_seqlen_k,
-        group,
-        *score_scalars(runtime, softmax_scale),
-        **common,
+        (geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group),
+        score_scalars(runtime, softmax_scale),
+        MODS=mods,
+        IS_VARLEN=is_varlen,
         SORTED=sorted_q,
-        HOST_DESC=host,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        PATH=Path(**flags, HOST_DESC=host),
+        TILE=tile_of(geo, cfg),
+        DSPLIT=dsplit,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -346,24 +328,21 @@ def backward(
         cu_k,
         runtime["Seed"],
         order_k,
-        *geo.strides(q),
-        *geo.strides(k),
-        *geo.strides(v),
-        *geo.strides(dout),
-        *geo.strides(gq),
-        *geo.lse_strides(lse),
+        geo.strides(q),
+        geo.strides(k),
+        geo.strides(v),
+        geo.strides(dout),
+        geo.strides(gq),
+        geo.lse_strides(lse),
         runtime["stride_alibi_b"],
-        geo.batch,
-        geo.nheads,
-        geo.max_seqlen_q,
-        geo.max_seqlen_k,
-        group,
-        *score_scalars(runtime, softmax_scale),
-        **common,
+        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group),
+        score_scalars(runtime, softmax_scale),
+        MODS=mods,
+        IS_VARLEN=is_varlen,
         SORTED=sorted_k,
-        HOST_DESC=host,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        PATH=Path(**flags, HOST_DESC=host),
+        TILE=tile_of(geo, cfg),
+        DSPLIT=dsplit,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -395,21 +374,12 @@ def dropout_probs(
         runtime["Alibi"],
         *geo.cu_seqlens(probs),
         runtime["Seed"],
-        *geo.strides(q),
-        *geo.strides(k),
-        probs.stride(0),
-        probs.stride(1),
-        probs.stride(2),
+        geo.strides(q),
+        geo.strides(k),
+        probs.stride()[:3],
         runtime["stride_alibi_b"],
-        geo.batch,
-        geo.nheads,
-        geo.max_seqlen_q,
-        geo.max_seqlen_k,
-        geo.nheads // geo.nheads_k,
-        runtime["window_left"],
-        runtime["window_right"],
-        softmax_scale,
-        runtime["dropout_p"],
+        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k),
+        (runtime["window_left"], runtime["window_right"], softmax_scale, runtime["dropout_p"]),
         CAUSAL=flags["CAUSAL"],
         LOCAL=flags["LOCAL"],
         ALIBI=flags["ALIBI"],

@@ -1,0 +1,36 @@
+"""The constexpr bundles the Triton attention kernels (fwd.py, bwd.py) take, one parameter each:
+the launchers build them, the kernels read their fields (`MODS.CAUSAL`). Plain NamedTuples, no triton import, so
+the ops layer can import them before the kernels are (TRITON_INTERPRET must be settled first)."""
+
+from typing import NamedTuple
+
+
+class Mods(NamedTuple):
+    """The score modifications a kernel is compiled for; one that is off costs nothing."""
+
+    CAUSAL: bool  # bottom-right causal mask (docs/design.md)
+    LOCAL: bool  # a sliding window (window_left, window_right); excludes CAUSAL
+    SOFTCAP: bool  # scores softcap * tanh(score / softcap)
+    ALIBI: bool  # a per-(batch, head) slope times the query-key distance, subtracted
+    DROPOUT: bool  # Philox dropout of P (common.dropout_keep)
+    SINK: bool  # a learnable logit per head in every row's denominator (the forward's; False in the backward)
+
+
+class Path(NamedTuple):
+    """How a kernel reads and writes its tiles, and the arithmetic of its dots."""
+
+    USE_TMA: bool  # TMA descriptors (common.make_desc_or_ptr), else pointers
+    HOST_DESC: bool  # the descriptors built on the host (common.tile_src), not per program
+    UPCAST: bool  # tiles converted to fp32 once loaded (fp32 inputs, and the interpreter's bf16)
+    DOT_PRECISION: str  # tl.dot's input_precision: "ieee" where UPCAST, else "tf32"
+
+
+class Tile(NamedTuple):
+    """A program's tile: its rows, and the head dims with the powers of two that hold them."""
+
+    HEAD_DIM: int  # q's and k's head dim
+    BLOCK_M: int  # query rows of a tile
+    BLOCK_N: int  # key rows of a tile
+    BLOCK_D: int  # HEAD_DIM's power of two
+    HEAD_DIM_V: int  # v's head dim, the output's, dV's
+    BLOCK_DV: int  # HEAD_DIM_V's power of two
