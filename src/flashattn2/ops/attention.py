@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime, kvcache, launch_gluon, launch_triton
+from . import kvcache, launch_gluon, launch_triton
 from .call import AttentionCall, BackwardCall
-from .geometry import Geometry, Varlen
 from .options import ScoreMods
-from .planning import out_dtype
-
-
-def _geometry(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k) -> Geometry:
-    o = call.options
-    varlen = None if cu_seqlens_q is None else Varlen.of(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k)
-    return Geometry.of(q, k, varlen, v)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
+    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def _mods(call: AttentionCall, alibi, sink, seed) -> ScoreMods:
@@ -33,31 +25,26 @@ def _mods(call: AttentionCall, alibi, sink, seed) -> ScoreMods:
     return ScoreMods(o.causal, o.window_left, o.window_right, o.softcap, alibi, o.dropout_p, seed, sink)
 
 
+def _launch(call: AttentionCall):
+    """The forward's launch, made at the call's first run: the Gluon kernel's (launch_gluon.ForwardLaunch) or the
+    Triton kernel's (launch_triton.Forward)."""
+    layout = call.layout
+    if call.plan.gluon:
+        return launch_gluon.ForwardLaunch(call.plan, layout.geometry, layout.lse_shape, call.spec.sink is not None)
+    return launch_triton.Forward(layout, call.plan)
+
+
 def forward(
     call: AttentionCall, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi=None, sink=None, seed=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q in q's dtype with v's head dim; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
-    plan = call.plan
-    if plan.kernel == "decode":
+    if call.plan.kernel == "decode":
         return _invariant_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed)
-    if plan.gluon:
-        launch = call.launch
-        if launch is None:
-            geo = _geometry(call, q, k, v, None, None)
-            launch = call.launch = launch_gluon.ForwardLaunch(plan, geo, geo.lse_shape(q), sink is not None)
-        return launch.run(q, k, v, call.options.softmax_scale, _contiguous(sink))
-    geo = _geometry(call, q, k, v, cu_seqlens_q, cu_seqlens_k)
-    arch = call.spec.modes.arch
-    out = _runtime.empty((*q.shape[:-1], geo.head_dim_v), out_dtype(q.dtype, arch), q.device)
-    lse = _runtime.empty(geo.lse_shape(q), torch.float32, q.device)
-    if out.numel() == 0:
-        return out.to(q.dtype), lse
-    if geo.batch == 0 or geo.max_seqlen_q == 0:  # varlen with no query rows in any sequence
-        out.zero_(), lse.fill_(float("inf"))
-        return out.to(q.dtype), lse
-    runtime, flags = _mods(call, alibi, sink, seed).kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
-    launch_triton.forward(plan, q, k, v, out, lse, geo, arch, runtime, flags, call.options.softmax_scale)
-    return out.to(q.dtype), lse
+    launch = call.launch
+    if launch is None:
+        launch = call.launch = _launch(call)
+    alibi, sink = _contiguous(alibi), _contiguous(sink)
+    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed)
 
 
 def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed):
@@ -109,31 +96,26 @@ def backward(
     # the kernels read lse, dlse and delta with one set of strides, lse's: all contiguous
     lse = lse if lse.is_contiguous() else lse.contiguous()
     dlse = dlse if dlse is None or dlse.is_contiguous() else dlse.contiguous()
-    plan = bcall.plan
-    if plan.gluon:
-        launch = bcall.launch
-        if launch is None:
-            geo = _geometry(call, q, k, v, None, None)
-            launch = bcall.launch = launch_gluon.BackwardLaunch(plan, geo, call.spec.modes.arch, q.dtype)
-        launch.run(dout, q, k, v, out, lse, dlse, dq, dk, dv, call.options.softmax_scale, _contiguous(sink), dsink)
-        return
-    geo = _geometry(call, q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if q.numel() == 0 or k.numel() == 0 or geo.batch == 0:
+    layout = call.layout
+    if q.numel() == 0 or k.numel() == 0 or layout.batch == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         if dsink is not None:  # no key: O = 0, so delta = -dlse
             launch_triton.sink_grad_(dsink, sink, lse, torch.zeros_like(lse) if dlse is None else -dlse)
         return
-    arch = call.spec.modes.arch
-    runtime, flags = _mods(call, alibi, sink, seed).kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, lse)
-    launch_triton.backward(
-        plan, dout, q, k, v, out, lse, dlse, dq, dk, dv, geo, arch, runtime, flags, call.options.softmax_scale, dsink
-    )
+    launch = bcall.launch
+    if launch is None:
+        plan = bcall.plan
+        if plan.gluon:
+            launch = launch_gluon.BackwardLaunch(plan, layout.geometry, layout.arch, q.dtype)
+        else:
+            b = bcall.spec
+            launch = launch_triton.Backward(layout, plan, b.dout, b.grads, b.dlse, sink is not None)
+        bcall.launch = launch
+    alibi, sink = _contiguous(alibi), _contiguous(sink)
+    launch(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, dsink)
 
 
 def dropout_probs(call: AttentionCall, q, k, cu_seqlens_q, cu_seqlens_k, alibi, seed) -> torch.Tensor:
     """S_dmask for the dropout mask the forward drew with the same seed (a testing aid)."""
-    varlen = None
-    if cu_seqlens_q is not None:
-        o = call.options
-        varlen = Varlen.of(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k)
-    return launch_triton.dropout_probs(q, k, call.options.softmax_scale, _mods(call, alibi, None, seed), varlen)
+    alibi = _contiguous(alibi)
+    return launch_triton.dropout_probs(call.layout, q, k, cu_seqlens_q, cu_seqlens_k, alibi, seed)

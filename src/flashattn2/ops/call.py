@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from . import checks, planning
 from . import spec as specs
+from .layout import Layout
 from .options import Options
 
 
@@ -64,10 +65,11 @@ class AttentionCall:
     """A validated and planned attention call (dense, varlen, packed; a ring block): options (Options without its
     tensors), the forward's plan, the Gluon forward's launch once made, and the backward's prepared calls."""
 
-    __slots__ = ("spec", "options", "plan", "launch", "backwards", "empty", "batch")
+    __slots__ = ("spec", "options", "plan", "layout", "launch", "backwards", "empty", "batch")
 
     def __init__(self, spec: specs.AttentionSpec, options: Options, plan: planning.Plan | None):
         self.spec, self.options, self.plan = spec, options, plan
+        self.layout = Layout(spec, options.softmax_scale)
         self.launch = None
         self.backwards = Calls()
         # a dense call with no query or no key position (flash_attn accepts it): registry.EmptyAttention, no kernel

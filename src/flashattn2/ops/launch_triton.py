@@ -1,155 +1,141 @@
 """The Triton kernels' launches (kernels/fwd.py, kernels/bwd_preprocess.py, kernels/bwd.py, kernels/dmask.py):
-every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); this allocates,
-builds the arguments, launches."""
+every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); Forward and Backward
+are made once per prepared call (ops.call) with every argument but the tensors, and launch on each call's tensors."""
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.constexprs import Mods, Path, Tile
-from . import _runtime, launcher, planning
-from .geometry import Geometry, Varlen, block_d, cdiv, fill_tails
-from .options import ScoreMods
+from ..kernels.constexprs import Path, Tile
+from . import _runtime, launcher, seqlens
+from .geometry import block_d, cdiv
+from .layout import Layout, contiguous_strides, rows_strides
 from .planning import Plan
-from .tma import host_desc, use_tma
+from .tma import host_desc
 
 
-def tma_flags(q: torch.Tensor, arch: str, *tensors: torch.Tensor) -> dict:
-    upcast = arch == "interp" or q.dtype == torch.float32
-    tma = use_tma(arch, *tensors)
-    if tma and arch != "interp":
-        _runtime.ensure_tma_allocator()
-    return dict(
-        USE_TMA=tma,
-        # the interpreter's bf16 arithmetic is wrong (TRITON-ON-CPU.md): it computes in fp32
-        UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast else "tf32",
-    )
+def _path(layout: Layout, plan: Plan) -> Path:
+    return Path(plan.tma, plan.host_desc, layout.upcast, "ieee" if layout.upcast else "tf32")
 
 
-def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
-    # the interpreter truncates fp32 -> bf16 instead of rounding: it writes fp32 and torch casts
-    return torch.float32 if arch == "interp" else dtype
-
-
-def sources(geo: Geometry, tma: bool, *pairs: tuple[torch.Tensor, int]) -> tuple[list, bool]:
-    """(the kernel's tensor arguments, HOST_DESC) for (tensor, rows of its tile) pairs: with the
-    TMA path on dense inputs whose head dims are powers of two and whose heads are adjacent in
-    memory, descriptors (launcher.HostDesc) over (batch, seqlen, heads * headdim) with a
-    [1, rows, headdim] box (unless force(host_desc=False); use_tma checked the 16-byte alignment TMA needs);
-    otherwise the tensors (the kernels make their own descriptors). Host-built descriptors: backward 1.04-1.41x
-    at 512 and 2k tokens, the forward 1.0-1.33x (H200, bitwise-equal outputs)."""
-    tensors = [t for t, _ in pairs]
-    if not (
-        planning.forced().host_desc is not False
-        and tma
-        and geo.varlen is None
-        and all(t.shape[-1] == block_d(t.shape[-1]) and t.stride(2) == t.shape[-1] for t in tensors)
-    ):
-        return tensors, False
-    return [host_desc(t, rows) for t, rows in pairs], True
-
-
-def score_scalars(runtime: dict, softmax_scale: float) -> tuple:
-    """The forward's, dK/dV's and dQ's `score` argument: (window_left, window_right, sm_scale, softcap, dropout_p)."""
-    return runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"], runtime["dropout_p"]
-
-
-def tile_of(geo: Geometry, cfg) -> Tile:
+def _tile(layout: Layout, cfg) -> Tile:
     """The forward's, dK/dV's and dQ's TILE for a tile config (planning.TileConfig)."""
-    return Tile(geo.head_dim, cfg.block_m, cfg.block_n, block_d(geo.head_dim), geo.head_dim_v, block_d(geo.head_dim_v))
+    d, dv = layout.head_dim, layout.head_dim_v
+    return Tile(d, cfg.block_m, cfg.block_n, block_d(d), dv, block_d(dv))
 
 
-def forward(
-    plan: Plan, q, k, v, out, lse, geo: Geometry, arch: str, runtime: dict, flags: dict, softmax_scale: float
-) -> None:
-    """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too)."""
-    cfg = plan.tile
-    grid = (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads,)
-    # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
-    order, is_sorted = geo.order("k", lse)
-    tma = tma_flags(q, arch, q, k, v, out)
-    srcs, host = sources(geo, tma["USE_TMA"], (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))
-    launcher.launch(
-        _runtime.kernels().fwd.attn_fwd_kernel,
-        grid,
-        *srcs,
-        lse,
-        runtime["Alibi"],
-        runtime["Sinks"],
-        *geo.cu_seqlens(lse),
-        runtime["Seed"],
-        order,
-        geo.strides(q),
-        geo.strides(k),
-        geo.strides(v),
-        geo.strides(out),
-        geo.lse_strides(lse),
-        runtime["stride_alibi_b"],
-        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k),
-        score_scalars(runtime, softmax_scale),
-        MODS=Mods(**flags),
-        IS_VARLEN=geo.varlen is not None,
-        SORTED=is_sorted,
-        PATH=Path(**tma, HOST_DESC=host),
-        TILE=tile_of(geo, cfg),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if geo.varlen is not None:
-        cu_q, known_q = geo.varlen.cu_seqlens_q, geo.varlen.known_q
-        fill_tails((out, cu_q, 0.0, 0, known_q), (lse, cu_q, float("inf"), 1, known_q))
+class TailFill:
+    """Varlen: the rows past cu_seqlens[-1] of up to three tensors (x: (total, ...) with the other dimensions of a row
+    one contiguous block, or lse (nheads, total) with rows_dim 1) get a value -- 0 for outputs and gradients, +inf for
+    the logsumexp -- in one launch (kernels/fill.py), skipped when every cu_seqlens is known to end at its last row
+    (ops.seqlens.known). slots: (shape, strides, value, rows_dim) of each tensor; the tensors come with each call."""
+
+    __slots__ = ("launch", "grid", "slots", "totals", "batch")
+
+    def __init__(self, batch: int, *slots):
+        self.batch = batch
+        self.totals = [shape[rows_dim] for shape, _, _, rows_dim in slots]
+        self.slots = []
+        for shape, strides, value, rows_dim in slots:
+            if rows_dim == 0:
+                row = (shape[0], strides[0], 1, int(torch.Size(shape[1:]).numel()), value)
+            else:
+                row = (shape[1], strides[1], strides[0], shape[0], value)
+            self.slots.append(row)
+        self.slots += self.slots[:1] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
+        block_r = 64
+        self.grid = (cdiv(max(self.totals, default=0), block_r),)
+        kernel = _runtime.kernels().fill.fill_tail_kernel
+        self.launch = launcher.Launch(kernel, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128)
+
+    def __call__(self, *pairs) -> None:
+        """pairs: (tensor, cu_seqlens) for each slot."""
+        if max(self.totals, default=0) == 0 or all(
+            (seqlens.known(cu) or (-1,))[0] == total for (_, cu), total in zip(pairs, self.totals)
+        ):
+            return
+        pairs = (*pairs, *pairs[:1] * (3 - len(pairs)))
+        (x0, cu0), (x1, cu1), (x2, cu2) = pairs
+        s0, s1, s2 = self.slots
+        self.launch(self.grid, x0, cu0, s0, x1, cu1, s1, x2, cu2, s2, self.batch)
 
 
-def preprocess(
-    out,
-    dout,
-    lse,
-    dlse,
-    geo: Geometry,
-    delta: torch.Tensor,
-    seqlen_pad: int | None = None,
-    lse_pad: torch.Tensor | None = None,
-    acc: torch.Tensor | None = None,
-    sink: SinkGrad | None = None,
-) -> tuple:
-    """delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows padded); with `sink`,
-    the learnable sink's gradient too (SinkGrad).
-    With seqlen_pad (the Gluon backward, dense inputs): delta (batch, nheads, seqlen_pad) gets 0 past
-    seqlen_q, the fp32 dQ accumulator `acc` (batch, seqlen_pad, nheads, headdim) is zeroed, and
-    `lse_pad` (delta's shape), if given, gets lse with +inf past seqlen_q -- one launch. Returns the
-    launch's (grid, integer arguments (tuples), keywords): the Gluon backward's cached plan repeats it with them."""
-    padded = seqlen_pad is not None
-    rows = seqlen_pad if padded else geo.max_seqlen_q
-    bd = block_d(geo.head_dim_v)  # O's and dO's
-    wide = max(bd, block_d(geo.head_dim)) if padded else bd  # (the accumulator's rows: q's head dim)
-    pre_m = 64 if wide <= 128 else 32 if wide <= 256 else 16
-    acc_strides = acc.stride()[:3] if padded else (0, 0, 0)
-    grid = (cdiv(rows, pre_m) * geo.batch * geo.nheads,)
-    ints = (
-        geo.strides(out),
-        geo.strides(dout),
-        geo.lse_strides(lse),
-        geo.lse_strides(delta),
-        acc_strides,
-        (geo.nheads, geo.max_seqlen_q, rows),
-    )
-    kwargs = dict(
-        HAS_DLSE=dlse is not None,
-        IS_VARLEN=geo.varlen is not None,
-        PADDED=padded,
-        COPY_LSE=lse_pad is not None,
-        SINK=sink is not None,
-        HEAD_DIM=geo.head_dim_v,
-        BLOCK_M=pre_m,
-        BLOCK_D=bd,
-        ACC_DIM=geo.head_dim,  # the dQ accumulator's: q's
-        BLOCK_ACC=block_d(geo.head_dim),
-    )
-    pre = (grid, ints, kwargs)
-    cu = geo.cu_seqlens(lse)[0]
-    launch_preprocess(pre, out, dout, lse, dlse, delta, cu, lse_pad, acc if padded else delta, sink)
-    return pre
+class Forward:
+    """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too), as one prepared call
+    launches it."""
+
+    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows")
+
+    def __init__(self, layout: Layout, plan: Plan):
+        self.layout, self.plan = layout, plan
+        cfg = plan.tile
+        self.rows = (cfg.block_m, cfg.block_n)
+        self.grid = (cdiv(layout.max_seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
+        self.empty = torch.Size(layout.out_shape).numel() == 0
+        self.no_rows = layout.batch == 0 or layout.max_seqlen_q == 0  # varlen with no query rows in any sequence
+        kw = dict(
+            MODS=layout.mods,
+            IS_VARLEN=layout.varlen,
+            PATH=_path(layout, plan),
+            TILE=_tile(layout, cfg),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        kernel = _runtime.kernels().fwd.attn_fwd_kernel
+        # SORTED: a varlen call's sequences longest first, where ops.seqlens knows their order
+        self.launches = {sort: launcher.Launch(kernel, SORTED=sort, **kw) for sort in (False, True)}
+        self.tail = None
+        if layout.varlen:
+            out, lse = layout.out_shape, layout.lse_shape
+            self.tail = TailFill(
+                layout.batch,
+                (out, contiguous_strides(out), 0.0, 0),
+                (lse, contiguous_strides(lse), float("inf"), 1),
+            )
+
+    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)
+        lse = _runtime.empty(layout.lse_shape, torch.float32, q.device)
+        if self.empty:
+            return out.to(q.dtype), lse
+        if self.no_rows:
+            out.zero_(), lse.fill_(float("inf"))
+            return out.to(q.dtype), lse
+        # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
+        order = None if cu_k is None else seqlens.remembered(cu_k)[1]
+        if self.plan.host_desc:
+            bm, bn = self.rows
+            q, k, v, dst = host_desc(q, bm), host_desc(k, bn), host_desc(v, bn), host_desc(out, bm)
+        else:
+            dst = out
+            if self.plan.tma and layout.arch != "interp":
+                _runtime.ensure_tma_allocator()
+        self.launches[order is not None](
+            self.grid,
+            q,
+            k,
+            v,
+            dst,
+            lse,
+            lse if alibi is None else alibi,
+            lse if sink is None else sink,
+            lse if cu_q is None else cu_q,
+            lse if cu_k is None else cu_k,
+            lse if seed is None else seed,
+            lse if order is None else order,
+            layout.q_strides,
+            layout.k_strides,
+            layout.v_strides,
+            layout.out_strides,
+            layout.lse_strides,
+            layout.alibi_stride,
+            layout.shape,
+            layout.score,
+        )
+        if self.tail is not None:
+            self.tail((out, cu_q), (lse, cu_q))
+        return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 class SinkGrad:
@@ -167,30 +153,69 @@ class SinkGrad:
         torch.sum(self.parts.view(self.batch, self.dsink.shape[0], -1), dim=(0, 2), out=self.dsink)
 
 
-def launch_preprocess(pre: tuple, out, dout, lse, dlse, delta, cu_seqlens, lse_pad, acc, sink=None) -> None:
-    """The delta preprocess launch with preprocess's (grid, integer arguments, keywords); the
-    tensors absent from the call (dlse, lse_pad, a sink's) get delta in their places (never read)."""
-    grid, ints, kwargs = pre
-    if sink is not None:
-        sink.parts = _runtime.empty(grid, torch.float32, delta.device)
-    launcher.launch(
-        _runtime.kernels().bwd_preprocess.attn_bwd_preprocess_kernel,
-        grid,
-        out,
-        dout,
-        delta,
-        dlse if dlse is not None else delta,
-        cu_seqlens,
-        lse,
-        lse_pad if lse_pad is not None else delta,
-        acc,
-        sink.sinks if sink is not None else delta,
-        sink.parts if sink is not None else delta,
-        *ints,
-        **kwargs,
-    )
-    if sink is not None:
-        sink.finish()
+class Preprocess:
+    """kernels/bwd_preprocess.py: delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows
+    padded); with a sink, the learnable sink's gradient too (SinkGrad). With seqlen_pad (the Gluon backward, dense
+    inputs): delta (batch, nheads, seqlen_pad) gets 0 past seqlen_q, the fp32 dQ accumulator (batch, seqlen_pad, nheads,
+    headdim) is zeroed, and lse_pad (delta's shape), where the rows are padded, gets lse with +inf past seqlen_q -- one
+    launch. out and dout: the layouts given (dout's may differ from the output's)."""
+
+    __slots__ = ("launch", "grid", "ints")
+
+    def __init__(self, layout: Layout, dout, dlse: bool, sink: bool, seqlen_pad: int | None = None):
+        padded = seqlen_pad is not None
+        rows = seqlen_pad if padded else layout.max_seqlen_q
+        bd = block_d(layout.head_dim_v)  # O's and dO's
+        wide = max(bd, block_d(layout.head_dim)) if padded else bd  # (the accumulator's rows: q's head dim)
+        pre_m = 64 if wide <= 128 else 32 if wide <= 256 else 16
+        self.grid = (cdiv(rows, pre_m) * layout.batch * layout.nheads,)
+        if padded:
+            delta_strides = contiguous_strides((layout.batch, layout.nheads, seqlen_pad))[:2]
+            acc = contiguous_strides((layout.batch, seqlen_pad, layout.nheads, layout.head_dim))[:3]
+        else:
+            delta_strides, acc = layout.lse_strides, (0, 0, 0)
+        self.ints = (
+            layout.out_strides,
+            rows_strides(dout, layout.varlen),
+            layout.lse_strides,
+            delta_strides,
+            acc,
+            (layout.nheads, layout.max_seqlen_q, rows),
+        )
+        self.launch = launcher.Launch(
+            _runtime.kernels().bwd_preprocess.attn_bwd_preprocess_kernel,
+            HAS_DLSE=dlse,
+            IS_VARLEN=layout.varlen,
+            PADDED=padded,
+            COPY_LSE=padded and seqlen_pad != layout.max_seqlen_q,
+            SINK=sink,
+            HEAD_DIM=layout.head_dim_v,
+            BLOCK_M=pre_m,
+            BLOCK_D=bd,
+            ACC_DIM=layout.head_dim,  # the dQ accumulator's: q's
+            BLOCK_ACC=block_d(layout.head_dim),
+        )
+
+    def __call__(self, out, dout, lse, dlse, delta, cu_seqlens, lse_pad=None, acc=None, sink: SinkGrad | None = None):
+        """The tensors absent from the call (dlse, lse_pad, acc, a sink's) get delta in their places (never read)."""
+        if sink is not None:
+            sink.parts = _runtime.empty(self.grid, torch.float32, delta.device)
+        self.launch(
+            self.grid,
+            out,
+            dout,
+            delta,
+            delta if dlse is None else dlse,
+            delta if cu_seqlens is None else cu_seqlens,
+            lse,
+            delta if lse_pad is None else lse_pad,
+            delta if acc is None else acc,
+            delta if sink is None else sink.sinks,
+            delta if sink is None else sink.parts,
+            *self.ints,
+        )
+        if sink is not None:
+            sink.finish()
 
 
 def sink_grad_(dsink: torch.Tensor, sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> None:
@@ -206,189 +231,133 @@ def sink_grad_(dsink: torch.Tensor, sinks: torch.Tensor, lse: torch.Tensor, delt
     dsink.neg_()
 
 
-def backward(
-    plan: Plan,
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dlse,
-    dq,
-    dk,
-    dv,
-    geo: Geometry,
-    arch: str,
-    runtime: dict,
-    mod_flags: dict,
-    softmax_scale: float,
-    dsink: torch.Tensor | None = None,
-) -> None:
+class Backward:
     """kernels/bwd_preprocess.py's delta preprocess, then kernels/bwd.py's dK/dV (one program per key block over its
-    query blocks) and dQ (one program per query block over its key blocks): deterministic, no atomics. A sink
-    changes only lse (which P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the
-    preprocess)."""
-    K = _runtime.kernels().bwd
-    cu_q, cu_k = geo.cu_seqlens(lse)
-    is_varlen = geo.varlen is not None
+    query blocks) and dQ (one program per query block over its key blocks): deterministic, no atomics. A sink changes
+    only lse (which P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess).
+    Made once per prepared backward (ops.call.BackwardCall): dout's and the gradients' layouts are its spec's."""
 
-    # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
-    delta = _runtime.empty(lse.shape, torch.float32, q.device)
-    mod_flags = dict(mod_flags)
-    sink = SinkGrad(runtime["Sinks"], dsink, geo.batch) if mod_flags.pop("SINK") else None
-    preprocess(out, dout, lse, dlse, geo, delta, sink=sink)
+    __slots__ = ("layout", "plan", "pre", "dkdv", "dq", "grids", "grad_strides", "dout_strides", "tail", "sink")
 
-    # where the kernels write: the interpreter writes fp32 and torch casts (copied into dq, dk, dv at the end)
-    gq, gk, gv = dq, dk, dv
-    if arch == "interp":
-        gq, gk, gv = (_runtime.empty(g.shape, torch.float32, g.device) for g in (dq, dk, dv))
-    if is_varlen:
-        # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
-        known_q, known_k = geo.varlen.known_q, geo.varlen.known_k
-        fill_tails((gq, cu_q, 0.0, 0, known_q), (gk, cu_k, 0.0, 0, known_k), (gv, cu_k, 0.0, 0, known_k))
-    flags = tma_flags(q, arch, q, k, v, dout, gq, gk, gv)
-    group = geo.nheads // geo.nheads_k
-    # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
-    # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
-    dsplit = dict(plan.constexprs).get("DSPLIT", 1)
-    mods = Mods(**mod_flags, SINK=False)
-    # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
-    order_q, sorted_q = geo.order("q", cu_q)
-    order_k, sorted_k = geo.order("k", cu_k)
+    def __init__(self, layout: Layout, plan: Plan, dout, grads, dlse: bool, sink: bool):
+        self.layout, self.plan, self.sink = layout, plan, sink
+        self.pre = Preprocess(layout, dout, dlse, sink)
+        interp = layout.arch == "interp"
+        # where the kernels write: the interpreter writes fp32 (contiguous) and torch casts into the gradients
+        shapes = [g.shape for g in grads]
+        self.grad_strides = [
+            rows_strides(g, layout.varlen)
+            if not interp
+            else rows_strides(g._replace(stride=contiguous_strides(g.shape)), layout.varlen)
+            for g in grads
+        ]
+        self.dout_strides = rows_strides(dout, layout.varlen)
+        # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
+        # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
+        dsplit = dict(plan.constexprs).get("DSPLIT", 1)
+        mods = layout.mods._replace(SINK=False)
+        bwd = _runtime.kernels().bwd
+        path = _path(layout, plan)
+        launches = []
+        for kernel, cfg in ((bwd.attn_bwd_dkdv_kernel, plan.tile), (bwd.attn_bwd_dq_kernel, plan.dq_tile)):
+            kw = dict(MODS=mods, IS_VARLEN=layout.varlen, PATH=path, TILE=_tile(layout, cfg), DSPLIT=dsplit)
+            kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            launches.append({sort: launcher.Launch(kernel, SORTED=sort, **kw) for sort in (False, True)})
+        self.dkdv, self.dq = launches
+        cfg, dq_cfg = plan.tile, plan.dq_tile
+        self.grids = (
+            (cdiv(layout.max_seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k, dsplit),
+            (cdiv(layout.max_seqlen_q, dq_cfg.block_m) * layout.batch * layout.nheads, dsplit),
+        )
+        self.tail = None
+        if layout.varlen:  # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
+            self.tail = TailFill(
+                layout.batch, *((shape, contiguous_strides(shape) if interp else g.stride, 0.0, 0) for shape, g in zip(shapes, grads))
+            )
 
-    cfg = plan.tile
-    (sq, sk, sv, sdo, sdk, sdv), host = sources(
-        geo,
-        flags["USE_TMA"] and dsplit == 1,
-        (q, cfg.block_m),
-        (k, cfg.block_n),
-        (v, cfg.block_n),
-        (dout, cfg.block_m),
-        (gk, cfg.block_n),
-        (gv, cfg.block_n),
-    )
-    launcher.launch(
-        K.attn_bwd_dkdv_kernel,
-        (cdiv(geo.max_seqlen_k, cfg.block_n) * geo.batch * geo.nheads_k, dsplit),
-        sq,
-        sk,
-        sv,
-        sdo,
-        lse,
-        delta,
-        sdk,
-        sdv,
-        runtime["Alibi"],
-        cu_q,
-        cu_k,
-        runtime["Seed"],
-        order_q,
-        geo.strides(q),
-        geo.strides(k),
-        geo.strides(v),
-        geo.strides(dout),
-        geo.strides(gk),
-        geo.strides(gv),
-        geo.lse_strides(lse),
-        runtime["stride_alibi_b"],
-        (geo.nheads, geo.nheads_k, geo.max_seqlen_q, geo.max_seqlen_k, group),
-        score_scalars(runtime, softmax_scale),
-        MODS=mods,
-        IS_VARLEN=is_varlen,
-        SORTED=sorted_q,
-        PATH=Path(**flags, HOST_DESC=host),
-        TILE=tile_of(geo, cfg),
-        DSPLIT=dsplit,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    cfg = plan.dq_tile
-    (sq, sk, sv, sdo, sdq), host = sources(
-        geo,
-        flags["USE_TMA"] and dsplit == 1,
-        (q, cfg.block_m),
-        (k, cfg.block_n),
-        (v, cfg.block_n),
-        (dout, cfg.block_m),
-        (gq, cfg.block_m),
-    )
-    launcher.launch(
-        K.attn_bwd_dq_kernel,
-        (cdiv(geo.max_seqlen_q, cfg.block_m) * geo.batch * geo.nheads, dsplit),
-        sq,
-        sk,
-        sv,
-        sdo,
-        lse,
-        delta,
-        sdq,
-        runtime["Alibi"],
-        cu_q,
-        cu_k,
-        runtime["Seed"],
-        order_k,
-        geo.strides(q),
-        geo.strides(k),
-        geo.strides(v),
-        geo.strides(dout),
-        geo.strides(gq),
-        geo.lse_strides(lse),
-        runtime["stride_alibi_b"],
-        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, group),
-        score_scalars(runtime, softmax_scale),
-        MODS=mods,
-        IS_VARLEN=is_varlen,
-        SORTED=sorted_k,
-        PATH=Path(**flags, HOST_DESC=host),
-        TILE=tile_of(geo, cfg),
-        DSPLIT=dsplit,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
-        if src is not dst:
-            dst.copy_(src)
+    def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi, sinks, seed, dsink) -> None:
+        layout, plan = self.layout, self.plan
+        # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
+        delta = _runtime.empty(layout.lse_shape, torch.float32, q.device)
+        sink = SinkGrad(sinks, dsink, layout.batch) if self.sink else None
+        self.pre(out, dout, lse, dlse, delta, cu_q, sink=sink)
+        gq, gk, gv = dq, dk, dv
+        if layout.arch == "interp":
+            gq, gk, gv = (_runtime.empty(g.shape, torch.float32, g.device) for g in (dq, dk, dv))
+        if self.tail is not None:
+            self.tail((gq, cu_q), (gk, cu_k), (gv, cu_k))
+        # longest first: a key block's work grows with its sequence's queries, a query block's with its keys
+        order_q = None if cu_q is None else seqlens.remembered(cu_q)[1]
+        order_k = None if cu_k is None else seqlens.remembered(cu_k)[1]
+        cfg, dq_cfg = plan.tile, plan.dq_tile
+        if plan.host_desc:
+            sq, sk, sv, sdo = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n), host_desc(dout, cfg.block_m)
+            sdk, sdv = host_desc(gk, cfg.block_n), host_desc(gv, cfg.block_n)
+        else:
+            sq, sk, sv, sdo, sdk, sdv = q, k, v, dout, gk, gv
+            if plan.tma and layout.arch != "interp":
+                _runtime.ensure_tma_allocator()
+        alibi = lse if alibi is None else alibi
+        seed = lse if seed is None else seed
+        cu_q_, cu_k_ = (lse, lse) if cu_q is None else (cu_q, cu_k)
+        (sgq, sgk, sgv), strides = self.grad_strides, layout
+        self.dkdv[order_q is not None](
+            self.grids[0], sq, sk, sv, sdo, lse, delta, sdk, sdv, alibi, cu_q_, cu_k_, seed,
+            lse if order_q is None else order_q,
+            strides.q_strides, strides.k_strides, strides.v_strides, self.dout_strides, sgk, sgv, layout.lse_strides,
+            layout.alibi_stride, (layout.nheads, layout.nheads_k, *layout.shape[2:]), layout.score,
+        )  # fmt: skip
+        if plan.host_desc:
+            sq, sk, sv = host_desc(q, dq_cfg.block_m), host_desc(k, dq_cfg.block_n), host_desc(v, dq_cfg.block_n)
+            sdo, sdq = host_desc(dout, dq_cfg.block_m), host_desc(gq, dq_cfg.block_m)
+        else:
+            sdq = gq
+        self.dq[order_k is not None](
+            self.grids[1], sq, sk, sv, sdo, lse, delta, sdq, alibi, cu_q_, cu_k_, seed,
+            lse if order_k is None else order_k,
+            strides.q_strides, strides.k_strides, strides.v_strides, self.dout_strides, sgq, layout.lse_strides,
+            layout.alibi_stride, layout.shape, layout.score,
+        )  # fmt: skip
+        for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
+            if src is not dst:
+                dst.copy_(src)
 
 
-def dropout_probs(
-    q: torch.Tensor, k: torch.Tensor, softmax_scale: float, mods: ScoreMods, varlen: Varlen | None = None
-) -> torch.Tensor:
-    """S_dmask (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype: exp(score -
-    rowmax) where kept, its negative where dropped, 0 where not visible (a testing aid)."""
-    geo = Geometry.of(q, k, varlen)
+def dropout_probs(layout: Layout, q, k, cu_q, cu_k, alibi, seed) -> torch.Tensor:
+    """S_dmask (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype: exp(score - rowmax) where kept,
+    its negative where dropped, 0 where not visible (a testing aid: a launch no loop repeats)."""
     round128 = lambda n: cdiv(n, 128) * 128
-    arch = "interp" if _runtime.interpreted() else planning.arch_of(q.device)
-    shape = (geo.batch, geo.nheads, round128(geo.max_seqlen_q), round128(geo.max_seqlen_k))
-    probs = torch.zeros(shape, dtype=out_dtype(q.dtype, arch), device=q.device)
-    if probs.numel() == 0 or geo.max_seqlen_q == 0:
+    shape = (layout.batch, layout.nheads, round128(layout.max_seqlen_q), round128(layout.max_seqlen_k))
+    probs = torch.zeros(shape, dtype=layout.out_dtype, device=q.device)
+    if probs.numel() == 0 or layout.max_seqlen_q == 0:
         return probs.to(q.dtype)
-    runtime, flags = mods.kernel_args(geo.max_seqlen_q, geo.max_seqlen_k, probs)
+    mods, (left, right, scale, _, dropout_p) = layout.mods, layout.score
     block_m, block_n = 64, 64
     launcher.launch(
         _runtime.kernels().dmask.attn_dropout_mask_kernel,
-        (cdiv(geo.max_seqlen_q, block_m) * geo.batch * geo.nheads,),
+        (cdiv(layout.max_seqlen_q, block_m) * layout.batch * layout.nheads,),
         q,
         k,
         probs,
-        runtime["Alibi"],
-        *geo.cu_seqlens(probs),
-        runtime["Seed"],
-        geo.strides(q),
-        geo.strides(k),
+        probs if alibi is None else alibi,
+        probs if cu_q is None else cu_q,
+        probs if cu_k is None else cu_k,
+        seed,
+        layout.q_strides,
+        layout.k_strides,
         probs.stride()[:3],
-        runtime["stride_alibi_b"],
-        (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k),
-        (runtime["window_left"], runtime["window_right"], softmax_scale, runtime["dropout_p"]),
-        CAUSAL=flags["CAUSAL"],
-        LOCAL=flags["LOCAL"],
-        ALIBI=flags["ALIBI"],
-        IS_VARLEN=varlen is not None,
-        UPCAST=arch == "interp" or q.dtype == torch.float32,
-        DOT_PRECISION="ieee" if arch == "interp" or q.dtype == torch.float32 else "tf32",
-        HEAD_DIM=geo.head_dim,
+        layout.alibi_stride,
+        layout.shape,
+        (left, right, scale, dropout_p),
+        CAUSAL=mods.CAUSAL,
+        LOCAL=mods.LOCAL,
+        ALIBI=mods.ALIBI,
+        IS_VARLEN=layout.varlen,
+        UPCAST=layout.upcast,
+        DOT_PRECISION="ieee" if layout.upcast else "tf32",
+        HEAD_DIM=layout.head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=block_d(geo.head_dim),
+        BLOCK_D=block_d(layout.head_dim),
     )
     return probs.to(q.dtype)

@@ -1,120 +1,61 @@
-"""The launch fast path: kernel[grid](*args, **kwargs) at a fraction of Triton's host cost, and host-built TMA
-descriptors encoded once. Written against triton 3.6's JITFunction and launcher (WRITTEN_FOR); on another
-Triton every launch takes Triton's own path (SUPPORTED), as it does with FLASHATTN2_DIRECT_LAUNCH=0, under a
-profiler's launch hooks and in the interpreter."""
+"""Launching a kernel: once through Triton, then straight to the compiled kernel.
+
+A prepared call (ops.call) keeps one Launch per kernel it runs: the kernel and the keywords its plan fixed. The first
+launch goes through Triton's own path (JITFunction.run: it binds and specializes the arguments, compiles or finds the
+kernel); later launches call the compiled kernel that returned (CompiledKernel.run), pointers passed as integers. A
+prepared call's spec fixes everything Triton specializes a kernel on -- the dtypes, every pointer's 16-byte alignment,
+every integer's value or class, the constexprs -- so the kernel Triton found for the spec's first call is the one it
+would find for each later call. Tests on a GPU set VERIFY_LAUNCH: each direct launch first asks Triton for its choice
+(JITFunction.warmup, which compiles or finds without launching) and fails if it is not the remembered kernel.
+
+Measured under a fake CUDA driver (bench/results/launch-host-cpu.md: Triton's own compiled path on the CPU, the driver
+stubbed): Triton's own path costs 10-36 us per launch, the compiled kernel's run 1.3-1.8 us plus ~1 us for each
+host-built TMA descriptor it encodes, on triton 3.6 and 3.9 alike. On 3.6 (DESCRIPTORS_ENCODED_ONCE) a descriptor is
+encoded once per address and shape instead (_described; 3.9's launcher takes other arguments there).
+
+Triton's own path always: in the interpreter, under a profiler's launch hooks (proton). The private names this
+relies on: CompiledKernel.run, .function, .packed_metadata (and on 3.6 the launcher's closure, _described); torch's
+_cuda_getCurrentRawStream.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 import triton
 
 from . import _runtime
 
-WRITTEN_FOR = "3.6."
-SUPPORTED = triton.__version__.startswith(WRITTEN_FOR)
-
-# Triton's JITFunction.run costs ~50 us of host time per launch on the H200's host (binding
-# ~45 arguments, its cache key, a driver call per pointer to validate it), more than a decode
-# kernel runs. After a kernel has been launched once through it, `launch` remembers the compiled
-# kernel under a key that holds everything Triton specializes on -- the constexprs and options,
-# each tensor's dtype and 16-byte alignment, each int's class (== 1, divisible by 16, 32/64-bit),
-# the type of every other argument -- and relaunches it directly, pointers passed as integers.
-# Tests on the GPU set VERIFY_LAUNCH: every direct launch then first asks Triton which kernel
-# it would have launched (without launching) and fails if it is not the remembered one.
-# FLASHATTN2_DIRECT_LAUNCH=0 sends every launch through Triton's JITFunction.run.
-DIRECT_LAUNCH = SUPPORTED and _runtime.env_flag("FLASHATTN2_DIRECT_LAUNCH") is not False
+DESCRIPTORS_ENCODED_ONCE = triton.__version__.startswith("3.6.")
 VERIFY_LAUNCH = False
-direct_launches = 0  # how many launches took the direct path (tests check that it is taken)
-_LAUNCHED: dict = {}
-_BINDERS: dict = {}
-_KERNELS: list = []
+_STUB = None  # stubbed(): each launch goes here instead
 
 
-def _binder(kernel, args: tuple, kwargs: dict):
-    """A function of (args, kwargs) that returns (the key, the launcher's arguments), generated
-    for the types of this call's arguments; None for arguments of other types."""
-    params = kernel.params
-    tail = [p.name for p in params[len(args) :]]
-    missing = [n for n in tail if n not in kwargs]
-    if missing:
-        raise TypeError(f"launch of {kernel.__name__}: parameters {missing} not given by keyword")
-    values = list(args) + [kwargs[n] for n in tail]
-    exprs = [f"args[{i}]" for i in range(len(args))] + [f"kwargs[{n!r}]" for n in tail]
-    lines = [f"a{i} = {e}" for i, e in enumerate(exprs)]
-    every = ", ".join(f"a{i}" for i in range(len(values)))
-    lines.append(f"if tuple(map(type, ({every},))) != types: return None")
-    key, launch = [], []
-
-    def specialized(expr: str, a) -> None:
-        """key's terms for what Triton specializes an argument on (a tuple's elements each: the types check
-        covers only the top level, so a tuple's element types enter the key too)."""
-        if isinstance(a, torch.Tensor):
-            key.append(f"{expr}.dtype, {expr}.data_ptr() & 15 == 0")
-        elif type(a) is HostDesc:  # Triton specializes a descriptor on its dtype and box
-            key.append(f"{expr}[0].dtype, {expr}[3]")
-        elif type(a).__name__ == "TensorDescriptor":
-            key.append(f"{expr}.base.dtype, tuple({expr}.block_shape)")
-        elif type(a) is int:
-            # Triton: 1 is a constant; others i32 / i64 / u64, divisible by 16 or not
-            key.append(
-                f"1 if {expr} == 1 else ({expr} & 15 == 0, -0x80000000 <= {expr} < 0x80000000, {expr} >= 1 << 63)"
-            )
-        elif type(a) is tuple:
-            key.append(f"tuple(map(type, {expr}))")
-            for j, element in enumerate(a):
-                specialized(f"{expr}[{j}]", element)
-
-    for i, (p, a) in enumerate(zip(params, values)):
-        launch.append(f"a{i}")
-        if p.is_constexpr:
-            key.append(f"a{i}")
-        elif isinstance(a, torch.Tensor):
-            lines.append(f"p{i} = a{i}.data_ptr()")
-            launch[-1] = f"p{i}"
-            key.append(f"a{i}.dtype, p{i} & 15 == 0")
-        else:
-            specialized(f"a{i}", a)
-    options = [n for n in kwargs if n not in tail]
-    key.append("(" + "".join(f"kwargs[{n!r}], " for n in options) + ")")
-    src = "\n    ".join(["def bind(args, kwargs):", *lines, f"return ({', '.join(key)}), ({', '.join(launch)},)"])
-    scope: dict = {"types": tuple(map(type, values))}
-    exec(src, scope)  # noqa: S102 -- code generated above from the kernel's parameters
-    return scope["bind"]
-
-
-def _bound(kernel, args: tuple, kwargs: dict):
-    """(key, the launcher's arguments) of a call, or None when this call site has seen too many
-    combinations of argument types. The key holds the call site, the binder (so the argument
-    types: None, a float and a bool add nothing else to it), what Triton specializes on, and
-    the debug knobs that are part of Triton's own cache key."""
-    site = (id(kernel), len(args), tuple(kwargs))
-    binders = _BINDERS.get(site)
-    if binders is None:
-        binders = _BINDERS[site] = []
-        _KERNELS.append(kernel)  # keeps id(kernel) from being reused by another function
-    for index, bind in enumerate(binders):  # one per combination of argument types seen here
-        bound = bind(args, kwargs)
-        if bound is not None:
-            break
+@contextlib.contextmanager
+def stubbed(record: list | None = None):
+    """Inside the block no kernel runs: each launch is a no-op (appended to `record` as (kernel name, grid) when
+    given). What is left is the host's path around the launches (`python -m flashattn2 bench host`; tests that count
+    launches). Process-wide: for a benchmark or a test, not for a server."""
+    global _STUB
+    previous = _STUB
+    if record is None:
+        _STUB = lambda kernel, grid: None  # noqa: E731
     else:
-        if len(binders) >= 16:  # types that never settle: Triton's path
-            return None
-        binders.append(_binder(kernel, args, kwargs))
-        index, bound = len(binders) - 1, binders[-1](args, kwargs)
-    knobs = _triton_knobs()
-    debug = (kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-    return (site, index, debug, bound[0]), bound[1]
+        _STUB = lambda kernel, grid: record.append((kernel.__name__, grid))  # noqa: E731
+    try:
+        yield record
+    finally:
+        _STUB = previous
 
 
 class HostDesc(tuple):
-    """(tensor, shape, strides, block_shape, layout), all tuples but the tensor and the layout: a
-    TMA descriptor built on the host (ops.tma.host_desc), made in ~0.5 us. layout: None for
-    a Triton kernel, the shared-memory layout (NVMMASharedLayout) for a Gluon one. Direct
-    launches encode it themselves (_tma_map); Triton's own path gets the TensorDescriptor it
-    stands for (_for_triton)."""
+    """(tensor, shape, strides, block_shape, layout), all tuples but the tensor and the layout: a TMA descriptor built
+    on the host (ops.tma.host_desc), made in ~0.5 us. layout: None for a Triton kernel, the shared-memory layout
+    (NVMMASharedLayout) for a Gluon one. Direct launches on 3.6 encode it themselves (_tma_map); otherwise Triton gets
+    the TensorDescriptor it stands for (_for_triton)."""
 
     __slots__ = ()
 
@@ -147,78 +88,90 @@ def _for_triton(args: tuple) -> tuple:
     return tuple(out)
 
 
-_STUB = None  # stubbed(): each launch goes here instead
-
-
-@contextlib.contextmanager
-def stubbed(record: list | None = None):
-    """Inside the block no kernel runs: each launch is a no-op (appended to `record` as (kernel name, grid) when
-    given). What is left is the host's path around the launches (`python -m flashattn2 bench host`; tests that count
-    launches). Process-wide: for a benchmark or a test, not for a server."""
-    global _STUB
-    previous = _STUB
-    _STUB = (
-        (lambda kernel, grid: None) if record is None else (lambda kernel, grid: record.append((kernel.__name__, grid)))
-    )
-    try:
-        yield record
-    finally:
-        _STUB = previous
-
-
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs); every parameter after the positional ones by keyword."""
+    """kernel[grid](*args, **kwargs) through Triton's own path, for launches no prepared call repeats."""
     if _STUB is not None:
         _STUB(kernel, grid)
         return
-    if not DIRECT_LAUNCH or _runtime.interpreted() or kernel.pre_run_hooks or _launch_hooks():
-        kernel[grid](*_for_triton(args), **kwargs)
-        return
-    bound = _bound(kernel, args, kwargs)
-    if bound is None:
-        kernel[grid](*_for_triton(args), **kwargs)
-        return
-    device = torch.cuda.current_device()
-    key = (bound[0], device)
-    entry = _LAUNCHED.get(key)
-    if entry is None:
-        compiled = kernel[grid](*_for_triton(args), **kwargs)
+    kernel[grid](*_for_triton(args), **kwargs)
+
+
+class Launch:
+    """One kernel as a prepared call launches it: `launch(grid, *args)` is kernel[grid](*args, **kwargs), every
+    parameter not in kwargs positional. The kernel's constexpr parameters must follow its others (the kernels'
+    convention: pointers, strides, sizes, scalars, then constexprs)."""
+
+    __slots__ = ("kernel", "kwargs", "constexprs", "compiled", "described", "pointers", "_lock")
+
+    def __init__(self, kernel, **kwargs):
+        self.kernel, self.kwargs = kernel, kwargs
+        params = getattr(kernel, "params", None)
+        # the constexprs in parameter order: the compiled kernel's run takes every parameter
+        self.constexprs = None if params is None else tuple(kwargs[p.name] for p in params if p.name in kwargs)
+        self.compiled = self.described = self.pointers = None
+        self._lock = threading.Lock()
+
+    def __call__(self, grid: tuple, *args) -> None:
+        if _STUB is not None:
+            _STUB(self.kernel, grid)
+            return
+        compiled = self.compiled
+        if compiled is None or _launch_hooks():
+            self._first(grid, args)
+            return
+        if VERIFY_LAUNCH:
+            chosen = self.kernel.warmup(*_for_triton(args), grid=grid, **self.kwargs)
+            chosen = chosen.result() if hasattr(chosen, "result") else chosen
+            if chosen is not compiled:
+                raise AssertionError(f"launch of {self.kernel.__name__}: the remembered kernel is not Triton's choice")
+        args = list(args)
+        for i in self.pointers:
+            args[i] = args[i].data_ptr()
+        run = compiled.run
+        described = self.described
+        if described is _TRITON_ENCODES:
+            args = _for_triton(args)
+        elif described is not None:  # host-built descriptors, each encoded once per address and shape
+            run, args = described.launch, described.expand(args)
+        device = torch.cuda.current_device()
+        run(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device),
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *self.constexprs,
+        )
+
+    def _first(self, grid: tuple, args: tuple) -> None:
+        """Through Triton's own path; the compiled kernel it launched is kept for the next launches (not in the
+        interpreter, under launch hooks, or for a kernel whose constexprs do not follow its other parameters)."""
+        compiled = self.kernel[grid](*_for_triton(args), **self.kwargs)
+        if _runtime.interpreted() or _launch_hooks() or self.constexprs is None or not self._ordered(args):
+            return
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        _LAUNCHED[key] = (compiled, _described(compiled))  # how its descriptor arguments are encoded
-        return
-    compiled, described = entry
-    if VERIFY_LAUNCH and _triton_choice(kernel, device, _for_triton(args), kwargs) is not compiled:
-        raise AssertionError(f"launch of {kernel.__name__}: the remembered kernel is not the one Triton chooses")
-    global direct_launches
-    direct_launches += 1
-    args = bound[1]
-    run = compiled.run
-    if described is _TRITON_ENCODES:
-        args = _for_triton(args)
-    elif described is not None:  # host-built descriptors: encoded here, each one once
-        run, args = described.launch, described.expand(args)
-    run(
-        grid[0],
-        grid[1] if len(grid) > 1 else 1,
-        grid[2] if len(grid) > 2 else 1,
-        torch._C._cuda_getCurrentRawStream(device),
-        compiled.function,
-        compiled.packed_metadata,
-        None,
-        None,
-        None,
-        *args,
-    )
+        with self._lock:  # two threads' first launches: one kernel is kept, both are the same
+            self.pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            self.described = _described(compiled)
+            self.compiled = compiled
+
+    def _ordered(self, args: tuple) -> bool:
+        names = [p.name for p in self.kernel.params]
+        return len(args) + len(self.constexprs) == len(names) and all(n in self.kwargs for n in names[len(args) :])
 
 
-# Host-built tensor descriptors (ops.tma.host_desc): Triton's launcher encodes every
-# descriptor argument into a CUtensorMap at every launch, in Python (~10 us each on the H200's
-# host; a backward passes 11). A direct launch instead encodes a descriptor once per (address,
-# shape, strides, box) -- the CUtensorMap is a function of those alone -- and calls the C
-# launcher under Triton's wrapper with the encoded arguments. Written against triton 3.6's
-# launcher (backends/nvidia/driver.py); where its structure differs, Triton's path runs.
+# Host-built tensor descriptors (ops.tma.host_desc): Triton's launcher encodes every descriptor argument into a
+# CUtensorMap at every launch, in Python (~10 us each on the H200's host; a backward passes 11). On 3.6 a direct launch
+# instead encodes a descriptor once per (address, shape, strides, box) -- the CUtensorMap is a function of those alone
+# -- and calls the C launcher under Triton's wrapper with the encoded arguments.
 _TRITON_ENCODES = object()  # a kernel with descriptor parameters that Triton's launcher must encode
 _TMA_MAPS: dict = {}
+_TMA_LOCK = threading.Lock()
 
 
 class _Described:
@@ -227,7 +180,7 @@ class _Described:
     def __init__(self, launch, positions, metas):
         self.launch, self.positions, self.metas = launch, positions, metas
 
-    def expand(self, args: tuple) -> list:
+    def expand(self, args) -> list:
         out, last = [], 0
         for pos, meta in zip(self.positions, self.metas):
             desc = args[pos]
@@ -239,9 +192,8 @@ class _Described:
 
 
 def _described(compiled):
-    """A _Described for a compiled kernel that takes host-built descriptors; _TRITON_ENCODES when
-    it takes some but Triton's launcher is not the one this was written for; None when it takes
-    none."""
+    """A _Described for a compiled kernel that takes host-built descriptors (on 3.6); _TRITON_ENCODES when it takes
+    some and Triton's launcher must encode them; None when it takes none."""
     try:
         signature = list(compiled.src.signature.values())
     except AttributeError:
@@ -249,6 +201,8 @@ def _described(compiled):
     positions = [i for i, ty in enumerate(signature) if isinstance(ty, str) and ty.startswith("tensordesc")]
     if not positions:
         return None
+    if not DESCRIPTORS_ENCODED_ONCE:
+        return _TRITON_ENCODES
     try:
         metas = compiled.metadata.tensordesc_meta
         run = compiled.run
@@ -278,8 +232,8 @@ def _described(compiled):
 
 
 def _tma_map(desc, meta) -> list:
-    """[CUtensorMap, *shape, *strides]: what Triton's launcher passes for a descriptor (a HostDesc,
-    or a triton TensorDescriptor)."""
+    """[CUtensorMap, *shape, *strides]: what Triton's launcher passes for a descriptor (a HostDesc, or a triton
+    TensorDescriptor)."""
     if type(desc) is HostDesc:
         tensor, shape, strides = desc[:3]
         padding = "zero"
@@ -288,33 +242,16 @@ def _tma_map(desc, meta) -> list:
     key = (tensor.data_ptr(), shape, strides, meta, padding)
     found = _TMA_MAPS.get(key)
     if found is None:
-        if len(_TMA_MAPS) >= 4096:  # addresses of freed tensors: start over
-            _TMA_MAPS.clear()
         swizzle, elem_size, elem_type, block = meta
-        import triton
-
         cu_map = triton.runtime.driver.active.utils.fill_tma_descriptor(
             key[0], swizzle, elem_size, elem_type, list(block), list(shape), list(strides), 1 if padding == "nan" else 0
         )
-        found = _TMA_MAPS[key] = [cu_map, *shape, *strides]
+        found = [cu_map, *shape, *strides]
+        with _TMA_LOCK:
+            if len(_TMA_MAPS) >= 4096:  # addresses of freed tensors: start over
+                _TMA_MAPS.clear()
+            _TMA_MAPS[key] = found
     return found
-
-
-def _triton_choice(kernel, device: int, args: tuple, kwargs: dict):
-    """The compiled kernel JITFunction.run would launch for these arguments (its steps in
-    triton 3.6, without the launch), or None if it has not compiled one."""
-    from triton.runtime.jit import compute_cache_key
-
-    knobs = _triton_knobs()
-    kwargs = dict(
-        kwargs,
-        debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
-        instrumentation_mode=knobs.compilation.instrumentation_mode,
-    )
-    kernel_cache, key_cache, _, _, binder = kernel.device_caches[device]
-    _, specialization, options = binder(*args, **kwargs)
-    chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
-    return chosen.result() if hasattr(chosen, "result") else chosen
 
 
 @functools.cache

@@ -205,9 +205,10 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
                 f"is more than {INVARIANT_MAX_SPLITS} splits of {chunk} keys ({INVARIANT_MAX_SPLITS * chunk}); the "
                 "mode's split-merging reduction has that fixed width"
             )
-    else:
+    else:  # the programs the row's tile makes (a latent tile packs up to 64 rows)
+        programs = -(-c.rows // tile.block_m) * c.batch * c.nheads_k
         splits, chunk = chunked(
-            c.capacity, num_splits_for(num_splits, facts["programs"], c.capacity, tile.block_n, sm_count), tile.block_n
+            c.capacity, num_splits_for(num_splits, programs, c.capacity, tile.block_n, sm_count), tile.block_n
         )
     combine = splits > 1 or invariant  # the mode merges even one split: every row's last steps are the combine's
     latent = c.v_from_k and latent_dims(c.head_dim, c.head_dim_v)

@@ -1,0 +1,76 @@
+"""An attention call's rows as the kernels take them, worked out once per prepared call (ops.call) from its spec:
+sizes, each tensor's (batch, row, head) strides, the outputs' shapes and strides, the score arguments and flags.
+Every call of the spec launches with these; only its tensors are its own."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.constexprs import Mods
+from . import spec as specs
+from .geometry import Geometry, Varlen
+from .planning import out_dtype, window
+
+
+def rows_strides(t: specs.TensorSpec, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements; varlen tensors have no batch stride."""
+    s = t.stride
+    return (0, s[0], s[1]) if varlen else (s[0], s[1], s[2])
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+class Layout:
+    """The static part of an attention call (see the module docstring)."""
+
+    __slots__ = (
+        "varlen", "batch", "nheads", "nheads_k", "head_dim", "head_dim_v", "max_seqlen_q", "max_seqlen_k", "arch",
+        "dtype", "out_dtype", "device", "upcast", "q_strides", "k_strides", "v_strides", "out_shape", "out_strides",
+        "lse_shape", "lse_strides", "shape", "score", "mods", "alibi_stride", "geometry",
+    )  # fmt: skip
+
+    def __init__(self, spec: specs.AttentionSpec, softmax_scale: float):
+        self.varlen = varlen = spec.varlen
+        q, k, v = spec.q, spec.k, spec.v
+        self.nheads, self.head_dim = q.shape[-2:]
+        self.nheads_k, self.head_dim_v = k.shape[-2], v.shape[-1]
+        if varlen:
+            self.batch = spec.cu_seqlens_q.shape[0] - 1
+            self.max_seqlen_q, self.max_seqlen_k = spec.max_seqlen_q, spec.max_seqlen_k
+            self.lse_shape = (self.nheads, q.shape[0])
+        else:
+            self.batch, self.max_seqlen_q, self.max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+            self.lse_shape = (self.batch, self.nheads, q.shape[1])
+        self.arch, self.dtype, self.device = spec.modes.arch, q.dtype, q.device
+        self.out_dtype = out_dtype(q.dtype, self.arch)
+        # the interpreter's bf16 arithmetic is wrong (TRITON-ON-CPU.md): it computes in fp32
+        self.upcast = self.arch == "interp" or q.dtype == torch.float32
+        self.q_strides, self.k_strides, self.v_strides = (rows_strides(t, varlen) for t in (q, k, v))
+        self.out_shape = (*q.shape[:-1], self.head_dim_v)
+        out = contiguous_strides(self.out_shape)
+        self.out_strides = (0, out[0], out[1]) if varlen else out[:3]
+        lse = contiguous_strides(self.lse_shape)
+        self.lse_strides = (0, lse[0]) if varlen else (lse[0], lse[1])
+        self.shape = (self.batch, self.nheads, self.max_seqlen_q, self.max_seqlen_k, self.nheads // self.nheads_k)
+        w = window(spec.causal, *spec.window)
+        far = self.max_seqlen_q + self.max_seqlen_k  # an unbounded edge: one that cannot bind
+        softcap = float(spec.softcap)
+        self.score = (
+            w.left if w.left >= 0 else far,
+            w.right if w.right >= 0 else far,
+            softmax_scale,
+            softcap if softcap > 0 else 1.0,
+            float(spec.dropout_p),
+        )
+        alibi = spec.alibi
+        self.mods = Mods(w.causal, w.local, softcap > 0, alibi is not None, spec.dropout_p > 0, spec.sink is not None)
+        self.alibi_stride = alibi.shape[-1] if alibi is not None and len(alibi.shape) == 2 else 0  # contiguous
+        lengths = Varlen(None, None, self.max_seqlen_q, self.max_seqlen_k) if varlen else None
+        self.geometry = Geometry(
+            self.batch, self.nheads, self.nheads_k, self.head_dim, self.max_seqlen_q, self.max_seqlen_k, lengths,
+            self.head_dim_v,
+        )  # fmt: skip
