@@ -24,7 +24,8 @@ def _mma_layout(rows, cols, num_warps):
 
 @aggregate
 class BwdConfig:
-    """The MMA partition's tile shape and layouts (8 warps, two warpgroups; _mma_layout): S / dP [BLOCK_M, BLOCK_N],
+    """The kernel's constexprs, passed to every partition, and the MMA partition's tile shape and layouts (8 warps,
+    two warpgroups; _mma_layout): S / dP [BLOCK_M, BLOCK_N],
     dK [BLOCK_N, HEAD_DIM], dV [BLOCK_N, HEAD_DIM_V], dQ_i's DQ_SPLIT column parts [BLOCK_M, DQ_W0] and
     [BLOCK_M, DQ_W1] accumulators; the NVMMA shared layouts of a Q / dO tile, a K / V block and a staged fp32 dQ
     part. q's and k's head dim that is not a power of two is two column parts (kernels/pipeline.py's
@@ -132,9 +133,10 @@ class BwdArgs:
 
 @aggregate
 class BwdBuffers:
-    """The kernel's shared memory and barriers: K, V (one block each) and their barrier kv_bar, the Q ring and the dO ring (SPLIT_RING:
-    a ring of its own, DO_STAGES deep, released after dV; else Q's stages, with do_ready its own ready barriers and
-    q_empty their release), P and dS, and the dQ staging ring (ready: dq_full, empty: dq_empty)."""
+    """The kernel's shared memory and barriers, passed to every partition: K, V (one block each) and their barrier
+    kv_bar, the Q ring and the dO ring (SPLIT_RING: a ring of its own, DO_STAGES deep, released after dV; else Q's
+    stages, with do_ready its own ready barriers and q_empty their release), P and dS, and the dQ staging ring
+    (ready: dq_full, empty: dq_empty)."""
 
     k_smem: gl.tuple  # head-dim parts (kernels/pipeline.py's alloc_parts)
     v_smem: gl.shared_memory_descriptor

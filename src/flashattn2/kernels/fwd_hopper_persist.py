@@ -323,7 +323,7 @@ def attn_fwd_persist_kernel(
     arguments stay apart, not tuples: do_not_specialize does not reach a tuple's elements.)"""
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS, "the default partition is a consumer warpgroup")
     dtype: gl.constexpr = V.dtype
-    cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, QBUF, SNAKE)
+    cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS, QBUF, SNAKE)
     NQ: gl.constexpr = QBUF * CONSUMERS
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NQ, BLOCK_M, HEAD_DIM)

@@ -57,7 +57,6 @@ class FwdConfig:
     HEAD_DIM_V: gl.constexpr
     BLOCK_M: gl.constexpr  # a consumer's query rows
     BLOCK_N: gl.constexpr
-    STAGES: gl.constexpr  # the K / V ring's depth
     CONSUMERS: gl.constexpr  # consumer warpgroups, one BLOCK_M-row part of a tile each
     CTA_M: gl.constexpr  # a tile's query rows: CONSUMERS * BLOCK_M
     QBUF: gl.constexpr  # Q buffers per consumer (the persistent kernel; the warp-specialized one has 1)
@@ -74,7 +73,7 @@ class FwdConfig:
     v_tile: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, QBUF, SNAKE):
+    def __init__(self, dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS, QBUF, SNAKE):
         dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS = map(
             unwrap, (dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS)
         )
@@ -87,7 +86,6 @@ class FwdConfig:
         self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.STAGES = gl.constexpr(unwrap(STAGES))
         self.CONSUMERS = gl.constexpr(CONSUMERS)
         self.CTA_M = gl.constexpr(CONSUMERS * BLOCK_M)
         self.QBUF = gl.constexpr(unwrap(QBUF))

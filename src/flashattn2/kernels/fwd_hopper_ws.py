@@ -209,7 +209,7 @@ def attn_fwd_ws_kernel(
     head-dim part (FwdConfig), None for a power of two."""
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS, "the default partition is a consumer warpgroup")
     dtype: gl.constexpr = V.dtype
-    cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, NUM_CONSUMERS, 1, False)
+    cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_CONSUMERS, 1, False)
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NUM_CONSUMERS, BLOCK_M, HEAD_DIM)
     k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
