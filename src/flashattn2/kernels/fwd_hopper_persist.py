@@ -1,26 +1,22 @@
 """The persistent warp-specialized Gluon forward, attn_fwd_persist_kernel (the plan's fwd_hopper_persist: headdim 64,
-128 and 192/128): the same partitions and numerics as attn_fwd_ws_kernel (kernels/fwd_hopper_ws.py), with
-CONSUMERS (2 or 3) consumer warpgroups, and a grid of min(#SMs, #tiles) CTAs (a tile: batch entry,
-head, CONSUMERS * BLOCK_M query rows), each
-looping over tiles pid, pid + G, pid + 2G, ... (G CTAs), so a tile's prologue and epilogue overlap
-its neighbours' work. SNAKE (meant for causal) reverses every other round, so a CTA that got a
-round's heaviest tile gets the next round's lightest. Tile order (kernels/fwd_hopper_schedule.py's PersistSchedule):
-non-causal one head's query blocks together (K/V reuse in L2), causal heaviest first over all heads, the causal
-tiles aligned to the last query row (the parts a length leaves over lie before row 0, in the lightest tile). The
-ring holds units: a
-tile of n key blocks (n = the largest block count of its parts) is units 0 .. n, unit j holding
-K_j (j < n) and V_{j-1} (j > 0) -- what one inner step reads (QK_j^T, then P_{j-1} V_{j-1}) -- in
-the K and V buffers of one stage, behind one ready barrier (expect-tx of both blocks) and one empty
-barrier (one arrival per consumer, after the step's wgmmas), so a consumer waits once and releases
-once per key block (each Gluon arrive comes after a warpgroup bar.sync; measured: 3 bar.syncs per
-step -> 2; 1-6% faster from 1k keys, the short causal tiles with a third stage). The ring runs on
-across tiles: ring unit g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
-every consumer advance g by n + 1 per tile. Every consumer waits for and releases every ring unit
-of the tile, the units its part does not use (causal: the lighter parts; an empty part, past seqlen_q
-or, causal, before row 0: all)
-right after its epilogue (_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on
-them, is wrong here: the consumer that skipped them would go on to its next tile and wait on ring
-units more than STAGES ahead of the fill, where a parity wait passes two phases early.
+128 and 192/128): the same partitions and numerics as attn_fwd_ws_kernel (kernels/fwd_hopper_ws.py), with CONSUMERS
+(2 or 3) consumer warpgroups, and a grid of min(#SMs, #tiles) CTAs (a tile: batch entry, head, CONSUMERS * BLOCK_M
+query rows), each looping over tiles pid, pid + G, pid + 2G, ... (G CTAs), so a tile's prologue and epilogue overlap
+its neighbours' work. SNAKE (meant for causal) reverses every other round, so a CTA that got a round's heaviest tile
+gets the next round's lightest. Tile order (kernels/fwd_hopper_schedule.py's PersistSchedule): non-causal one head's
+query blocks together (K/V reuse in L2), causal heaviest first over all heads, the causal tiles aligned to the last
+query row (the parts a length leaves over lie before row 0, in the lightest tile). The ring holds units: a tile of n
+key blocks (n = the largest block count of its parts) is units 0 .. n, unit j holding K_j (j < n) and V_{j-1}
+(j > 0) -- what one inner step reads (QK_j^T, then P_{j-1} V_{j-1}) -- in the K and V buffers of one stage, behind
+one ready barrier (expect-tx of both blocks) and one empty barrier (one arrival per consumer, after the step's
+wgmmas), so a consumer waits once and releases once per key block (each Gluon arrive comes after a warpgroup
+bar.sync; measured: 3 bar.syncs per step -> 2; 1-6% faster from 1k keys, the short causal tiles with a third stage).
+The ring runs on across tiles: ring unit g uses stage g % STAGES, phase (g // STAGES) & 1, and the producer and
+every consumer advance g by n + 1 per tile. Every consumer waits for and releases every ring unit of the tile, the
+units its part does not use (causal: the lighter parts; an empty part, past seqlen_q or, causal, before row 0: all)
+right after its epilogue (_skip_units). attn_fwd_ws_kernel's scheme, the partner arriving twice on them, is wrong
+here: the consumer that skipped them would go on to its next tile and wait on ring units more than STAGES ahead of
+the fill, where a parity wait passes two phases early.
 (tools/fwd_ring_model.py models this protocol under random interleavings; tests/test_protocol_model.py
 runs it.) Q has QBUF buffers per consumer (buffer (k % QBUF) * CONSUMERS + consumer for a CTA's
 k-th tile), each with a q_ready (expect-tx, or a plain arrive for an empty part) and a q_empty barrier;
