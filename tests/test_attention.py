@@ -192,7 +192,7 @@ def test_gluon_backward_key_blocks_limit(monkeypatch, fresh_plans):
     ids=shape_id,
 )
 def test_gluon_backward_grid_order(shape, groups, monkeypatch, fresh_plans):
-    """The Gluon backward's grid (G, key blocks, heads / G), whose shape is the programs' order (kernels/bwd_hopper
+    """The Gluon backward's grid (G, key blocks, heads / G), whose shape is the programs' order (kernels/bwd_hopper_config
     ._ws_program), with G = 1 (force(bwd_order="head-major"), where the L2 budget would give 3), 3 and every head
     in one group, causal (bottom-right aligned where seqlen_q != seqlen_k): every (key block, head) pair runs once,
     so the gradients match the reference; the launch took the grid asked for. (That CUDA starts the programs in the

@@ -1,6 +1,6 @@
-"""A model of the Gluon backward's barrier protocol (kernels/bwd_hopper.py: producer, MMA partition,
-dQ writer), run under random interleavings with TMA loads landing at random times. It mirrors the
-kernel's ring indices and wait parities for the shipped configurations and the split-ring variant
+"""A model of the Gluon backward's barrier protocol (kernels/bwd_hopper.py: producer, MMA partition
+(bwd_hopper_mma.py), dQ writer), run under random interleavings with TMA loads landing at random times. It mirrors
+the kernel's ring indices and wait parities for the shipped configurations and the split-ring variant
 (SPLIT_RING, DO_STAGES, DQ_SPLIT) and checks that no run deadlocks, that every step reads the Q, dO
 and dQ tiles meant for it, that no buffer is refilled while a reader still uses it, and that the
 writer reduces every dQ tile once. A model, not the kernel: change it with the kernel's protocol.

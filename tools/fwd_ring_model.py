@@ -1,4 +1,4 @@
-"""A model of the persistent Gluon forward's barrier protocol (kernels/fwd_hopper.py,
+"""A model of the persistent Gluon forward's barrier protocol (kernels/fwd_hopper_persist.py,
 attn_fwd_persist_kernel: one producer warp, CONSUMERS consumer warpgroups, the K/V ring of units and
 the Q buffers), run under random interleavings with TMA loads landing at random times. It mirrors
 the kernel's tile order, block counts, ring-unit indices and wait parities, and checks that no run
@@ -68,19 +68,20 @@ def tile_blocks(start_m, seqlen_q, seqlen_k, causal, block_m, block_n):  # _tile
     return 0 if start_m >= seqlen_q or start_m < 0 else cdiv(n_end, block_n)
 
 
-def num_my_tiles(num_tiles, pid, nprog, snake):  # _num_my_tiles
+def num_my_tiles(num_tiles, pid, nprog, snake):  # PersistSchedule.my_tiles
     full = num_tiles // nprog
     idx = pid + (full % 2) * (nprog - 1 - 2 * pid) if snake else pid
     return full + int(idx < num_tiles - full * nprog)
 
 
 def causal_shift(num_m, seqlen_q, cta_m, block_m):
-    """_tile_coords' causal tiles aligned to the last row: shifted up by the whole parts left over.
+    """PersistSchedule.tile_coords' causal tiles aligned to the last row: shifted up by the whole parts left over.
     (Tests break it on purpose.)"""
     return (num_m * cta_m - seqlen_q) // block_m * block_m
 
 
-def tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_m, block_m):  # _tile_coords
+# PersistSchedule.tile_coords
+def tile_coords(it, pid, nprog, batch, nheads, num_m, seqlen_q, causal, snake, cta_m, block_m):
     idx = pid + (it % 2) * (nprog - 1 - 2 * pid) if snake else pid
     t = it * nprog + idx
     if causal:
@@ -110,7 +111,7 @@ def run(shape, causal, block_m, block_n, stages, qbuf, consumers, nprog, pid, se
     rows_done = []  # (batch entry, head, row) of every query row a consumer computed
     n_my = num_my_tiles(num_m * batch * nheads, pid, nprog, snake)
 
-    def n_max_of(cta_m):  # _tile_max_blocks
+    def n_max_of(cta_m):  # PersistSchedule.max_blocks
         return max(
             tile_blocks(cta_m + t * block_m, seqlen_q, seqlen_k, causal, block_m, block_n) for t in range(consumers)
         )

@@ -53,7 +53,7 @@ class ForwardLaunch:
         rows_m, rows_n = self.rows
         s = lse.stride()
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
-        # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper.py's FwdConfig)
+        # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper_tile.py's FwdConfig)
         hi, lo = column_parts(q.shape[-1])
         launcher.launch(
             self.kernel,
@@ -83,7 +83,7 @@ def _divisors(n: int) -> list[int]:
 def bwd_grid(n_n: int, n_bh: int, heads: int) -> tuple[int, int, int]:
     """The Gluon backward's grid (G, n_n, n_bh // G) for n_n key blocks and n_bh (batch, kv head) pairs: CUDA starts
     its programs x fastest (observed), so the heads go in groups of G, each group key block by key block
-    (kernels/bwd_hopper.py, _ws_program). G is the largest divisor of n_bh (whole groups) not above `heads`
+    (kernels/bwd_hopper_config.py, _ws_program). G is the largest divisor of n_bh (whole groups) not above `heads`
     (l2_heads; a prime n_bh below it gets 1, the head-major order), or the smallest that keeps
     n_bh // G within CUDA's 65535."""
     divisors = _divisors(n_bh)
@@ -146,7 +146,7 @@ class BackwardLaunch:
         )
         bm, bn = cfg.block_m, cfg.block_n
         lse_strides = delta.stride()
-        # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper.py's BwdConfig): Q, K,
+        # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper_config.py's BwdConfig): Q, K,
         # dK and the dQ accumulator get a descriptor for each (dQ_i's parts are the head dim's)
         hi, lo = column_parts(geo.head_dim)
         lo_desc = (lambda t, rows: host_desc(t, rows, gluon=True, cols=lo)) if lo else (lambda t, rows: None)

@@ -1,0 +1,336 @@
+"""The consumer side shared by the Gluon forward kernels (kernels/fwd_hopper_ws.py, kernels/fwd_hopper_persist.py):
+the configuration every partition takes (FwdConfig: the constexprs and a consumer warpgroup's layouts; FwdArgs: the
+kernel's runtime arguments), the score arithmetic (OnlineSoftmax), the consumer pipeline (_attn_tile, its step
+_attn_step) and the epilogue. The two kernels differ only in how a consumer waits for and releases its key and value
+blocks (their `loads`: _WsLoads, _PersistLoads)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, tma_store, unwrap
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+# the partitions of both kernels: consumer ids as constexpr globals (a literal in a tuple is not one), the
+# consumers' warps and registers (setmaxnreg)
+_CONSUMER0 = gl.constexpr(0)
+_CONSUMER1 = gl.constexpr(1)
+_CONSUMER2 = gl.constexpr(2)
+CONSUMER_WARPS = gl.constexpr(4)  # a consumer is one warpgroup (the default partition: the launch's num_warps)
+_CONSUMER_REGS = gl.constexpr(240)
+# the persistent kernel with three consumer warpgroups: 3 * 128 * 160 + 24 * 128 <= 64K registers
+_CONSUMER3_REGS = gl.constexpr(160)
+_PRODUCER_REGS = gl.constexpr(24)
+
+
+@gluon.constexpr_function
+def _acc_layout(cols, num_warps):
+    """wgmma accumulator layout of a [rows, cols] tile whose warps each own 16 rows (S: cols =
+    BLOCK_N, O: cols = HEAD_DIM)."""
+    cols, num_warps = unwrap(cols), unwrap(num_warps)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
+@aggregate
+class FwdConfig:
+    """A forward kernel's constexprs, passed to every partition, and a consumer warpgroup's tile shape and layouts
+    (the one layout preamble): S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM_V] wgmma accumulators, each
+    warp 16 rows; P as the register A operand of PV; the row vectors of S and O; the NVMMA shared layouts of a Q
+    tile, a K block and a V block viewed 2-D. HEAD_DIM is q's and k's head dim, HEAD_DIM_V v's and O's. A head dim
+    that is not a power of two (DeepSeek-V3's 192: Gluon's tiles are powers of two) is two column parts,
+    HEAD_DIM_HI (the largest power of two below it) and HEAD_DIM_LO (the rest, a power of two), each a tile and a
+    TMA load of its own, S their two chained wgmmas; HEAD_DIM_LO is 0 otherwise. O leaves through the Q tile's
+    buffer (the first part's): HEAD_DIM_V is HEAD_DIM_HI."""
+
+    CAUSAL: gl.constexpr
+    SINK: gl.constexpr  # a learnable sink logit per head (OnlineSoftmax.sink2)
+    HEAD_DIM: gl.constexpr
+    HEAD_DIM_HI: gl.constexpr
+    HEAD_DIM_LO: gl.constexpr
+    HEAD_DIM_V: gl.constexpr
+    BLOCK_M: gl.constexpr  # a consumer's query rows
+    BLOCK_N: gl.constexpr
+    CONSUMERS: gl.constexpr  # consumer warpgroups, one BLOCK_M-row part of a tile each
+    CTA_M: gl.constexpr  # a tile's query rows: CONSUMERS * BLOCK_M
+    QBUF: gl.constexpr  # Q buffers per consumer (the persistent kernel; the warp-specialized one has 1)
+    SNAKE: gl.constexpr  # the persistent kernel's odd rounds of tiles reversed (PersistSchedule)
+    s_layout: gl.constexpr
+    o_layout: gl.constexpr
+    p_layout: gl.constexpr
+    row_s: gl.constexpr
+    row_o: gl.constexpr
+    q_tile: gl.constexpr
+    k_tile: gl.constexpr
+    q_lo_tile: gl.constexpr
+    k_lo_tile: gl.constexpr
+    v_tile: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS, QBUF, SNAKE):
+        dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS = map(
+            unwrap, (dtype, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS)
+        )
+        self.CAUSAL = gl.constexpr(unwrap(CAUSAL))
+        self.SINK = gl.constexpr(unwrap(SINK))
+        hi, lo = head_dim_parts(HEAD_DIM)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.HEAD_DIM_HI = gl.constexpr(hi)
+        self.HEAD_DIM_LO = gl.constexpr(lo)
+        self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CONSUMERS = gl.constexpr(CONSUMERS)
+        self.CTA_M = gl.constexpr(CONSUMERS * BLOCK_M)
+        self.QBUF = gl.constexpr(unwrap(QBUF))
+        self.SNAKE = gl.constexpr(unwrap(SNAKE))
+        s_layout = _acc_layout(BLOCK_N, CONSUMER_WARPS)
+        o_layout = _acc_layout(HEAD_DIM_V, CONSUMER_WARPS)
+        self.s_layout = gl.constexpr(s_layout)
+        self.o_layout = gl.constexpr(o_layout)
+        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        self.row_s = gl.constexpr(gl.SliceLayout(1, s_layout))
+        self.row_o = gl.constexpr(gl.SliceLayout(1, o_layout))
+        self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, hi], dtype))
+        self.k_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, hi], dtype))
+        lo = max(lo, 16)  # (no second part: unused)
+        self.q_lo_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, lo], dtype))
+        self.k_lo_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, lo], dtype))
+        self.v_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_V], dtype))
+
+    @gluon.jit
+    def q_view(self, smem, buf):
+        """Buffer `buf` of Q ([.., 1, BLOCK_M, HEAD_DIM_HI], and the second part's [.., 1, BLOCK_M, HEAD_DIM_LO])
+        as 2-D wgmma operands: (first part, second part; the first again without one)."""
+        hi = reinterpret(smem[0].index(buf), smem[0].dtype, [self.BLOCK_M, self.HEAD_DIM_HI], self.q_tile)
+        lo = hi
+        if self.HEAD_DIM_LO > 0:
+            lo = reinterpret(smem[1].index(buf), smem[1].dtype, [self.BLOCK_M, self.HEAD_DIM_LO], self.q_lo_tile)
+        return hi, lo
+
+    @gluon.jit
+    def k_view(self, smem, stage):
+        """Stage `stage` of a K ring (its parts as q_view's) as 2-D wgmma operands."""
+        hi = reinterpret(smem[0].index(stage), smem[0].dtype, [self.BLOCK_N, self.HEAD_DIM_HI], self.k_tile)
+        lo = hi
+        if self.HEAD_DIM_LO > 0:
+            lo = reinterpret(smem[1].index(stage), smem[1].dtype, [self.BLOCK_N, self.HEAD_DIM_LO], self.k_lo_tile)
+        return hi, lo
+
+    @gluon.jit
+    def issue_qk(self, q, k, s_zero):
+        """S = Q K^T as asynchronous wgmmas (one per head-dim part, chained): the token to wait for."""
+        s_tok = warpgroup_mma(q[0], k[0].permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if self.HEAD_DIM_LO > 0:
+            s_tok = warpgroup_mma(q[1], k[1].permute((1, 0)), s_tok, is_async=True)
+        return s_tok
+
+    @gluon.jit
+    def v_view(self, smem, stage):
+        """Stage `stage` of a V ring ([STAGES, 1, BLOCK_N, HEAD_DIM_V]) as a 2-D wgmma operand."""
+        return reinterpret(smem.index(stage), smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
+
+
+@aggregate
+class FwdArgs:
+    """A forward kernel's runtime arguments, passed to every partition: the descriptors (q's and k's as head-dim part
+    pairs, kernels/pipeline.py's part_descs), lse and the sink logits, lse's batch and head strides, the sizes and
+    the softmax scale."""
+
+    q_desc: gl.tuple
+    k_desc: gl.tuple
+    V: tma.tensor_descriptor
+    Out: tma.tensor_descriptor
+    Lse: gl.tensor
+    Sinks: gl.tensor
+    stride_lse_b: Scalar
+    stride_lse_h: Scalar
+    batch: Scalar
+    nheads: Scalar
+    seqlen_q: Scalar
+    seqlen_k: Scalar
+    group_size: Scalar  # query heads per kv head
+    sm_scale: Scalar
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, V, Out, Lse, Sinks, lse_strides, sizes, sm_scale):
+        self.q_desc = q_desc
+        self.k_desc = k_desc
+        self.V = V
+        self.Out = Out
+        self.Lse = Lse
+        self.Sinks = Sinks
+        self.stride_lse_b, self.stride_lse_h = lse_strides
+        self.batch, self.nheads, self.seqlen_q, self.seqlen_k, self.group_size = sizes
+        self.sm_scale = sm_scale
+
+
+@gluon.jit
+def _sink2(Sinks, off_h, SINK: gl.constexpr):
+    """The head's learnable sink logit in base 2 (OnlineSoftmax.sink2), or 0 without one."""
+    if SINK:
+        return gl.load(Sinks + off_h) * LOG2E
+    else:
+        return 0.0
+
+
+@gluon.jit
+def _qk_scale(sm_scale):
+    """The scores' scale in base 2, at least 1e-30: softmax_scale 0 (allowed, >= 0 is checked) would
+    make a masked score's -inf * 0 a NaN in the softmax's folded FMA; at 1e-30 every exp2 still rounds
+    to 1 in fp32 and the logsumexp moves by under 1e-24, i.e. softmax_scale 0's results."""
+    return gl.maximum(sm_scale * LOG2E, 1e-30)
+
+
+@aggregate
+class OnlineSoftmax:
+    """The score arithmetic of one consumer's query tile (rows start_m ..): the online-softmax step on each block of
+    raw scores, and the logsumexp at the end. A per-score option (a score modification, an extra logit in the
+    denominator such as an attention sink) is a field here and a line in step / finish; the pipeline does not
+    change."""
+
+    qk_scale: gl.tensor  # > 0: _qk_scale
+    start_m: Scalar
+    seqlen_k: Scalar
+    diag: Scalar  # seqlen_k - seqlen_q: row i sees keys j <= i + diag (causal, bottom-right aligned)
+    sink2: Scalar  # cfg.SINK: the head's learnable sink logit in base 2 (in every row's denominator, no value row)
+    cfg: FwdConfig
+
+    @gluon.constexpr_function
+    def __init__(self, qk_scale, start_m, seqlen_k, diag, sink2, cfg):
+        self.qk_scale = qk_scale
+        self.start_m = gl.constexpr(start_m) if isinstance(start_m, int) else start_m
+        self.seqlen_k = gl.constexpr(seqlen_k) if isinstance(seqlen_k, int) else seqlen_k
+        self.diag = gl.constexpr(diag) if isinstance(diag, int) else diag
+        self.sink2 = gl.constexpr(sink2) if isinstance(sink2, (int, float)) else sink2
+        self.cfg = cfg
+
+    @gluon.jit
+    def step(self, s, m_i, l_i, start_n, masked):
+        """One online-softmax step on the raw scores s of the key block at start_n: (p, alpha, m, l). In both
+        paths the scale is folded into one FMA and the max taken before scaling. `masked` (constexpr, or a runtime
+        flag for block 0): the block crosses the causal diagonal or the end of the keys; its invisible scores
+        become -inf (one compare of the column against a per-row limit and one select per score) and a row that
+        has seen no key yet keeps m = -inf, shifted by 0 so that exp2 gives 0, not NaN."""
+        qk_scale = self.qk_scale
+        s_layout: gl.constexpr = self.cfg.s_layout
+        if masked:
+            cols = gl.arange(0, self.cfg.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if self.cfg.CAUSAL:  # the last visible column of each row, relative to the block
+                rows = self.start_m + gl.arange(0, self.cfg.BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                last = gl.minimum(rows + self.diag, self.seqlen_k - 1) - start_n
+                visible = cols[None, :] <= last[:, None]
+            else:
+                visible = cols[None, :] < self.seqlen_k - start_n
+            s = gl.where(visible, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # -inf * qk_scale = -inf: qk_scale > 0
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - m_shift[:, None])
+            alpha = gl.exp2(m_i - m_shift)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def finish(self, m_i, l_i):
+        """The logsumexp (natural log) and the factor of O's accumulator: (lse, 1 / l). A row that saw no key:
+        logsumexp +inf and factor 1, so O = 0 (flash-attn 2's convention). SINK: the sink joins the denominator
+        here, once (m = max(m_i, sink2), l = l_i * alpha + exp2(sink2 - m), factor alpha / l with
+        alpha = exp2(m_i - m)); a row that saw no key then has O = 0 and logsumexp the sink's logit, as
+        kernels/common.py's sink_join."""
+        if self.cfg.SINK:
+            m = gl.maximum(m_i, self.sink2)
+            alpha = gl.exp2(m_i - m)
+            l_all = l_i * alpha + gl.exp2(self.sink2 - m)
+            return (m + gl.log2(l_all)) * LN2, alpha / l_all
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+        return lse, 1.0 / l_safe
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, q_op, q_buf, WAIT: gl.constexpr):
+    """The logsumexp and O = acc / l (OnlineSoftmax.finish), through the Q tile's (first part's) buffer, q_op its
+    2-D view (every wgmma that read Q has been waited for), and a TMA store that clips rows past seqlen_q, waited
+    for if WAIT (the persistent kernel hands the buffer back later)."""
+    cfg = sm.cfg
+    gl.static_assert(cfg.HEAD_DIM_V == cfg.HEAD_DIM_HI, "O leaves through Q's buffer: v's head dim q's first part's")
+    lse, scale = sm.finish(m_i, l_i)
+    offs_m = sm.start_m + gl.arange(0, cfg.BLOCK_M, layout=cfg.row_s)
+    gl.store(args.Lse + lse_row0 + offs_m, lse, mask=offs_m < args.seqlen_q)
+    o = acc * gl.convert_layout(scale, cfg.row_o)[:, None]
+    q_op.store(o.to(q_op.dtype))
+    fence_async_shared()
+    tma_store(args.Out, [off_b, sm.start_m, o_col], q_buf)
+    if WAIT:
+        tma.store_wait(pendings=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The consumer pipeline, shared by both kernels. A consumer warpgroup owns one BLOCK_M-row query
+# tile: S_0 = Q K_0^T, waited, its softmax; then for each key block j >= 1 S_j = Q K_j^T and
+# O += P_{j-1} V_{j-1} issued together as async wgmmas, the softmax of S_j overlapping PV(j-1)
+# (the blocks that need no mask first, then those that do: no branch in the hot loop); then the
+# last PV. `loads` (_WsLoads, _PersistLoads) says where K_j and V_{j-1} are and when their buffers
+# go back, with four methods, and first_issued(), a hook run once block 0's QK^T is issued:
+#   k_wait(j) -> K_j's view, once it landed;   v_wait(j, AFTER_K) -> V_{j-1}'s view, once it landed;
+#   k_done(j, ALONE): S_j was waited for;      v_done(j): PV_{j-1} was waited for.
+# ALONE: block 0's K (no PV alongside); AFTER_K: V_{j-1} was waited for with K_j (one ring unit).
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, MASKED: gl.constexpr):
+    """Key block j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; wait for S_j only and run its softmax while
+    PV is on the tensor cores; then wait for PV and rescale O to the new row max. Returns (acc, P_j as the next
+    PV's operand, m, l)."""
+    s_tok = sm.cfg.issue_qk(q_op, loads.k_wait(j), s_zero)
+    v_op = loads.v_wait(j, True)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_j done; PV_{j-1} may still run
+    loads.k_done(j, False)
+    p, alpha, m_i, l_i = sm.step(s, m_i, l_i, j * sm.cfg.BLOCK_N, MASKED)
+    p_next = gl.convert_layout(p.to(q_op[0].dtype), sm.cfg.p_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    loads.v_done(j)
+    acc = acc * gl.convert_layout(alpha, sm.cfg.row_o)[:, None]
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
+    """One consumer warpgroup's query tile (q_op: FwdConfig.q_view's pair) against key blocks 0 .. n_blocks - 1
+    (n_blocks >= 1; blocks from mask_from on masked), its Q waited for: (acc, m, l), every wgmma waited for."""
+    cfg = sm.cfg
+    s_zero = gl.zeros([cfg.BLOCK_M, cfg.BLOCK_N], gl.float32, cfg.s_layout)
+    acc = gl.zeros([cfg.BLOCK_M, cfg.HEAD_DIM_V], gl.float32, cfg.o_layout)
+    m_i = gl.full([cfg.BLOCK_M], float("-inf"), gl.float32, cfg.row_s)
+    l_i = gl.zeros([cfg.BLOCK_M], gl.float32, cfg.row_s)
+
+    # block 0: S = Q K_0^T, waited; its softmax
+    s_tok = cfg.issue_qk(q_op, loads.k_wait(0), s_zero)
+    loads.first_issued()
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    loads.k_done(0, True)
+    p, alpha, m_i, l_i = sm.step(s, m_i, l_i, 0, mask_from == 0)
+    p_op = gl.convert_layout(p.to(q_op[0].dtype), cfg.p_layout)
+
+    for j in range(1, gl.maximum(mask_from, 1)):
+        acc, p_op, m_i, l_i = _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, False)
+    for j in range(gl.maximum(mask_from, 1), n_blocks):
+        acc, p_op, m_i, l_i = _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, True)
+
+    # the last block's PV
+    v_op = loads.v_wait(n_blocks, False)
+    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    loads.v_done(n_blocks)
+    return acc, m_i, l_i
