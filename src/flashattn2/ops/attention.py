@@ -30,7 +30,7 @@ def _launch(call: AttentionCall):
     Triton kernel's (launch_triton.Forward)."""
     layout = call.layout
     if call.plan.gluon:
-        return launch_gluon.ForwardLaunch(call.plan, layout.geometry, layout.lse_shape, call.spec.sink is not None)
+        return launch_gluon.ForwardLaunch(call.plan, layout, call.spec.sink is not None)
     return launch_triton.Forward(layout, call.plan)
 
 
@@ -48,25 +48,23 @@ def forward(
 
 
 def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed):
-    """The batch-invariant mode's forward (ops.invariance): the KV-cache kernel over k and v as a cache -- dense: a
-    contiguous cache of seqlen_k keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from
-    cu_seqlens_k[b] (its left padding) to cu_seqlens_k[b + 1] (its cache_seqlens) -- with q's rows packed as that
-    kernel packs a decode step's, so that a prefill row and the decode step of the same token compute alike."""
-    o = call.options
-    if o.dropout_p > 0:
+    """The batch-invariant mode's forward (ops.invariance): the KV-cache kernel over k and v as a cache
+    (kvcache.invariant_shape), with q's rows packed as that kernel packs a decode step's, so that a prefill row and
+    the decode step of the same token compute alike."""
+    if call.options.dropout_p > 0:
         raise NotImplementedError(
             "dropout_p > 0 in batch-invariant mode: the mode's kernel (the KV cache's) has no dropout; turn the mode "
             "off for training with dropout (flashattn2.batch_invariant(False))"
         )
-    mods = _mods(call, alibi, sink, None)
+    decode = call.launch
+    if decode is None:
+        decode = call.launch = kvcache.Decode(call.plan, kvcache.invariant_shape(call), call.spec.modes.arch)
+    alibi, sink = _contiguous(alibi), _contiguous(sink)
     if cu_seqlens_q is None:
-        cache = kvcache.Cache(k, v, None, k.shape[1], None, None, None)
-        return kvcache.forward(call.plan, q, cache, 0, o.softmax_scale, mods)
+        return decode(q, k, v, None, k.shape[1], None, None, None, None, alibi, sink)
     rows = torch.zeros(cu_seqlens_k.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_k.device)
-    cache = kvcache.Cache(
-        k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, o.max_seqlen_k
-    )
-    return kvcache.forward(call.plan, q, cache, 0, o.softmax_scale, mods, varlen_q=(cu_seqlens_q, o.max_seqlen_q))
+    k, v = k.unsqueeze(0), v.unsqueeze(0)
+    return decode(q, k, v, cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, cu_seqlens_q, alibi, sink)
 
 
 def backward(
@@ -106,10 +104,10 @@ def backward(
     if launch is None:
         plan = bcall.plan
         if plan.gluon:
-            launch = launch_gluon.BackwardLaunch(plan, layout.geometry, layout.arch, q.dtype)
+            launch = launch_gluon.BackwardLaunch(plan, layout, bcall.spec, sink is not None)
         else:
             b = bcall.spec
-            launch = launch_triton.Backward(layout, plan, b.dout, b.grads, b.dlse, sink is not None)
+            launch = launch_triton.Backward(layout, plan, b.out, b.dout, b.grads, b.dlse, sink is not None)
         bcall.launch = launch
     alibi, sink = _contiguous(alibi), _contiguous(sink)
     launch(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, dsink)

@@ -76,16 +76,17 @@ class AttentionCall:
         self.empty = not spec.varlen and (spec.q.shape[1] == 0 or spec.k.shape[1] == 0)
         self.batch = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else spec.q.shape[0]
 
-    def backward(self, dout, dlse, grads, deterministic: bool) -> BackwardCall:
-        """The prepared backward for an output gradient dout (its layout), a logsumexp gradient or None, and the
-        gradients' buffers (their layouts)."""
+    def backward(self, out, dout, dlse, grads, deterministic: bool) -> BackwardCall:
+        """The prepared backward for the output and its gradient dout (their layouts), a logsumexp gradient or None,
+        and the gradients' buffers (their layouts)."""
         spec = specs.BackwardSpec(
             self.spec,
+            specs.tensor(out),
             specs.tensor(dout),
             dlse is not None,
             deterministic,
             tuple(specs.tensor(g) for g in grads),
-            specs.aligned(dout, *grads),
+            specs.aligned(out, dout, *grads),
         )
         found = self.backwards.get(spec)
         if found is None:
@@ -270,7 +271,8 @@ class KVCacheCall:
     """A validated and planned flash_attn_with_kvcache call: its normalized options, the plan, the capacity and the
     per-call checks an int cache_seqlens needs."""
 
-    __slots__ = ("spec", "plan", "scale", "left", "right", "capacity", "seqlen_new", "q_positions", "per_token")
+    __slots__ = ("spec", "plan", "scale", "left", "right", "capacity", "seqlen_new", "q_positions", "per_token",
+                 "decode", "append")
 
     def __init__(self, spec: specs.KVCacheSpec, plan: planning.Plan):
         self.spec, self.plan = spec, plan
@@ -283,7 +285,7 @@ class KVCacheCall:
         self.per_token = bool(spec.causal) or self.left >= 0 or self.right >= 0
         self.q_positions = spec.q.shape[1] if self.per_token else 1
         self.seqlen_new = 0 if spec.k is None else spec.k.shape[1]
-
+        self.decode = self.append = None  # ops.kvcache's Decode and Append, made at the first run
     def seqlen(self, cache_seqlens, rotary_cos) -> int:
         """An int (or absent) cache_seqlens checked against the capacity and the rotary table: the int the kernels
         take (None: the whole cache)."""
@@ -377,11 +379,12 @@ def kvcache(
 class PagedCall:
     """A validated and planned paged prefill (flash_attn_varlen_func with block_table)."""
 
-    __slots__ = ("spec", "plan", "scale")
+    __slots__ = ("spec", "plan", "scale", "decode")
 
     def __init__(self, spec: specs.PagedSpec, plan: planning.Plan):
         self.spec, self.plan = spec, plan
         self.scale = _scale(spec.q.shape[-1], spec.softmax_scale)
+        self.decode = None  # ops.kvcache.Decode, made at the first run
 
 
 def paged(

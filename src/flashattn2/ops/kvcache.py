@@ -1,50 +1,24 @@
-"""flash_attn_with_kvcache's launcher: append the new keys/values (rotated) into the cache,
-rotate q, then attend over the cache, split over keys when the batch is too small to fill the
-GPU, and merge the splits. The caller (ops.registry) makes q's device the current one, as
-for the attention launchers."""
+"""The KV-cache kernels' launches: append the new keys/values (rotated) into the cache (Append), rotate q (rotate_q),
+then attend over the cache, split over keys when the batch is too small to fill the GPU, and merge the splits
+(Decode); made once per prepared call (ops.call), as planned (ops.planning.decode). The caller (ops.registry) makes q's
+device the current one, as for the attention launchers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from . import _runtime, launcher, planning, seqlens
-from .geometry import block_d, column_parts, fill_tails
-from .options import ScoreMods
-from .planning import Plan
-from .tables import INVARIANT_MAX_SPLITS
+from . import _runtime, launcher
 from . import rotary as _rotary
-
-MAX_SPLITS = 128
-
-
-@dataclass(frozen=True)
-class Cache:
-    """The cache as the kernel reads it. Contiguous: k/v (batch_cache, capacity, nheads_k,
-    headdim), row cache_batch_idx[b] (or b) for sequence b. Paged: k/v (num_blocks, page_size,
-    nheads_k, headdim) and block_table (batch, max_blocks)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    seqlens: torch.Tensor | None  # int32 (batch,), or None with seqlen_int
-    seqlen_int: int
-    batch_idx: torch.Tensor | None
-    leftpad: torch.Tensor | None
-    block_table: torch.Tensor | None
-    # the most keys a sequence has, when known below the capacity (a varlen pack seen as one cache row: its
-    # max_seqlen_k); None: the capacity
-    max_keys: int | None = None
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        if self.block_table is not None:
-            return self.block_table.shape[1] * self.page_size
-        return self.k.shape[1]
+from . import spec as specs
+from .geometry import block_d, column_parts
+from .launch_triton import TailFill
+from .layout import contiguous_strides
+from .planning import Plan, window
+from .tables import INVARIANT_MAX_SPLITS
 
 
 @dataclass(frozen=True)
@@ -58,117 +32,111 @@ class Check:
     key: object = None  # where the caller keeps err between calls
 
 
-def mods(causal, left: int, right: int, softcap: float, alibi_slopes, sink) -> ScoreMods:
-    """The KV-cache kernel's score modifiers (no dropout): alibi_slopes and the sink contiguous, as it reads them."""
-    alibi = None if alibi_slopes is None else alibi_slopes.contiguous()
-    sink = None if sink is None else sink.contiguous()
-    return ScoreMods(bool(causal), left, right, softcap, alibi, 0.0, None, sink)
+class Append:
+    """kvcache_append_kernel as one prepared call launches it: k_new/v_new (batch, seqlen_new, nheads_k, headdim)
+    written at positions cache_seqlens[b] + i, k rotated there first when the call has rotary tables. One kernel; with a
+    Check every program first checks every sequence's values (cache_seqlens, cache_leftpad, cache_batch_idx, the pages
+    written) and none writes if one is out of range."""
+
+    __slots__ = ("shape", "launch", "grid", "ints", "rotary", "torch_rotary", "interleaved", "empty", "table_rows")
+
+    def __init__(self, shape: Shape, k_new: specs.TensorSpec, v_new: specs.TensorSpec, rotary, interleaved: bool,
+                 arch: str):  # fmt: skip
+        """rotary: the rotary tables' spec (rotary_cos's), or None."""
+        self.shape = shape
+        batch, seqlen_new, nheads_k, head_dim = k_new.shape
+        head_dim_v = v_new.shape[-1]
+        self.empty = batch == 0 or seqlen_new == 0
+        # the interpreter's fp32 -> 16-bit store truncates: it rotates in fp32 in torch, and rounds
+        self.torch_rotary = rotary is not None and arch == "interp" and k_new.dtype != torch.float32
+        self.rotary = rotary is not None and not self.torch_rotary
+        self.interleaved = interleaved
+        block_t = min(16, 1 << (seqlen_new - 1).bit_length()) if seqlen_new else 1
+        self.grid = (batch, -(-seqlen_new // block_t))
+        # the kernel reads rows of k/v with unit stride: the new k and v are copied where theirs are not
+        strides = [t.stride[:3] if t.stride[-1] == 1 else contiguous_strides(t.shape)[:3] for t in (k_new, v_new)]
+        if self.torch_rotary:
+            strides[0] = contiguous_strides(k_new.shape)[:3]
+        cos_rows = (rotary.shape[0], rotary.shape[1]) if self.rotary else (0, 0)
+        cos_stride = rotary.shape[1] if self.rotary else strides[0][1]  # (the tables are made contiguous)
+        self.table_rows = shape.k.shape[0]
+        self.ints = (*strides, shape.k.stride[:3], shape.v.stride[:3], shape.table_stride, cos_stride,
+                     (batch, nheads_k, seqlen_new, None, shape.capacity, shape.k.shape[0], shape.capacity - seqlen_new),
+                     cos_rows)  # fmt: skip
+        kernels = _runtime.kernels()
+        kwargs = dict(
+            CACHE=kernels.decode.CacheLayout(
+                PAGED=bool(shape.page_size),
+                BATCH_IDX=shape.batch_idx,
+                LEFTPAD=shape.leftpad,
+                SEQLENS_TENSOR=shape.seqlens_tensor,
+                PAGE_SIZE=shape.page_size or 1,
+            ),
+            ROTARY=self.rotary,
+            INTERLEAVED=self.rotary and interleaved,
+            TILE=kernels.append.AppendTile(
+                HEAD_DIM=head_dim,
+                BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())),
+                BLOCK_T=block_t,
+                BLOCK_D=block_d(head_dim),
+                HEAD_DIM_V=head_dim_v,
+                BLOCK_DV=block_d(head_dim_v),
+            ),
+            num_warps=4 if head_dim * block_t >= 1024 else 2,
+        )
+        kernel = kernels.append.kvcache_append_kernel
+        self.launch = {check: launcher.Launch(kernel, CHECK=check, **kwargs) for check in (False, True)}
+
+    def __call__(self, k_new, v_new, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table,
+                 check: Check | None = None) -> None:  # fmt: skip
+        if self.empty:
+            return
+        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+        shape = self.shape
+        if check is not None and block_table is not None:
+            _check_pages_read(block_table, self.table_rows, shape, seqlens, seqlen_int, check)
+        if self.torch_rotary:
+            offsets = seqlens if seqlens is not None else seqlen_int
+            k_new = _rotary.rotate_(k_new.float(), cos, sin, self.interleaved, offsets).to(k_new.dtype)
+        if not self.rotary:
+            cos = sin = k_new
+        k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows = self.ints
+        limit = sizes[6] if check is None else check.seqlen_limit
+        sizes = (*sizes[:3], seqlen_int, *sizes[4:6], limit)
+        dummy = k_new
+        self.launch[check is not None](
+            self.grid, k_new, v_new, k_cache, v_cache, cos, sin,
+            dummy if seqlens is None else seqlens,
+            dummy if batch_idx is None else batch_idx,
+            dummy if leftpad is None else leftpad,
+            dummy if block_table is None else block_table,
+            dummy if check is None else check.err,
+            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows,
+        )  # fmt: skip
 
 
-def append_(cache: Cache, k_new: torch.Tensor, v_new: torch.Tensor, rotary, check: Check | None = None) -> None:
-    """Write k_new/v_new (batch, seqlen_new, nheads_k, headdim) at positions cache_seqlens[b] + i;
-    k rotated there first when rotary = (cos, sin, interleaved) is given. One kernel; with check
-    every program first checks every sequence's values (cache_seqlens, cache_leftpad,
-    cache_batch_idx, the pages written) and none writes if one is out of range."""
-    batch, seqlen_new, nheads_k, head_dim = k_new.shape
-    head_dim_v = v_new.shape[-1]
-    if batch == 0 or seqlen_new == 0:
-        return
-    # the kernel reads rows of k/v with unit stride
-    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-    if check is not None and cache.block_table is not None:
-        _check_pages_read(cache, seqlen_new, check)
-    interp = _runtime.interpreted()
-    if not interp:
-        planning.arch_of(k_new.device)  # an unsupported GPU raises before the cache is written
-    if rotary is not None:
-        cos, sin, interleaved = rotary
-        if interp and k_new.dtype != torch.float32:
-            # the interpreter's fp32 -> 16-bit store truncates: rotate in fp32, let torch round
-            offsets = cache.seqlens if cache.seqlens is not None else cache.seqlen_int
-            k_new = _rotary.rotate_(k_new.float(), cos, sin, interleaved, offsets).to(k_new.dtype)
-            rotary = None
+def _check_pages_read(table, blocks: int, shape: Shape, seqlens, seqlen_int: int, check: Check) -> None:
+    """Flag, on the device and before the append, block-table entries out of range among the pages each sequence uses
+    (not only those the append writes): the append kernel reads the flag and writes nothing, so a bad page raises
+    before any memory is touched."""
+    seqlen_new = shape.seqlen_new
+    if seqlens is not None:
+        ends = seqlens.clamp(0, shape.capacity - seqlen_new) + seqlen_new
     else:
-        cos = sin = k_new
-        interleaved = False
-    bt = cache.block_table
-    dummy = k_new
-    block_t = min(16, 1 << (seqlen_new - 1).bit_length())
-    kernels = _runtime.kernels()
-    launcher.launch(
-        kernels.append.kvcache_append_kernel,
-        (batch, -(-seqlen_new // block_t)),
-        k_new,
-        v_new,
-        cache.k,
-        cache.v,
-        cos,
-        sin,
-        cache.seqlens if cache.seqlens is not None else dummy,
-        cache.batch_idx if cache.batch_idx is not None else dummy,
-        cache.leftpad if cache.leftpad is not None else dummy,
-        bt if bt is not None else dummy,
-        check.err if check is not None else dummy,
-        k_new.stride()[:3],
-        v_new.stride()[:3],
-        cache.k.stride()[:3],
-        cache.v.stride()[:3],
-        bt.stride(0) if bt is not None else 0,
-        cos.stride(0),
-        (
-            batch,
-            nheads_k,
-            seqlen_new,
-            cache.seqlen_int,
-            cache.capacity,
-            cache.k.shape[0],
-            check.seqlen_limit if check is not None else cache.capacity - seqlen_new,
-        ),
-        (cos.shape[0], cos.shape[1]) if rotary is not None else (0, 0),
-        CHECK=check is not None,
-        CACHE=kernels.decode.CacheLayout(
-            PAGED=bt is not None,
-            BATCH_IDX=cache.batch_idx is not None,
-            LEFTPAD=cache.leftpad is not None,
-            SEQLENS_TENSOR=cache.seqlens is not None,
-            PAGE_SIZE=cache.page_size if bt is not None else 1,
-        ),
-        ROTARY=rotary is not None,
-        INTERLEAVED=interleaved,
-        TILE=kernels.append.AppendTile(
-            HEAD_DIM=head_dim,
-            BLOCK_B=min(256, max(2, 1 << (batch - 1).bit_length())),
-            BLOCK_T=block_t,
-            BLOCK_D=block_d(head_dim),
-            HEAD_DIM_V=head_dim_v,
-            BLOCK_DV=block_d(head_dim_v),
-        ),
-        num_warps=4 if head_dim * block_t >= 1024 else 2,
-    )
-
-
-def _check_pages_read(cache: Cache, seqlen_new: int, check: Check) -> None:
-    """Flag, on the device and before the append, block-table entries out of range among the
-    pages each sequence uses (not only those the append writes): the append kernel reads the
-    flag and writes nothing, so a bad page raises before any memory is touched."""
-    table = cache.block_table
-    if cache.seqlens is not None:
-        ends = cache.seqlens.clamp(0, cache.capacity - seqlen_new) + seqlen_new
-    else:
-        ends = torch.full((table.shape[0],), cache.seqlen_int + seqlen_new, device=table.device)
-    used = (ends + cache.page_size - 1) // cache.page_size
+        ends = torch.full((table.shape[0],), seqlen_int + seqlen_new, device=table.device)
+    used = (ends + shape.page_size - 1) // shape.page_size
     cols = torch.arange(table.shape[1], device=table.device)
-    bad = ((table < 0) | (table >= cache.k.shape[0])) & (cols[None, :] < used[:, None])
+    bad = ((table < 0) | (table >= blocks)) & (cols[None, :] < used[:, None])
     check.err.copy_(bad.any().view(1))
 
 
-def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Tensor:
-    """q rotated (a copy) at positions cache_seqlens[b] + i (per_token: causal or local), else
-    every query of sequence b at position cache_seqlens[b]."""
+def rotate_q(q: torch.Tensor, seqlens, seqlen_int: int, rotary, per_token: bool) -> torch.Tensor:
+    """q rotated (a copy) at positions cache_seqlens[b] + i (per_token: causal or local), else every query of sequence
+    b at position cache_seqlens[b]."""
     cos, sin, interleaved = rotary
     batch, seqlen_q, nheads, head_dim = q.shape
-    offsets = cache.seqlens if cache.seqlens is not None else cache.seqlen_int
+    offsets = seqlens if seqlens is not None else seqlen_int
     q = q.clone(memory_format=torch.contiguous_format)
     if per_token or seqlen_q == 1:
         return _rotary.rotate_(q, cos, sin, interleaved, offsets)
@@ -177,169 +145,232 @@ def rotate_q(q: torch.Tensor, cache: Cache, rotary, per_token: bool) -> torch.Te
     return q
 
 
-def forward(
-    plan: Plan,
-    q: torch.Tensor,
-    cache: Cache,
-    seqlen_new: int,
-    softmax_scale: float,
-    mods: ScoreMods,
-    varlen_q: tuple[torch.Tensor, int] | None = None,
-    check: Check | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (batch, seqlen_q, nheads, headdim) over the cache (after the append), as planned
-    (ops.planning.decode: the tile, the splits, the combine, the load path).
-    Returns out like q and lse fp32 (batch, nheads, seqlen_q). With varlen_q = (cu_seqlens_q,
-    max_seqlen_q), q is (total_q, nheads, headdim) and lse (nheads, total_q) (paged prefill).
-    Values read from the cache tensors are clamped into range; with check, a value out of range
-    also sets check.err."""
-    nheads, head_dim = q.shape[-2:]
-    head_dim_v = cache.v.shape[-1]
-    if varlen_q is not None:
-        cu_q, seqlen_q = varlen_q
-        batch, total_q = cu_q.shape[0] - 1, q.shape[0]
-        lse_shape = (nheads, total_q)
+class Shape(NamedTuple):
+    """What a KV-cache call's launches read of its spec: the layouts of q (after rotation or a copy: `q_strides`) and
+    the cache, the sizes, which index tensors come with each call, the score arguments. Built once per prepared call
+    (ops.call) for flash_attn_with_kvcache, the paged prefill and the batch-invariant mode's attention."""
+
+    q_shape: tuple
+    q_strides: tuple  # (batch, row, head); varlen (paged prefill): (0, row, head)
+    k: specs.TensorSpec
+    v: specs.TensorSpec
+    varlen: bool  # q packed (total_q, nheads, headdim) with cu_seqlens_q
+    batch: int
+    seqlen_q: int  # queries per sequence (varlen: the longest)
+    capacity: int
+    page_size: int  # 0: contiguous
+    batch_idx: bool
+    leftpad: bool
+    seqlens_tensor: bool
+    table_stride: int  # the block table's row stride (contiguous: its width)
+    seqlen_new: int
+    causal: bool
+    left: int  # window edges, -1 unbounded
+    right: int
+    softcap: float
+    scale: float
+    alibi: specs.TensorSpec | None
+    sink: bool
+
+
+def _q_strides(q: specs.TensorSpec, copied: bool) -> tuple:
+    """q's (batch, row, head) strides as the kernel reads it: a contiguous copy's where the call copies it (rotated,
+    or registry.for_kernels: a last dimension not contiguous, a broadcast dimension)."""
+    if copied or q.stride[-1] != 1 or 0 in q.stride:
+        return contiguous_strides(q.shape)[:3]
+    return q.stride[:3]
+
+
+def kvcache_shape(call) -> Shape:
+    """flash_attn_with_kvcache's (ops.call.KVCacheCall)."""
+    s = call.spec
+    paged = s.block_table is not None
+    rotated = s.k is not None and s.rotary_cos is not None
+    return Shape(
+        s.q.shape, _q_strides(s.q, rotated), s.k_cache, s.v_cache, False, s.q.shape[0], s.q.shape[1], call.capacity,
+        s.k_cache.shape[1] if paged else 0, s.cache_batch_idx is not None, s.cache_leftpad is not None,
+        isinstance(s.cache_seqlens, specs.TensorSpec), s.block_table.shape[1] if paged else 0, call.seqlen_new,
+        bool(s.causal), call.left, call.right, float(s.softcap), call.scale, s.alibi, s.sink is not None,
+    )  # fmt: skip
+
+
+def paged_shape(call) -> Shape:
+    """The paged prefill's (ops.call.PagedCall): sequence b's keys are its first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] positions through block_table[b]."""
+    s = call.spec
+    q = _q_strides(s.q, False)
+    return Shape(
+        s.q.shape, (0, q[0], q[1]), s.k_cache, s.v_cache, True, s.cu_seqlens_q.shape[0] - 1, s.max_seqlen_q,
+        s.block_table.shape[1] * s.k_cache.shape[1], s.k_cache.shape[1], False, False, True, s.block_table.shape[1],
+        0, bool(s.causal), *s.window, float(s.softcap), call.scale, s.alibi, s.sink is not None,
+    )  # fmt: skip
+
+
+def invariant_shape(call) -> Shape:
+    """The batch-invariant mode's attention (ops.attention): k and v as a cache -- dense: a contiguous cache of seqlen_k
+    keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from cu_seqlens_k[b] (its left
+    padding) to cu_seqlens_k[b + 1] (its cache_seqlens)."""
+    s, o = call.spec, call.options
+    q = _q_strides(s.q, False)
+    if s.varlen:
+        k, v = (specs.TensorSpec(torch.Size((1, *t.shape)), (t.shape[0] * t.stride[0], *t.stride), t.dtype, t.device)
+                for t in (s.k, s.v))  # fmt: skip
+        batch, seqlen_q, capacity, q_strides = s.cu_seqlens_q.shape[0] - 1, s.max_seqlen_q, s.k.shape[0], (0, *q[:2])
     else:
-        batch, seqlen_q = q.shape[:2]
-        lse_shape = (batch, nheads, seqlen_q)
-    nheads_k = cache.k.shape[2]
-    group = nheads // nheads_k
-    interp = _runtime.interpreted()
-    out_dtype = torch.float32 if interp else q.dtype
-    out = _runtime.empty((*q.shape[:-1], head_dim_v), out_dtype, q.device)
-    lse = _runtime.empty(lse_shape, torch.float32, q.device)
-    if out.numel() == 0 or batch == 0 or seqlen_q == 0 or cache.capacity == 0:
-        out.zero_(), lse.fill_(float("inf"))
-        if mods.sinks is not None and cache.capacity == 0 and lse.numel():  # the rows see only the sink
-            lse.copy_(mods.sinks[:, None].expand_as(lse))
-        return out.to(q.dtype), lse
-    rows = group * seqlen_q
-    block_m, block_n, warps, stages = plan.tile.block_m, plan.tile.block_n, plan.tile.num_warps, plan.tile.num_stages
-    splits, chunk, split = plan.splits, plan.chunk, plan.combine
-    invariant = plan.invariant
-    # strides (split, batch, query, head) of the output and (split, batch, head) of the lse; in
-    # varlen the query index is the row of the packed tensor and the batch stride is 0
-    if split:  # one allocation for both (host time: ~5 us per torch.empty on the H200's host)
-        n_out = -(-splits * out.numel() // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
-        work = _runtime.empty((n_out + splits * lse.numel(),), torch.float32, q.device)
-        dst = work[: splits * out.numel()].view(splits, *out.shape)
-        dst_lse = work[n_out:].view(splits, *lse_shape)
-    else:
-        dst, dst_lse = out.unsqueeze(0), lse.unsqueeze(0)
-    if varlen_q is not None:
-        q_strides = (0, *q.stride()[:2])
-        dst_strides = (dst.stride(0), 0, *dst.stride()[1:3])
-        lse_strides = (dst_lse.stride(0), 0, dst_lse.stride(1))
-    else:
-        q_strides = q.stride()[:3]
-        dst_strides = dst.stride()[:4]
-        lse_strides = dst_lse.stride()[:3]
-    runtime, flags = mods.kernel_args(seqlen_q, cache.capacity, lse)
-    flags.pop("DROPOUT")
-    upcast = interp or q.dtype == torch.float32
-    pdl, values_from_keys, tma = plan.pdl, plan.v_from_k, plan.kv_tma
-    row_blocks = -(-rows // block_m)
-    if tma and not interp:
-        _runtime.ensure_tma_allocator()
-    kernels = _runtime.kernels().decode
-    bt = cache.block_table
-    k, v = cache.k, cache.v
-    launcher.launch(
-        kernels.attn_kvcache_kernel,
-        (batch * nheads_k * row_blocks, 1, splits) if row_blocks > 1 else (batch * nheads_k, 1, splits),
-        q,
-        k,
-        v,
-        dst,
-        dst_lse,
-        cache.seqlens if cache.seqlens is not None else lse,
-        cache.batch_idx if cache.batch_idx is not None else lse,
-        cache.leftpad if cache.leftpad is not None else lse,
-        bt if bt is not None else lse,
-        runtime["Alibi"],
-        runtime["Sinks"],
-        varlen_q[0] if varlen_q is not None else lse,
-        check.err if check is not None else lse,
-        q_strides,
-        k.stride()[:3],
-        v.stride()[:3],
-        dst_strides,
-        lse_strides,
-        bt.stride(0) if bt is not None else 0,
-        runtime["stride_alibi_b"],
-        (
-            nheads,
-            nheads_k,
-            seqlen_q,
-            seqlen_new,
-            cache.seqlen_int,
-            chunk,
-            cache.capacity,
-            k.shape[0],
-            row_blocks,
-            check.seqlen_limit if check is not None else cache.capacity,
-        ),
-        (runtime["window_left"], runtime["window_right"], softmax_scale, runtime["softcap"]),
-        MODS=kernels.DecodeMods(**flags),
-        CACHE=kernels.CacheLayout(
-            PAGED=bt is not None,
-            BATCH_IDX=cache.batch_idx is not None,
-            LEFTPAD=cache.leftpad is not None,
-            SEQLENS_TENSOR=cache.seqlens is not None,
-            PAGE_SIZE=cache.page_size if bt is not None else 1,
-        ),
-        PATH=kernels.DecodePath(
-            SPLIT=split,
-            VARLEN_Q=varlen_q is not None,
-            CHECK=check is not None,
-            PDL=pdl,
-            V_FROM_K=values_from_keys,
-            ROW_BLOCKS_ADJACENT=row_blocks > 1,
-            KV_TMA=tma,
-        ),
-        DOTS=kernels.DecodeDots(
-            UPCAST=upcast,
-            DOT_PRECISION="ieee" if upcast else "tf32",
-            ROW_EXACT=invariant and interp,  # the interpreter's GEMM is not row-exact (kernels/decode.py)
-        ),
-        TILE=kernels.DecodeTile(
-            HEAD_DIM=head_dim,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=column_parts(head_dim)[0],
-            HEAD_DIM_V=head_dim_v,
-            BLOCK_DV=block_d(head_dim_v),
-            BLOCK_D_LO=column_parts(head_dim)[1],
-        ),
-        num_warps=warps,
-        num_stages=stages,
-    )
-    if split:
-        # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
-        b_, sq_ = (1, total_q) if varlen_q is not None else (batch, seqlen_q)
-        lse_b = 0 if varlen_q is not None else lse.stride(0)
-        lse_h = lse.stride(0) if varlen_q is not None else lse.stride(1)
-        launcher.launch(
-            kernels.attn_combine_kernel,
-            (b_ * sq_ * nheads,),
-            dst,
-            dst_lse,
-            out,
-            lse,
-            runtime["Sinks"],
-            dst.stride(0),
-            (dst_lse.stride(0), lse_b, lse_h),
-            (sq_, nheads, splits),
-            SINK=flags["SINK"],
-            HEAD_DIM=head_dim_v,
-            BLOCK_S=INVARIANT_MAX_SPLITS if invariant else max(2, 1 << (splits - 1).bit_length()),
-            CHUNK_S=16,
-            BLOCK_D=block_d(head_dim_v),
-            PDL=pdl,
-            num_warps=2,
-            launch_pdl=pdl,
+        k, v, batch, seqlen_q, capacity, q_strides = s.k, s.v, s.q.shape[0], s.q.shape[1], s.k.shape[1], q
+    return Shape(
+        s.q.shape, q_strides, k, v, s.varlen, batch, seqlen_q, capacity, 0, s.varlen, s.varlen, s.varlen, 0, 0,
+        bool(s.causal), *s.window, float(s.softcap), o.softmax_scale, s.alibi, s.sink is not None,
+    )  # fmt: skip
+
+
+class Decode:
+    """attn_kvcache_kernel -- and attn_combine_kernel where the keys are split, the tail fill for a varlen q -- as one
+    prepared call launches it (the plan: ops.planning.decode's tile, splits, combine and load path). Values read from
+    the cache's index tensors are clamped into range; with a Check, a value out of range also sets its flag."""
+
+    __slots__ = ("shape", "plan", "out_shape", "lse_shape", "out_dtype", "empty", "grid", "kernel", "combine",
+                 "combine_grid", "ints", "score", "strides", "combine_ints", "tail", "sink_only", "work")  # fmt: skip
+
+    def __init__(self, plan: Plan, shape: Shape, arch: str):
+        self.shape, self.plan = shape, plan
+        nheads, head_dim = shape.q_shape[-2:]
+        nheads_k, head_dim_v = shape.k.shape[2], shape.v.shape[-1]
+        batch, seqlen_q = shape.batch, shape.seqlen_q
+        self.out_shape = (*shape.q_shape[:-1], head_dim_v)
+        self.lse_shape = (nheads, shape.q_shape[0]) if shape.varlen else (batch, nheads, seqlen_q)
+        interp = arch == "interp"
+        self.out_dtype = torch.float32 if interp else shape.k.dtype
+        out_numel = math.prod(self.out_shape)
+        self.empty = out_numel == 0 or batch == 0 or seqlen_q == 0 or shape.capacity == 0
+        self.sink_only = shape.sink and shape.capacity == 0 and math.prod(self.lse_shape) > 0
+        tile, splits, split = plan.tile, plan.splits, plan.combine
+        rows = nheads // nheads_k * seqlen_q
+        row_blocks = -(-rows // tile.block_m)
+        self.grid = (batch * nheads_k * row_blocks, 1, splits) if row_blocks > 1 else (batch * nheads_k, 1, splits)
+        # the partial outputs (split, batch, query, head) and logsumexps (split, batch, head) of a split, one
+        # allocation for both (host time: ~5 us per torch.empty on the H200's host); in varlen the query index is the
+        # row of the packed tensor and the batch stride is 0
+        lse_numel = math.prod(self.lse_shape)
+        n_out = -(-splits * out_numel // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
+        self.work = (n_out, n_out + splits * lse_numel) if split else None
+        if split:
+            dst = contiguous_strides((splits, *self.out_shape))
+            dst_lse = contiguous_strides((splits, *self.lse_shape))
+        else:
+            dst = (0, *contiguous_strides(self.out_shape))
+            dst_lse = (0, *contiguous_strides(self.lse_shape))
+        if shape.varlen:
+            dst_strides, lse_strides = (dst[0], 0, dst[1], dst[2]), (dst_lse[0], 0, dst_lse[1])
+        else:
+            dst_strides, lse_strides = dst[:4], dst_lse[:3]
+        check_limit = shape.capacity  # (a Check's own limit replaces it)
+        self.ints = (nheads, nheads_k, seqlen_q, shape.seqlen_new, None, plan.chunk, shape.capacity, shape.k.shape[0],
+                     row_blocks, check_limit)  # fmt: skip
+        self.strides = (shape.q_strides, shape.k.stride[:3], shape.v.stride[:3], dst_strides, lse_strides,
+                        shape.table_stride, shape.alibi.shape[-1] if shape.alibi is not None and
+                        len(shape.alibi.shape) == 2 else 0)  # fmt: skip
+        w = window(shape.causal, shape.left, shape.right)
+        far = seqlen_q + shape.capacity  # an unbounded edge: one that cannot bind
+        softcap = shape.softcap
+        self.score = (w.left if w.left >= 0 else far, w.right if w.right >= 0 else far, shape.scale,
+                      softcap if softcap > 0 else 1.0)  # fmt: skip
+        kernels = _runtime.kernels().decode
+        upcast = interp or shape.k.dtype == torch.float32
+        kwargs = dict(
+            MODS=kernels.DecodeMods(w.causal, w.local, softcap > 0, shape.alibi is not None, shape.sink),
+            CACHE=kernels.CacheLayout(
+                PAGED=bool(shape.page_size),
+                BATCH_IDX=shape.batch_idx,
+                LEFTPAD=shape.leftpad,
+                SEQLENS_TENSOR=shape.seqlens_tensor,
+                PAGE_SIZE=shape.page_size or 1,
+            ),
+            DOTS=kernels.DecodeDots(
+                UPCAST=upcast,
+                DOT_PRECISION="ieee" if upcast else "tf32",
+                ROW_EXACT=plan.invariant and interp,  # the interpreter's GEMM is not row-exact (kernels/decode.py)
+            ),
+            TILE=kernels.DecodeTile(
+                HEAD_DIM=head_dim,
+                BLOCK_M=tile.block_m,
+                BLOCK_N=tile.block_n,
+                BLOCK_D=column_parts(head_dim)[0],
+                HEAD_DIM_V=head_dim_v,
+                BLOCK_DV=block_d(head_dim_v),
+                BLOCK_D_LO=column_parts(head_dim)[1],
+            ),
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
         )
-    if varlen_q is not None:
-        known = seqlens.known(varlen_q[0])
-        fill_tails((out, varlen_q[0], 0.0, 0, known), (lse, varlen_q[0], float("inf"), 1, known))
-    return out.to(q.dtype), lse
+        path = dict(SPLIT=split, VARLEN_Q=shape.varlen, PDL=plan.pdl, V_FROM_K=plan.v_from_k,
+                    ROW_BLOCKS_ADJACENT=row_blocks > 1, KV_TMA=plan.kv_tma)  # fmt: skip
+        self.kernel = {
+            check: launcher.Launch(kernels.attn_kvcache_kernel, PATH=kernels.DecodePath(**path, CHECK=check), **kwargs)
+            for check in (False, True)
+        }
+        self.combine = None
+        if split:
+            # rows (batch, query, head) of a contiguous out; varlen is one "batch" of total_q queries
+            b_, sq_ = (1, shape.q_shape[0]) if shape.varlen else (batch, seqlen_q)
+            lse = contiguous_strides(self.lse_shape)
+            lse_b, lse_h = (0, lse[0]) if shape.varlen else (lse[0], lse[1])
+            self.combine_grid = (b_ * sq_ * nheads,)
+            self.combine_ints = (dst[0], (dst_lse[0], lse_b, lse_h), (sq_, nheads, splits))
+            self.combine = launcher.Launch(
+                kernels.attn_combine_kernel,
+                SINK=shape.sink,
+                HEAD_DIM=head_dim_v,
+                BLOCK_S=INVARIANT_MAX_SPLITS if plan.invariant else max(2, 1 << (splits - 1).bit_length()),
+                CHUNK_S=16,
+                BLOCK_D=block_d(head_dim_v),
+                PDL=plan.pdl,
+                num_warps=2,
+                launch_pdl=plan.pdl,
+            )
+        self.tail = None
+        if shape.varlen:
+            self.tail = TailFill(
+                batch,
+                (self.out_shape, contiguous_strides(self.out_shape), 0.0, 0),
+                (self.lse_shape, contiguous_strides(self.lse_shape), float("inf"), 1),
+            )
+
+    def __call__(self, q, k, v, seqlens, seqlen_int, batch_idx, leftpad, block_table, cu_q, alibi, sinks,
+                 check: Check | None = None):  # fmt: skip
+        """(out like q in q's dtype, lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) with a varlen q)."""
+        out = _runtime.empty(self.out_shape, self.out_dtype, q.device)
+        lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
+        if self.empty:
+            out.zero_(), lse.fill_(float("inf"))
+            if self.sink_only:  # the rows see only the sink
+                lse.copy_(sinks[:, None].expand_as(lse))
+            return out.to(q.dtype), lse
+        if self.work is not None:
+            n_out, total = self.work
+            work = _runtime.empty((total,), torch.float32, q.device)
+            dst = work[: self.plan.splits * out.numel()].view(self.plan.splits, *out.shape)
+            dst_lse = work[n_out:].view(self.plan.splits, *self.lse_shape)
+        else:
+            dst, dst_lse = out, lse
+        if self.plan.kv_tma and q.device.type == "cuda":
+            _runtime.ensure_tma_allocator()
+        ints = self.ints
+        ints = (*ints[:4], seqlen_int, *ints[5:9], ints[9] if check is None else check.seqlen_limit)
+        self.kernel[check is not None](
+            self.grid, q, k, v, dst, dst_lse,
+            lse if seqlens is None else seqlens,
+            lse if batch_idx is None else batch_idx,
+            lse if leftpad is None else leftpad,
+            lse if block_table is None else block_table,
+            lse if alibi is None else alibi,
+            lse if sinks is None else sinks,
+            lse if cu_q is None else cu_q,
+            lse if check is None else check.err,
+            *self.strides, ints, self.score,
+        )  # fmt: skip
+        if self.combine is not None:
+            self.combine(self.combine_grid, dst, dst_lse, out, lse, lse if sinks is None else sinks, *self.combine_ints)
+        if self.tail is not None:
+            self.tail((out, cu_q), (lse, cu_q))
+        return out.to(q.dtype), lse

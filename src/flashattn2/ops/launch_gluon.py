@@ -9,33 +9,38 @@ from __future__ import annotations
 import torch
 
 from . import _runtime, launcher
-from .geometry import Geometry, cdiv, column_parts
-from .launch_triton import SinkGrad, launch_preprocess, preprocess
-from .planning import Plan
-from .tma import host_desc, use_tma
+from . import spec as specs
+from .geometry import cdiv, column_parts
+from .launch_triton import Preprocess, SinkGrad
+from .layout import Layout
+from .planning import Plan, tma_ok
+from .tma import host_desc
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2^31 - 1)
 
 
 class ForwardLaunch:
-    """The Gluon forward of one call signature: kernel, tile rows, grid size, integer arguments, constexprs (sink:
-    whether the call has a learnable sink, the tensor passed to each run)."""
+    """The Gluon forward (the plan's fwd_hopper_persist or fwd_hopper_ws) of one prepared call: kernel, tile rows,
+    grid size, integer arguments and constexprs made once (sink: whether the call has a learnable sink)."""
 
-    __slots__ = ("kernel", "rows", "lse_shape", "head_dim_v", "tiles", "persist", "ints", "kwargs")
+    __slots__ = ("launch", "rows", "layout", "tiles", "persist", "ints", "parts")
 
-    def __init__(self, plan: Plan, geo: Geometry, lse_shape, sink: bool):
+    def __init__(self, plan: Plan, layout: Layout, sink: bool):
         kernels = _runtime.hopper_kernels().fwd
         self.persist = plan.kernel == "fwd_hopper_persist"
-        self.kernel = kernels.attn_fwd_persist_kernel if self.persist else kernels.attn_fwd_ws_kernel
+        kernel = kernels.attn_fwd_persist_kernel if self.persist else kernels.attn_fwd_ws_kernel
         cfg = plan.tile
-        self.rows, self.lse_shape, self.head_dim_v = (cfg.block_m, cfg.block_n), lse_shape, geo.head_dim_v
-        self.tiles = cdiv(geo.max_seqlen_q, plan.rows) * geo.batch * geo.nheads
-        self.ints = (geo.batch, geo.nheads, geo.max_seqlen_q, geo.max_seqlen_k, geo.nheads // geo.nheads_k)
-        self.kwargs = dict(
+        self.rows, self.layout = (cfg.block_m, cfg.block_n), layout
+        self.tiles = cdiv(layout.max_seqlen_q, plan.rows) * layout.batch * layout.nheads
+        # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper_tile.py's FwdConfig)
+        self.parts = column_parts(layout.head_dim)
+        self.ints = (*layout.lse_strides, *layout.shape, layout.score[2])
+        self.launch = launcher.Launch(
+            kernel,
             CAUSAL=plan.causal,
             SINK=sink,
-            HEAD_DIM=geo.head_dim,
-            HEAD_DIM_V=geo.head_dim_v,
+            HEAD_DIM=layout.head_dim,
+            HEAD_DIM_V=layout.head_dim_v,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             STAGES=cfg.num_stages,
@@ -43,20 +48,14 @@ class ForwardLaunch:
             num_warps=plan.num_warps,
         )
 
-    def run(self, q, k, v, softmax_scale: float, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = _runtime.empty((*q.shape[:-1], self.head_dim_v), q.dtype, q.device)
-        lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
-        self.launch(q, k, v, out, lse, softmax_scale, sinks)
-        return out, lse
-
-    def launch(self, q, k, v, out, lse, softmax_scale: float, sinks=None) -> None:
+    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        out = _runtime.empty(layout.out_shape, q.dtype, q.device)
+        lse = _runtime.empty(layout.lse_shape, torch.float32, q.device)
         rows_m, rows_n = self.rows
-        s = lse.stride()
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
-        # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper_tile.py's FwdConfig)
-        hi, lo = column_parts(q.shape[-1])
-        launcher.launch(
-            self.kernel,
+        hi, lo = self.parts
+        self.launch(
             grid,
             host_desc(q, rows_m, gluon=True, cols=hi),
             host_desc(k, rows_n, gluon=True, cols=hi),
@@ -65,13 +64,10 @@ class ForwardLaunch:
             host_desc(q, rows_m, gluon=True, cols=lo) if lo else None,
             host_desc(k, rows_n, gluon=True, cols=lo) if lo else None,
             lse,
-            sinks if sinks is not None else lse,
-            s[0],
-            s[1],
+            lse if sink is None else sink,
             *self.ints,
-            softmax_scale,
-            **self.kwargs,
         )
+        return out, lse
 
 
 def _divisors(n: int) -> list[int]:
@@ -103,55 +99,70 @@ def l2_heads(budget: int, n_bh: int, bytes_per_bh: int) -> int:
 
 
 class BackwardLaunch:
-    """The Gluon backward of one call signature: tile, ring constexprs, padded length, grid (see ForwardLaunch).
-    One preprocess launch writes what the kernel reads besides the inputs (launch_triton.preprocess): delta,
-    the zeroed fp32 dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not
-    such a multiple, lse (contiguous) padded the same way (+inf; delta 0: the padded rows contribute nothing).
-    Then the kernel, then dQ cast from the accumulator into dq."""
+    """The Gluon backward of one prepared backward: tile, ring constexprs, padded length, grid made once (see
+    ForwardLaunch). One preprocess launch writes what the kernel reads besides the inputs (launch_triton.Preprocess):
+    delta, the zeroed fp32 dQ accumulator whose rows are padded to a multiple of BLOCK_M, and, where seqlen_q is not
+    such a multiple, lse (contiguous) padded the same way (+inf; delta 0: the padded rows contribute nothing). Then the
+    kernel, then dQ cast from the accumulator into dq. dK/dV are written by TMA where their heads are adjacent and
+    aligned (the prepared backward's spec says), else into buffers copied back."""
 
-    __slots__ = ("kernels", "geo", "arch", "plan", "seqlen_q_pad", "grid", "pre")
+    __slots__ = ("launch", "layout", "plan", "seqlen_q_pad", "grid", "pre", "direct", "parts", "ints", "dq_cols")
 
-    def __init__(self, plan: Plan, geo: Geometry, arch: str, dtype: torch.dtype):
-        self.kernels, self.geo, self.arch, self.plan = _runtime.hopper_kernels().bwd, geo, arch, plan
-        cfg = plan.tile
-        self.seqlen_q_pad = cdiv(geo.max_seqlen_q, cfg.block_m) * cfg.block_m
+    def __init__(self, plan: Plan, layout: Layout, spec: specs.BackwardSpec, sink: bool):
+        self.layout, self.plan = layout, plan
+        cfg, rings = plan.tile, dict(plan.constexprs)
+        self.seqlen_q_pad = cdiv(layout.max_seqlen_q, cfg.block_m) * cfg.block_m
         # the grid, whose shape is the programs' order (bwd_grid): at most as many heads per group as keep their Q
         # and dO (a kv head's query heads') in L2
-        head_bytes = 2 * geo.max_seqlen_q * geo.head_dim * dtype.itemsize * (geo.nheads // geo.nheads_k)
-        n_bh = geo.batch * geo.nheads_k
-        self.grid = bwd_grid(cdiv(geo.max_seqlen_k, cfg.block_n), n_bh, l2_heads(plan.l2_group_bytes, n_bh, head_bytes))
-        self.pre = None  # the preprocess launch's grid and integer arguments (preprocess), at the first run
-
-    def run(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale: float, sinks=None, dsink=None) -> None:
-        geo, plan, arch = self.geo, self.plan, self.arch
-        cfg, rings = plan.tile, dict(plan.constexprs)
-        seqlen_q, seqlen_k, seqlen_q_pad = geo.max_seqlen_q, geo.max_seqlen_k, self.seqlen_q_pad
-        delta = _runtime.empty((geo.batch, geo.nheads, seqlen_q_pad), torch.float32, q.device)
-        # the kernel reads lse and delta with one set of strides (lse arrives contiguous): a tail needs a padded copy
-        lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if seqlen_q_pad != seqlen_q else None
-        acc = _runtime.empty((geo.batch, seqlen_q_pad, geo.nheads, geo.head_dim), torch.float32, q.device)
-        sink = SinkGrad(sinks, dsink, geo.batch) if sinks is not None else None
-        if self.pre is None:  # strides and shapes all follow from the key's
-            self.pre = preprocess(out, dout, lse, dlse, geo, delta, seqlen_q_pad, lse_pad, acc, sink)
-        else:  # (dense: lse in cu_seqlens' place, never read)
-            launch_preprocess(self.pre, out, dout, lse, dlse, delta, lse, lse_pad, acc, sink)
-        lse = lse_pad if lse_pad is not None else lse
-        # dK/dV by TMA store where their heads are adjacent and aligned (and their dtype is the inputs'),
-        # else into buffers copied back
-        gk, gv = (
-            g
-            if g.dtype == q.dtype and g.stride(2) == g.shape[3] and use_tma(arch, g)
-            else _runtime.empty(g.shape, q.dtype, g.device)
-            for g in (dk, dv)
+        head_bytes = 2 * layout.max_seqlen_q * layout.head_dim * layout.dtype.itemsize * (layout.shape[4])
+        n_bh = layout.batch * layout.nheads_k
+        heads = l2_heads(plan.l2_group_bytes, n_bh, head_bytes)
+        self.grid = bwd_grid(cdiv(layout.max_seqlen_k, cfg.block_n), n_bh, heads)
+        self.pre = Preprocess(layout, spec.out, spec.dout, spec.dlse, sink, self.seqlen_q_pad)
+        modes = spec.forward.modes
+        self.direct = tuple(
+            g.dtype == layout.dtype and g.heads_adjacent and tma_ok(modes.arch, modes.forced, specs.all_aligned(spec.aligned), g)
+            for g in spec.grads[1:]
         )
+        # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper_config.py's
+        # BwdConfig): Q, K, dK and the dQ accumulator get a descriptor for each (dQ_i's parts are the head dim's)
+        self.parts = column_parts(layout.head_dim)
+        self.dq_cols = self.parts[0] if self.parts[1] else layout.head_dim // rings["DQ_SPLIT"]
+        pad = self.seqlen_q_pad
+        delta_strides = (layout.nheads * pad, pad)  # delta's (and the padded lse's)
+        self.ints = (
+            layout.score[2], layout.max_seqlen_q, layout.max_seqlen_k, pad, layout.nheads, layout.nheads_k,
+            *delta_strides,
+        )  # fmt: skip
+        self.launch = launcher.Launch(
+            _runtime.hopper_kernels().bwd.attn_bwd_ws_kernel,
+            CAUSAL=plan.causal,
+            HEAD_DIM=layout.head_dim,
+            HEAD_DIM_V=layout.head_dim_v,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            STAGES=cfg.num_stages,
+            GQA=layout.nheads != layout.nheads_k,
+            **rings,
+            num_warps=plan.num_warps,
+        )
+
+    def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi, sinks, seed, dsink) -> None:
+        layout, plan = self.layout, self.plan
+        cfg = plan.tile
+        seqlen_q, pad = layout.max_seqlen_q, self.seqlen_q_pad
+        delta = _runtime.empty((layout.batch, layout.nheads, pad), torch.float32, q.device)
+        # the kernel reads lse and delta with one set of strides (lse arrives contiguous): a tail needs a padded copy
+        lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if pad != seqlen_q else None
+        acc = _runtime.empty((layout.batch, pad, layout.nheads, layout.head_dim), torch.float32, q.device)
+        sink = SinkGrad(sinks, dsink, layout.batch) if sinks is not None else None
+        self.pre(out, dout, lse, dlse, delta, None, lse_pad, acc, sink)
+        lse = lse_pad if lse_pad is not None else lse
+        gk, gv = (g if direct else _runtime.empty(g.shape, q.dtype, g.device) for g, direct in zip((dk, dv), self.direct))
         bm, bn = cfg.block_m, cfg.block_n
-        lse_strides = delta.stride()
-        # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper_config.py's BwdConfig): Q, K,
-        # dK and the dQ accumulator get a descriptor for each (dQ_i's parts are the head dim's)
-        hi, lo = column_parts(geo.head_dim)
+        hi, lo = self.parts
         lo_desc = (lambda t, rows: host_desc(t, rows, gluon=True, cols=lo)) if lo else (lambda t, rows: None)
-        launcher.launch(
-            self.kernels.attn_bwd_ws_kernel,
+        self.launch(
             self.grid,
             host_desc(q, bm, gluon=True, cols=hi),
             host_desc(k, bn, gluon=True, cols=hi),
@@ -159,32 +170,16 @@ class BackwardLaunch:
             host_desc(dout, bm, gluon=True),
             host_desc(gk, bn, gluon=True, cols=hi),
             host_desc(gv, bn, gluon=True),
-            host_desc(acc, bm, gluon=True, cols=hi if lo else geo.head_dim // rings["DQ_SPLIT"]),
+            host_desc(acc, bm, gluon=True, cols=self.dq_cols),
             lo_desc(q, bm),
             lo_desc(k, bn),
             lo_desc(gk, bn),
             lo_desc(acc, bm),
             lse,
             delta,
-            softmax_scale,
-            seqlen_q,
-            seqlen_k,
-            seqlen_q_pad,
-            geo.nheads,
-            geo.nheads_k,
-            lse_strides[0],
-            lse_strides[1],
-            CAUSAL=plan.causal,
-            HEAD_DIM=geo.head_dim,
-            HEAD_DIM_V=geo.head_dim_v,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            STAGES=cfg.num_stages,
-            GQA=geo.nheads != geo.nheads_k,
-            **rings,
-            num_warps=plan.num_warps,
+            *self.ints,
         )
-        dq.copy_(acc[:, :seqlen_q] if seqlen_q_pad != seqlen_q else acc)
+        dq.copy_(acc[:, :seqlen_q] if pad != seqlen_q else acc)
         for dst, src in ((dk, gk), (dv, gv)):
             if src is not dst:
                 dst.copy_(src)

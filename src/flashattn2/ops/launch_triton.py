@@ -162,7 +162,7 @@ class Preprocess:
 
     __slots__ = ("launch", "grid", "ints")
 
-    def __init__(self, layout: Layout, dout, dlse: bool, sink: bool, seqlen_pad: int | None = None):
+    def __init__(self, layout: Layout, out, dout, dlse: bool, sink: bool, seqlen_pad: int | None = None):
         padded = seqlen_pad is not None
         rows = seqlen_pad if padded else layout.max_seqlen_q
         bd = block_d(layout.head_dim_v)  # O's and dO's
@@ -175,7 +175,7 @@ class Preprocess:
         else:
             delta_strides, acc = layout.lse_strides, (0, 0, 0)
         self.ints = (
-            layout.out_strides,
+            rows_strides(out, layout.varlen),
             rows_strides(dout, layout.varlen),
             layout.lse_strides,
             delta_strides,
@@ -239,9 +239,9 @@ class Backward:
 
     __slots__ = ("layout", "plan", "pre", "dkdv", "dq", "grids", "grad_strides", "dout_strides", "tail", "sink")
 
-    def __init__(self, layout: Layout, plan: Plan, dout, grads, dlse: bool, sink: bool):
+    def __init__(self, layout: Layout, plan: Plan, out, dout, grads, dlse: bool, sink: bool):
         self.layout, self.plan, self.sink = layout, plan, sink
-        self.pre = Preprocess(layout, dout, dlse, sink)
+        self.pre = Preprocess(layout, out, dout, dlse, sink)
         interp = layout.arch == "interp"
         # where the kernels write: the interpreter writes fp32 (contiguous) and torch casts into the gradients
         shapes = [g.shape for g in grads]

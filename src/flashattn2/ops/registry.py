@@ -113,7 +113,7 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slo
     if dlse is not None:
         dlse = dlse.contiguous()
     call = calls.from_options(q, k, v, options, alibi_slopes, sink)
-    bcall = call.backward(dout, dlse, (dq, dk, dv), bool(deterministic))
+    bcall = call.backward(out, dout, dlse, (dq, dk, dv), bool(deterministic))
     with _runtime.device_of(q):
         attention.backward(
             bcall,
@@ -246,7 +246,7 @@ def _run_backward(ctx, dout, dlse, dq, dk, dv):
     dout = grad_of_out(dout, out)
     dsink = _dsink(sink)
     call = ctx.call
-    bcall = call.backward(dout, dlse, (dq, dk, dv), ctx.deterministic)
+    bcall = call.backward(out, dout, dlse, (dq, dk, dv), ctx.deterministic)
     with planning.entered(ctx.forced), _runtime.device_of(q):
         attention.backward(
             bcall, call, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink
@@ -351,39 +351,36 @@ def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None,
 
 def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlen_int, batch_idx,
                     leftpad, block_table, alibi_slopes, sink, check=None):  # fmt: skip
-    """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated), rotate q, attend (ops.kvcache), as
-    the prepared call (ops.call.KVCacheCall) planned. check: a kvcache.Check (eager calls only), set when a cache
-    tensor holds a value out of range."""
+    """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated), rotate q, attend, as the prepared
+    call (ops.call.KVCacheCall) planned (ops.kvcache's Append and Decode, made at its first run). check: a
+    kvcache.Check (eager calls only), set when a cache tensor holds a value out of range."""
     spec = call.spec
+    arch = spec.modes.arch
+    decode = call.decode
+    if decode is None:
+        shape = kvcache.kvcache_shape(call)
+        decode = call.decode = kvcache.Decode(call.plan, shape, arch)
+        if spec.k is not None:
+            call.append = kvcache.Append(shape, spec.k, spec.v, spec.rotary_cos, bool(spec.rotary_interleaved), arch)
+    seqlens, batch_idx, leftpad, block_table = (_contiguous(t) for t in (cache_seqlens, batch_idx, leftpad, block_table))
     with _runtime.device_of(q):
-        cache = kvcache.Cache(
-            k_cache,
-            v_cache,
-            _contiguous(cache_seqlens),
-            seqlen_int,
-            _contiguous(batch_idx),
-            _contiguous(leftpad),
-            _contiguous(block_table),
-        )
-        rotary = (
-            None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), spec.rotary_interleaved)
-        )
-        seqlen_new = 0
+        rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), spec.rotary_interleaved)
+        appended = False
         if k is not None:
-            kvcache.append_(cache, k, v, rotary, check)
-            seqlen_new = k.shape[1]
+            cos, sin = (None, None) if rotary is None else rotary[:2]
+            call.append(k, v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check)
             if rotary is not None:
-                q = kvcache.rotate_q(q, cache, rotary, per_token=call.per_token)
-        mods = kvcache.mods(call.spec.causal, call.left, call.right, call.spec.softcap, alibi_slopes, sink)
-        # an append that ran checked every value the attention reads (pages included)
-        appended = k is not None and k.shape[0] * k.shape[1] > 0
-        return kvcache.forward(
-            call.plan, for_kernels(q), cache, seqlen_new, call.scale, mods, check=None if appended else check
-        )
+                q = kvcache.rotate_q(q, seqlens, seqlen_int, rotary, per_token=call.per_token)
+            # an append that ran checked every value the attention reads (pages included)
+            appended = k.shape[0] * k.shape[1] > 0
+        return decode(
+            for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad, block_table, None,
+            _contiguous(alibi_slopes), _contiguous(sink), None if appended else check,
+        )  # fmt: skip
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
+    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def _fwd_kvcache_impl(*args):
@@ -470,15 +467,16 @@ def paged_forward(call, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_t
     """The body of flashattn2::fwd_varlen_paged: varlen q over a paged K/V, as the prepared call (ops.call.PagedCall)
     planned; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b].
     (out, lse (nheads, total_q))."""
-    spec = call.spec
+    decode = call.decode
+    if decode is None:
+        decode = call.decode = kvcache.Decode(call.plan, kvcache.paged_shape(call), call.spec.modes.arch)
     with _runtime.device_of(q):
         cu_k = cu_seqlens_k.contiguous()
         seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-        cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, None, None, block_table.contiguous())
-        left, right = spec.window
-        mods = kvcache.mods(spec.causal, left, right, spec.softcap, alibi_slopes, sink)
-        varlen_q = (cu_seqlens_q.contiguous(), spec.max_seqlen_q)
-        return kvcache.forward(call.plan, for_kernels(q), cache, 0, call.scale, mods, varlen_q=varlen_q)
+        return decode(
+            for_kernels(q), k_cache, v_cache, seqlens_k, 0, None, None, _contiguous(block_table),
+            _contiguous(cu_seqlens_q), _contiguous(alibi_slopes), _contiguous(sink),
+        )  # fmt: skip
 
 
 def _fwd_varlen_paged_impl(*args):

@@ -55,13 +55,21 @@ def optional(t) -> TensorSpec | None:
     return None if t is None else tensor(t)
 
 
-def aligned(*tensors) -> bool:
-    """Whether every given tensor (None skipped) starts at a 16-byte boundary."""
+def aligned(*tensors) -> bool | tuple[bool, ...]:
+    """True when every given tensor (None skipped) starts at a 16-byte boundary (Triton specializes a pointer on it,
+    TMA needs it); else which of them do (a kernel compiled for one pattern is not another's)."""
     bits = 0
     for t in tensors:
         if t is not None:
             bits |= t.data_ptr()
-    return bits & 15 == 0
+    if bits & 15 == 0:
+        return True
+    return tuple(t is None or t.data_ptr() & 15 == 0 for t in tensors)
+
+
+def all_aligned(found: bool | tuple[bool, ...], first: int | None = None) -> bool:
+    """Whether aligned() found every tensor (or the first `first` of them) aligned."""
+    return found is True or all(found[:first])
 
 
 def int_class(n: int) -> int:
@@ -118,7 +126,7 @@ class AttentionSpec(NamedTuple):
     alibi: TensorSpec | None
     sink: TensorSpec | None
     deterministic: bool
-    aligned: bool
+    aligned: bool | tuple[bool, ...]  # aligned()'s answer for q, k, v, alibi_slopes, learnable_sink
     modes: Modes
 
 
@@ -161,16 +169,17 @@ def attention(
         optional(alibi_slopes),
         optional(learnable_sink),
         _number(deterministic),
-        aligned(q, k, v),
+        aligned(q, k, v, alibi_slopes, learnable_sink),
         modes(qs.device),
     )
 
 
 class BackwardSpec(NamedTuple):
-    """An attention call's backward: its forward's spec, the output gradient's layout, whether the logsumexp has a
+    """An attention call's backward: its forward's spec, the output's and its gradient's layouts, whether the logsumexp has a
     gradient, whether it must be deterministic, and where the gradients go (a packed tensor's views or their own)."""
 
     forward: AttentionSpec
+    out: TensorSpec
     dout: TensorSpec
     dlse: bool
     deterministic: bool
@@ -256,7 +265,8 @@ def kvcache(
         optional(alibi_slopes),
         num_splits,
         optional(learnable_sink),
-        aligned(q, k_cache, v_cache, k, v),
+        aligned(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if type(cache_seqlens) is not int
+                else None, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink),
         modes(qs.device),
     )
 
@@ -320,6 +330,6 @@ def paged(
         _number(softcap),
         optional(alibi_slopes),
         optional(learnable_sink),
-        aligned(q, k_cache, v_cache),
+        aligned(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
         modes(qs.device),
     )

@@ -43,6 +43,7 @@ class Cache(NamedTuple):
     pages_contiguous: bool  # a page's rows one matrix (kv_tma)
     max_keys: int | None  # the most keys a sequence has when below the capacity (a varlen pack as one cache row)
     k: specs.TensorSpec
+    aligned: bool  # q's and the caches' bases 16-byte aligned (TMA)
 
 
 def v_from_k(k: specs.TensorSpec, v: specs.TensorSpec, same_memory: bool) -> bool:
@@ -220,7 +221,7 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
         and not c.leftpad
         and c.page_size % tile.block_n == 0
         and c.pages_contiguous
-        and tma_ok(arch, forced_, True, c.k)
+        and tma_ok(arch, forced_, c.aligned, c.k)
     )
     return Plan(
         "decode",
@@ -266,6 +267,7 @@ def kvcache_cache(s: specs.KVCacheSpec) -> Cache:
         k.stride[0] == k.shape[1] * k.stride[1],
         None,
         k,
+        specs.all_aligned(s.aligned, 3),
     )
 
 
@@ -288,6 +290,7 @@ def paged_cache(s: specs.PagedSpec) -> Cache:
         k.stride[0] == page * k.stride[1],
         None,
         k,
+        specs.all_aligned(s.aligned, 3),
     )
 
 
@@ -303,5 +306,5 @@ def invariant_cache(s: specs.AttentionSpec) -> Cache:
     group = nheads // nheads_k
     return Cache(
         capacity, 0, s.varlen, batch, nheads_k, group * seqlen_q, head_dim, s.v.shape[-1], s.q.dtype, False, True,
-        max_keys, s.k,
+        max_keys, s.k, specs.all_aligned(s.aligned, 3),
     )  # fmt: skip

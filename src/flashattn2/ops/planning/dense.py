@@ -158,7 +158,7 @@ def _gluon_ready(direction: str, s: specs.AttentionSpec, *tensors: specs.TensorS
         return False, "not an sm_90 device (the Gluon kernels use wgmma)"
     if not all(t.heads_adjacent for t in tensors):
         return False, "a tensor's heads are not adjacent in memory (the Gluon kernels' 3-D TMA boxes)"
-    if not tma_ok(arch, forced_, s.aligned, *tensors):
+    if not tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3), *tensors):
         return False, "a tensor not 16-byte aligned, or TMA forced off"
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
@@ -188,7 +188,7 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     if not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
         gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
     features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why)
-    tma = tma_ok(arch, forced_, s.aligned and aligned, *tensors)
+    tma = tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3) and specs.all_aligned(aligned), *tensors)
     host = _host_desc_ok(forced_, tma, s.varlen, *tensors)
     args = (arch, s.q.dtype, s.q.shape[-1], w.causal, max_seqlen_k, features, direction, s.v.shape[-1], forced_)
     return args, tma, host
