@@ -445,15 +445,19 @@ def flash_attn_with_kvcache(
         seqlens, seqlen_int = cache_seqlens, 0
     else:  # an int is checked here (no device read); the tensors' values by the kernels
         seqlens, seqlen_int = None, call.seqlen(cache_seqlens, rotary_cos)
-    values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, call.q_positions)
-    check = None
-    if checks.value_checks() and (
-        seqlens is not None or cache_batch_idx is not None or cache_leftpad is not None or block_table is not None
+    if not checks.value_checks() or (
+        seqlens is None and cache_batch_idx is None and cache_leftpad is None and block_table is None
     ):
-        check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
-        if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
-            checks.check_kvcache_values(*values)  # no kernel will run to check them
-            check = None
+        out, lse = kvcache_forward(
+            call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink,
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse else out
+    values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, call.q_positions)
+    check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
+    if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
+        checks.check_kvcache_values(*values)  # no kernel will run to check them
+        check = None
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad)
     if check is None:
         out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink)

@@ -271,8 +271,20 @@ class KVCacheCall:
     """A validated and planned flash_attn_with_kvcache call: its normalized options, the plan, the capacity and the
     per-call checks an int cache_seqlens needs."""
 
-    __slots__ = ("spec", "plan", "scale", "left", "right", "capacity", "seqlen_new", "q_positions", "per_token",
-                 "decode", "append")
+    __slots__ = (
+        "spec",
+        "plan",
+        "scale",
+        "left",
+        "right",
+        "capacity",
+        "seqlen_new",
+        "q_positions",
+        "per_token",
+        "decode",
+        "append",
+        "q_ready",
+    )
 
     def __init__(self, spec: specs.KVCacheSpec, plan: planning.Plan):
         self.spec, self.plan = spec, plan
@@ -286,6 +298,10 @@ class KVCacheCall:
         self.q_positions = spec.q.shape[1] if self.per_token else 1
         self.seqlen_new = 0 if spec.k is None else spec.k.shape[1]
         self.decode = self.append = None  # ops.kvcache's Decode and Append, made at the first run
+        # q goes to the kernel as it is: its last dimension contiguous, no broadcast dimension (or rotated: a copy)
+        rotated = spec.k is not None and spec.rotary_cos is not None
+        self.q_ready = rotated or (spec.q.stride[-1] == 1 and 0 not in spec.q.stride)
+
     def seqlen(self, cache_seqlens, rotary_cos) -> int:
         """An int (or absent) cache_seqlens checked against the capacity and the rotary table: the int the kernels
         take (None: the whole cache)."""

@@ -21,12 +21,12 @@ from ..errors import ArgumentTypeError
 from . import _runtime
 
 _DEFAULT = [_runtime.env_flag("FLASHATTN2_BATCH_INVARIANT") is True]
-_STATE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("flashattn2_batch_invariant", default=None)
+STATE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("flashattn2_batch_invariant", default=None)
 
 
 def enabled() -> bool:
     """Whether calls in this thread or task run batch-invariant."""
-    state = _STATE.get()
+    state = STATE.get()
     return _DEFAULT[0] if state is None else state
 
 
@@ -44,8 +44,8 @@ def batch_invariant(on: bool = True):
     """Inside the block (this thread or task), calls run batch-invariant (on=False: not, whatever the default)."""
     if not isinstance(on, bool):
         raise ArgumentTypeError(f"batch_invariant: on must be a bool, got {type(on).__name__}")
-    token = _STATE.set(on)
+    token = STATE.set(on)
     try:
         yield
     finally:
-        _STATE.reset(token)
+        STATE.reset(token)

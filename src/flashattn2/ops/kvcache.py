@@ -248,12 +248,21 @@ class Decode:
         rows = nheads // nheads_k * seqlen_q
         row_blocks = -(-rows // tile.block_m)
         self.grid = (batch * nheads_k * row_blocks, 1, splits) if row_blocks > 1 else (batch * nheads_k, 1, splits)
-        # the partial outputs (split, batch, query, head) and logsumexps (split, batch, head) of a split, one
-        # allocation for both (host time: ~5 us per torch.empty on the H200's host); in varlen the query index is the
-        # row of the packed tensor and the batch stride is 0
+        # the partial outputs (split, batch, query, head) and logsumexps (split, batch, head) of a split, and the
+        # logsumexp, in one fp32 allocation (host time: ~5 us per torch.empty on the H200's host), each part 16-byte
+        # aligned as a fresh tensor is; in varlen the query index is the row of the packed tensor, the batch stride 0
         lse_numel = math.prod(self.lse_shape)
-        n_out = -(-splits * out_numel // 4) * 4  # the lse part 16-byte aligned, as a fresh tensor is
-        self.work = (n_out, n_out + splits * lse_numel) if split else None
+        n_out = -(-splits * out_numel // 4) * 4
+        n_lse = n_out + -(-splits * lse_numel // 4) * 4
+        if split:  # (as_strided views: each costs a host what torch.empty does on the CPU, less on a GPU's host)
+            self.work = (
+                n_lse + lse_numel,
+                ((splits, *self.out_shape), contiguous_strides((splits, *self.out_shape)), 0),
+                ((splits, *self.lse_shape), contiguous_strides((splits, *self.lse_shape)), n_out),
+                (self.lse_shape, contiguous_strides(self.lse_shape), n_lse),
+            )
+        else:
+            self.work = None
         if split:
             dst = contiguous_strides((splits, *self.out_shape))
             dst_lse = contiguous_strides((splits, *self.lse_shape))
@@ -340,19 +349,18 @@ class Decode:
                  check: Check | None = None):  # fmt: skip
         """(out like q in q's dtype, lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) with a varlen q)."""
         out = _runtime.empty(self.out_shape, self.out_dtype, q.device)
-        lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
+        if self.work is not None:
+            total, dst, dst_lse, lse = self.work
+            work = _runtime.empty((total,), torch.float32, q.device)
+            dst, dst_lse, lse = work.as_strided(*dst), work.as_strided(*dst_lse), work.as_strided(*lse)
+        else:
+            lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
+            dst, dst_lse = out, lse
         if self.empty:
             out.zero_(), lse.fill_(float("inf"))
             if self.sink_only:  # the rows see only the sink
                 lse.copy_(sinks[:, None].expand_as(lse))
             return out.to(q.dtype), lse
-        if self.work is not None:
-            n_out, total = self.work
-            work = _runtime.empty((total,), torch.float32, q.device)
-            dst = work[: self.plan.splits * out.numel()].view(self.plan.splits, *out.shape)
-            dst_lse = work[n_out:].view(self.plan.splits, *self.lse_shape)
-        else:
-            dst, dst_lse = out, lse
         if self.plan.kv_tma and q.device.type == "cuda":
             _runtime.ensure_tma_allocator()
         ints = self.ints

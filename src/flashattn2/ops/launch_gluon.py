@@ -121,7 +121,9 @@ class BackwardLaunch:
         self.pre = Preprocess(layout, spec.out, spec.dout, spec.dlse, sink, self.seqlen_q_pad)
         modes = spec.forward.modes
         self.direct = tuple(
-            g.dtype == layout.dtype and g.heads_adjacent and tma_ok(modes.arch, modes.forced, specs.all_aligned(spec.aligned), g)
+            g.dtype == layout.dtype
+            and g.heads_adjacent
+            and tma_ok(modes.arch, modes.forced, specs.all_aligned(spec.aligned), g)
             for g in spec.grads[1:]
         )
         # q's and k's head dim in two parts where it is not a power of two (kernels/bwd_hopper_config.py's
@@ -158,7 +160,9 @@ class BackwardLaunch:
         sink = SinkGrad(sinks, dsink, layout.batch) if sinks is not None else None
         self.pre(out, dout, lse, dlse, delta, None, lse_pad, acc, sink)
         lse = lse_pad if lse_pad is not None else lse
-        gk, gv = (g if direct else _runtime.empty(g.shape, q.dtype, g.device) for g, direct in zip((dk, dv), self.direct))
+        gk, gv = (
+            g if direct else _runtime.empty(g.shape, q.dtype, g.device) for g, direct in zip((dk, dv), self.direct)
+        )
         bm, bn = cfg.block_m, cfg.block_n
         hi, lo = self.parts
         lo_desc = (lambda t, rows: host_desc(t, rows, gluon=True, cols=lo)) if lo else (lambda t, rows: None)

@@ -95,6 +95,7 @@ class Forward:
 
     def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
+        dtype = q.dtype
         out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)
         lse = _runtime.empty(layout.lse_shape, torch.float32, q.device)
         if self.empty:
@@ -135,7 +136,7 @@ class Forward:
         )
         if self.tail is not None:
             self.tail((out, cu_q), (lse, cu_q))
-        return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+        return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
 class SinkGrad:
@@ -272,7 +273,11 @@ class Backward:
         self.tail = None
         if layout.varlen:  # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
             self.tail = TailFill(
-                layout.batch, *((shape, contiguous_strides(shape) if interp else g.stride, 0.0, 0) for shape, g in zip(shapes, grads))
+                layout.batch,
+                *(
+                    (shape, contiguous_strides(shape) if interp else g.stride, 0.0, 0)
+                    for shape, g in zip(shapes, grads)
+                ),
             )
 
     def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi, sinks, seed, dsink) -> None:
@@ -291,7 +296,12 @@ class Backward:
         order_k = None if cu_k is None else seqlens.remembered(cu_k)[1]
         cfg, dq_cfg = plan.tile, plan.dq_tile
         if plan.host_desc:
-            sq, sk, sv, sdo = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n), host_desc(dout, cfg.block_m)
+            sq, sk, sv, sdo = (
+                host_desc(q, cfg.block_m),
+                host_desc(k, cfg.block_n),
+                host_desc(v, cfg.block_n),
+                host_desc(dout, cfg.block_m),
+            )
             sdk, sdv = host_desc(gk, cfg.block_n), host_desc(gv, cfg.block_n)
         else:
             sq, sk, sv, sdo, sdk, sdv = q, k, v, dout, gk, gv

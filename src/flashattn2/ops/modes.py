@@ -34,13 +34,14 @@ class Forced:
         return None
 
 
-_FORCED: contextvars.ContextVar[Forced] = contextvars.ContextVar("flashattn2_forced", default=Forced())
+FORCED: contextvars.ContextVar[Forced] = contextvars.ContextVar("flashattn2_forced", default=Forced())
+
 _BWD_ORDERS = ("head-major", "grouped")
 
 
 def forced() -> Forced:
     """What force() holds in this context (a thread, a task); hashable: part of the launchers' plan-cache keys."""
-    return _FORCED.get()
+    return FORCED.get()
 
 
 @contextlib.contextmanager
@@ -74,7 +75,7 @@ def force(
         raise ArgumentError(f"force: arch must be one of {ARCHS[:-1]}, got {arch!r}")
     if bwd_order is not None and bwd_order not in _BWD_ORDERS:
         raise ArgumentError(f"force: bwd_order must be one of {_BWD_ORDERS}, got {bwd_order!r}")
-    now = _FORCED.get()
+    now = FORCED.get()
     merged = dict(now.tiles)
     merged.update(tiles)
     switches = {
@@ -93,11 +94,11 @@ def entered(state: Forced | None):
     if state is None:
         yield
         return
-    token = _FORCED.set(state)
+    token = FORCED.set(state)
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        FORCED.reset(token)
 
 
 def arch_of(device: torch.device) -> str:
@@ -108,7 +109,7 @@ def arch_of(device: torch.device) -> str:
     arch = _ARCH.get(index)
     if arch is None:  # get_device_capability costs ~5 us of host time per call
         arch = _ARCH[index] = native_arch(index)
-    want = _FORCED.get().arch
+    want = FORCED.get().arch
     if want is not None:  # a test runs another architecture's tiles and load path
         if want == "sm90" and arch != "sm90":
             raise ArgumentError(f"force(arch='sm90') on a {arch} GPU: it has no TMA or PDL")

@@ -362,20 +362,22 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
         decode = call.decode = kvcache.Decode(call.plan, shape, arch)
         if spec.k is not None:
             call.append = kvcache.Append(shape, spec.k, spec.v, spec.rotary_cos, bool(spec.rotary_interleaved), arch)
-    seqlens, batch_idx, leftpad, block_table = (_contiguous(t) for t in (cache_seqlens, batch_idx, leftpad, block_table))
+    seqlens = _contiguous(cache_seqlens)
+    if batch_idx is not None or leftpad is not None or block_table is not None:
+        batch_idx, leftpad, block_table = _contiguous(batch_idx), _contiguous(leftpad), _contiguous(block_table)
     with _runtime.device_of(q):
-        rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), spec.rotary_interleaved)
-        appended = False
         if k is not None:
-            cos, sin = (None, None) if rotary is None else rotary[:2]
+            cos = sin = None
+            if rotary_cos is not None:
+                cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()
             call.append(k, v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check)
-            if rotary is not None:
-                q = kvcache.rotate_q(q, seqlens, seqlen_int, rotary, per_token=call.per_token)
-            # an append that ran checked every value the attention reads (pages included)
-            appended = k.shape[0] * k.shape[1] > 0
+            if cos is not None:
+                q = kvcache.rotate_q(q, seqlens, seqlen_int, (cos, sin, spec.rotary_interleaved), call.per_token)
+            if call.seqlen_new and k.shape[0]:  # an append that ran checked every value the attention reads (pages too)
+                check = None
         return decode(
-            for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad, block_table, None,
-            _contiguous(alibi_slopes), _contiguous(sink), None if appended else check,
+            q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
+            block_table, None, _contiguous(alibi_slopes), _contiguous(sink), check,
         )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import invariance, planning
+from . import modes as modes_
 
 
 class NotCanonical(Exception):
@@ -42,17 +43,21 @@ class TensorSpec(NamedTuple):
         return self.stride[-2] == self.shape[-1]
 
 
-_tensor = TensorSpec._make
+_new = tuple.__new__
 
 
 def tensor(t) -> TensorSpec:
-    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):  # (a Parameter is a tensor)
         raise NotCanonical
-    return _tensor((t.shape, t.stride(), t.dtype, t.device))
+    return _new(TensorSpec, (t.shape, t.stride(), t.dtype, t.device))
 
 
 def optional(t) -> TensorSpec | None:
-    return None if t is None else tensor(t)
+    if t is None:
+        return None
+    if type(t) is torch.Tensor:
+        return _new(TensorSpec, (t.shape, t.stride(), t.dtype, t.device))
+    return tensor(t)
 
 
 def aligned(*tensors) -> bool | tuple[bool, ...]:
@@ -103,7 +108,11 @@ class Modes(NamedTuple):
 
 def modes(device: torch.device) -> Modes:
     arch = planning.arch_of(device) if device.type == "cuda" else "interp"
-    return Modes(arch, planning.forced(), invariance.enabled())
+    state = _INVARIANT.get()
+    return _new(Modes, (arch, FORCED.get(), invariance._DEFAULT[0] if state is None else state))
+
+
+FORCED, _INVARIANT = modes_.FORCED, invariance.STATE
 
 
 class AttentionSpec(NamedTuple):
@@ -152,25 +161,28 @@ def attention(
     varlen = cu_seqlens_q is not None
     if varlen and (type(max_seqlen_q) is not int or type(max_seqlen_k) is not int):
         raise NotCanonical
-    return AttentionSpec(
-        varlen,
-        qs,
-        tensor(k),
-        tensor(v),
-        optional(cu_seqlens_q),
-        optional(cu_seqlens_k),
-        max_seqlen_q if varlen else 0,
-        max_seqlen_k if varlen else 0,
-        _number(dropout_p),
-        None if softmax_scale is None else _number(softmax_scale),
-        _number(causal),
-        _window(window_size),
-        _number(softcap),
-        optional(alibi_slopes),
-        optional(learnable_sink),
-        _number(deterministic),
-        aligned(q, k, v, alibi_slopes, learnable_sink),
-        modes(qs.device),
+    return _new(
+        AttentionSpec,
+        (
+            varlen,
+            qs,
+            tensor(k),
+            tensor(v),
+            optional(cu_seqlens_q),
+            optional(cu_seqlens_k),
+            max_seqlen_q if varlen else 0,
+            max_seqlen_k if varlen else 0,
+            _number(dropout_p),
+            None if softmax_scale is None else _number(softmax_scale),
+            _number(causal),
+            _window(window_size),
+            _number(softcap),
+            optional(alibi_slopes),
+            optional(learnable_sink),
+            _number(deterministic),
+            aligned(q, k, v, alibi_slopes, learnable_sink),
+            modes(qs.device),
+        ),
     )
 
 
@@ -244,30 +256,46 @@ def kvcache(
         seqlens = optional(cache_seqlens)
     if type(num_splits) is not int:
         raise NotCanonical
-    return KVCacheSpec(
-        qs,
-        tensor(k_cache),
-        tensor(v_cache),
-        v_cache.data_ptr() == k_cache.data_ptr(),
-        optional(k),
-        optional(v),
-        optional(rotary_cos),
-        optional(rotary_sin),
-        seqlens,
-        optional(cache_batch_idx),
-        optional(cache_leftpad),
-        optional(block_table),
-        None if softmax_scale is None else _number(softmax_scale),
-        _number(causal),
-        _window(window_size),
-        _number(softcap),
-        _number(rotary_interleaved),
-        optional(alibi_slopes),
-        num_splits,
-        optional(learnable_sink),
-        aligned(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if type(cache_seqlens) is not int
-                else None, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink),
-        modes(qs.device),
+    return _new(
+        KVCacheSpec,
+        (
+            qs,
+            tensor(k_cache),
+            tensor(v_cache),
+            v_cache.data_ptr() == k_cache.data_ptr(),
+            optional(k),
+            optional(v),
+            optional(rotary_cos),
+            optional(rotary_sin),
+            seqlens,
+            optional(cache_batch_idx),
+            optional(cache_leftpad),
+            optional(block_table),
+            None if softmax_scale is None else _number(softmax_scale),
+            _number(causal),
+            _window(window_size),
+            _number(softcap),
+            _number(rotary_interleaved),
+            optional(alibi_slopes),
+            num_splits,
+            optional(learnable_sink),
+            aligned(
+                q,
+                k_cache,
+                v_cache,
+                k,
+                v,
+                rotary_cos,
+                rotary_sin,
+                cache_seqlens if type(cache_seqlens) is not int else None,
+                cache_batch_idx,
+                cache_leftpad,
+                block_table,
+                alibi_slopes,
+                learnable_sink,
+            ),
+            modes(qs.device),
+        ),
     )
 
 
@@ -314,22 +342,25 @@ def paged(
     qs = tensor(q)
     if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
         raise NotCanonical
-    return PagedSpec(
-        qs,
-        tensor(k_cache),
-        tensor(v_cache),
-        tensor(cu_seqlens_q),
-        tensor(cu_seqlens_k),
-        max_seqlen_q,
-        max_seqlen_k,
-        tensor(block_table),
-        _number(dropout_p),
-        None if softmax_scale is None else _number(softmax_scale),
-        _number(causal),
-        _window(window_size),
-        _number(softcap),
-        optional(alibi_slopes),
-        optional(learnable_sink),
-        aligned(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
-        modes(qs.device),
+    return _new(
+        PagedSpec,
+        (
+            qs,
+            tensor(k_cache),
+            tensor(v_cache),
+            tensor(cu_seqlens_q),
+            tensor(cu_seqlens_k),
+            max_seqlen_q,
+            max_seqlen_k,
+            tensor(block_table),
+            _number(dropout_p),
+            None if softmax_scale is None else _number(softmax_scale),
+            _number(causal),
+            _window(window_size),
+            _number(softcap),
+            optional(alibi_slopes),
+            optional(learnable_sink),
+            aligned(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
+            modes(qs.device),
+        ),
     )

@@ -158,6 +158,7 @@ def decode_facts(c: Cache, arch: str, invariant: bool, num_splits: int, sm_count
     SMs), many (at least MANY_PROGRAMS programs), short (splits of at most SHORT_SPLIT keys with the contiguous split
     row's key block)."""
     elem_bytes = c.dtype.itemsize
+    num_splits = _asked(num_splits, arch)
     programs = -(-c.rows // block_m(c.rows, c.head_dim, c.head_dim_v)) * c.batch * c.nheads_k
     split = num_splits > 1 or (num_splits == 0 and programs < sm_count)
     split_tile = scaled_tile(_row({"path": "contiguous", "split": True}).tile, c.head_dim, c.head_dim_v, elem_bytes)
@@ -183,10 +184,18 @@ def walk(facts: dict):
         yield row, "; ".join(unmet) or None
 
 
+def _asked(num_splits: int, arch: str) -> int:
+    """The splits a call asks for: num_splits, but for 0 (the heuristic's) in the interpreter 1: it runs the programs
+    one after another, so splitting a sequence's keys over programs only adds the combine (num_splits > 1 splits
+    there too: the tests' split paths)."""
+    return 1 if num_splits == 0 and arch == "interp" else num_splits
+
+
 def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: int, sm_count: int) -> Plan:
     """The KV-cache kernel's plan (see Plan): the first of DECODE_ROWS whose facts the call has, its tile for the
     call's head dims and rows, its splits; the batch-invariant mode's fixed splits."""
     elem_bytes = c.dtype.itemsize
+    num_splits = _asked(num_splits, arch)
     if arch == "sm86" and elem_bytes == 4 and width(c.head_dim) + block_d(c.head_dim_v) > 1024:
         raise NotImplementedError(
             f"flash_attn_with_kvcache in fp32 with head dims {c.head_dim}/{c.head_dim_v} on {arch}: its smallest tile "
