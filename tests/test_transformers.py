@@ -58,12 +58,8 @@ def test_logits_and_gradients_match_sdpa(kv_heads):
     ids, mask = padded_batch()
     weights = torch.randn(int(mask.sum()), VOCAB, device=DEVICE) / VOCAB
     launched = []
-    real_launch = launcher.launch
-    launcher.launch = lambda kernel, *a, **kw: (launched.append(kernel.__name__), real_launch(kernel, *a, **kw))[1]
-    try:
+    with launcher.watched(lambda kernel, grid, args, kwargs: launched.append(kernel.__name__)):
         ours = logits_and_grads(tiny_llama(kv_heads, torch.float16, "flashattn2"), ids, mask, weights)
-    finally:
-        launcher.launch = real_launch
     assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched  # the kernels ran
     ref = logits_and_grads(tiny_llama(kv_heads, torch.float32, "sdpa"), ids, mask, weights)
     low = logits_and_grads(tiny_llama(kv_heads, torch.float16, "sdpa"), ids, mask, weights)

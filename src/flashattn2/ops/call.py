@@ -78,15 +78,13 @@ class AttentionCall:
 
     def backward(self, out, dout, dlse, grads, deterministic: bool) -> BackwardCall:
         """The prepared backward for the output and its gradient dout (their layouts), a logsumexp gradient or None,
-        and the gradients' buffers (their layouts)."""
+        and the gradients' buffers (their layouts). out None: the forward's own output; grads None: the autograd
+        Function's own, allocated like q, k and v (ops.registry.grad_buffers)."""
+        out_spec = self.layout.out_spec if out is None else specs.tensor(out)
+        grad_specs = self.layout.grad_specs if grads is None else tuple(specs.tensor(g) for g in grads)
+        aligned = specs.aligned(dout) if grads is None and out is None else specs.aligned(out, dout, *grads)
         spec = specs.BackwardSpec(
-            self.spec,
-            specs.tensor(out),
-            specs.tensor(dout),
-            dlse is not None,
-            deterministic,
-            tuple(specs.tensor(g) for g in grads),
-            specs.aligned(out, dout, *grads),
+            self.spec, out_spec, specs.tensor(dout), dlse is not None, deterministic, grad_specs, aligned
         )
         found = self.backwards.get(spec)
         if found is None:

@@ -243,15 +243,11 @@ class Backward:
     def __init__(self, layout: Layout, plan: Plan, out, dout, grads, dlse: bool, sink: bool):
         self.layout, self.plan, self.sink = layout, plan, sink
         self.pre = Preprocess(layout, out, dout, dlse, sink)
-        interp = layout.arch == "interp"
-        # where the kernels write: the interpreter writes fp32 (contiguous) and torch casts into the gradients
-        shapes = [g.shape for g in grads]
-        self.grad_strides = [
-            rows_strides(g, layout.varlen)
-            if not interp
-            else rows_strides(g._replace(stride=contiguous_strides(g.shape)), layout.varlen)
-            for g in grads
-        ]
+        # where the kernels write: the interpreter writes fp32, into contiguous buffers that torch casts into 16-bit
+        # gradients (Backward.__call__)
+        staged = layout.arch == "interp" and grads[0].dtype != torch.float32
+        grads = [g._replace(stride=contiguous_strides(g.shape)) if staged else g for g in grads]
+        self.grad_strides = [rows_strides(g, layout.varlen) for g in grads]
         self.dout_strides = rows_strides(dout, layout.varlen)
         # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
         # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
@@ -274,10 +270,7 @@ class Backward:
         if layout.varlen:  # rows past cu_seqlens[-1] belong to no sequence: their gradient is 0
             self.tail = TailFill(
                 layout.batch,
-                *(
-                    (shape, contiguous_strides(shape) if interp else g.stride, 0.0, 0)
-                    for shape, g in zip(shapes, grads)
-                ),
+                *((g.shape, g.stride, 0.0, 0) for g in grads),
             )
 
     def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi, sinks, seed, dsink) -> None:
@@ -287,7 +280,7 @@ class Backward:
         sink = SinkGrad(sinks, dsink, layout.batch) if self.sink else None
         self.pre(out, dout, lse, dlse, delta, cu_q, sink=sink)
         gq, gk, gv = dq, dk, dv
-        if layout.arch == "interp":
+        if layout.arch == "interp" and dq.dtype != torch.float32:
             gq, gk, gv = (_runtime.empty(g.shape, torch.float32, g.device) for g in (dq, dk, dv))
         if self.tail is not None:
             self.tail((gq, cu_q), (gk, cu_k), (gv, cu_k))

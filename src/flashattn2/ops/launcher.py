@@ -32,6 +32,7 @@ from . import _runtime
 DESCRIPTORS_ENCODED_ONCE = triton.__version__.startswith("3.6.")
 VERIFY_LAUNCH = False
 _STUB = None  # stubbed(): each launch goes here instead
+_WATCH = None  # watched(): each launch is shown to it first
 
 
 @contextlib.contextmanager
@@ -49,6 +50,19 @@ def stubbed(record: list | None = None):
         yield record
     finally:
         _STUB = previous
+
+
+@contextlib.contextmanager
+def watched(watch):
+    """Inside the block each launch is first shown to watch(kernel, grid, args, kwargs), then runs (tests that check
+    which kernels and constexprs a call launches). Process-wide, as stubbed()."""
+    global _WATCH
+    previous = _WATCH
+    _WATCH = watch
+    try:
+        yield
+    finally:
+        _WATCH = previous
 
 
 class HostDesc(tuple):
@@ -90,6 +104,8 @@ def _for_triton(args: tuple) -> tuple:
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) through Triton's own path, for launches no prepared call repeats."""
+    if _WATCH is not None:
+        _WATCH(kernel, grid, args, kwargs)
     if _STUB is not None:
         _STUB(kernel, grid)
         return
@@ -112,6 +128,8 @@ class Launch:
         self._lock = threading.Lock()
 
     def __call__(self, grid: tuple, *args) -> None:
+        if _WATCH is not None:
+            _WATCH(self.kernel, grid, args, self.kwargs)
         if _STUB is not None:
             _STUB(self.kernel, grid)
             return

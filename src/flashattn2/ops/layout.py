@@ -30,7 +30,8 @@ class Layout:
     __slots__ = (
         "varlen", "batch", "nheads", "nheads_k", "head_dim", "head_dim_v", "max_seqlen_q", "max_seqlen_k", "arch",
         "dtype", "out_dtype", "device", "upcast", "q_strides", "k_strides", "v_strides", "out_shape", "out_strides",
-        "lse_shape", "lse_strides", "shape", "score", "mods", "alibi_stride", "geometry",
+        "lse_shape", "lse_strides", "shape", "score", "mods", "alibi_stride", "geometry", "out_spec", "grad_specs",
+        "grad_dtype",
     )  # fmt: skip
 
     def __init__(self, spec: specs.AttentionSpec, softmax_scale: float):
@@ -69,6 +70,13 @@ class Layout:
         alibi = spec.alibi
         self.mods = Mods(w.causal, w.local, softcap > 0, alibi is not None, spec.dropout_p > 0, spec.sink is not None)
         self.alibi_stride = alibi.shape[-1] if alibi is not None and len(alibi.shape) == 2 else 0  # contiguous
+        self.out_spec = specs.TensorSpec(torch.Size(self.out_shape), out, q.dtype, q.device)  # the forward's own
+        # the autograd Functions' gradients (ops.registry.Attention): contiguous, q's, k's and v's shapes; the
+        # interpreter's in fp32 (its 16-bit stores truncate), which autograd casts to the inputs' dtype
+        self.grad_dtype = torch.float32 if self.arch == "interp" else q.dtype
+        self.grad_specs = tuple(
+            specs.TensorSpec(t.shape, contiguous_strides(t.shape), self.grad_dtype, t.device) for t in (q, k, v)
+        )
         lengths = Varlen(None, None, self.max_seqlen_q, self.max_seqlen_k) if varlen else None
         self.geometry = Geometry(
             self.batch, self.nheads, self.nheads_k, self.head_dim, self.max_seqlen_q, self.max_seqlen_k, lengths,

@@ -241,12 +241,13 @@ def _save(ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seq
     ctx.set_materialize_grads(False)
 
 
-def _run_backward(ctx, dout, dlse, dq, dk, dv):
+def _run_backward(ctx, dout, dlse, dq, dk, dv, own: bool = True):
+    """own: dq, dk, dv are the Function's own (contiguous, in the layout's gradient dtype)."""
     q, k, v, out, lse, alibi_slopes, sink, cu_q, cu_k, seed = ctx.saved_tensors
     dout = grad_of_out(dout, out)
     dsink = _dsink(sink)
     call = ctx.call
-    bcall = call.backward(out, dout, dlse, (dq, dk, dv), ctx.deterministic)
+    bcall = call.backward(None, dout, dlse, None if own else (dq, dk, dv), ctx.deterministic)
     with planning.entered(ctx.forced), _runtime.device_of(q):
         attention.backward(
             bcall, call, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink
@@ -269,7 +270,8 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v = ctx.saved_tensors[:3]
-        dq, dk, dv = _runtime.empty_like(q), _runtime.empty_like(k), _runtime.empty_like(v)
+        dtype = ctx.call.layout.grad_dtype  # (the interpreter's fp32: autograd casts it)
+        dq, dk, dv = (_runtime.empty(t.shape, dtype, t.device) for t in (q, k, v))
         dsink = _run_backward(ctx, dout, dlse, dq, dk, dv)
         return dq, dk, dv, None, dsink, None, None, None, None
 
@@ -307,7 +309,7 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        dsink = _run_backward(ctx, dout, dlse, dq, dk, dv)
+        dsink = _run_backward(ctx, dout, dlse, dq, dk, dv, own=False)
         return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None, None, None
 
 
