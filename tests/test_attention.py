@@ -74,8 +74,11 @@ def spy_launches(monkeypatch, kernel_name: str | None = None, *kwargs_of: str) -
     kernel_name, the values of the constexprs kwargs_of of each launch of that kernel (launch_keyword; "grid":
     the grid it is launched on)."""
     launched = []
+    earlier = launcher._WATCH  # spies stack
 
     def spy(kernel, grid, args, kwargs):
+        if earlier is not None:
+            earlier(kernel, grid, args, kwargs)
         if kernel_name is None:
             launched.append(kernel.__name__)
         elif kernel.__name__ == kernel_name:
