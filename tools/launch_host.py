@@ -1,0 +1,144 @@
+"""Host time per launch of flashattn2's kernels on the CPU, the driver stubbed (tests/fake_cuda.py): the same
+launches (tests/launch_cases.py: the arguments flashattn2's launchers build, tiny CPU tensors, compiled for
+sm_90) through each path, under whichever Triton runs this:
+
+  triton   kernel[grid](*args, **kwargs), descriptors prebuilt as Triton's TensorDescriptor: Triton's own path
+  fa2-off  ops.launcher.launch with its direct path off (FLASHATTN2_DIRECT_LAUNCH=0): Triton's path, a HostDesc
+           turned into a TensorDescriptor per call
+  direct   ops.launcher.launch's direct path (the Triton it was written for; --force-direct elsewhere: what breaks
+           is printed)
+  run      the floor: the compiled kernel's run(...) with the current stream and the arguments bound beforehand,
+           what a caller that remembers the compiled kernel pays (Triton's launcher still encodes every
+           descriptor, its fill stubbed)
+
+Each round times every (case, path) as the median over --batches batches of --n launches (after a warm-up);
+the table gives the median over rounds and their spread (min-max). The C launcher and the driver are stubs: their
+costs (argument parsing, cuPointerGetAttribute per tensor, cuTensorMapEncodeTiled, cuLaunchKernelEx) are not in
+these numbers.
+
+    python tools/launch_host.py [--rounds 5] [--n 200] [--batches 15] [--cases fwd,kvcache] [--json FILE]
+(in a process without TRITON_INTERPRET; TRITON_CACHE_DIR keeps the compiled kernels between runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import launch_cases  # noqa: E402
+from fake_cuda import FakeCuda  # noqa: E402
+from flashattn2.ops import launcher  # noqa: E402
+
+PATHS = ("triton", "fa2-off", "direct", "run")
+
+
+def _bound(case: launch_cases.Case, args: tuple) -> tuple:
+    """Every kernel parameter's value in order: the positional ones, then the keywords (options excluded)."""
+    params = case.kernel.params
+    return (*args, *(case.kwargs[p.name] for p in params[len(args) :]))
+
+
+def launches(case: launch_cases.Case, force_direct: bool) -> dict:
+    """path -> a function of no arguments that launches the case that way (a path that cannot: its error)."""
+    _, kernel, grid, args, kwargs = case
+    triton_args = launcher._for_triton(args)
+    compiled = launch_cases.triton_launch(case)
+    bound = _bound(case, triton_args)
+    run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    stream = torch._C._cuda_getCurrentRawStream
+    launch = launcher.launch
+
+    def triton_path():
+        kernel[grid](*triton_args, **kwargs)
+
+    def fa2_off():  # timed with launcher.DIRECT_LAUNCH off
+        launch(kernel, grid, *args, **kwargs)
+
+    def direct():
+        launch(kernel, grid, *args, **kwargs)
+
+    def floor():
+        run(gx, gy, gz, stream(0), function, meta, None, None, None, *bound)
+
+    out = {"triton": triton_path, "fa2-off": fa2_off, "run": floor}
+    if launcher.SUPPORTED or force_direct:
+        launcher.DIRECT_LAUNCH = True
+        launch_cases.fresh_launcher()
+        try:
+            before = launcher.direct_launches
+            for _ in range(2):
+                direct()
+            assert launcher.direct_launches == before + 1, "the second launch did not take the direct path"
+            out["direct"] = direct
+        except Exception as e:  # noqa: BLE001 -- reported: what the direct path breaks on
+            out["direct"] = f"{type(e).__name__}: {e}"
+    else:
+        out["direct"] = f"off: written for triton {launcher.WRITTEN_FOR}x (launcher.SUPPORTED)"
+    return out
+
+
+def per_launch_us(fn, n: int, batches: int) -> float:
+    for _ in range(max(20, n // 4)):
+        fn()
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(launch_cases.BUILDERS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--batches", type=int, default=15)
+    parser.add_argument("--force-direct", action="store_true", help="the direct path on any Triton")
+    parser.add_argument("--json", help="write the rows there too")
+    args = parser.parse_args()
+    with FakeCuda(record=False):
+        cases = launch_cases.cases(args.cases.split(","))
+        fns = {case.name: launches(case, args.force_direct) for case in cases}
+        samples: dict = {(c, p): [] for c in fns for p in PATHS if callable(fns[c][p])}
+        for _ in range(args.rounds):
+            for c, paths in fns.items():
+                for p in PATHS:
+                    if callable(paths[p]):
+                        launcher.DIRECT_LAUNCH = p == "direct"
+                        samples[c, p].append(per_launch_us(paths[p], args.n, args.batches))
+    rows = []
+    print(f"triton {triton.__version__}, host us per launch (median of {args.rounds} rounds, min-max)")
+    for c, paths in fns.items():
+        row = {"case": c, "triton": triton.__version__}
+        for p in PATHS:
+            if (c, p) in samples:
+                s = samples[c, p]
+                row[p] = {"median": round(statistics.median(s), 2), "min": round(min(s), 2), "max": round(max(s), 2)}
+            else:
+                row[p] = paths[p]
+        rows.append(row)
+        cells = [
+            f"{p} {row[p]['median']:.2f} ({row[p]['min']:.2f}-{row[p]['max']:.2f})"
+            if isinstance(row[p], dict)
+            else f"{p}: {row[p]}"
+            for p in PATHS
+        ]
+        print(f"{c}: " + "; ".join(cells), flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
