@@ -30,6 +30,7 @@ from flashattn2.ops.geometry import Geometry  # noqa: E402
 from flashattn2.ops.options import ScoreMods  # noqa: E402
 
 ARCH = "sm90"
+DEVICE = "cpu"  # tools/launch_host.py --gpu: "cuda" (the same launches on a Hopper GPU, no fake driver)
 
 
 class Case(NamedTuple):
@@ -69,8 +70,8 @@ def _on_sm90():
 
 
 def _fwd(name: str, tma: bool) -> Case:
-    q, k, v = (torch.randn(2, 128, 4, 64, dtype=torch.float16) for _ in range(3))
-    out, lse = torch.empty_like(q), torch.empty(2, 4, 128)
+    q, k, v = (torch.randn(2, 128, 4, 64, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 128, device=DEVICE)
     geo = Geometry.of(q, k, None, v)
     mods = ScoreMods(causal=True)
     got: list = []
@@ -86,9 +87,9 @@ def _fwd(name: str, tma: bool) -> Case:
 
 def _kvcache() -> Case:
     batch, nheads, nheads_k, d, capacity = 2, 8, 2, 128, 256
-    q = torch.randn(batch, 1, nheads, d, dtype=torch.float16)
-    k, v = (torch.randn(batch, capacity, nheads_k, d, dtype=torch.float16) for _ in range(2))
-    cache = kvcache.Cache(k, v, torch.tensor([100, 200], dtype=torch.int32), 0, None, None, None)
+    q = torch.randn(batch, 1, nheads, d, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(batch, capacity, nheads_k, d, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    cache = kvcache.Cache(k, v, torch.tensor([100, 200], dtype=torch.int32, device=DEVICE), 0, None, None, None)
     got: list = []
     with _on_sm90(), _captured("attn_kvcache_kernel", got):
         kvcache.forward(q, cache, 1, d**-0.5, ScoreMods(causal=True), 0)
@@ -100,9 +101,9 @@ def _gluon_bwd(d: int, dv: int) -> Case:
     """q/k head dim d, v's dv; a d that is two powers of two (192 = 128 + 64) takes two descriptors for each of
     Q, K, dK and the dQ accumulator (11 in all)."""
     b, n, h = 1, 256, 4
-    q, k, dk = (torch.randn(b, n, h, d, dtype=torch.float16) for _ in range(3))
-    v, out, dout, dv_ = (torch.randn(b, n, h, dv, dtype=torch.float16) for _ in range(4))
-    lse = torch.randn(b, h, n)
+    q, k, dk = (torch.randn(b, n, h, d, dtype=torch.float16, device=DEVICE) for _ in range(3))
+    v, out, dout, dv_ = (torch.randn(b, n, h, dv, dtype=torch.float16, device=DEVICE) for _ in range(4))
+    lse = torch.randn(b, h, n, device=DEVICE)
     dq = torch.empty_like(q)
     geo = Geometry.of(q, k, None, v)
     features = planning.Features(gluon=True, deterministic=False)
@@ -117,8 +118,8 @@ def _gluon_bwd(d: int, dv: int) -> Case:
 
 
 def _fill_tail() -> Case:
-    out, lse = torch.empty(40, 4, 64, dtype=torch.float16), torch.empty(4, 40)
-    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    out, lse = torch.empty(40, 4, 64, dtype=torch.float16, device=DEVICE), torch.empty(4, 40, device=DEVICE)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
     got: list = []
     with _captured("fill_tail_kernel", got):
         geometry.fill_tails((out, cu, 0.0, 0, None), (lse, cu, float("inf"), 1, None))

@@ -21,6 +21,7 @@ DESCRIPTORS = {"attn_fwd_kernel (HOST_DESC": 4, "attn_bwd_ws_kernel (Gluon, 7": 
 
 def _rows(*flags: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])  # this source tree
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "launch_cases.py"), *flags],
         capture_output=True,

@@ -10,19 +10,25 @@ sm_90) through each path, under whichever Triton runs this:
   run      the floor: the compiled kernel's run(...) with the current stream and the arguments bound beforehand,
            what a caller that remembers the compiled kernel pays (Triton's launcher still encodes every
            descriptor, its fill stubbed)
+  run-encoded  (host-built descriptors, where the direct path runs) the C launcher called as the direct path
+           calls it, descriptors encoded beforehand: the floor of a caller that also keeps the encoded descriptors
 
 Each round times every (case, path) as the median over --batches batches of --n launches (after a warm-up);
 the table gives the median over rounds and their spread (min-max). The C launcher and the driver are stubs: their
 costs (argument parsing, cuPointerGetAttribute per tensor, cuTensorMapEncodeTiled, cuLaunchKernelEx) are not in
 these numbers.
 
-    python tools/launch_host.py [--rounds 5] [--n 200] [--batches 15] [--cases fwd,kvcache] [--json FILE]
-(in a process without TRITON_INTERPRET; TRITON_CACHE_DIR keeps the compiled kernels between runs)
+    python tools/launch_host.py [--rounds 5] [--n 20] [--batches 100] [--cases fwd,kvcache] [--json FILE]
+(in a process without TRITON_INTERPRET; TRITON_CACHE_DIR keeps the compiled kernels between runs). Batches are short
+(20 launches: well under a scheduler time slice) so that their median is not a batch another process preempted
+(on a busy host, batches of a few milliseconds each lost 20 us per launch). --gpu: the same launches on a Hopper GPU,
+with the real driver (the GPU synchronized before each batch), to see what the stubs leave out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import statistics
@@ -38,7 +44,7 @@ import launch_cases  # noqa: E402
 from fake_cuda import FakeCuda  # noqa: E402
 from flashattn2.ops import launcher  # noqa: E402
 
-PATHS = ("triton", "fa2-off", "direct", "run")
+PATHS = ("triton", "fa2-off", "direct", "run", "run-encoded")
 
 
 def _bound(case: launch_cases.Case, args: tuple) -> tuple:
@@ -70,7 +76,7 @@ def launches(case: launch_cases.Case, force_direct: bool) -> dict:
     def floor():
         run(gx, gy, gz, stream(0), function, meta, None, None, None, *bound)
 
-    out = {"triton": triton_path, "fa2-off": fa2_off, "run": floor}
+    out = {"triton": triton_path, "fa2-off": fa2_off, "run": floor, "run-encoded": "no host-built descriptors"}
     if launcher.SUPPORTED or force_direct:
         launcher.DIRECT_LAUNCH = True
         launch_cases.fresh_launcher()
@@ -80,6 +86,15 @@ def launches(case: launch_cases.Case, force_direct: bool) -> dict:
                 direct()
             assert launcher.direct_launches == before + 1, "the second launch did not take the direct path"
             out["direct"] = direct
+            described = launcher._LAUNCHED[next(iter(launcher._LAUNCHED))][1]
+            if isinstance(described, launcher._Described):
+                encoded = described.expand(launcher._bound(kernel, args, kwargs)[1])
+                raw = described.launch
+
+                def floor_encoded():
+                    raw(gx, gy, gz, stream(0), function, meta, None, None, None, *encoded)
+
+                out["run-encoded"] = floor_encoded
         except Exception as e:  # noqa: BLE001 -- reported: what the direct path breaks on
             out["direct"] = f"{type(e).__name__}: {e}"
     else:
@@ -87,28 +102,36 @@ def launches(case: launch_cases.Case, force_direct: bool) -> dict:
     return out
 
 
-def per_launch_us(fn, n: int, batches: int) -> float:
+def per_launch_us(fn, n: int, batches: int, sync=None) -> tuple[float, float]:
+    """(wall, this process's CPU) us per launch: medians over the batches (sync: called before each)."""
     for _ in range(max(20, n // 4)):
         fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(batches):
-        t0 = time.perf_counter()
+        if sync is not None:
+            sync()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(times)
+        wall.append((time.perf_counter() - t0) / n * 1e6)
+        cpu.append((time.process_time() - c0) / n * 1e6)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(launch_cases.BUILDERS))
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--batches", type=int, default=15)
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--gpu", action="store_true", help="on the GPU, the real driver")
     parser.add_argument("--force-direct", action="store_true", help="the direct path on any Triton")
     parser.add_argument("--json", help="write the rows there too")
     args = parser.parse_args()
-    with FakeCuda(record=False):
+    if args.gpu:
+        launch_cases.DEVICE = "cuda"
+    sync = torch.cuda.synchronize if args.gpu else None
+    with contextlib.nullcontext() if args.gpu else FakeCuda(record=False):
         cases = launch_cases.cases(args.cases.split(","))
         fns = {case.name: launches(case, args.force_direct) for case in cases}
         samples: dict = {(c, p): [] for c in fns for p in PATHS if callable(fns[c][p])}
@@ -117,20 +140,28 @@ def main() -> None:
                 for p in PATHS:
                     if callable(paths[p]):
                         launcher.DIRECT_LAUNCH = p == "direct"
-                        samples[c, p].append(per_launch_us(paths[p], args.n, args.batches))
+                        samples[c, p].append(per_launch_us(paths[p], args.n, args.batches, sync))
     rows = []
-    print(f"triton {triton.__version__}, host us per launch (median of {args.rounds} rounds, min-max)")
+    where = torch.cuda.get_device_name() if args.gpu else "CPU, fake driver"
+    print(
+        f"{where}: triton {triton.__version__}, host us per launch (median of {args.rounds} rounds, min-max; CPU time)"
+    )
     for c, paths in fns.items():
-        row = {"case": c, "triton": triton.__version__}
+        row = {"case": c, "triton": triton.__version__, "where": where}
         for p in PATHS:
             if (c, p) in samples:
-                s = samples[c, p]
-                row[p] = {"median": round(statistics.median(s), 2), "min": round(min(s), 2), "max": round(max(s), 2)}
+                s, cpu = [w for w, _ in samples[c, p]], [u for _, u in samples[c, p]]
+                row[p] = {
+                    "median": round(statistics.median(s), 2),
+                    "min": round(min(s), 2),
+                    "max": round(max(s), 2),
+                    "cpu": round(statistics.median(cpu), 2),
+                }
             else:
                 row[p] = paths[p]
         rows.append(row)
         cells = [
-            f"{p} {row[p]['median']:.2f} ({row[p]['min']:.2f}-{row[p]['max']:.2f})"
+            f"{p} {row[p]['median']:.2f} ({row[p]['min']:.2f}-{row[p]['max']:.2f}; {row[p]['cpu']:.2f})"
             if isinstance(row[p], dict)
             else f"{p}: {row[p]}"
             for p in PATHS
