@@ -153,6 +153,21 @@ def triton_launch(case: Case):
     return compiled.result() if hasattr(compiled, "result") else compiled
 
 
+def bound_args(case: Case) -> tuple:
+    """Every kernel parameter's value in order as Triton's path binds it (HostDesc as TensorDescriptor): the
+    positional arguments, then the keywords (the launch options excluded)."""
+    args = launcher._for_triton(case.args)
+    return (*args, *(case.kwargs[p.name] for p in case.kernel.params[len(args) :]))
+
+
+def run_launch(case: Case, compiled) -> None:
+    """The compiled kernel's run with the current stream and the bound arguments, no launch hooks: what a caller
+    that remembers the compiled kernel calls."""
+    gx, gy, gz = (*case.grid, 1, 1)[:3]
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound_args(case))
+
+
 def check(case: Case, fake: FakeCuda, verify: bool = True) -> dict:
     """Launch the case through Triton's path, then three times through flashattn2's launch (the first takes
     Triton's path and remembers the kernel, the others are direct): the driver must receive the same launch each
@@ -187,17 +202,21 @@ def check(case: Case, fake: FakeCuda, verify: bool = True) -> dict:
 
 
 def triton_only(case: Case, fake: FakeCuda) -> dict:
-    """Triton's own path under the fake driver: what reached the C launcher, and the descriptors encoded."""
+    """Triton's own path under the fake driver (what reached the C launcher, the descriptors encoded), and whether
+    the compiled kernel's run (run_launch) hands the driver the same launch."""
     fake.launches.clear()
     fake.tma_fills.clear()
-    triton_launch(case)
-    return {"launches": len(fake.launches), "tma_fills": len(fake.tma_fills), "triton": repr(fake.launches[-1])}
+    compiled = triton_launch(case)
+    fills = len(fake.tma_fills)
+    run_launch(case, compiled)
+    triton_path, run_path = fake.launches
+    return {"launches": 1, "tma_fills": fills, "run_same": run_path == triton_path, "triton": repr(triton_path)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="compare the direct path's driver arguments")
-    parser.add_argument("--triton-only", action="store_true", help="launch through Triton's path alone")
+    parser.add_argument("--triton-only", action="store_true", help="Triton's path and the compiled kernel's run")
     parser.add_argument("--cases", default=",".join(BUILDERS))
     parser.add_argument("--no-verify", action="store_true", help="without launcher.VERIFY_LAUNCH's check")
     args = parser.parse_args()

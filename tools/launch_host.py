@@ -47,18 +47,12 @@ from flashattn2.ops import launcher  # noqa: E402
 PATHS = ("triton", "fa2-off", "direct", "run", "run-encoded")
 
 
-def _bound(case: launch_cases.Case, args: tuple) -> tuple:
-    """Every kernel parameter's value in order: the positional ones, then the keywords (options excluded)."""
-    params = case.kernel.params
-    return (*args, *(case.kwargs[p.name] for p in params[len(args) :]))
-
-
 def launches(case: launch_cases.Case, force_direct: bool) -> dict:
     """path -> a function of no arguments that launches the case that way (a path that cannot: its error)."""
     _, kernel, grid, args, kwargs = case
     triton_args = launcher._for_triton(args)
     compiled = launch_cases.triton_launch(case)
-    bound = _bound(case, triton_args)
+    bound = launch_cases.bound_args(case)
     run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
     gx, gy, gz = (*grid, 1, 1)[:3]
     stream = torch._C._cuda_getCurrentRawStream
