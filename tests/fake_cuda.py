@@ -178,12 +178,73 @@ class _LauncherModule:
         self.fake._launch(*args[:13], args[13:])
 
 
+# libcuda's entry points that Triton's C code (driver.c, the 3.6 launchers) calls, each doing nothing but filling
+# its outputs plausibly: a pointer is its own device address, the context and module handles are 1.
+_LIBCUDA = r"""
+#include <stddef.h>
+#include <stdint.h>
+typedef int CUresult;
+static const char *fake_error = "fake libcuda";
+CUresult cuInit(unsigned flags) { return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+CUresult cuDeviceGet(int *d, int ordinal) { *d = ordinal; return 0; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev) { *v = 1024; return 0; }
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = (void *)1; return 0; }
+CUresult cuCtxSetCurrent(void *ctx) { return 0; }
+CUresult cuCtxGetDevice(int *d) { *d = 0; return 0; }
+CUresult cuCtxGetLimit(size_t *v, int limit) { *v = 0; return 0; }
+CUresult cuCtxSetLimit(int limit, size_t v) { return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)1; return 0; }
+CUresult cuGetErrorString(CUresult e, const char **s) { *s = fake_error; return 0; }
+CUresult cuPointerGetAttribute(void *data, int attr, uint64_t ptr) { *(uint64_t *)data = ptr; return 0; }
+CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, uint64_t ptr) { return 0; }
+CUresult cuModuleLoadData(void **m, const void *image) { *m = (void *)1; return 0; }
+CUresult cuModuleUnload(void *m) { return 0; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = (void *)1; return 0; }
+CUresult cuFuncGetAttribute(int *v, int attr, void *f) { *v = 0; return 0; }
+CUresult cuFuncSetAttribute(void *f, int attr, int v) { return 0; }
+CUresult cuFuncSetCacheConfig(void *f, int config) { return 0; }
+CUresult cuOccupancyMaxActiveClusters(int *n, void *f, const void *config) { *n = 1; return 0; }
+CUresult cuStreamIsCapturing(void *stream, int *status) { *status = 0; return 0; }
+CUresult cuTensorMapEncodeTiled(void *map) { return 0; }
+CUresult cuTensorMapEncodeIm2col(void *map) { return 0; }
+CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) { return 0; }
+"""
+
+
+def fake_libcuda() -> str:
+    """The folder of a stub libcuda.so.1 (_LIBCUDA, built once with the C compiler Triton uses), loaded into the
+    process under that soname: Triton's C modules link against it and their dlopen("libcuda.so.1") finds it."""
+    import ctypes
+    import hashlib
+    import os
+    import subprocess
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), "fake-libcuda-" + hashlib.sha256(_LIBCUDA.encode()).hexdigest()[:16])
+    lib = os.path.join(folder, "libcuda.so.1")
+    if not os.path.exists(lib):
+        os.makedirs(folder, exist_ok=True)
+        src = os.path.join(folder, "libcuda.c")
+        with open(src, "w") as f:
+            f.write(_LIBCUDA)
+        cc = os.environ.get("CC", "gcc")
+        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", src, "-o", lib + ".tmp"], check=True)
+        os.replace(lib + ".tmp", lib)
+    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    return folder
+
+
 class FakeCuda:
     """Context manager: Triton's CUDA driver replaced by stubs (module docstring). capability: the target
-    compiled for and reported; record: keep each launch's arguments (False: a no-op C launcher)."""
+    compiled for and reported; record: keep each launch's arguments (False: a no-op C launcher); c_launcher:
+    Triton's own C launcher and descriptor fill, built against a stub libcuda (fake_libcuda; nothing recorded),
+    so that their host time counts too."""
 
-    def __init__(self, capability: tuple[int, int] = (9, 0), record: bool = True):
+    def __init__(self, capability: tuple[int, int] = (9, 0), record: bool = True, c_launcher: bool = False):
         self.capability = capability
+        self.c_launcher = c_launcher
         self.max_shared = MAX_SHARED.get(capability, 101376)
         self.record = record
         self.launches: list[Launch] = []
@@ -236,7 +297,17 @@ class FakeCuda:
         drv.get_current_device = utils.get_current_device
         drv.set_current_device = utils.set_current_device
         self._set(active_driver, "_active", drv)
-        if not generic:
+        if self.c_launcher:
+            libcuda = fake_libcuda()
+            self._set(nvidia_driver, "library_dirs", lambda: [nvidia_driver.libdevice_dir, libcuda])
+            real = nvidia_driver.CudaUtils()  # driver.c, built against the stub (its globals set as on a GPU)
+            if generic:
+                utils.launch = real.launch
+                utils.build_signature_metadata = real.build_signature_metadata
+                utils.fill_tma_descriptor_tiled = real.fill_tma_descriptor_tiled
+            else:
+                utils.fill_tma_descriptor = real.fill_tma_descriptor
+        elif not generic:
             launcher_module = _LauncherModule(self)
             self._set(nvidia_driver, "compile_module_from_src", lambda src, name, **kw: launcher_module)
             self._set(nvidia_driver, "library_dirs", lambda: [])  # where libcuda is: nowhere

@@ -119,13 +119,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--gpu", action="store_true", help="on the GPU, the real driver")
+    parser.add_argument("--c-launcher", action="store_true", help="Triton's C launcher, against a stub libcuda")
     parser.add_argument("--force-direct", action="store_true", help="the direct path on any Triton")
     parser.add_argument("--json", help="write the rows there too")
     args = parser.parse_args()
     if args.gpu:
         launch_cases.DEVICE = "cuda"
     sync = torch.cuda.synchronize if args.gpu else None
-    with contextlib.nullcontext() if args.gpu else FakeCuda(record=False):
+    with contextlib.nullcontext() if args.gpu else FakeCuda(record=False, c_launcher=args.c_launcher):
         cases = launch_cases.cases(args.cases.split(","))
         fns = {case.name: launches(case, args.force_direct) for case in cases}
         samples: dict = {(c, p): [] for c in fns for p in PATHS if callable(fns[c][p])}
@@ -136,7 +137,7 @@ def main() -> None:
                         launcher.DIRECT_LAUNCH = p == "direct"
                         samples[c, p].append(per_launch_us(paths[p], args.n, args.batches, sync))
     rows = []
-    where = torch.cuda.get_device_name() if args.gpu else "CPU, fake driver"
+    where = torch.cuda.get_device_name() if args.gpu else "CPU, fake driver" + (", C launcher" * args.c_launcher)
     print(
         f"{where}: triton {triton.__version__}, host us per launch (median of {args.rounds} rounds, min-max; CPU time)"
     )
