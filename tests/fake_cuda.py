@@ -11,7 +11,9 @@ the launcher receives).
 What the C launcher would receive is recorded in `launches` (one `Launch` each: grid, stream, function handle,
 cooperative/PDL flags, packed metadata, scratch, hooks, and the kernel arguments flattened with tensors as
 their addresses, as the C launcher reads them; a descriptor's CUtensorMap is a `TensorMap`, the arguments of
-its fill). `record=False` makes the C launcher a no-op (host-time measurements).
+its fill). `record=False` makes the C launcher a no-op (host-time measurements). `c_launcher=True` instead runs
+Triton's own C launcher and descriptor fill, built against a stub libcuda.so.1 (`fake_libcuda`): their host time
+counts, nothing is recorded.
 
 Triton's driver internals differ between releases; this covers triton 3.6 (a C launcher module generated per
 signature, `make_launcher`) and 3.9 (one generic C launcher in the driver's utils, `utils.launch`).
@@ -27,7 +29,6 @@ import itertools
 from typing import NamedTuple
 
 import torch
-from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import driver as nvidia_driver
 from triton.runtime import _allocation
 from triton.runtime.driver import driver as active_driver
@@ -276,9 +277,6 @@ class FakeCuda:
             )
         if exit_ is not None:
             exit_(lmeta)
-
-    def target(self) -> GPUTarget:
-        return GPUTarget("cuda", self.capability[0] * 10 + self.capability[1], 32)
 
     def _set(self, obj, name, value) -> None:
         missing = object()
