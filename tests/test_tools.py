@@ -158,6 +158,31 @@ def test_ncu_profile_summarizes_a_report(tmp_path, capsys):
     assert "stalls (cycles per issued instruction): Long Scoreboard 3.14, Barrier 3.06" in out
 
 
+@pytest.mark.parametrize("c_launcher", [False, True])
+def test_launch_host_times_each_path(c_launcher):
+    """launch_host on one small kernel (compiled for sm_90, under the fake driver, with Triton's C launcher built
+    against a stub libcuda or not): a time for each path that runs on this Triton, the direct path's only where
+    ops.launcher was written for it."""
+    from flashattn2.ops import launcher
+
+    run = subprocess.run(
+        [sys.executable, str(TOOLS / "launch_host.py"), "--rounds", "1", "--n", "2", "--batches", "2"]
+        + ["--cases", "fill-tail", "--json", "/dev/stdout"]
+        + ["--c-launcher"] * c_launcher,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert row["case"] == "fill_tail_kernel" and row["where"].startswith("CPU, fake driver")
+    for path in ("triton", "fa2-off", "run") + (("direct",) if launcher.SUPPORTED else ()):
+        assert row[path]["median"] > 0, row
+    assert isinstance(row["run-encoded"], str)  # no descriptors to encode
+
+
 @pytest.mark.parametrize("tool", ["overhead.py", "host_profile.py", "graph_fwd_bwd.py"])
 def test_gpu_tools_start(tool):
     """The GPU-only tools import and parse their arguments on a machine without one."""
