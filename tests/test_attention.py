@@ -665,22 +665,25 @@ def test_one_output_gradient(which, monkeypatch):
 @pytest.mark.parametrize("d", [64, 256])  # 64 and 32 rows per preprocess program
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
 def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
-    """The Gluon backward's one preprocess launch (ops.launch_triton.preprocess with seqlen_pad): delta =
+    """The Gluon backward's one preprocess launch (ops.launch_triton.Preprocess with seqlen_pad): delta =
     rowsum(dO * O) - dlse up to seqlen_q and 0 to seqlen_pad, the fp32 dQ accumulator's padded rows
     zeroed, and where asked (a tail; the launcher also asks for a non-contiguous lse) lse copied
     with +inf past seqlen_q; every buffer starts NaN-filled. (On the CPU the interpreter runs it; on
     an H100/H200 it is what the Gluon backward runs.)"""
     from flashattn2.ops import launch_triton
-    from flashattn2.ops.geometry import Geometry
+    from flashattn2.ops.layout import Layout
 
     b, h = 2, 3
     out, dout = (randn(b, seqlen_q, h, d, dtype=torch.float16) for _ in range(2))
     lse = randn(b, h, seqlen_q, dtype=torch.float32)
     dlse = randn(b, h, seqlen_q, dtype=torch.float32) if with_dlse else None
-    geo = Geometry.of(out, out, None)
+    layout = Layout(
+        spec.attention(out, out, out, None, None, 0, 0, 0.0, None, False, (-1, -1), 0.0, None, None, 0), 1.0
+    )
     delta, lse_pad = (_runtime.empty((b, h, seqlen_pad), torch.float32, out.device) for _ in range(2))
     acc = _runtime.empty((b, seqlen_pad, h, d), torch.float32, out.device)
-    launch_triton.preprocess(out, dout, lse, dlse, geo, delta, seqlen_pad, lse_pad if copy_lse else None, acc)
+    pre = launch_triton.Preprocess(layout, spec.tensor(out), spec.tensor(dout), with_dlse, False, seqlen_pad, copy_lse)
+    pre(out, dout, lse, dlse, delta, None, lse_pad if copy_lse else None, acc)
     expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
     if with_dlse:
         expected = expected - dlse

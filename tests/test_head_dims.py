@@ -309,7 +309,9 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
             if not (ON_GPU and latent and heads >= 64):
                 with monkeypatch.context() as m:
                     forward = kvcache.forward
-                    m.setattr(kvcache, "forward", lambda plan, *a, **kw: forward(replace(plan, v_from_k=False), *a, **kw))
+                    m.setattr(
+                        kvcache, "forward", lambda plan, *a, **kw: forward(replace(plan, v_from_k=False), *a, **kw)
+                    )
                     separate = call(num_splits)
                 assert torch.equal(pointers, separate)
         assert_close(f"pointers, {num_splits} splits", pointers, ref[0], low[0], FWD_FACTOR)

@@ -1,7 +1,9 @@
-"""The direct launch path (ops.launcher.launch): its key must tell apart every pair of calls
-that Triton compiles differently, and its relaunches must be Triton's own choice (GPU)."""
+"""Launches (ops.launcher.Launch): a prepared call's kernel goes through Triton once and straight to the compiled kernel
+after that, which is right only if the call's spec fixes everything Triton specializes the kernel on. On the CPU: the
+second launch's arguments to the compiled kernel, and (through the interpreter's calls with launches watched) that
+calls with equal specs hand every kernel arguments Triton specializes alike. On the GPU: relaunches verified against
+Triton's choice (VERIFY_LAUNCH), with descriptors encoded once, bit for bit equal to Triton's own launches."""
 
-import itertools
 import random
 
 import pytest
@@ -11,90 +13,54 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
+import flashattn2
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import launcher
+from flashattn2.ops import call as calls
+from flashattn2.ops import launcher, spec
 
 
 def _kernel(A, B, n, m, x, C: tl.constexpr):
     pass
 
 
-kernel = JITFunction(_kernel)  # not triton.jit: on the CPU that gives the interpreter's function
+def test_first_launch_through_triton_then_direct(monkeypatch):
+    """Against a stubbed Triton launch (the CPU has no driver), on any Triton release: the first launch goes through
+    Triton and keeps the compiled kernel; the next goes straight to its run with the pointers as integers and the
+    constexprs after the other arguments."""
+    calls_ = []
 
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
 
-def _triton_spec(kernel, values, options):
-    """What Triton's cache key holds for a call (runtime.jit.compute_cache_key), with the type of
-    each constexpr made explicit (Triton's tuples compare True == 1)."""
-    return tuple(
-        (type(v), v) if p.is_constexpr else native_specialize_impl(BaseBackend, v, False, True, True)
-        for p, v in zip(kernel.params, values)
-    ) + (options,)
+        class src:  # no descriptor parameters
+            signature = {"A": "*fp32", "B": "*fp32", "n": "i32", "m": "i32", "x": "fp32", "C": "constexpr"}
 
+        @staticmethod
+        def run(*args):
+            calls_.append(("direct", args))
 
-def _sample(kind, rng, base):
-    if kind == "tensor":
-        dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
-        return base.to(dtype)[rng.choice([0, 0, 1, 8]) :]  # offsets 0 / 2-4 / 16-32 bytes
-    if kind == "int":
-        return rng.choice([0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**33 + 1, 2**63])
-    if kind == "mixed":  # one position that takes an int, None, a float or a bool from call to call
-        return rng.choice([3, 16, 1, None, 0.5, True, False])
-    if kind == "float-or-none":
-        return rng.choice([0.5, 1.0, None])
-    return rng.choice([0.5, 1.0, 0.0])
+    def triton_run(*args, grid, warmup, **kwargs):
+        calls_.append(("triton", args, kwargs))
+        return Compiled
 
-
-def test_key_separates_triton_specializations():
-    """Two calls share a key only if Triton would compile them alike; calls with the same
-    argument types share it whenever Triton would."""
-    rng = random.Random(0)
-    base = torch.randn(64)
-    kinds = ["tensor", "tensor", "int", "mixed", "float-or-none"]
-    calls = []
-    for _ in range(400):
-        args = tuple(_sample(k, rng, base) for k in kinds)
-        kwargs = {"C": rng.choice([1, 2, True]), "num_warps": rng.choice([4, 8])}
-        key, launched = launcher._bound(kernel, args, kwargs)
-        types = tuple(map(type, (*args, kwargs["C"])))
-        calls.append((key, _triton_spec(kernel, (*args, kwargs["C"]), kwargs["num_warps"]), types))
-        # pointers go to the launcher as integers, everything else as given
-        assert launched[0] == args[0].data_ptr() and launched[2:] == (*args[2:], kwargs["C"])
-    assert len({c[2] for c in calls}) > 8  # the sample did mix types at one call site
-    for (k1, s1, t1), (k2, s2, t2) in itertools.combinations(calls, 2):
-        if k1 == k2:
-            assert s1 == s2, (s1, s2)
-        if t1 == t2 and s1 == s2:
-            assert k1 == k2, (s1, s2)
-    # no options, constexprs by position
-    args = (base, base, 3, 4, 0.5, 2)
-    assert launcher._binder(kernel, args, {})(args, {})[1] == (base.data_ptr(), base.data_ptr(), 3, 4, 0.5, 2)
-
-
-def test_key_separates_descriptor_specializations():
-    """Host-built descriptors (HostDesc, and triton's TensorDescriptor): Triton specializes on their
-    dtype and box; the key does too (and on nothing else), the launcher receives the descriptor
-    itself, and Triton's path receives the TensorDescriptor a HostDesc stands for."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    base = torch.randn(2, 64, 4, 32)
-    calls = []
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        t = base.to(dtype)
-        for rows in (16, 32):
-            for n in (64, 48):
-                shape, strides, box = (2, n, 128), (t.stride(0), t.stride(1), 1), (1, rows, 32)
-                host = launcher.HostDesc((t, shape, strides, box, None))
-                (desc,) = launcher._for_triton((host,))
-                assert type(desc) is TensorDescriptor and desc.base is t
-                assert (desc.shape, desc.strides, desc.block_shape) == (list(shape), list(strides), list(box))
-                for d in (host, TensorDescriptor(t, list(shape), list(strides), list(box))):
-                    args = (d, base, 3, 4, 0.5)
-                    key, launched = launcher._bound(kernel, args, {"C": 1})
-                    assert launched[0] is d
-                    calls.append((key[-1], _triton_spec(kernel, (desc, *args[1:], 1), ())))
-    assert len({s for _, s in calls}) == 6
-    for (k1, s1), (k2, s2) in itertools.combinations(calls, 2):
-        assert (k1 == k2) == (s1 == s2), (s1, s2)  # either type: the same key for the same specialization
+    stub = JITFunction(_kernel)  # not triton.jit: on the CPU that gives the interpreter's function
+    monkeypatch.setattr(stub, "run", triton_run)
+    monkeypatch.setattr(launcher, "VERIFY_LAUNCH", False)  # the stub compiled nothing for Triton to choose
+    monkeypatch.setattr(launcher._runtime, "interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    a, b = torch.randn(64), torch.randn(64)
+    launch = launcher.Launch(stub, C=2, num_warps=4)
+    for _ in range(2):
+        launch((3, 2), a, b, 5, 17, 0.5)
+    assert calls_[0] == ("triton", (a, b, 5, 17, 0.5), {"C": 2, "num_warps": 4})
+    assert calls_[1] == (
+        "direct",
+        (3, 2, 1, 7, "function", "metadata", None, None, None, a.data_ptr(), b.data_ptr(), 5, 17, 0.5, 2),
+    )
+    with launcher.stubbed(record := []):
+        launch((3, 2), a, b, 5, 17, 0.5)
+    assert record == [("_kernel", (3, 2))] and len(calls_) == 2
 
 
 def test_gluon_host_descriptor():
@@ -120,90 +86,96 @@ def test_gluon_host_descriptor():
     assert type(plain) is TensorDescriptor
 
 
-def test_direct_launch_works_or_steps_aside(monkeypatch):
-    """Against a stubbed Triton launch (the CPU has no driver): on the Triton release the direct path was written
-    for (launcher.WRITTEN_FOR), a call's first launch goes through Triton and a repeat goes straight to the
-    compiled kernel's launcher with its pointers as integers; on any other release every launch takes Triton's own
-    path, untouched."""
-    calls = []
+def _specialization(value):
+    """What Triton's cache key holds of a runtime argument (a tuple's elements each)."""
+    if isinstance(value, tuple):
+        return tuple(_specialization(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    return native_specialize_impl(BaseBackend, value, False, True, True)
 
-    class Compiled:
-        function, packed_metadata = "function", "metadata"
 
-        class src:  # no descriptor parameters
-            signature = {"A": "*fp32", "B": "*fp32", "n": "i32", "m": "i32", "x": "fp32", "C": "constexpr"}
+def _random_call(rng: random.Random):
+    """A random flash_attn_func / varlen / with_kvcache call on small CPU tensors whose strides, offsets (16-byte
+    aligned or not), lengths (1, multiples of 16 or neither) and options vary; returns (spec, a function making the
+    call)."""
+    kind = rng.choice(["func", "varlen", "kvcache"])
+    dtype = rng.choice([torch.float16, torch.float32])
+    d = rng.choice([16, 32])
+    h, hk = rng.choice([(2, 2), (2, 1), (4, 2)])
+    offset = rng.choice([0, 0, 1, 8])  # elements: 2-4 bytes off, or 16-32
+    causal = rng.random() < 0.5
+    window = rng.choice([(-1, -1), (3, 1)])
 
-        @staticmethod
-        def run(*args):
-            calls.append(("direct", args))
+    def tensor(*shape):
+        flat = torch.randn(offset + torch.Size(shape).numel(), dtype=dtype, device=DEVICE)
+        t = flat[offset:].view(shape)
+        return t.transpose(-2, -3).contiguous().transpose(-2, -3) if rng.random() < 0.3 and t.dim() == 4 else t
 
-    def triton_run(*args, grid, warmup, **kwargs):
-        calls.append(("triton", args, kwargs))
-        return Compiled
-
-    stub = JITFunction(_kernel)
-    monkeypatch.setattr(stub, "run", triton_run)
-    monkeypatch.setattr(launcher, "DIRECT_LAUNCH", launcher.SUPPORTED)  # as at import, whatever the environment
-    monkeypatch.setattr(launcher, "VERIFY_LAUNCH", False)  # the stub compiled nothing for Triton to choose
-    monkeypatch.setattr(launcher._runtime, "interpreted", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    a, b = torch.randn(64), torch.randn(64)
-    before = launcher.direct_launches
-    for _ in range(2):
-        launcher.launch(stub, (3, 2), a, b, 5, 17, 0.5, C=2)
-    assert launcher.SUPPORTED == __import__("triton").__version__.startswith(launcher.WRITTEN_FOR)
-    assert calls[0][0] == "triton" and calls[0][1] == (a, b, 5, 17, 0.5) and calls[0][2] == {"C": 2}
-    if launcher.SUPPORTED:
-        assert launcher.direct_launches == before + 1
-        assert calls[1] == (
-            "direct",
-            (3, 2, 1, 7, "function", "metadata", None, None, None, a.data_ptr(), b.data_ptr(), 5, 17, 0.5, 2),
+    if kind == "kvcache":
+        batch, seqlen_q, cache = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([16, 17, 32])
+        q, kc, vc = tensor(batch, seqlen_q, h, d), tensor(batch, cache, hk, d), tensor(batch, cache, hk, d)
+        seqlens = rng.choice([rng.choice([1, 3, 16]), torch.tensor([3] * batch, dtype=torch.int32, device=DEVICE)])
+        args = (q, kc, vc, None, None, None, None, seqlens, None, None, None, None, causal, window, 0.0, True, None,
+                rng.choice([0, 1, 2]), None)  # fmt: skip
+        return spec.kvcache(*args), lambda: flashattn2.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens, causal=causal, window_size=window, num_splits=args[17]
         )
-    else:
-        assert launcher.direct_launches == before
-        assert calls[1] == calls[0]
+    if kind == "varlen":
+        total = rng.choice([16, 17, 33])
+        q, k, v = tensor(total, h, d), tensor(total, hk, d), tensor(total, hk, d)
+        cu = torch.tensor([0, total // 2, total], dtype=torch.int32, device=DEVICE)
+        m = total - total // 2
+        s = spec.attention(q, k, v, cu, cu, m, m, 0.0, None, causal, window, 0.0, None, None, False)
+        return s, lambda: flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=causal, window_size=window)
+    batch, sq, sk = rng.choice([1, 2]), rng.choice([1, 16, 17]), rng.choice([1, 16, 19])
+    q, k, v = tensor(batch, sq, h, d), tensor(batch, sk, hk, d), tensor(batch, sk, hk, d)
+    s = spec.attention(q, k, v, None, None, 0, 0, 0.0, None, causal, window, 0.0, None, None, False)
+    return s, lambda: flashattn2.flash_attn_func(q, k, v, causal=causal, window_size=window)
+
+
+def test_equal_specs_launch_alike():
+    """Calls with equal specs hand every kernel they launch arguments Triton specializes alike (dtypes, pointer
+    alignment, integers of value 1, multiples of 16 or neither), with the same constexprs and grid: so the kernel a
+    prepared call's first launch finds is the one Triton would find for every later call of its spec. A random
+    sample of dense, varlen and KV-cache calls, their launches watched, not run."""
+    rng = random.Random(0)
+    seen: dict = {}
+    specs = set()
+    for _ in range(300):
+        s, call = _random_call(rng)
+        launched = []
+        with launcher.stubbed(), launcher.watched(lambda k, grid, args, kw: launched.append((k, grid, args, kw))):
+            call()
+        signature = [
+            (k.__name__, tuple(grid), tuple(_specialization(a) for a in args), tuple(sorted(kw.items(), key=str)))
+            for k, grid, args, kw in launched
+        ]
+        specs.add(s)
+        if s in seen:
+            assert seen[s] == signature, s
+        seen[s] = signature
+    assert 30 < len(specs) < 300  # specs repeated and differed
+    calls.clear()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")
 def test_relaunch_is_tritons_choice():
-    """Launch the rotary kernel through shapes whose strides and sizes cross Triton's
-    specialization boundaries; every relaunch is verified (VERIFY_LAUNCH) and exact."""
-    from flashattn2.layers.rotary import apply_rotary_emb
-    from flashattn2.reference.rotary import rotary_ref
-
+    """Calls whose strides, offsets and lengths cross Triton's specialization boundaries, each repeated: every
+    relaunch is verified (VERIFY_LAUNCH: Triton's own choice for the arguments) and equal to the first."""
     assert launcher.VERIFY_LAUNCH
-    before = launcher.direct_launches
-    for seqlen, nheads, aligned in [
-        (16, 4, True),
-        (16, 4, False),
-        (17, 4, True),
-        (16, 1, False),
-        (33, 3, True),
-        (17, 4, False),
-    ]:
-        shape = (2, seqlen, nheads, 64)
-        flat = torch.randn(2 * seqlen * nheads * 64 + 1, device=DEVICE, dtype=torch.float16)
-        # a base 16-byte aligned or 2 bytes off: two specializations of one shape
-        x = (flat[:-1] if aligned else flat[1:]).view(shape)
-        ang = torch.rand(80, 16, device=DEVICE)
-        cos, sin = ang.cos().half(), ang.sin().half()
-        # an int offset and a tensor of offsets: two argument-type combinations at one call site
-        for offsets in (3, torch.tensor([0, 5], device=DEVICE, dtype=torch.int32)):
-            for _ in range(2):
-                out = apply_rotary_emb(x, cos, sin, seqlen_offsets=offsets)
-                ref = rotary_ref(x.float(), cos.float(), sin.float(), seqlen_offsets=offsets)
-                torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
-    # each (shape, offsets) pair's second call at least was launched directly (and verified)
-    assert launcher.direct_launches - before >= 12
+    rng = random.Random(1)
+    for _ in range(60):
+        _, call = _random_call(rng)
+        first = call()
+        torch.testing.assert_close(call(), first, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="direct launches exist only on the GPU")
 def test_host_descriptor_relaunch(monkeypatch):
-    """Relaunches with host-built descriptors encode them here (ops.launcher._tma_map), not in
-    Triton's launcher: forward and gradients equal Triton's own launches bit for bit, for new
-    tensors at new addresses and shapes, and the encoding path was the one taken."""
-    import flashattn2
+    """Relaunches with host-built descriptors (encoded once per address on triton 3.6, by the compiled kernel's run
+    elsewhere): forward and gradients equal Triton's own launches bit for bit, for new tensors at new addresses and
+    shapes."""
     from flashattn2.ops import planning
 
     def run(n, seed):
@@ -216,15 +188,10 @@ def test_host_descriptor_relaunch(monkeypatch):
             out = flashattn2.flash_attn_func(q, k, v, causal=True, deterministic=True)
             return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
 
-    # seqlen 300 and 1000 are one class of int for Triton (not a multiple of 16), 256 another: the
-    # first call of each class may go through Triton's path, the later ones launch directly
     for n, seed in ((256, 0), (256, 1), (300, 2), (256, 3), (1000, 4)):
-        before = launcher.direct_launches
         direct = run(n, seed)
-        assert launcher.direct_launches > before or (n, seed) in ((256, 0), (300, 2))
         with monkeypatch.context() as m:
-            m.setattr(launcher, "DIRECT_LAUNCH", False)
+            m.setattr(launcher.Launch, "__call__", lambda self, grid, *args: self._first(grid, args))
             reference = run(n, seed)
         for a, b in zip(direct, reference):
             assert torch.equal(a, b)
-    assert sum(isinstance(d, launcher._Described) for _, d in launcher._LAUNCHED.values()) >= 3  # fwd, dK/dV, dQ

@@ -151,6 +151,33 @@ def test_no_keys_at_all():
     torch.testing.assert_close(dsink, dlse.sum(dim=(0, 2)))
 
 
+def test_varlen_without_keys_or_queries():
+    """Varlen packs with no key rows or no query rows (total_k or total_q 0: the kernels' backward has nothing to run):
+    out 0, lse the sink's logit where a row exists, the gradients zero and the sink's the lse gradient's sum."""
+    q = randn(7, 3, 16, dtype=torch.float16, requires_grad=True)
+    k = v = randn(0, 3, 16, dtype=torch.float16, requires_grad=True)
+    cu_q = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    sink = sink_like(3)
+    out, lse, _ = flashattn2.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 4, 0, return_attn_probs=True, learnable_sink=sink
+    )
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, sink.detach()[:, None].expand(3, 7), rtol=1e-6, atol=1e-6)
+    dlse = torch.randn_like(lse)
+    dq, dsink = torch.autograd.grad((lse * dlse).sum() + out.sum(), (q, sink))
+    assert torch.equal(dq, torch.zeros_like(dq))
+    torch.testing.assert_close(dsink, dlse.sum(dim=1), rtol=1e-5, atol=1e-5)
+    # no query rows: nothing to attend, nothing to differentiate but the (empty) sum
+    q0 = randn(0, 3, 16, dtype=torch.float16, requires_grad=True)
+    kv = randn(5, 3, 16, dtype=torch.float16, requires_grad=True)
+    cu0, cu5 = torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    out0 = flashattn2.flash_attn_varlen_func(q0, kv, kv, cu0, cu5, 0, 5, learnable_sink=sink)
+    dkv, dsink0 = torch.autograd.grad(out0.sum(), (kv, sink), allow_unused=True)
+    assert out0.shape == (0, 3, 16) and torch.equal(dkv, torch.zeros_like(dkv))
+    assert dsink0 is None or torch.equal(dsink0, torch.zeros_like(dsink0))
+
+
 def test_sink_changes_the_result_and_minus_inf_is_none():
     """Guards against the sink being silently ignored: a sink of 0 moves the output; one far below every score
     gives the result without a sink."""

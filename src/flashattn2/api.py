@@ -19,7 +19,7 @@ from .ops import call as calls
 from .ops import checks
 from .ops.kvcache import Check
 from .ops.options import Options
-from .ops.registry import EmptyAttention, PackedAttention, kvcache_forward, paged_forward
+from .ops.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
 from .ops.registry import fwd_kvcache as registry_fwd_kvcache
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import forward as _forward
@@ -63,6 +63,20 @@ def _result(out, lse, return_attn_probs, q=None, k=None, call=None, alibi_slopes
     return out, lse, s_dmask
 
 
+def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
+    """q, k, v (and the packed tensor they view) as the kernels take them: the last dimension contiguous and no
+    broadcast dimension (ops.registry.for_kernels; a copy where not, through which autograd carries the gradient)."""
+    if packing is None:
+        return for_kernels(q), for_kernels(k), for_kernels(v), None
+    ready = for_kernels(packed)
+    if ready is not packed:
+        if packing == "qkv":
+            q, k, v = ready.unbind(dim)
+        else:
+            k, v = ready.unbind(dim)
+    return (q if packing == "qkv" else for_kernels(q)), k, v, ready
+
+
 def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
            deterministic, return_attn_probs, sink):  # fmt: skip
     """flash_attn_func and its packed forms: q, k, v (views of `packed` when packing is "qkv" or "kv")."""
@@ -71,6 +85,7 @@ def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_si
             q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink
         )
         return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
+    q, k, v, packed = _for_kernels(q, k, v, packed, packing, 2)
     call = calls.attention(
         q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink,
         deterministic,
@@ -259,6 +274,8 @@ def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         traced = (q, k, v, cu_q, cu_k, max_q, max_k, *args[7:])
         (out, lse), _ = _traced(*traced, window_size, softcap, alibi_slopes, sink)
         return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
+    q, k, v, packed = _for_kernels(q, k, v, packed, packing, 1)
+    args = (q, k, v, *args[3:])
     call = calls.attention(*args, window_size, softcap, alibi_slopes, sink, deterministic)
     o = call.options
     cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)

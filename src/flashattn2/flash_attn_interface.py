@@ -35,7 +35,6 @@ Valid arguments flashattn2 cannot serve raise NotImplementedError naming the arg
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -49,6 +48,14 @@ from .api import (
     flash_attn_with_kvcache,
 )
 from .errors import ArgumentError, ArgumentTypeError
+from .functions import (
+    FlashAttnFunc,
+    FlashAttnKVPackedFunc,
+    FlashAttnQKVPackedFunc,
+    FlashAttnVarlenFunc,
+    FlashAttnVarlenKVPackedFunc,
+    FlashAttnVarlenQKVPackedFunc,
+)
 from .ops import _runtime, checks, registry
 from .ops import call as calls
 from .ops.options import Options
@@ -184,17 +191,31 @@ def _flash_attn_forward(
         seqlen_q) float32; S_dmask ((batch, nheads, round128(seqlen_q), round128(seqlen_k)) with
         return_softmax, else empty); rng_state int64 (2,) for the backward (module docstring).
     """
-    checks.check_qkv(q, k, v, varlen=False)
-    dropout_p, scale, left, right, softcap = _options(
-        q, q.shape[0], dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
-    )
+    if torch.compiler.is_compiling():  # validated as below, then the op
+        checks.check_qkv(q, k, v, varlen=False)
+        dropout_p, scale, left, right, softcap = _options(
+            q, q.shape[0], dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+        )
+        _check_return_softmax(return_softmax, dropout_p)
+        rng_state = _new_rng_state(q, dropout_p)
+        seed = _seed(rng_state, q, dropout_p)
+        options = Options(None, None, 0, 0, dropout_p, seed, scale, bool(causal), left, right, softcap)
+        out, lse = registry.forward(q, k, v, options, alibi_slopes)
+        return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
+    # the prepared call of these arguments (ops.call: validated once per spec)
+    window = (window_size_left, window_size_right)
+    q, k, v = registry.for_kernels(q), registry.for_kernels(k), registry.for_kernels(v)
+    call = calls.attention(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                           None, False)  # fmt: skip
+    if call.empty:  # (flash_attn_func accepts seqlen 0; flash_attn's private op does not)
+        checks.check_qkv(q, k, v, varlen=False)
+    dropout_p = call.options.dropout_p
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
-    options = Options(
-        None, None, 0, 0, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right, softcap
-    )
-    out, lse = registry.forward(q, k, v, options, alibi_slopes)
-    return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
+    seed = _seed(rng_state, q, dropout_p)
+    out, lse = registry.run(call, q, k, v, alibi_slopes, None, seed=seed, grad=False)
+    s_dmask = _s_dmask(q, k, return_softmax, call.options.with_tensors(None, None, seed), alibi_slopes)
+    return out, lse, s_dmask, rng_state
 
 
 def _flash_attn_varlen_forward(
@@ -425,216 +446,3 @@ def _flash_attn_varlen_backward(
     )
     verify()
     return _softmax_d(dout, out, dropout_p, varlen=True)
-
-
-def _grad_mode(is_grad_enabled):
-    """flash_attn 2.8's Functions take torch.is_grad_enabled() as their last argument and save
-    nothing for the backward when it is False: here that call runs under no_grad."""
-    return torch.no_grad() if is_grad_enabled is not None and not is_grad_enabled else contextlib.nullcontext()
-
-
-class FlashAttnFunc:
-    """flash_attn's FlashAttnFunc: `.apply` takes its positional arguments and runs
-    flash_attn_func. (is_grad_enabled, 2.8's last argument, may be left out as before 2.7.)"""
-
-    @staticmethod
-    def apply(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_func(
-                q,
-                k,
-                v,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
-
-
-class FlashAttnQKVPackedFunc:
-    """flash_attn's FlashAttnQKVPackedFunc: `.apply` runs flash_attn_qkvpacked_func."""
-
-    @staticmethod
-    def apply(
-        qkv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_qkvpacked_func(
-                qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_softmax
-            )
-
-
-class FlashAttnKVPackedFunc:
-    """flash_attn's FlashAttnKVPackedFunc: `.apply` runs flash_attn_kvpacked_func."""
-
-    @staticmethod
-    def apply(
-        q,
-        kv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_kvpacked_func(
-                q,
-                kv,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
-
-
-class FlashAttnVarlenFunc:
-    """flash_attn's FlashAttnVarlenFunc: `.apply` runs flash_attn_varlen_func."""
-
-    @staticmethod
-    def apply(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        block_table,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-                block_table,
-            )
-
-
-class FlashAttnVarlenQKVPackedFunc:
-    """flash_attn's FlashAttnVarlenQKVPackedFunc: `.apply` runs flash_attn_varlen_qkvpacked_func."""
-
-    @staticmethod
-    def apply(
-        qkv,
-        cu_seqlens,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_qkvpacked_func(
-                qkv,
-                cu_seqlens,
-                max_seqlen,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
-
-
-class FlashAttnVarlenKVPackedFunc:
-    """flash_attn's FlashAttnVarlenKVPackedFunc: `.apply` runs flash_attn_varlen_kvpacked_func."""
-
-    @staticmethod
-    def apply(
-        q,
-        kv,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_kvpacked_func(
-                q,
-                kv,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )

@@ -118,7 +118,8 @@ class BackwardLaunch:
         n_bh = layout.batch * layout.nheads_k
         heads = l2_heads(plan.l2_group_bytes, n_bh, head_bytes)
         self.grid = bwd_grid(cdiv(layout.max_seqlen_k, cfg.block_n), n_bh, heads)
-        self.pre = Preprocess(layout, spec.out, spec.dout, spec.dlse, sink, self.seqlen_q_pad)
+        pad = self.seqlen_q_pad
+        self.pre = Preprocess(layout, spec.out, spec.dout, spec.dlse, sink, pad, pad != layout.max_seqlen_q)
         modes = spec.forward.modes
         self.direct = tuple(
             g.dtype == layout.dtype

@@ -158,12 +158,14 @@ class Preprocess:
     """kernels/bwd_preprocess.py: delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows
     padded); with a sink, the learnable sink's gradient too (SinkGrad). With seqlen_pad (the Gluon backward, dense
     inputs): delta (batch, nheads, seqlen_pad) gets 0 past seqlen_q, the fp32 dQ accumulator (batch, seqlen_pad, nheads,
-    headdim) is zeroed, and lse_pad (delta's shape), where the rows are padded, gets lse with +inf past seqlen_q -- one
-    launch. out and dout: the layouts given (dout's may differ from the output's)."""
+    headdim) is zeroed, and with copy_lse lse_pad (delta's shape) gets lse with +inf past seqlen_q -- one launch. out
+    and dout: their layouts (dout's may differ from the output's)."""
 
     __slots__ = ("launch", "grid", "ints")
 
-    def __init__(self, layout: Layout, out, dout, dlse: bool, sink: bool, seqlen_pad: int | None = None):
+    def __init__(
+        self, layout: Layout, out, dout, dlse: bool, sink: bool, seqlen_pad: int | None = None, copy_lse: bool = False
+    ):
         padded = seqlen_pad is not None
         rows = seqlen_pad if padded else layout.max_seqlen_q
         bd = block_d(layout.head_dim_v)  # O's and dO's
@@ -188,7 +190,7 @@ class Preprocess:
             HAS_DLSE=dlse,
             IS_VARLEN=layout.varlen,
             PADDED=padded,
-            COPY_LSE=padded and seqlen_pad != layout.max_seqlen_q,
+            COPY_LSE=copy_lse,
             SINK=sink,
             HEAD_DIM=layout.head_dim_v,
             BLOCK_M=pre_m,

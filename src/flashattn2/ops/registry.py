@@ -338,10 +338,13 @@ class EmptyAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
 
 
-def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None):
-    """An eager attention call (the API's): through Attention when a gradient is needed, else the forward alone."""
-    if torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None, grad=True):
+    """An eager attention call (the API's): through Attention when a gradient is needed (grad: whether the caller
+    records one at all), else the forward alone."""
+    if (
+        grad
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad))
     ):
         return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
     with _runtime.device_of(q):

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class Seen:
+class Seen(NamedTuple):
     """What is remembered of one cu_seqlens tensor."""
 
     ref: weakref.ref
@@ -32,6 +31,7 @@ class Seen:
     order: torch.Tensor  # the sequence indices longest first, int32 on the tensor's device
 
 
+_new = tuple.__new__
 _SEEN: dict[int, Seen] = {}  # id(cu_seqlens) -> Seen
 _SEEN_MAX = 64
 _LOCK = threading.Lock()
@@ -62,7 +62,7 @@ def remember(cu: torch.Tensor, values, order: torch.Tensor) -> None:
     # a tensor made under torch.inference_mode has no version counter to trust; under it, order is one too
     if cu.is_inference() or torch.is_inference_mode_enabled():
         return
-    seen = Seen(weakref.ref(cu), cu._version, cu.data_ptr(), values, order)
+    seen = _new(Seen, (weakref.ref(cu), cu._version, cu.data_ptr(), values, order))
     with _LOCK:
         if len(_SEEN) >= _SEEN_MAX:
             dead = [key for key, old in _SEEN.items() if old.ref() is None]
