@@ -1,17 +1,14 @@
 """Host time per launch of flashattn2's kernels on the CPU, the driver stubbed (tests/fake_cuda.py): the same
-launches (tests/launch_cases.py: the arguments flashattn2's launchers build, tiny CPU tensors, compiled for
-sm_90) through each path, under whichever Triton runs this:
+launches (tests/launch_cases.py: the arguments flashattn2's public API passes to its launcher.Launch objects, tiny
+CPU tensors, compiled for sm_90) through each path, under whichever Triton runs this:
 
   triton   kernel[grid](*args, **kwargs), descriptors prebuilt as Triton's TensorDescriptor: Triton's own path
-  fa2-off  ops.launcher.launch with its direct path off (FLASHATTN2_DIRECT_LAUNCH=0): Triton's path, a HostDesc
-           turned into a TensorDescriptor per call
-  direct   ops.launcher.launch's direct path (the Triton it was written for; --force-direct elsewhere: what breaks
-           is printed)
-  run      the floor: the compiled kernel's run(...) with the current stream and the arguments bound beforehand,
-           what a caller that remembers the compiled kernel pays (Triton's launcher still encodes every
-           descriptor, its fill stubbed)
-  run-encoded  (host-built descriptors, where the direct path runs) the C launcher called as the direct path
-           calls it, descriptors encoded beforehand: the floor of a caller that also keeps the encoded descriptors
+  launch   a launcher.Launch's direct call (its first call, Triton's path, made before timing): what a prepared
+           call pays per launch
+  run      the floor: the compiled kernel's run(...) with the current stream and the arguments bound beforehand
+           (Triton's launcher still encodes every descriptor, its fill stubbed)
+  run-encoded  (host-built descriptors, triton 3.6: launcher.DESCRIPTORS_ENCODED_ONCE) the C launcher called as the
+           Launch calls it, the descriptors encoded beforehand: the floor of a caller that also keeps them encoded
 
 Each round times every (case, path) as the median over --batches batches of --n launches (after a warm-up);
 the table gives the median over rounds and their spread (min-max). The C launcher and the driver are stubs: their
@@ -44,11 +41,11 @@ import launch_cases  # noqa: E402
 from fake_cuda import FakeCuda  # noqa: E402
 from flashattn2.ops import launcher  # noqa: E402
 
-PATHS = ("triton", "fa2-off", "direct", "run", "run-encoded")
+PATHS = ("triton", "launch", "run", "run-encoded")
 
 
-def launches(case: launch_cases.Case, force_direct: bool) -> dict:
-    """path -> a function of no arguments that launches the case that way (a path that cannot: its error)."""
+def launches(case: launch_cases.Case) -> dict:
+    """path -> a function of no arguments that launches the case that way (a path that cannot: why, a string)."""
     _, kernel, grid, args, kwargs = case
     triton_args = launcher._for_triton(args)
     compiled = launch_cases.triton_launch(case)
@@ -56,43 +53,38 @@ def launches(case: launch_cases.Case, force_direct: bool) -> dict:
     run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
     gx, gy, gz = (*grid, 1, 1)[:3]
     stream = torch._C._cuda_getCurrentRawStream
-    launch = launcher.launch
 
     def triton_path():
         kernel[grid](*triton_args, **kwargs)
 
-    def fa2_off():  # timed with launcher.DIRECT_LAUNCH off
-        launch(kernel, grid, *args, **kwargs)
-
-    def direct():
-        launch(kernel, grid, *args, **kwargs)
-
     def floor():
         run(gx, gy, gz, stream(0), function, meta, None, None, None, *bound)
 
-    out = {"triton": triton_path, "fa2-off": fa2_off, "run": floor, "run-encoded": "no host-built descriptors"}
-    if launcher.SUPPORTED or force_direct:
-        launcher.DIRECT_LAUNCH = True
-        launch_cases.fresh_launcher()
-        try:
-            before = launcher.direct_launches
-            for _ in range(2):
-                direct()
-            assert launcher.direct_launches == before + 1, "the second launch did not take the direct path"
-            out["direct"] = direct
-            described = launcher._LAUNCHED[next(iter(launcher._LAUNCHED))][1]
-            if isinstance(described, launcher._Described):
-                encoded = described.expand(launcher._bound(kernel, args, kwargs)[1])
-                raw = described.launch
+    launch = launcher.Launch(kernel, **kwargs)
+    launch(grid, *args)  # Triton's path: the compiled kernel kept
+    paths = []
+    with launch_cases.triton_paths(case, paths):
+        launch(grid, *args)
+    assert launch.compiled is not None and not paths, "the Launch's second call did not call the kernel directly"
 
-                def floor_encoded():
-                    raw(gx, gy, gz, stream(0), function, meta, None, None, None, *encoded)
+    def direct():
+        launch(grid, *args)
 
-                out["run-encoded"] = floor_encoded
-        except Exception as e:  # noqa: BLE001 -- reported: what the direct path breaks on
-            out["direct"] = f"{type(e).__name__}: {e}"
+    out = {"triton": triton_path, "launch": direct, "run": floor}
+    described = launch.described
+    if described is None:
+        out["run-encoded"] = "no host-built descriptors"
+    elif not isinstance(described, launcher._Described):
+        out["run-encoded"] = f"triton {triton.__version__}: the compiled kernel's run encodes them"
     else:
-        out["direct"] = f"off: written for triton {launcher.WRITTEN_FOR}x (launcher.SUPPORTED)"
+        pointers = [a.data_ptr() if i in launch.pointers else a for i, a in enumerate(args)]
+        encoded = described.expand(pointers)
+        raw, constexprs = described.launch, launch.constexprs
+
+        def floor_encoded():
+            raw(gx, gy, gz, stream(0), function, meta, None, None, None, *encoded, *constexprs)
+
+        out["run-encoded"] = floor_encoded
     return out
 
 
@@ -120,7 +112,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--gpu", action="store_true", help="on the GPU, the real driver")
     parser.add_argument("--c-launcher", action="store_true", help="Triton's C launcher, against a stub libcuda")
-    parser.add_argument("--force-direct", action="store_true", help="the direct path on any Triton")
     parser.add_argument("--json", help="write the rows there too")
     args = parser.parse_args()
     if args.gpu:
@@ -128,13 +119,12 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.gpu else None
     with contextlib.nullcontext() if args.gpu else FakeCuda(record=False, c_launcher=args.c_launcher):
         cases = launch_cases.cases(args.cases.split(","))
-        fns = {case.name: launches(case, args.force_direct) for case in cases}
+        fns = {case.name: launches(case) for case in cases}
         samples: dict = {(c, p): [] for c in fns for p in PATHS if callable(fns[c][p])}
         for _ in range(args.rounds):
             for c, paths in fns.items():
                 for p in PATHS:
                     if callable(paths[p]):
-                        launcher.DIRECT_LAUNCH = p == "direct"
                         samples[c, p].append(per_launch_us(paths[p], args.n, args.batches, sync))
     rows = []
     where = torch.cuda.get_device_name() if args.gpu else "CPU, fake driver" + (", C launcher" * args.c_launcher)
