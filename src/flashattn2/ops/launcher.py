@@ -8,10 +8,11 @@ every integer's value or class, the constexprs -- so the kernel Triton found for
 would find for each later call. Tests on a GPU set VERIFY_LAUNCH: each direct launch first asks Triton for its choice
 (JITFunction.warmup, which compiles or finds without launching) and fails if it is not the remembered kernel.
 
-Measured under a fake CUDA driver (bench/results/launch-host-cpu.md: Triton's own compiled path on the CPU, the driver
-stubbed): Triton's own path costs 10-36 us per launch, the compiled kernel's run 1.3-1.8 us plus ~1 us for each
-host-built TMA descriptor it encodes, on triton 3.6 and 3.9 alike. On 3.6 (DESCRIPTORS_ENCODED_ONCE) a descriptor is
-encoded once per address and shape instead (_described; 3.9's launcher takes other arguments there).
+Measured under a fake CUDA driver (bench/results/launch-host-cpu.md, "The Launch object": Triton's own compiled path on
+the CPU, the driver stubbed): Triton's own path costs 9-39 us per launch, a Launch's direct call 2.9-4.4 us without
+descriptors on triton 3.6 and 3.9 alike; with host-built TMA descriptors the compiled kernel's run encodes each at
+every launch (~1 us each), except on 3.6 (DESCRIPTORS_ENCODED_ONCE), where a descriptor is encoded once per address
+and shape (_described; 3.9's launcher takes other arguments there): 5.6-8.8 us there against 11-26 on 3.9.
 
 Triton's own path always: in the interpreter, under a profiler's launch hooks (proton). The private names this
 relies on: CompiledKernel.run, .function, .packed_metadata (and on 3.6 the launcher's closure, _described); torch's
@@ -75,20 +76,16 @@ class HostDesc(tuple):
 
 
 def _for_triton(args: tuple) -> tuple:
-    """args with each HostDesc replaced by a triton TensorDescriptor."""
+    """args with each HostDesc replaced by the TensorDescriptor it stands for (triton's, or Gluon's with its layout)."""
     if not any(type(a) is HostDesc for a in args):
         return args
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     out = []
     for a in args:
         if type(a) is HostDesc:
             if a[4] is None:
-                desc = object.__new__(TensorDescriptor)  # its checks: done where the HostDesc was made
+                desc = object.__new__(_descriptors()[0])  # its checks: done where the HostDesc was made
             else:
-                from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-                desc = object.__new__(GluonDescriptor)
+                desc = object.__new__(_descriptors()[1])
                 desc.layout = a[4]
             desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (
                 a[0],
@@ -100,6 +97,15 @@ def _for_triton(args: tuple) -> tuple:
             a = desc
         out.append(a)
     return tuple(out)
+
+
+@functools.cache
+def _descriptors():
+    """(triton's TensorDescriptor, Gluon's): imported once (an import statement per descriptor cost ~1 us each)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor, GluonDescriptor
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
