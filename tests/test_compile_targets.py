@@ -1,4 +1,4 @@
-"""Compile-only check, no GPU needed: every tile the plan table (ops/planning.py) can select builds for sm_90
+"""Compile-only check, no GPU needed: every tile the plan table (ops/planning/) can select builds for sm_90
 (TMA and pointer paths), sm_80 and sm_86 (99 KB GPUs) within the target's shared memory. The interpreter accepts
 kernels the GPU compiler rejects (TRITON-ON-CPU.md), so this runs tools/compile_check.py in a
 process without TRITON_INTERPRET. With --cases lengths-one it compiles the Triton kernels with

@@ -1,4 +1,4 @@
-"""Compile every kernel configuration the plan table (ops/planning.py) can select for sm_90 / sm_80 / sm_86, no GPU needed,
+"""Compile every kernel configuration the plan table (ops/planning/) can select for sm_90 / sm_80 / sm_86, no GPU needed,
 and check shared memory against the target's limit. Prints one JSON line per configuration,
 with the compile time ("seconds": a cold compile when TRITON_CACHE_DIR points at an empty
 directory; Triton's cache serves later processes).

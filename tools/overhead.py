@@ -43,9 +43,6 @@ def profile_to(fh, name: str, fn, calls: int, top: int = 25) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default=None)
-    ap.add_argument(
-        "--ab", action="store_true", help="direct launches against Triton's JITFunction.run, alternated in this process"
-    )
     args = ap.parse_args()
     dev, dt = "cuda", torch.float16
     q, k, v = (torch.randn(1, 128, 4, 64, device=dev, dtype=dt) for _ in range(3))
@@ -107,23 +104,6 @@ def main():
     for name, fn in decode.items():
         host, wall = per_call_us(fn)
         print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")
-    if args.ab:
-        import statistics
-
-        from flashattn2.ops import launcher
-
-        names = ["flashattn2 fwd", "kvcache decode", "kvcache append+rotary", "kvcache paged-16", "flashattn2 fwd+bwd"]
-        res = {(n, d): [] for n in names for d in (True, False)}
-        for _ in range(5):
-            for direct in (True, False):
-                launcher.DIRECT_LAUNCH = direct
-                for n in names:
-                    with torch.set_grad_enabled(n.endswith("bwd")):
-                        res[(n, direct)].append(per_call_us(cases[n], n=200)[1])
-        launcher.DIRECT_LAUNCH = True
-        for n in names:
-            d, t = statistics.median(res[(n, True)]), statistics.median(res[(n, False)])
-            print(f"A/B {n:24} direct {d:7.1f} us   triton {t:7.1f} us   (wall per call, median of 5)")
     for name in ("flashattn2 fwd+bwd", "sdpa fwd+bwd"):
         host, wall = per_call_us(cases[name])
         print(f"{name:24} host {host:7.1f} us/call   wall {wall:7.1f} us/call")

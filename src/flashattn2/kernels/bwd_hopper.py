@@ -13,7 +13,7 @@ not transposed, P and dS through shared memory):
 dQ_i is added by TMA bulk reduce-add (Gluon 3.6 has the builder call only, wrapped below as
 `tma_reduce_add`) into an fp32 accumulator (batch, seqlen_q_pad, nheads, headdim), which the delta
 preprocess zeroes and the host casts into dq afterwards. The adds arrive in any order:
-The plan (ops/planning.py) takes this kernel for deterministic=False only (flash_attn's default). The softmax
+The plan (ops/planning/) takes this kernel for deterministic=False only (flash_attn's default). The softmax
 scale is folded into dS, so dK and dQ need no scaling.
 
 The program is split with gl.warp_specialize into three partitions:
@@ -66,7 +66,7 @@ and dQ_i is computed and staged in those two parts (DQ_SPLIT 2, as at headdim 25
 part's staging tile). dO, V, dV and dP = dO V^T are v's 128 columns; the fp32 accumulator (q's head dim) is zeroed
 by the preprocess (ACC_DIM).
 
-The split-ring variant (SPLIT_RING, DQ_SPLIT: the headdim-256 row of ops/planning.py): dO has
+The split-ring variant (SPLIT_RING, DQ_SPLIT: the headdim-256 row of ops/planning/): dO has
 a ring of its own (DO_STAGES deep, ready barriers do_ready, released by do_empty) that the MMA warps
 release as soon as dV (dO's last reader) is waited, so the next dO loads while dQ_i and dK run; Q
 keeps its STAGES-deep ring, released after dK. DQ_SPLIT 2 computes dQ_i as two column halves

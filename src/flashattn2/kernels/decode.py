@@ -86,7 +86,7 @@ class DecodeDots(NamedTuple):
 
 
 class DecodeTile(NamedTuple):
-    """attn_kvcache_kernel's head dims and tile (ops.kvcache.plan)."""
+    """attn_kvcache_kernel's head dims and tile (ops/planning/decoding.py)."""
 
     HEAD_DIM: int  # q's and k's head dim
     BLOCK_M: int  # packed rows (query heads x queries) per program

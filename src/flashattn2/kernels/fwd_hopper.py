@@ -27,7 +27,7 @@ and k's 192 columns are two parts (128 + 64: kernels/pipeline.py's head_dim_part
 (Q and QLo, K and KLo) and a TMA load of its own, and S = Q K^T two chained wgmmas; V, O and the PV product are
 v's 128 columns, and O leaves through Q's first part's buffer. (At 192/128, d128's tile with one Q buffer per
 consumer fits: Q 48 KB + K 96 + V 64 = 208 KB.)
-No softcap, ALiBi, window or dropout (the plan, ops/planning.py, sends those to kernels/fwd.py). Causal is
+No softcap, ALiBi, window or dropout (the plan, ops/planning/, sends those to kernels/fwd.py). Causal is
 bottom-right aligned (row i sees keys j <= i + seqlen_k - seqlen_q); a query block that sees no key
 gets output 0 and logsumexp +inf, as in kernels/fwd.py.
 """
