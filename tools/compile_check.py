@@ -434,7 +434,9 @@ def cases(arch):
                 continue
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
-                    tile = planning.decode_tile(planning.decode_row(path, split), rows, head_dim, head_dim_v, elem_bytes)
+                    tile = planning.decode_tile(
+                        planning.decode_row(path, split), rows, head_dim, head_dim_v, elem_bytes
+                    )
                     many = dict(chosen, ROW_BLOCKS_ADJACENT=True) if rows > tile.block_m else chosen  # as forward
                     yield kvcache_case(f"m{tile.block_m}-{path}", elem_bytes, many, tile)
             # v read from the keys' tile (v_cache a view of k_cache's first block, or k_cache itself)
