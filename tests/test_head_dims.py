@@ -308,10 +308,8 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
             # v tile of its own: 352 KB on the H200; only a V cache of k's memory reaches it)
             if not (ON_GPU and latent and heads >= 64):
                 with monkeypatch.context() as m:
-                    forward = kvcache.forward
-                    m.setattr(
-                        kvcache, "forward", lambda plan, *a, **kw: forward(replace(plan, v_from_k=False), *a, **kw)
-                    )
+                    decode = kvcache.Decode
+                    m.setattr(kvcache, "Decode", lambda plan, *a: decode(replace(plan, v_from_k=False), *a))
                     separate = call(num_splits)
                 assert torch.equal(pointers, separate)
         assert_close(f"pointers, {num_splits} splits", pointers, ref[0], low[0], FWD_FACTOR)
@@ -470,11 +468,14 @@ _REFINED_ONLY = {("contiguous-short", False), ("contiguous-many", True)}
 
 
 def spy_decode_plans(monkeypatch) -> list:
-    """The plans the KV-cache kernel runs from here on, in order (ops.kvcache.forward's)."""
+    """The plans the KV-cache kernel runs from here on, in order (those its ops.kvcache.Decode is made with; every call
+    prepared afresh, since a prepared call keeps its Decode)."""
+    from flashattn2.ops import call as calls
     from flashattn2.ops import kvcache
 
-    plans, forward = [], kvcache.forward
-    monkeypatch.setattr(kvcache, "forward", lambda plan, *a, **kw: plans.append(plan) or forward(plan, *a, **kw))
+    plans, decode = [], kvcache.Decode
+    monkeypatch.setattr(calls.CALLS, "get", lambda spec: None)
+    monkeypatch.setattr(kvcache, "Decode", lambda plan, *a: plans.append(plan) or decode(plan, *a))
     return plans
 
 

@@ -308,7 +308,8 @@ def _varlen_paged(
     learnable_sink,
 ):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
-    if torch.compiler.is_compiling():
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
+    if grad or torch.compiler.is_compiling():  # the custom op: torch.compile's path; autograd's (its backward raises)
         checks.check_options(dropout_p, softmax_scale, window_size, softcap)
         checks.check_sink(learnable_sink, q)
         max_q, max_k = checks.check_varlen_paged(

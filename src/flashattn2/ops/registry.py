@@ -362,11 +362,11 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     spec = call.spec
     arch = spec.modes.arch
     decode = call.decode
-    if decode is None:
+    if decode is None:  # the append first: another thread takes a call whose decode is set as ready
         shape = kvcache.kvcache_shape(call)
-        decode = call.decode = kvcache.Decode(call.plan, shape, arch)
         if spec.k is not None:
             call.append = kvcache.Append(shape, spec.k, spec.v, spec.rotary_cos, bool(spec.rotary_interleaved), arch)
+        decode = call.decode = kvcache.Decode(call.plan, shape, arch)
     seqlens = _contiguous(cache_seqlens)
     if batch_idx is not None or leftpad is not None or block_table is not None:
         batch_idx, leftpad, block_table = _contiguous(batch_idx), _contiguous(leftpad), _contiguous(block_table)
