@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashattn2
-from cases import make_qkv
+from cases import cu_seqlens, make_qkv
 from conftest import DEVICE, ON_GPU
 from flashattn2.ops import planning
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
@@ -118,3 +118,63 @@ def test_packed_with_features():
     ref = flashattn2.flash_attn_func(q, k, v, **opts)
     assert torch.equal(out, ref)
     assert torch.equal(dqkv, torch.stack(torch.autograd.grad(ref, (q, k, v), do), dim=2))
+
+
+BIG = 2**31 - 1
+
+
+@pytest.mark.parametrize("path", ["dense", "varlen", "paged", "invariant", "private", "private-varlen"])
+def test_window_edges_at_or_past_the_keys_are_none(path):
+    """flash_attn 2.8's rule: a window edge at or past seqlen_k (max_seqlen_k in varlen) is no edge. Edges near 2**31
+    neither overflow the kernels' position sums (the output was zeros, LSE +inf, gradients zero) nor differ from -1:
+    the same kernels run, so outputs, LSEs and gradients are bit-identical to no window. With seqlen_q > seqlen_k + 1
+    the rule is not the literal window (a right edge of seqlen_k would hide every key from the first rows); an edge
+    below seqlen_k stays an edge."""
+    from flashattn2 import flash_attn_interface as fai
+
+    sq, sk = 13, 5
+    q, k, v = make_qkv((2, sq, sk, 2, 1, 16), torch.float16)
+    lengths = [sq, sq - 4], [sk, sk - 1]
+    cu_q, cu_k = cu_seqlens(lengths[0]), cu_seqlens(lengths[1])
+    packed = [
+        torch.cat([t[0, :n], t[1, :m]]).detach().requires_grad_()
+        for t, n, m in zip((q, k, v), (sq, sk, sk), (sq - 4, sk - 1, sk - 1))
+    ]
+
+    def run(window):
+        if path in ("dense", "invariant"):
+            inputs = (q, k, v)
+            with flashattn2.batch_invariant(path == "invariant"):
+                out, lse, _ = flashattn2.flash_attn_func(*inputs, window_size=window, return_attn_probs=True)
+        elif path == "varlen":
+            inputs = packed
+            out, lse, _ = flashattn2.flash_attn_varlen_func(
+                *inputs, cu_q, cu_k, sq, sk, window_size=window, return_attn_probs=True
+            )
+        elif path == "paged":  # forward only: one 8-token page a sequence
+            pages = [torch.zeros(2, 8, *t.shape[2:], device=DEVICE, dtype=t.dtype) for t in (k, v)]
+            for page, t in zip(pages, (k, v)):
+                page[0, :sk], page[1, : sk - 1] = t[0].detach(), t[1, : sk - 1].detach()
+            table = torch.tensor([[0], [1]], dtype=torch.int32, device=DEVICE)
+            inputs = (packed[0].detach(),)
+            out, lse, _ = flashattn2.flash_attn_varlen_func(
+                *inputs, *pages, cu_q, cu_k, sq, sk, window_size=window, block_table=table, return_attn_probs=True
+            )
+        elif path == "private":
+            inputs = (q, k, v)
+            out, lse = fai._flash_attn_forward(*inputs, 0.0, None, False, *window, 0.0, None, False)[:2]
+        else:
+            inputs = packed
+            out, lse = fai._flash_attn_varlen_forward(*inputs, cu_q, cu_k, sq, sk, 0.0, None, False, *window)[:2]
+        grads = torch.autograd.grad(out.float().sum(), inputs) if out.requires_grad else ()
+        return out, lse, grads
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(map(torch.equal, a[2], b[2]))
+
+    none = run((-1, -1))
+    assert not none[0].isnan().any() and none[0].abs().amax() > 0
+    for window in [(-1, BIG), (BIG, -1), (BIG, BIG), (-1, sk), (sk, sk), (BIG - 15, BIG - 15)]:
+        assert same(run(window), none), window
+    assert same(run((3, BIG)), run((3, -1)))
+    assert not torch.equal(run((-1, sk - 1))[0], none[0])  # below seqlen_k: an edge

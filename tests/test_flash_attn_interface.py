@@ -417,6 +417,32 @@ def test_bad_arguments():
     assert bwd(None, None, None).shape == lse.shape  # None buffers are allocated (as in flash_attn)
 
 
+def test_private_functions_refuse_float32_as_flash_attn():
+    """flash_attn's private functions take fp16/bf16 only, and ring-attention libraries rely on it (their
+    `.to(torch.float32)` accumulators alias a float32 input, so the next block's backward would overwrite the running
+    sum: wrong gradients, no error): each refuses float32 with flash_attn's message, a RuntimeError as flash_attn's;
+    the public functions keep float32."""
+    q, k, v = (t.float() for t in qkv((1, 8, 8, 2, 2, 16)))
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    scalars = (0.0, None, False, -1, -1, 0.0, None)
+    packed = [t[0] for t in (q, k, v)]
+    calls = {
+        "_flash_attn_forward": lambda: fai._flash_attn_forward(q, k, v, *scalars, False),
+        "_flash_attn_varlen_forward": lambda: fai._flash_attn_varlen_forward(*packed, cu, cu, 8, 8, *scalars[:3]),
+        "_flash_attn_backward": lambda: fai._flash_attn_backward(
+            q, q, k, v, q, q.new_zeros(1, 2, 8), None, None, None, *scalars, False
+        ),
+        "_flash_attn_varlen_backward": lambda: fai._flash_attn_varlen_backward(
+            packed[0], *packed, packed[0], q.new_zeros(2, 8), None, None, None, cu, cu, 8, 8, *scalars, False
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"only support fp16 and bf16 data type \(q is torch.float32\)"):
+            call()
+    out = flashattn2.flash_attn_func(q, k, v)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+
+
 def test_autograd_classes_apply_with_2_8_positional_arguments():
     q, k, v = (t.requires_grad_() for t in qkv((2, 12, 16, 2, 1, 16)))
     common = (0.0, None, True, (-1, -1), 0.0, None, True)  # deterministic: bitwise-comparable gradients

@@ -67,7 +67,11 @@ def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
     """q, k, v (and the packed tensor they view) as the kernels take them: the last dimension contiguous and no
     broadcast dimension (ops.registry.for_kernels; a copy where not, through which autograd carries the gradient)."""
     if packing is None:
-        return for_kernels(q), for_kernels(k), for_kernels(v), None
+        try:
+            return for_kernels(q), for_kernels(k), for_kernels(v), None
+        except AttributeError:  # a non-tensor: the checks name it
+            checks.check_qkv(q, k, v, varlen=dim == 1)
+            raise
     ready = for_kernels(packed)
     if ready is not packed:
         if packing == "qkv":

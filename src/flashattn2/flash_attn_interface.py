@@ -21,7 +21,10 @@ and the autograd classes' `.apply` with 2.8's positional arguments. Where flasha
 - softmax_d is (1 - dropout_p) * rowsum(dout * out) in float32, flash_attn's value, in softmax_lse's
   layout: (batch, nheads, seqlen_q), or (nheads, total_q). flash_attn's allocation pads the rows
   (to a multiple of 128 per sequence); the values callers read are the same.
-- Any head dim up to 256 and float32 inputs are accepted (flash_attn: multiples of 8, fp16/bf16).
+- Any head dim up to 256 is accepted (flash_attn: multiples of 8). Like flash_attn's, these functions take fp16/bf16
+  only (ArgumentTypeError, a RuntimeError, with flash_attn's message): the libraries that call them rely on it
+  (ring-flash-attention's and yunchang's `.to(torch.float32)` accumulators alias a float32 input, and the next
+  block's backward overwrites their running sums). The public functions keep float32 (flashattn2's extension).
 - softmax_scale=None means headdim ** -0.5 (flash_attn's private functions need a float).
 - The private functions are plain Python functions (inspect.getfullargspec reads their
   parameters, as ring-flash-attention's get_default_args does), not torch.ops.flash_attn ops;
@@ -81,13 +84,24 @@ __all__ = [
 ]
 
 
-def _options(q, batch, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes):
-    """(dropout_p, scale, left, right, softcap) validated as the public API validates them."""
+def _options(q, batch, seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes):
+    """(dropout_p, scale, left, right, softcap) validated as the public API validates them; the window's edges by
+    flash_attn's rule (ops.call.window_edges: seqlen_k, or max_seqlen_k in varlen)."""
     window = (window_size_left, window_size_right)
     checks.check_options(dropout_p, softmax_scale, window, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    return float(dropout_p), scale, int(window_size_left), int(window_size_right), float(softcap)
+    return (float(dropout_p), scale, *calls.window_edges(window, seqlen_k), float(softcap))
+
+
+def _half_only(q) -> None:
+    """flash_attn's private functions take fp16/bf16 only (module docstring: libraries rely on it)."""
+    dtype = getattr(q, "dtype", None)  # (a non-tensor: the checks below name it)
+    if dtype is not None and dtype is not torch.float16 and dtype is not torch.bfloat16:
+        raise ArgumentTypeError(
+            f"FlashAttention only support fp16 and bf16 data type (q is {q.dtype}): flash_attn's private functions "
+            "refuse it, as libraries that call them expect; flashattn2's public functions take float32"
+        )
 
 
 def _new_rng_state(q, dropout_p: float) -> torch.Tensor:
@@ -191,11 +205,13 @@ def _flash_attn_forward(
         seqlen_q) float32; S_dmask ((batch, nheads, round128(seqlen_q), round128(seqlen_k)) with
         return_softmax, else empty); rng_state int64 (2,) for the backward (module docstring).
     """
+    _half_only(q)
     if torch.compiler.is_compiling():  # validated as below, then the op
         checks.check_qkv(q, k, v, varlen=False)
         dropout_p, scale, left, right, softcap = _options(
-            q, q.shape[0], dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
-        )
+            q, q.shape[0], k.shape[1], dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
+            alibi_slopes,
+        )  # fmt: skip
         _check_return_softmax(return_softmax, dropout_p)
         rng_state = _new_rng_state(q, dropout_p)
         seed = _seed(rng_state, q, dropout_p)
@@ -204,7 +220,11 @@ def _flash_attn_forward(
         return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
     # the prepared call of these arguments (ops.call: validated once per spec)
     window = (window_size_left, window_size_right)
-    q, k, v = registry.for_kernels(q), registry.for_kernels(k), registry.for_kernels(v)
+    try:
+        q, k, v = registry.for_kernels(q), registry.for_kernels(k), registry.for_kernels(v)
+    except AttributeError:  # a non-tensor: the checks name it
+        checks.check_qkv(q, k, v, varlen=False)
+        raise
     call = calls.attention(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
                            None, False)  # fmt: skip
     if call.empty:  # (flash_attn_func accepts seqlen 0; flash_attn's private op does not)
@@ -257,6 +277,7 @@ def _flash_attn_varlen_forward(
         (out (total_q, nheads, headdim), softmax_lse (nheads, total_q) float32, S_dmask,
         rng_state), as _flash_attn_forward.
     """
+    _half_only(q)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ArgumentError(f"_flash_attn_varlen_forward: num_splits must be an int >= 0, got {num_splits!r}")
     for name, value in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
@@ -285,8 +306,9 @@ def _flash_attn_varlen_forward(
     checks.check_qkv(q, k, v, varlen=True)
     cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dropout_p, scale, left, right, softcap = _options(
-        q, cu_q.shape[0] - 1, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
-    )
+        q, cu_q.shape[0] - 1, max_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
+        alibi_slopes,
+    )  # fmt: skip
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
     options = Options(
@@ -384,11 +406,12 @@ def _flash_attn_backward(
     Returns:
         softmax_d (batch, nheads, seqlen_q) float32, (1 - dropout_p) * rowsum(dout * out).
     """
+    _half_only(q)
     checks.check_qkv(q, k, v, varlen=False)
     batch, seqlen_q, nheads, _ = q.shape
     _check_backward_inputs(dout, out, softmax_lse, q, v, (batch, nheads, seqlen_q))
     dropout_p, scale, left, right, softcap = _options(
-        q, batch, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+        q, batch, k.shape[1], dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
     )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
@@ -430,12 +453,14 @@ def _flash_attn_varlen_backward(
     nheads, headdim), k, v (total_k, nheads_k, headdim), softmax_lse (nheads, total_q). Rows past
     cu_seqlens[-1] get a zero gradient whatever zero_tensors says (flash_attn's zero_tensors=True
     gives that). Returns softmax_d (nheads, total_q) float32."""
+    _half_only(q)
     checks.check_qkv(q, k, v, varlen=True)
     _check_backward_inputs(dout, out, softmax_lse, q, v, (q.shape[1], q.shape[0]))
     cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dropout_p, scale, left, right, softcap = _options(
-        q, cu_q.shape[0] - 1, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
-    )
+        q, cu_q.shape[0] - 1, max_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
+        alibi_slopes,
+    )  # fmt: skip
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
     options = Options(cu_q, cu_k, max_q, max_k, dropout_p, seed, scale, bool(causal), left, right, softcap)

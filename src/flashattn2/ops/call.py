@@ -49,11 +49,15 @@ class Calls:
 
 
 CALLS = Calls()
+# the calls of Options as given (from_options: the ops, the private functions, the ring's blocks), whose window edges
+# are taken literally: a spec there may name another call than the same arguments of a public call (window_edges)
+LITERAL = Calls()
 
 
 def clear() -> None:
     """Forget every prepared call (tests that change what a plan reads: the Triton release's Gluon switch...)."""
     CALLS.clear()
+    LITERAL.clear()
     planning._lookup.cache_clear()
 
 
@@ -101,6 +105,14 @@ class BackwardCall:
     launch: object = None
 
 
+def window_edges(window_size, seqlen_k: int) -> tuple[int, int]:
+    """flash_attn 2.8's rule for its API's window_size (mha_fwd; mha_varlen_fwd with max_seqlen_k): an edge at or past
+    the keys' end is no edge (-1). It is not the literal window: with seqlen_q > seqlen_k + 1, a right edge of
+    seqlen_k still hides keys from the first rows; the ring's blocks need such windows, so Options (from_options)
+    keep their edges as given. It also keeps the kernels' position sums (a row + the diagonal + an edge) in int32."""
+    return tuple(-1 if int(w) >= seqlen_k else int(w) for w in window_size)
+
+
 def _options(q, spec: specs.AttentionSpec, cu_seqlens_q=None, cu_seqlens_k=None) -> Options:
     left, right = spec.window
     return Options(
@@ -133,9 +145,11 @@ def validate_attention(
     softcap,
     alibi_slopes,
     learnable_sink,
+    literal: bool = False,
 ):
     """Validate an attention call's arguments (each error names the argument); returns them normalized as a spec
-    takes them: (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap)."""
+    takes them: (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap). The window's
+    edges by flash_attn's rule (window_edges), or as given (literal)."""
     varlen = cu_seqlens_q is not None
     checks.check_qkv(q, k, v, varlen=varlen, empty_ok=not varlen)
     checks.check_sink(learnable_sink, q)
@@ -147,7 +161,9 @@ def validate_attention(
         batch = cu_seqlens_q.shape[0] - 1
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
-    left, right = (int(w) for w in window_size)
+    left, right = (
+        (int(w) for w in window_size) if literal else window_edges(window_size, maxes[1] if varlen else k.shape[1])
+    )
     scale = None if softmax_scale is None else float(softmax_scale)
     return (*maxes, float(dropout_p), scale, bool(causal), (left, right), float(softcap))
 
@@ -168,8 +184,11 @@ def attention(
     alibi_slopes,
     learnable_sink,
     deterministic,
+    literal: bool = False,
 ) -> AttentionCall:
-    """The prepared call of an attention call's arguments: found by its spec, or validated, planned and kept."""
+    """The prepared call of an attention call's arguments: found by its spec, or validated, planned and kept. literal:
+    the window's edges as given (from_options), else by flash_attn's rule (window_edges)."""
+    cache = LITERAL if literal else CALLS
     try:
         spec = specs.attention(
             q,
@@ -188,7 +207,7 @@ def attention(
             learnable_sink,
             deterministic,
         )
-        found = CALLS.get(spec)
+        found = cache.get(spec)
     except (specs.NotCanonical, AttributeError, TypeError):  # a list, a tensor max_seqlen, a non-tensor
         spec = found = None
     if found is not None:
@@ -208,6 +227,7 @@ def attention(
         softcap,
         alibi_slopes,
         learnable_sink,
+        literal,
     )
     canonical = specs.attention(
         q,
@@ -226,14 +246,14 @@ def attention(
         learnable_sink,
         bool(deterministic),
     )
-    found = CALLS.get(canonical)
+    found = cache.get(canonical)
     if found is None:
         call = AttentionCall(canonical, _options(q, canonical), None)
         if not call.empty:
             call.plan = planning.plan(canonical)
-        found = CALLS.add(canonical, call)
+        found = cache.add(canonical, call)
     if spec is not None and spec != canonical:
-        CALLS.add(spec, found)
+        cache.add(spec, found)
     return found
 
 
@@ -256,6 +276,7 @@ def from_options(q, k, v, options: Options, alibi_slopes, learnable_sink, determ
         alibi_slopes,
         learnable_sink,
         deterministic,
+        literal=True,
     )
 
 
@@ -291,7 +312,7 @@ class KVCacheCall:
         self.capacity = spec.block_table.shape[1] * spec.k_cache.shape[1] if paged else spec.k_cache.shape[1]
         # flash_attn's rule: a window edge that reaches past the cache is no edge (this decides whether q is
         # rotated per token)
-        self.left, self.right = (-1 if int(w) >= self.capacity else int(w) for w in spec.window)
+        self.left, self.right = window_edges(spec.window, self.capacity)
         self.per_token = bool(spec.causal) or self.left >= 0 or self.right >= 0
         self.q_positions = spec.q.shape[1] if self.per_token else 1
         self.seqlen_new = 0 if spec.k is None else spec.k.shape[1]
@@ -454,7 +475,7 @@ def paged(
         float(dropout_p),
         None if softmax_scale is None else float(softmax_scale),
         bool(causal),
-        tuple(int(w) for w in window_size),
+        window_edges(window_size, max_k),
         float(softcap),
         alibi_slopes,
         learnable_sink,

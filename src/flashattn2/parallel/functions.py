@@ -11,6 +11,7 @@ import torch
 
 from .. import api
 from ..errors import ArgumentError, ArgumentTypeError
+from ..ops import call as calls
 from ..ops import checks
 from . import ring, ulysses
 from .comm import Simulated, communicator
@@ -109,7 +110,7 @@ def _ring(
     cu = _global_cu(cu_seqlens, max_seqlen, comm.world * local) if varlen else None
     sharding = Sharding(comm.world, layout, comm.world * local, cu)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    window = tuple(int(w) for w in window_size)
+    window = calls.window_edges(window_size, int(max_seqlen) if varlen else comm.world * local)  # of the whole sequence
     options = ring.RingOptions(scale, bool(causal), window, float(softcap), deterministic)
     out, lse = ring.RingAttention.apply(q, k, v, comm, sharding, options)
     return _result(comm, out, lse, return_attn_probs)
