@@ -241,9 +241,10 @@ def _save(ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seq
     ctx.set_materialize_grads(False)
 
 
-def _run_backward(ctx, dout, dlse, dq, dk, dv, own: bool = True):
-    """own: dq, dk, dv are the Function's own (contiguous, in the layout's gradient dtype)."""
-    q, k, v, out, lse, alibi_slopes, sink, cu_q, cu_k, seed = ctx.saved_tensors
+def _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own: bool = True):
+    """saved: ctx.saved_tensors, read once by the caller (torch.utils.checkpoint unpacks each tensor once); own: dq,
+    dk, dv are the Function's own (contiguous, in the layout's gradient dtype)."""
+    q, k, v, out, lse, alibi_slopes, sink, cu_q, cu_k, seed = saved
     dout = grad_of_out(dout, out)
     dsink = _dsink(sink)
     call = ctx.call
@@ -269,10 +270,10 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v = ctx.saved_tensors[:3]
+        saved = ctx.saved_tensors
         dtype = ctx.call.layout.grad_dtype  # (the interpreter's fp32: autograd casts it)
-        dq, dk, dv = (_runtime.empty(t.shape, dtype, t.device) for t in (q, k, v))
-        dsink = _run_backward(ctx, dout, dlse, dq, dk, dv)
+        dq, dk, dv = (_runtime.empty(t.shape, dtype, t.device) for t in saved[:3])
+        dsink = _run_backward(ctx, saved, dout, dlse, dq, dk, dv)
         return dq, dk, dv, None, dsink, None, None, None, None
 
 
@@ -300,7 +301,8 @@ class PackedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k = ctx.saved_tensors[:2]
+        saved = ctx.saved_tensors
+        q, k = saved[:2]
         dim = ctx.dim
         if ctx.packing == "qkv":
             dpacked = _runtime.empty((*q.shape[:dim], 3, *q.shape[dim:]), q.dtype, q.device)
@@ -309,7 +311,7 @@ class PackedAttention(torch.autograd.Function):
             dq = _runtime.empty_like(q)
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
-        dsink = _run_backward(ctx, dout, dlse, dq, dk, dv, own=False)
+        dsink = _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own=False)
         return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None, None, None
 
 
