@@ -116,10 +116,10 @@ def kvcache_append_kernel(
     if CACHE.SEQLENS_TENSOR:
         cache_seqlen = tl.load(CacheSeqlens + off_b)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    # token t goes to position cache_seqlen + t when that is in [0, capacity), else nowhere (compared without
-    # forming the sum, which a cache_seqlen near 2**31 would overflow)
-    t_ok = (t < seqlen_new) & (cache_seqlen >= -t) & (cache_seqlen < capacity - t)
-    pos = tl.where(t_ok, cache_seqlen + t, 0)
+    # token t goes to position cache_seqlen + t when that is in [0, capacity), else nowhere; a cache_seqlen outside
+    # [-seqlen_new, capacity] places no token there, so it is clamped into that range first (the sums stay in int32)
+    pos = tl.minimum(tl.maximum(cache_seqlen, -seqlen_new), capacity) + t
+    t_ok = (t < seqlen_new) & (pos >= 0) & (pos < capacity)
     if CACHE.PAGED:
         page = tl.load(BlockTable + off_b * stride_bt + pos // PAGE_SIZE, mask=t_ok, other=0)
         t_ok &= (page >= 0) & (page < n_rows)  # (a dropped token's address is never followed)
