@@ -515,11 +515,12 @@ def test_error_flag_is_clear_after_an_error():
 
 
 @pytest.mark.usefixtures("value_checks")  # restores the setting whatever happens below
-def test_unchecked_calls_clamp_and_do_not_raise():
+def test_unchecked_calls_do_not_raise():
     """Without value checks (the default): a valid call gives the checked call's result; an
-    out-of-range cache_seqlens does not raise (nothing is read back), the values are clamped,
-    and the other sequences are unaffected. set_kvcache_checks is set_value_checks' other name;
-    only a bool is taken."""
+    out-of-range cache_seqlens does not raise (nothing is read back), its append is dropped,
+    the reads are clamped, and the other sequences are unaffected (tests/test_owned_writes.py:
+    every index tensor). set_kvcache_checks is set_value_checks' other name; only a bool is
+    taken."""
     q = randn(2, 1, 4, 32, dtype=torch.float16)
     k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
     k, v = randn(2, 1, 2, 32, dtype=torch.float16), randn(2, 1, 2, 32, dtype=torch.float16)
@@ -536,11 +537,12 @@ def test_unchecked_calls_clamp_and_do_not_raise():
     out = flashattn2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad)
     assert torch.isfinite(out).all()
     assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(out[0], checked[0])
+    assert torch.equal(kc[1], k_cache[1]) and torch.equal(vc[1], v_cache[1]), "an append past the capacity is dropped"
     out = flashattn2.flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=torch.tensor([3, 99], dtype=torch.int32, device=DEVICE)
     )
     assert torch.isfinite(out).all()
-    # a block-table entry out of range is clamped to a real page, not followed
+    # a block-table entry out of range is read as a real page, not followed
     pages = randn(6, 4, 2, 32, dtype=torch.float16)
     table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEVICE)
     out = flashattn2.flash_attn_with_kvcache(

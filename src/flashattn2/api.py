@@ -446,11 +446,16 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
     The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are not read
-    back (the call never waits for the GPU): out-of-range values are clamped into range by the
-    kernels, so nothing is read or written out of bounds, as flash_attn does not check them
-    either. With set_value_checks(True), eager calls are checked by the kernels: the append
-    writes nothing when a value is out of range, and the call then raises ValueError (the host
-    reads one flag after the launches, so the call waits for its kernels).
+    back (the call never waits for the GPU), and flash_attn does not check them either; a value
+    out of range writes nothing that another index names: the append drops a write whose
+    target is out of range (all of a sequence's tokens when its cache_batch_idx is; a token whose
+    position cache_seqlens + i lies outside [0, capacity), or whose block_table entry does not
+    exist), never clamping it onto a real row, page or slot, and cache_leftpad never steers a
+    write; the attention reads the values clamped into range, so the bad sequence's output is
+    silently wrong and the others' are unchanged. With set_value_checks(True), eager calls are
+    checked by the kernels: the append writes nothing when a value is out of range, and the call
+    then raises ValueError (the host reads one flag after the launches, so the call waits for
+    its kernels).
     """
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
     if torch.compiler.is_compiling():

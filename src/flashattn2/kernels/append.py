@@ -88,8 +88,11 @@ def kvcache_append_kernel(
     GPT-J pairs of the first 2 * half features, by the angle of its position, in fp32, rounded
     once). CHECK: every program first checks every sequence's values (and Err, set by the
     page check that runs before it) and none writes when one is out of range (Err is set
-    instead), so a bad call leaves the cache untouched. The values are
-    also clamped into range, so that nothing is written out of bounds without CHECK."""
+    instead), so a bad call leaves the cache untouched. Without CHECK a write whose target is
+    out of range is dropped, never clamped onto memory another index names: a sequence whose
+    cache row does not exist writes nothing, a token whose position falls outside [0, capacity)
+    or on a page that does not exist is not written (the other tokens are). Left padding never
+    steers a write."""
     stride_nb, stride_ns, stride_nh = knew_strides
     stride_wb, stride_ws, stride_wh = vnew_strides
     stride_kb, stride_ks, stride_kh = k_strides
@@ -112,19 +115,24 @@ def kvcache_append_kernel(
             return
     if CACHE.SEQLENS_TENSOR:
         cache_seqlen = tl.load(CacheSeqlens + off_b)
-    start = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < seqlen_new
-    pos = start + t
+    # token t goes to position cache_seqlen + t when that is in [0, capacity), else nowhere; a cache_seqlen outside
+    # [-seqlen_new, capacity] places no token there, so it is clamped into that range first (the sums stay in int32)
+    pos = tl.minimum(tl.maximum(cache_seqlen, -seqlen_new), capacity) + t
+    t_ok = (t < seqlen_new) & (pos >= 0) & (pos < capacity)
     if CACHE.PAGED:
         page = tl.load(BlockTable + off_b * stride_bt + pos // PAGE_SIZE, mask=t_ok, other=0)
-        page = tl.minimum(tl.maximum(page, 0), n_rows - 1).to(tl.int64)
+        t_ok &= (page >= 0) & (page < n_rows)  # (a dropped token's address is never followed)
+        page = page.to(tl.int64)
         k_rows = K + page * stride_kb + (pos % PAGE_SIZE).to(tl.int64) * stride_ks
         v_rows = V + page * stride_vb + (pos % PAGE_SIZE).to(tl.int64) * stride_vs
     else:
         row = off_b
         if CACHE.BATCH_IDX:
-            row = tl.minimum(tl.maximum(tl.load(CacheBatchIdx + off_b), 0), n_rows - 1).to(tl.int64)
+            row = tl.load(CacheBatchIdx + off_b)
+            if (row < 0) | (row >= n_rows):  # a sequence without a cache row appends nothing
+                return
+            row = row.to(tl.int64)
         k_rows = K + row * stride_kb + pos.to(tl.int64) * stride_ks
         v_rows = V + row * stride_vb + pos.to(tl.int64) * stride_vs
     cols = tl.arange(0, BLOCK_D)

@@ -86,8 +86,10 @@ def set_value_checks(enabled: bool) -> bool:
     cache_leftpad, cache_batch_idx and block_table (in range) -- and raise ValueError naming
     the bad one. Off by default (FLASHATTN2_VALUE_CHECKS=1 in the environment starts with it
     on): a call then reads nothing back from the GPU, as flash_attn, and values out of range
-    are clamped into range on the device, so nothing is read or written out of bounds, but the
-    result of a bad value is silently wrong (flash_attn checks nothing either). On, a call
+    are clamped into range where the kernels read them and drop the KV-cache append's writes
+    they would misdirect (api.flash_attn_with_kvcache says which), so nothing is read or
+    written out of bounds and no sequence writes another's cache, but the result of a bad
+    value is silently wrong (flash_attn checks nothing either). On, a call
     reads the values back: the host waits for the GPU once per new cu_seqlens tensor and once
     per KV-cache call -- a debugging mode. Shapes, dtypes and int arguments are checked either
     way; under torch.compile and CUDA-graph capture nothing is read back whatever the setting.

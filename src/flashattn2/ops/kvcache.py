@@ -36,7 +36,8 @@ class Append:
     """kvcache_append_kernel as one prepared call launches it: k_new/v_new (batch, seqlen_new, nheads_k, headdim)
     written at positions cache_seqlens[b] + i, k rotated there first when the call has rotary tables. One kernel; with a
     Check every program first checks every sequence's values (cache_seqlens, cache_leftpad, cache_batch_idx, the pages
-    written) and none writes if one is out of range."""
+    written) and none writes if one is out of range; without, a write whose row, page or position is out of range is
+    dropped (kvcache_append_kernel), so that a bad value never writes what another index names."""
 
     __slots__ = ("shape", "launch", "grid", "ints", "rotary", "torch_rotary", "interleaved", "empty", "table_rows")
 
