@@ -54,7 +54,7 @@ def poison_outputs():
 
 @pytest.fixture(autouse=True)
 def verify_launches():
-    """On the GPU every direct relaunch of a remembered kernel (ops.launcher.launch) is checked
+    """On the GPU every direct relaunch of a kept kernel (ops.launcher.Launch) is checked
     against the kernel Triton itself would choose for the same arguments."""
     launcher.VERIFY_LAUNCH = ON_GPU
     yield
