@@ -2,8 +2,9 @@
 
 On the GPU each call runs for real under torch.cuda.set_sync_debug_mode("error"), which raises on any
 synchronizing CUDA call; it runs once before (the kernels compile) with other index tensors, so that the timed
-call meets its cu_seqlens for the first time. On the CPU the kernels are not launched (ops.launcher.stubbed) and every Python-level read of a tensor's values (item, tolist, bool, int, float, numpy, cpu) raises:
-the host path of each call is checked to read nothing."""
+call meets its cu_seqlens for the first time. On the CPU the kernels are not launched (ops.launcher.stubbed) and
+every Python-level read of a tensor's values (item, tolist, bool, int, float, numpy, cpu) raises: the host path of
+each call is checked to read nothing."""
 
 import os
 import subprocess
