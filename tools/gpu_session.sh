@@ -6,6 +6,13 @@
 # them here). From the source tree: no install needed (PYTHONPATH=src).
 #
 #   env        GPU, clocks, versions
+#   turn-tests the call path's and nothing-lost's tests at GPU sizes: threads, launches (direct relaunches checked
+#              against Triton's choice), host descriptors, window edges, the private functions' dtypes, owned writes,
+#              NaN propagation, the KV cache, the checkpointed MHA, and the fuzzer's CI mode
+#   memcheck   compute-sanitizer memcheck over the owned-writes tests (the dropped appends) and the NaN tests
+#   host-cli   python -m flashattn2 bench host with real launches beside SDPA (flash, cuDNN) and an empty custom op
+#   ab-turn    bench ab against the build before the call-path turn (.devout/base: tools/baseline_pkg.py 7bad312),
+#              bf16, d64/128/256, causal both, 1k/4k/16k, forward and backward, 2 rounds
 #   new-tests  the GPU tests written since the last GPU run, and the paths they touch
 #   tests      the whole suite on the GPU (-n 14): ~160 s on a machine that has compiled the kernels, over 600 s on
 #              a fresh one (it compiles them all): give it a call that follows another within the machine's idle
@@ -87,6 +94,20 @@ for s in "$@"; do
     new-tests)
       stage new-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
         -k "$NEW_TESTS" ;;
+    turn-tests)
+      stage turn-tests 420 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_threads.py tests/test_launch.py \
+        tests/test_owned_writes.py tests/test_nan.py tests/test_fuzz.py tests/test_kvcache.py tests/test_mha.py \
+        tests/test_flash_attn_interface.py tests/test_features.py tests/test_transformers.py \
+        tests/test_attention.py::test_host_descriptor_rule ;;
+    memcheck)
+      stage memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_owned_writes.py tests/test_nan.py -x ;;
+    host-cli)
+      stage host-cli 240 python3 -m flashattn2 bench host --csv "$OUT/host.csv" ;;
+    ab-turn)
+      stage ab-turn 560 python3 -m flashattn2 bench ab --csv "$OUT/ab-turn.csv" --modes fwd,bwd --rounds 2 --no-progress \
+        --no-cudnn --setting default --setting pkg:flashattn2_base --dtypes bf16 --headdims 64,128,256 \
+        --seqlens 1024,4096,16384 --causal 0,1 ;;
     order-tests)
       stage order-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_protocol_model.py \
         -k "$ORDER_TESTS" ;;
