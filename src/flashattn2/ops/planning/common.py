@@ -107,6 +107,13 @@ def tma_ok(arch: str, forced: Forced, aligned: bool, *tensors: specs.TensorSpec)
     return True
 
 
+def tma_columns_ok(*tensors: specs.TensorSpec) -> bool:
+    """Whether descriptors over (batch, seqlen, heads * headdim) views (host-built, and the Gluon kernels') address
+    every column: TMA coordinates are int32, and a head's first column is head * headdim (the batch and row
+    coordinates are below the grid's size and MAX_POSITIONS)."""
+    return all(t.shape[-2] * t.shape[-1] < 2**31 for t in tensors)
+
+
 def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
     """What the kernels write: the interpreter truncates fp32 -> 16-bit instead of rounding, so it writes fp32 and
     torch casts."""

@@ -17,7 +17,7 @@ from .. import spec as specs
 from ..geometry import block_d
 from ..modes import Forced, forced, wgmma
 from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
-from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_ok, window
+from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
 
 
 def _gluon_requires(direction: str):
@@ -144,6 +144,7 @@ def _host_desc_ok(forced: Forced, tma: bool, varlen: bool, *tensors: specs.Tenso
         and tma
         and not varlen
         and all(t.shape[-1] == block_d(t.shape[-1]) and t.heads_adjacent for t in tensors)
+        and tma_columns_ok(*tensors)
     )
 
 
@@ -160,6 +161,8 @@ def _gluon_ready(direction: str, s: specs.AttentionSpec, *tensors: specs.TensorS
         return False, "a tensor's heads are not adjacent in memory (the Gluon kernels' 3-D TMA boxes)"
     if not tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3), *tensors):
         return False, "a tensor not 16-byte aligned, or TMA forced off"
+    if not tma_columns_ok(*tensors):
+        return False, "nheads * headdim of 2**31 or more: past TMA's int32 coordinates"
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
         if forced_.hopper is not False:  # not asked for the Triton kernels: say what is lost
