@@ -12,6 +12,7 @@ import torch
 import flashattn2
 from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
+from flashattn2.layers.rotary import apply_rotary_emb, apply_rotary_emb_torch
 from flashattn2.ops import checks, planning, registry
 from flashattn2.ops import spec as specs
 from flashattn2.ops.options import Options
@@ -37,6 +38,34 @@ def huge(tmp_path, numel: int, dtype) -> torch.Tensor:
 def overlapping(tmp_path, rows: int, d: int, dtype=torch.float32) -> torch.Tensor:
     """(1, rows, 1, d) whose row r is elements r .. r + d - 1 of one buffer: `rows` positions in rows + d elements."""
     return huge(tmp_path, rows + d, dtype).as_strided((1, rows, 1, d), (d, 1, d, 1))
+
+
+def test_rotary_heads_far_apart(tmp_path):
+    """apply_rotary_emb on a head-major view whose last head starts 2**31 elements past its first: the kernel added
+    h * stride_h in int32, so head 8 was read and written 2**31 elements before its place (here still inside the
+    buffer: a wrong result rather than a fault)."""
+    nheads, d, stride_h, offset = 9, 8, 2**28, 2**31
+    x = huge(tmp_path, offset + nheads * stride_h, torch.float32).as_strided(
+        (1, 3, nheads, d), (3 * d, d, stride_h, 1), offset
+    )
+    x.copy_(randn(1, 3, nheads, d, dtype=torch.float32))
+    cos, sin = randn(5, d // 2, dtype=torch.float32), randn(5, d // 2, dtype=torch.float32)
+    want = apply_rotary_emb_torch(x.clone(), cos[:3], sin[:3])
+    apply_rotary_emb(x, cos, sin, inplace=True)
+    torch.testing.assert_close(x, want)
+
+
+def test_rotary_positions_past_int32(tmp_path):
+    """A rotary table of more than 2**31 positions and an offset near 2**31: a token's position (row + offset)
+    passes 2**31, and the kernel took it in int32 (wrapped negative: the token was left unrotated)."""
+    n, offset, seqlen = 2**31 + 16, 2**31 - 8, 16
+    table = huge(tmp_path, 2 * n, torch.float32)
+    cos, sin = table[:n].view(n, 1), table[n:].view(n, 1)
+    angles = torch.rand(seqlen, 1, device=DEVICE) * 6
+    cos[offset : offset + seqlen], sin[offset : offset + seqlen] = angles.cos(), angles.sin()
+    x = randn(1, seqlen, 2, 2, dtype=torch.float32)
+    want = apply_rotary_emb_torch(x, cos[offset : offset + seqlen], sin[offset : offset + seqlen])
+    torch.testing.assert_close(apply_rotary_emb(x, cos, sin, seqlen_offsets=offset), want)
 
 
 @pytest.mark.parametrize("path", ["dense", "varlen", "invariant"])

@@ -47,7 +47,7 @@ def rotate_(
         seqlen_offsets = seqlen_offsets.contiguous()
     if varlen:
         cu_seqlens = cu_seqlens.contiguous()
-    grid = (-(-seqlen // block_m), batch)
+    grid = (-(-seqlen // block_m) * batch,)
     with _runtime.device_of(x):
         launcher.launch(
             _runtime.kernels().rotary.rotary_kernel,
