@@ -68,6 +68,29 @@ def test_rotary_positions_past_int32(tmp_path):
     torch.testing.assert_close(apply_rotary_emb(x, cos, sin, seqlen_offsets=offset), want)
 
 
+def test_rotary_sequences_past_the_grids_second_axis(monkeypatch):
+    """A varlen batch of more than 65535 sequences: CUDA caps a grid's second and third axes at 65535, and the rotary
+    kernel had one sequence per program on its second axis (the launch failed). The sequences fill the second axis
+    and go on in the third (here with rows of 2 to run it in the interpreter: 5 sequences, the last program past
+    them)."""
+    from flashattn2.ops import rotary as ops_rotary
+
+    grids = []
+    monkeypatch.setattr(ops_rotary.launcher, "launch", lambda kernel, grid, *args, **kw: grids.append(grid))
+    x, cos = randn(70000, 1, 2, dtype=torch.float32), randn(1, 1, dtype=torch.float32)
+    ops_rotary.rotate_(x, cos, cos, False, cu_seqlens=cu_seqlens([1] * 70000), max_seqlen=1)
+    (grid,) = grids
+    assert max(grid[1:]) <= 65535 and grid[1] * grid[2] >= 70000, grid
+    monkeypatch.undo()
+    monkeypatch.setattr(ops_rotary, "_GRID_YZ", 2)
+    lengths = [3, 1, 4, 1, 5]
+    x = randn(sum(lengths), 2, 8, dtype=torch.float32)
+    cos, sin = randn(5, 4, dtype=torch.float32), randn(5, 4, dtype=torch.float32)
+    want = torch.cat([apply_rotary_emb_torch(t[None], cos[: len(t)], sin[: len(t)])[0] for t in x.split(lengths)])
+    out = apply_rotary_emb(x, cos, sin, cu_seqlens=cu_seqlens(lengths), max_seqlen=5)
+    torch.testing.assert_close(out, want)
+
+
 @pytest.mark.parametrize("path", ["dense", "varlen", "invariant"])
 def test_literal_window_edges_near_int32(path):
     """Options keep their window edges literally (the ops, the ring's blocks): an edge near 2**31 binds no more than

@@ -15,7 +15,7 @@ def rotary_kernel(
     Offsets,
     x_strides,  # (batch, row, head)
     stride_cs,
-    shape,  # (seqlen, nheads, seqlen_ro, half): x's rows and heads, cos's rows and columns
+    shape,  # (batch, seqlen, nheads, seqlen_ro, half): x's sequences, rows and heads, cos's rows and columns
     offset,
     IS_VARLEN: tl.constexpr,
     OFFSETS_TENSOR: tl.constexpr,
@@ -24,13 +24,14 @@ def rotary_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # one program per (sequence, block of BLOCK_M rows), the blocks of a sequence consecutive on the grid's one axis (a
-    # second axis of sequences would cap a varlen batch at CUDA's 65535)
+    # grid: (row blocks, sequences), the sequences on the second and third axes (CUDA caps each at 65535): sequence
+    # program_id(1) + program_id(2) * num_programs(1)
     stride_xb, stride_xs, stride_xh = x_strides
-    seqlen, nheads, seqlen_ro, half = shape
-    num_m = tl.cdiv(seqlen, BLOCK_M)
-    pid_m = tl.program_id(0) % num_m
-    off_b = (tl.program_id(0) // num_m).to(tl.int64)
+    batch, seqlen, nheads, seqlen_ro, half = shape
+    pid_m = tl.program_id(0)
+    off_b = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    if off_b >= batch:
+        return
     if IS_VARLEN:
         start = tl.load(CuSeqlens + off_b).to(tl.int64)
         seqlen = (tl.load(CuSeqlens + off_b + 1) - start).to(tl.int32)
