@@ -27,6 +27,7 @@ def huge(tmp_path, numel: int, dtype) -> torch.Tensor:
     try:
         if ON_GPU:
             return torch.empty(numel, dtype=dtype, device=DEVICE)
+        tmp_path.mkdir(parents=True, exist_ok=True)
         path = tmp_path / "huge.bin"
         with open(path, "wb") as f:
             f.truncate(numel * dtype.itemsize)
@@ -237,3 +238,28 @@ def test_kv_tma_rows_within_int32():
         s = specs.kvcache(q, k, v, *(None,) * 7, table, None, False, (-1, -1), 0.0, True, None, 1, None)
         plan = planning.decode(planning.kvcache_cache(s), "sm90", planning.Forced(), False, 1, 132)
         assert plan.kv_tma is ok, pages
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kernels/append.py adds h * stride_h (k, v, k_new, v_new) in int32; the fix: int64 head offsets",
+)
+def test_kvcache_append_heads_far_apart(tmp_path):
+    """Appending into a head-major cache whose last head starts 2**31 elements past its first (the decode kernel
+    reads it right: its head offsets are int64). The append wrote head 8's keys 2**31 elements before their place
+    (here still inside the buffer: a wrong result rather than a fault)."""
+    nheads, d, stride_h, offset, seqlen = 9, 8, 2**28, 2**31, 4
+    k_cache, v_cache = (
+        huge(tmp_path / name, offset + nheads * stride_h, torch.float32).as_strided(
+            (1, seqlen, nheads, d), (seqlen * d, d, stride_h, 1), offset
+        )
+        for name in ("k", "v")
+    )
+    for cache in (k_cache, v_cache):
+        cache.copy_(randn(1, seqlen, nheads, d, dtype=torch.float32))
+    k, v = randn(1, 2, nheads, d, dtype=torch.float32), randn(1, 2, nheads, d, dtype=torch.float32)
+    q = randn(1, 1, nheads, d, dtype=torch.float32)
+    out = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1)
+    torch.testing.assert_close(k_cache[:, 1:3], k)
+    torch.testing.assert_close(v_cache[:, 1:3], v)
+    torch.testing.assert_close(out, attention_ref(q, k_cache[:, :3], v_cache[:, :3])[0].to(out.dtype))
