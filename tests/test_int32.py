@@ -23,7 +23,9 @@ L = checks.MAX_POSITIONS
 
 def huge(tmp_path, numel: int, dtype) -> torch.Tensor:
     """A 1-D tensor of numel elements that costs only the memory written: a sparse file's shared mapping on the CPU
-    (not charged to the process's memory), an allocation left untouched on a GPU."""
+    (not charged to the process's memory); on a GPU an allocation, up to 8 GiB."""
+    if ON_GPU and numel * dtype.itemsize > 8 << 30:
+        pytest.skip("a GPU's memory is real: this buffer would starve the tests beside it")
     try:
         if ON_GPU:
             return torch.empty(numel, dtype=dtype, device=DEVICE)
@@ -90,6 +92,30 @@ def test_rotary_sequences_past_the_grids_second_axis(monkeypatch):
     want = torch.cat([apply_rotary_emb_torch(t[None], cos[: len(t)], sin[: len(t)])[0] for t in x.split(lengths)])
     out = apply_rotary_emb(x, cos, sin, cu_seqlens=cu_seqlens(lengths), max_seqlen=5)
     torch.testing.assert_close(out, want)
+
+
+def test_attention_heads_far_apart(tmp_path):
+    """q, k, v and dO head-major views whose last head starts 2**31 elements past their first: the forward, the
+    backward and the batch-invariant mode's forward (the decode kernel) take each head's offset in int64."""
+    nheads, d, stride_h, offset, seqlen = 9, 8, 2**28, 2**31, 5
+    buf = huge(tmp_path, offset + nheads * stride_h, torch.float32)
+    q, k, v, do = (
+        buf.as_strided((1, seqlen, nheads, d), (seqlen * d, d, stride_h, 1), offset + i * seqlen * d) for i in range(4)
+    )
+    for t in (q, k, v, do):
+        t.copy_(randn(1, seqlen, nheads, d, dtype=torch.float32))
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention_ref(*dense, causal=True)[0]
+    want_grads = torch.autograd.grad(want, dense, do)
+    options = Options(softmax_scale=d**-0.5, causal=True)
+    out, lse = registry.forward(q, k, v, options)
+    torch.testing.assert_close(out, want.to(out.dtype))
+    grads = [torch.empty(1, seqlen, nheads, d, device=DEVICE) for _ in range(3)]
+    registry.backward(do, q, k, v, out, lse, None, *grads, options, None, None, None, True)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref.to(got.dtype))
+    with flashattn2.batch_invariant():
+        torch.testing.assert_close(registry.forward(q, k, v, options)[0], out)
 
 
 @pytest.mark.parametrize("path", ["dense", "varlen", "invariant"])
