@@ -38,12 +38,14 @@ def rotary_kernel(
         base = X + start * stride_xs
     else:
         base = X + off_b * stride_xb
-    if pid_m * BLOCK_M >= seqlen:
+    # rows and positions in int64: x and its table are the caller's (2**31 rows or more), and so is the offset
+    first_row = pid_m.to(tl.int64) * BLOCK_M
+    if first_row >= seqlen:
         return
     if OFFSETS_TENSOR:
         offset = tl.load(Offsets + off_b)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pos = rows.to(tl.int64) + offset  # int64: a row past an offset near 2**31 is still a position past it
+    rows = first_row + tl.arange(0, BLOCK_M)
+    pos = rows + offset
     cols = tl.arange(0, BLOCK_H)
     cs_mask = ((pos >= 0) & (pos < seqlen_ro))[:, None] & (cols < half)[None, :]
     # [BLOCK_M, BLOCK_H]
@@ -61,7 +63,7 @@ def rotary_kernel(
     mask = (rows < seqlen)[:, None] & (cols < half)[None, :]
     # head 0's rows, moved by stride_xh a head: no int32 product h * stride_xh (it passes 2**31 for heads far apart in
     # memory, a head-major view)
-    head = base + rows.to(tl.int64)[:, None] * stride_xs
+    head = base + rows[:, None] * stride_xs
     for h in range(0, nheads):
         p1 = head + c1[None, :]
         p2 = head + c2[None, :]
