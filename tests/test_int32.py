@@ -253,6 +253,23 @@ def test_tma_columns_within_int32():
         checks.META_OK.reset(token)
 
 
+def test_persistent_forward_ring_count_within_int32():
+    """The persistent Gluon forward's CTAs each count their ring positions (their tiles' key blocks + 1) in int32:
+    a single head of 2**26 tokens (2**19 tiles over 132 SMs, 2**20 + 1 positions each: 4e9) takes another kernel,
+    one of 2**24 the persistent one."""
+    explain = importlib.import_module("flashattn2.explain")
+    token = checks.META_OK.set(True)
+    try:
+        for seqlen, ok in ((2**24, True), (2**26, False)):
+            q = _meta(1, seqlen, 1, 128)
+            plan = planning.plan(explain._on("sm90", explain._attention_spec(q, q, q, {})))
+            if ok and not plan.gluon:
+                pytest.skip("the Gluon kernels do not run on this Triton release")
+            assert (plan.kernel == "fwd_hopper_persist") is ok, (seqlen, plan.kernel)
+    finally:
+        checks.META_OK.reset(token)
+
+
 def test_kv_tma_rows_within_int32():
     """The latent cache's TMA path addresses the cache's rows (pages x page size) with an int32 coordinate: it takes
     caches of fewer than 2**31 rows, the pointer loop the others."""

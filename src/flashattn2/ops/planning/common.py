@@ -27,6 +27,8 @@ class Features:
     gluon: bool = False
     deterministic: bool = True  # backward: dQ in its own pass, bitwise-identical gradients run to run
     gluon_why: str = ""
+    # the persistent Gluon forward's ring position, an int32 count a CTA runs on over all its tiles, holds the call
+    persist_counter: bool = True
 
 
 @dataclass(frozen=True)
