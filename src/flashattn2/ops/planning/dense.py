@@ -17,8 +17,8 @@ from .. import spec as specs
 from ..geometry import block_d
 from ..modes import Forced, forced, wgmma
 from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
-from .decoding import sm_count
 from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
+from .decoding import sm_count
 
 
 def _gluon_requires(direction: str):
