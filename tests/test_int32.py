@@ -33,7 +33,9 @@ def huge(tmp_path, numel: int, dtype) -> torch.Tensor:
         path = tmp_path / "huge.bin"
         with open(path, "wb") as f:
             f.truncate(numel * dtype.itemsize)
-        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+        t = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+        path.unlink()  # (the mapping stays: nothing is left on disk once the tensor is gone)
+        return t
     except (OSError, RuntimeError) as e:  # (a file system without sparse files, a GPU without the memory)
         pytest.skip(f"no {numel}-element buffer here: {e}")
 
