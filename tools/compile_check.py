@@ -495,7 +495,7 @@ def cases(arch):
             2,
             flags,
             T(8, 8, 4, 1),
-            {"x_strides": _i32(3), "shape": _i32(4)},
+            {"x_strides": _i32(3), "shape": _i32(5)},
         )
     # the ring's merge of partial results (flashattn2.parallel), first block and later ones, head dims to 512
     for first, head_dim in ((True, 128), (False, 512)):

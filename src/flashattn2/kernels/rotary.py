@@ -15,7 +15,7 @@ def rotary_kernel(
     Offsets,
     x_strides,  # (batch, row, head)
     stride_cs,
-    shape,  # (seqlen, nheads, seqlen_ro, half): x's rows and heads, cos's rows and columns
+    shape,  # (batch, seqlen, nheads, seqlen_ro, half): x's sequences, rows and heads, cos's rows and columns
     offset,
     IS_VARLEN: tl.constexpr,
     OFFSETS_TENSOR: tl.constexpr,
@@ -24,26 +24,32 @@ def rotary_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    # grid: (row blocks, sequences), the sequences on the second and third axes (CUDA caps each at 65535): sequence
+    # program_id(1) + program_id(2) * num_programs(1)
     stride_xb, stride_xs, stride_xh = x_strides
-    seqlen, nheads, seqlen_ro, half = shape
+    batch, seqlen, nheads, seqlen_ro, half = shape
     pid_m = tl.program_id(0)
-    off_b = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    if off_b >= batch:
+        return
     if IS_VARLEN:
         start = tl.load(CuSeqlens + off_b).to(tl.int64)
         seqlen = (tl.load(CuSeqlens + off_b + 1) - start).to(tl.int32)
         base = X + start * stride_xs
     else:
         base = X + off_b * stride_xb
-    if pid_m * BLOCK_M >= seqlen:
+    # rows and positions in int64: x and its table are the caller's (2**31 rows or more), and so is the offset
+    first_row = pid_m.to(tl.int64) * BLOCK_M
+    if first_row >= seqlen:
         return
     if OFFSETS_TENSOR:
         offset = tl.load(Offsets + off_b)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = first_row + tl.arange(0, BLOCK_M)
     pos = rows + offset
     cols = tl.arange(0, BLOCK_H)
     cs_mask = ((pos >= 0) & (pos < seqlen_ro))[:, None] & (cols < half)[None, :]
     # [BLOCK_M, BLOCK_H]
-    cs_off = pos.to(tl.int64)[:, None] * stride_cs + cols[None, :]
+    cs_off = pos[:, None] * stride_cs + cols[None, :]
     c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)
     s = tl.load(Sin + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
     if CONJ:
@@ -55,12 +61,16 @@ def rotary_kernel(
         c1 = cols
         c2 = cols + half
     mask = (rows < seqlen)[:, None] & (cols < half)[None, :]
+    # head 0's rows, moved by stride_xh a head: no int32 product h * stride_xh (it passes 2**31 for heads far apart in
+    # memory, a head-major view)
+    head = base + rows[:, None] * stride_xs
     for h in range(0, nheads):
-        p1 = base + rows.to(tl.int64)[:, None] * stride_xs + h * stride_xh + c1[None, :]
-        p2 = base + rows.to(tl.int64)[:, None] * stride_xs + h * stride_xh + c2[None, :]
+        p1 = head + c1[None, :]
+        p2 = head + c2[None, :]
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
         y1 = x1 * c - x2 * s
         y2 = x1 * s + x2 * c
         tl.store(p1, y1.to(X.dtype.element_ty), mask=mask)
         tl.store(p2, y2.to(X.dtype.element_ty), mask=mask)
+        head += stride_xh

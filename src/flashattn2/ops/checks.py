@@ -14,6 +14,19 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 512  # q/k's and v's, each
 # flash_attn_with_kvcache: q/k up to the MLA decode shape, a 512-wide latent and its 64 rotary columns (v 512)
 MAX_HEAD_DIM_KVCACHE = 576
+# the most positions a sequence, a KV cache or a varlen pack may hold: the kernels compute positions in int32, and
+# their sums (a row, the diagonal seqlen_k - seqlen_q, a window edge of up to seqlen_q + seqlen_k, a block) stay
+# below 2**31 while every length is at most 2**29 (docs/design.md, "Index arithmetic and int32")
+MAX_POSITIONS = 2**29
+
+
+def check_positions(name: str, n: int) -> None:
+    """n (a length of `name`) at most MAX_POSITIONS, else NotImplementedError naming it and the limit."""
+    if n > MAX_POSITIONS:
+        raise NotImplementedError(
+            f"{name} is {n}: flashattn2's kernels index at most 2**29 = {MAX_POSITIONS} positions in a sequence, a "
+            "KV cache or a varlen pack (their position arithmetic is int32)"
+        )
 
 
 def _tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -57,6 +70,9 @@ def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False) -> None:
             f"seqlens, nheads and headdims must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     check_heads(nheads, nheads_k, head_dim, q.device, "k/v", v.shape[-1])
+    seq = 0 if varlen else 1
+    check_positions("total_q" if varlen else "seqlen_q", q.shape[seq])
+    check_positions("total_k" if varlen else "seqlen_k", k.shape[seq])
 
 
 def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, limit=MAX_HEAD_DIM) -> None:
@@ -173,6 +189,7 @@ def max_seqlens(max_seqlen_q, max_seqlen_k) -> list[int]:
         m = int(m.item()) if isinstance(m, torch.Tensor) else m
         if not isinstance(m, int) or m < 0:
             raise ArgumentError(f"{name} must be an int >= 0, got {m!r}")
+        check_positions(name, m)
         maxes.append(m)
     return maxes
 
@@ -381,6 +398,8 @@ def check_kvcache(
             )
         _index_tensor("block_table", block_table, block_table.shape)
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    check_positions("seqlen_q", seqlen_q)
+    check_positions("the capacity block_table.shape[1] * k_cache.shape[1]" if paged else "k_cache.shape[1]", capacity)
     if k is not None and k.shape[1] > capacity:
         raise ArgumentError(
             f"seqlen_new={k.shape[1]} new tokens do not fit the cache's "
@@ -526,6 +545,8 @@ def check_varlen_paged(
     if block_table.device != q.device:
         raise ArgumentError(f"block_table is on {block_table.device}, q on {q.device}")
     maxes = max_seqlens(max_seqlen_q, max_seqlen_k)
+    check_positions("total_q", q.shape[0])
+    check_positions("the capacity block_table.shape[1] * k.shape[1]", block_table.shape[1] * k_cache.shape[1])
     check_alibi(alibi_slopes, q, batch)
     return maxes
 

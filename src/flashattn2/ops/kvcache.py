@@ -281,10 +281,12 @@ class Decode:
                         shape.table_stride, shape.alibi.shape[-1] if shape.alibi is not None and
                         len(shape.alibi.shape) == 2 else 0)  # fmt: skip
         w = window(shape.causal, shape.left, shape.right)
-        far = seqlen_q + shape.capacity  # an unbounded edge: one that cannot bind
+        # an unbounded edge: one that cannot bind; an edge past it binds no more (the batch-invariant mode's window is
+        # an Options' when literal: any int), and taken as it keeps the kernel's position sums within int32
+        far = seqlen_q + shape.capacity
         softcap = shape.softcap
-        self.score = (w.left if w.left >= 0 else far, w.right if w.right >= 0 else far, shape.scale,
-                      softcap if softcap > 0 else 1.0)  # fmt: skip
+        self.score = (min(w.left, far) if w.left >= 0 else far, min(w.right, far) if w.right >= 0 else far,
+                      shape.scale, softcap if softcap > 0 else 1.0)  # fmt: skip
         kernels = _runtime.kernels().decode
         upcast = interp or shape.k.dtype == torch.float32
         kwargs = dict(

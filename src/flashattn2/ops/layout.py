@@ -58,11 +58,13 @@ class Layout:
         self.lse_strides = (0, lse[0]) if varlen else (lse[0], lse[1])
         self.shape = (self.batch, self.nheads, self.max_seqlen_q, self.max_seqlen_k, self.nheads // self.nheads_k)
         w = window(spec.causal, *spec.window)
-        far = self.max_seqlen_q + self.max_seqlen_k  # an unbounded edge: one that cannot bind
+        # an unbounded edge: one that cannot bind; an edge past it binds no more (an Options' edge is any int), and
+        # taken as it keeps the kernels' position sums within int32 (checks.MAX_POSITIONS)
+        far = self.max_seqlen_q + self.max_seqlen_k
         softcap = float(spec.softcap)
         self.score = (
-            w.left if w.left >= 0 else far,
-            w.right if w.right >= 0 else far,
+            min(w.left, far) if w.left >= 0 else far,
+            min(w.right, far) if w.right >= 0 else far,
             softmax_scale,
             softcap if softcap > 0 else 1.0,
             float(spec.dropout_p),

@@ -6,6 +6,8 @@ import torch
 
 from . import _runtime, launcher
 
+_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
+
 
 def rotate_(
     x: torch.Tensor,
@@ -47,7 +49,8 @@ def rotate_(
         seqlen_offsets = seqlen_offsets.contiguous()
     if varlen:
         cu_seqlens = cu_seqlens.contiguous()
-    grid = (-(-seqlen // block_m), batch)
+    grid_y = max(1, min(batch, _GRID_YZ))  # sequences on the grid's second axis, the rest on its third
+    grid = (-(-seqlen // block_m), grid_y, -(-batch // grid_y))
     with _runtime.device_of(x):
         launcher.launch(
             _runtime.kernels().rotary.rotary_kernel,
@@ -59,7 +62,7 @@ def rotate_(
             seqlen_offsets if offsets_tensor else None,
             (stride_b, stride_s, stride_h),
             cos.stride(0),
-            (seqlen, nheads, cos.shape[0], half),
+            (batch, seqlen, nheads, cos.shape[0], half),
             0 if offsets_tensor else int(seqlen_offsets),
             IS_VARLEN=varlen,
             OFFSETS_TENSOR=offsets_tensor,

@@ -27,6 +27,8 @@ class Features:
     gluon: bool = False
     deterministic: bool = True  # backward: dQ in its own pass, bitwise-identical gradients run to run
     gluon_why: str = ""
+    # the persistent Gluon forward's ring position, an int32 count a CTA runs on over all its tiles, holds the call
+    persist_counter: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,13 @@ def tma_ok(arch: str, forced: Forced, aligned: bool, *tensors: specs.TensorSpec)
         if any(s == 0 or (s * es) % 16 for s in t.stride[:-1]):
             return False
     return True
+
+
+def tma_columns_ok(*tensors: specs.TensorSpec) -> bool:
+    """Whether descriptors over (batch, seqlen, heads * headdim) views (host-built, and the Gluon kernels') address
+    every column: TMA coordinates are int32, and a head's first column is head * headdim (the batch and row
+    coordinates are below the grid's size and MAX_POSITIONS)."""
+    return all(t.shape[-2] * t.shape[-1] < 2**31 for t in tensors)
 
 
 def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:

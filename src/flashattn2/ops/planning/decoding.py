@@ -230,6 +230,7 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
         and not c.leftpad
         and c.page_size % tile.block_n == 0
         and c.pages_contiguous
+        and c.k.shape[0] * c.page_size < 2**31  # the cache's rows: the descriptor's int32 row coordinate
         and tma_ok(arch, forced_, c.aligned, c.k)
     )
     return Plan(
@@ -280,6 +281,18 @@ def kvcache_cache(s: specs.KVCacheSpec) -> Cache:
     )
 
 
+def _varlen_rows(group: int, max_seqlen_q: int) -> int:
+    """A varlen q's packed rows (the paged prefill's, the batch-invariant mode's varlen call): the kernel (VARLEN_Q)
+    compares a program's first row with seqlen_q * group in int32."""
+    rows = group * max_seqlen_q
+    if rows >= 2**31:
+        raise NotImplementedError(
+            f"{group} query heads per K/V head x max_seqlen_q={max_seqlen_q} is {rows} packed rows of a sequence: "
+            "flashattn2's KV-cache kernel counts them in int32 (at most 2**31 - 1)"
+        )
+    return rows
+
+
 def paged_cache(s: specs.PagedSpec) -> Cache:
     nheads, head_dim = s.q.shape[1:]
     page = s.k_cache.shape[1]
@@ -291,7 +304,7 @@ def paged_cache(s: specs.PagedSpec) -> Cache:
         False,
         s.cu_seqlens_q.shape[0] - 1,
         nheads_k,
-        nheads // nheads_k * s.max_seqlen_q,
+        _varlen_rows(nheads // nheads_k, s.max_seqlen_q),
         head_dim,
         v.shape[-1],
         s.q.dtype,
@@ -313,7 +326,8 @@ def invariant_cache(s: specs.AttentionSpec) -> Cache:
     else:
         capacity, batch, seqlen_q, max_keys = s.k.shape[1], s.q.shape[0], s.q.shape[1], None
     group = nheads // nheads_k
+    rows = _varlen_rows(group, seqlen_q) if s.varlen else group * seqlen_q
     return Cache(
-        capacity, 0, s.varlen, batch, nheads_k, group * seqlen_q, head_dim, s.v.shape[-1], s.q.dtype, False, True,
+        capacity, 0, s.varlen, batch, nheads_k, rows, head_dim, s.v.shape[-1], s.q.dtype, False, True,
         max_keys, s.k, specs.all_aligned(s.aligned, 3),
     )  # fmt: skip

@@ -17,7 +17,8 @@ from .. import spec as specs
 from ..geometry import block_d
 from ..modes import Forced, forced, wgmma
 from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
-from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_ok, window
+from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
+from .decoding import sm_count
 
 
 def _gluon_requires(direction: str):
@@ -54,13 +55,19 @@ def _gluon_bwd(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) ->
     return _GLUON_BWD(features, dtype, head_dim, head_dim_v, max_seqlen_k)
 
 
+def _gluon_persist(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
+    if not features.persist_counter:
+        return "a CTA's key blocks past 2**31: the persistent kernel counts its ring positions in int32"
+    return _GLUON_FWD(features, dtype, head_dim, head_dim_v, max_seqlen_k)
+
+
 _GLUON_FWD, _GLUON_BWD = _gluon_requires("fwd"), _gluon_requires("bwd")
 # kernel -> why a call cannot run it (features, dtype, head_dim, head_dim_v, max_seqlen_k), None when it can; the
 # Triton kernels run everything
 REQUIRES = {
     "fwd": lambda f, dtype, d, dv, n: None,
     "bwd_dkdv": lambda f, dtype, d, dv, n: None,
-    "fwd_hopper_persist": _GLUON_FWD,
+    "fwd_hopper_persist": _gluon_persist,
     "fwd_hopper_ws": _GLUON_FWD,
     "bwd_hopper": _gluon_bwd,
 }
@@ -144,6 +151,7 @@ def _host_desc_ok(forced: Forced, tma: bool, varlen: bool, *tensors: specs.Tenso
         and tma
         and not varlen
         and all(t.shape[-1] == block_d(t.shape[-1]) and t.heads_adjacent for t in tensors)
+        and tma_columns_ok(*tensors)
     )
 
 
@@ -160,12 +168,24 @@ def _gluon_ready(direction: str, s: specs.AttentionSpec, *tensors: specs.TensorS
         return False, "a tensor's heads are not adjacent in memory (the Gluon kernels' 3-D TMA boxes)"
     if not tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3), *tensors):
         return False, "a tensor not 16-byte aligned, or TMA forced off"
+    if not tma_columns_ok(*tensors):
+        return False, "nheads * headdim of 2**31 or more: past TMA's int32 coordinates"
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
         if forced_.hopper is not False:  # not asked for the Triton kernels: say what is lost
             _runtime.warn_without_gluon(direction)
         return False, "the Gluon kernels do not run on this Triton release (README: compatibility)"
     return True, ""
+
+
+def _persist_counter(s: specs.AttentionSpec) -> bool:
+    """Whether the persistent Gluon forward's ring position, an int32 count a CTA runs on over its tiles (each
+    advances it by its key blocks + 1: kernels/fwd_hopper_persist.py), stays below 2**31: its tiles (at least 128 query
+    rows: two consumers of 64) over one CTA per SM, each with up to cdiv(seqlen_k, 64) + 1 positions."""
+    batch, seqlen_q, nheads = s.q.shape[:3]
+    tiles = -(-seqlen_q // 128) * batch * nheads
+    per_cta = -(-tiles // max(1, min(tiles, sm_count(s.q.device, s.modes.arch))))
+    return per_cta * (-(-s.k.shape[1] // 64) + 1) < 2**31
 
 
 def _out_spec(s: specs.AttentionSpec, dtype: torch.dtype) -> specs.TensorSpec:
@@ -187,7 +207,8 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     gluon, gluon_why = False, "varlen: the Gluon kernels take dense inputs"
     if not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
         gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
-    features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why)
+    persist = not (gluon and direction == "fwd") or _persist_counter(s)
+    features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why, persist)
     tma = tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3) and specs.all_aligned(aligned), *tensors)
     host = _host_desc_ok(forced_, tma, s.varlen, *tensors)
     args = (arch, s.q.dtype, s.q.shape[-1], w.causal, max_seqlen_k, features, direction, s.v.shape[-1], forced_)
