@@ -287,14 +287,10 @@ def test_kv_tma_rows_within_int32():
         assert plan.kv_tma is ok, pages
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/append.py adds h * stride_h (k, v, k_new, v_new) in int32; the fix: int64 head offsets",
-)
 def test_kvcache_append_heads_far_apart(tmp_path):
     """Appending into a head-major cache whose last head starts 2**31 elements past its first (the decode kernel
     reads it right: its head offsets are int64). The append wrote head 8's keys 2**31 elements before their place
-    (here still inside the buffer: a wrong result rather than a fault)."""
+    when it added h * stride_h in int32 (here still inside the buffer: a wrong result rather than a fault)."""
     nheads, d, stride_h, offset, seqlen = 9, 8, 2**28, 2**31, 4
     k_cache, v_cache = (
         huge(tmp_path / name, offset + nheads * stride_h, torch.float32).as_strided(

@@ -155,16 +155,20 @@ def kvcache_append_kernel(
         cs_off = pos.to(tl.int64)[:, None] * stride_cs + angle[None, :]
         c = tl.load(Cos + cs_off, mask=cs_mask, other=1.0).to(tl.float32)
         s = tl.load(Sin + cs_off, mask=cs_mask, other=0.0).to(tl.float32) * sign[None, :]
-    for h in range(0, nheads_k):
-        src = KNew + off_b * stride_nb + t64[:, None] * stride_ns + h * stride_nh
+    # head h's rows: the pointers move one head stride a head (h * stride in int32 wraps past 2**31 elements)
+    src = KNew + off_b * stride_nb + t64[:, None] * stride_ns
+    src_v = VNew + off_b * stride_wb + t64[:, None] * stride_ws
+    dst = k_rows[:, None]
+    dst_v = v_rows[:, None]
+    for _ in range(0, nheads_k):
         x = tl.load(src + cols[None, :], mask=mask, other=0.0)
         if ROTARY:
             x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
-        tl.store(k_rows[:, None] + h * stride_kh + cols[None, :], x, mask=mask)
-        val = tl.load(
-            VNew + off_b * stride_wb + t64[:, None] * stride_ws + h * stride_wh + cols_v[None, :],
-            mask=mask_v,
-            other=0.0,
-        )
-        tl.store(v_rows[:, None] + h * stride_vh + cols_v[None, :], val, mask=mask_v)
+        tl.store(dst + cols[None, :], x, mask=mask)
+        val = tl.load(src_v + cols_v[None, :], mask=mask_v, other=0.0)
+        tl.store(dst_v + cols_v[None, :], val, mask=mask_v)
+        src += stride_nh
+        src_v += stride_wh
+        dst += stride_kh
+        dst_v += stride_vh

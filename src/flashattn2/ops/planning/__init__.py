@@ -56,7 +56,7 @@ from .decoding import (  # noqa: F401
     paged_cache,
     v_from_k,
 )
-from .dense import REQUIRES, _lookup, _derive, lookup  # noqa: F401  (tests, the compile check)
+from .dense import REQUIRES, _derive, _lookup, lookup, out_spec  # noqa: F401  (tests, the compile check, explain)
 from . import decoding, dense  # noqa: F401  (tests patch their constants)
 
 DIRECTIONS = ("fwd", "bwd")
@@ -81,10 +81,34 @@ def _decode_of(c: Cache, modes: specs.Modes, num_splits: int, device: torch.devi
     return decode(c, modes.arch, modes.forced, modes.invariant, num_splits, decoding.sm_count(device, modes.arch))
 
 
+def _call(spec) -> str:
+    """One line of what a spec describes: the call, its inputs' shapes and dtype, its options."""
+    s = spec.forward if isinstance(spec, specs.BackwardSpec) else spec
+    if isinstance(s, specs.AttentionSpec):
+        kind, k = ("varlen" if s.varlen else "dense") + (" backward" if s is not spec else " forward"), s.k
+    else:
+        k = s.k_cache
+        kind = (
+            "paged prefill" if isinstance(s, specs.PagedSpec) else "KV cache" + (" (append)" if s.k is not None else "")
+        )
+    parts = [f"{kind} {str(s.q.dtype).removeprefix('torch.')} q {tuple(s.q.shape)} k {tuple(k.shape)}"]
+    parts += [name for name, on in (("causal", s.causal), ("ALiBi", s.alibi is not None), ("sink", s.sink is not None))
+              if on]  # fmt: skip
+    if s.window != (-1, -1):
+        parts.append(f"window {s.window}")
+    if s.softcap:
+        parts.append(f"softcap {s.softcap}")
+    if getattr(s, "dropout_p", 0.0):
+        parts.append(f"dropout {s.dropout_p}")
+    if isinstance(s, specs.AttentionSpec) and s.modes.invariant:
+        parts.append("batch-invariant")
+    return ", ".join(parts)
+
+
 def explain(spec) -> str:
     """The plan of a call and the rows passed over, with why: what `flashattn2.explain` prints."""
     chosen = plan(spec)
-    lines = [f"{type(spec).__name__} on {spec_arch(spec)}: {chosen.kernel} {chosen.tile}"]
+    lines = [f"{type(spec).__name__} on {spec_arch(spec)}: {chosen.kernel} {chosen.tile}", "  call: " + _call(spec)]
     if (
         isinstance(spec, specs.AttentionSpec)
         and spec.modes.invariant

@@ -84,7 +84,10 @@ def walk(arch, dtype, head_dim, causal, max_seqlen_k, features: Features, direct
         )
     for row in ROWS[key]:
         if row.causal is not None and row.causal != causal:
-            yield row, "causal calls only" if row.causal else "non-causal calls only"
+            yield (
+                row,
+                "plain causal calls only (causal, no window)" if row.causal else "calls other than plain causal ones",
+            )
         elif row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k:
             yield row, f"up to {row.max_seqlen_k} keys; the call has {max_seqlen_k}"
         elif row.head_dim_v is not None and v_bucket > row.head_dim_v:
@@ -188,7 +191,7 @@ def _persist_counter(s: specs.AttentionSpec) -> bool:
     return per_cta * (-(-s.k.shape[1] // 64) + 1) < 2**31
 
 
-def _out_spec(s: specs.AttentionSpec, dtype: torch.dtype) -> specs.TensorSpec:
+def out_spec(s: specs.AttentionSpec, dtype: torch.dtype) -> specs.TensorSpec:
     """The fresh output's layout: contiguous, q's shape with v's head dim."""
     shape = (*s.q.shape[:-1], s.v.shape[-1])
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
@@ -202,7 +205,7 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     w = window(s.causal, *s.window)
     score_mods = w.local or s.softcap > 0 or s.alibi is not None or s.dropout_p > 0
     max_seqlen_k = s.max_seqlen_k if s.varlen else s.k.shape[1]
-    out = _out_spec(s, out_dtype(s.q.dtype, arch))
+    out = out_spec(s, out_dtype(s.q.dtype, arch))
     tensors = (s.q, s.k, s.v, out, *extra)
     gluon, gluon_why = False, "varlen: the Gluon kernels take dense inputs"
     if not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:

@@ -1,0 +1,83 @@
+"""flashattn2.explain and `python -m flashattn2 explain`: the plan a call runs (kernel, tile, load path, why) and the
+rows passed over with why, for every kind of call, on the device's own arch or, with meta tensors, another's."""
+
+import importlib
+
+import pytest
+import torch
+
+import flashattn2
+from cases import cu_seqlens, randn
+from flashattn2.errors import ArgumentError
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_dense_forward_and_backward_on_this_device(capsys):
+    q, k, v = (randn(2, 40, 4, 64, dtype=torch.float16) for _ in range(3))
+    text = flashattn2.explain(q, k, v, causal=True)
+    assert capsys.readouterr().out.strip() == text.strip()
+    lines = text.splitlines()
+    assert lines[0].startswith("AttentionSpec on ") and "fwd" in lines[0]
+    assert any(line.startswith("BackwardSpec on ") for line in lines)
+    assert sum(line.strip().startswith("why:") for line in lines) == 2
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80", "sm86"])
+def test_meta_tensors_take_the_arch_named(arch):
+    q = meta(2, 4096, 32, 128)
+    text = flashattn2.explain(q, q, q, causal=True, arch=arch)
+    assert f"AttentionSpec on {arch}" in text and f"BackwardSpec on {arch}" in text
+    if arch == "sm90":  # the Hopper rows run here, the Triton rows are passed over with why
+        assert "hopper" in text.splitlines()[0]
+    windowed = flashattn2.explain(q, q, q, causal=True, window_size=(128, 0), arch=arch)
+    if arch == "sm90":
+        assert "passed over: fwd_hopper" in windowed and "a window, softcap, ALiBi or dropout" in windowed
+
+
+def test_varlen_kvcache_and_paged():
+    q, k = meta(64, 8, 128), meta(64, 2, 128)
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    varlen = flashattn2.explain(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40, max_seqlen_k=40)
+    assert "varlen" in varlen and "BackwardSpec" in varlen
+    q1, cache = meta(4, 1, 32, 128), meta(4, 1024, 8, 128)
+    seqlens = torch.empty(4, dtype=torch.int32, device="meta")
+    decode = flashattn2.explain(q1, cache, cache, kvcache=True, cache_seqlens=seqlens, k=meta(4, 1, 8, 128),
+                                v=meta(4, 1, 8, 128))  # fmt: skip
+    assert decode.startswith("KVCacheSpec on sm90") and "BackwardSpec" not in decode
+    pages, table = meta(64, 16, 2, 128), torch.empty(2, 32, dtype=torch.int32, device="meta")
+    paged = flashattn2.explain(
+        q, pages, pages, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40, max_seqlen_k=40, block_table=table
+    )
+    assert paged.startswith("PagedSpec on sm90")
+
+
+def test_explain_runs_nothing_and_names_bad_arguments():
+    q = randn(1, 8, 2, 16, dtype=torch.float16)
+    with pytest.raises(ArgumentError, match="arch is for meta tensors"):
+        flashattn2.explain(q, q, q, arch="sm90")
+    with pytest.raises(ArgumentError, match="unknown arguments"):
+        flashattn2.explain(q, q, q, casual=True)
+    with pytest.raises(ArgumentError, match="arch must be one of"):
+        flashattn2.explain(meta(1, 8, 2, 16), meta(1, 8, 2, 16), meta(1, 8, 2, 16), arch="sm70")
+    cu = cu_seqlens([8])
+    assert "varlen" in flashattn2.explain(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8,
+                                          max_seqlen_k=8)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, first",
+    [
+        ([], "AttentionSpec on sm90"),
+        (["--causal", "--window", "128,0", "--arch", "sm80"], "AttentionSpec on sm80"),
+        (["--varlen", "--nheads-k", "8"], "AttentionSpec on sm90"),
+        (["--kvcache", "--seqlen-q", "1", "--seqlen-k", "8192", "--nheads-k", "8", "--page-size", "16"], "KVCacheSpec"),
+        (["--headdim", "192", "--headdim-v", "128", "--sink", "--alibi", "--dtype", "fp16"], "AttentionSpec"),
+    ],
+)
+def test_command_line(argv, first, capsys):
+    assert importlib.import_module("flashattn2.explain").main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(first) and "why:" in out
