@@ -150,7 +150,8 @@ def main(argv) -> int:
             opts["block_table"] = torch.empty(a.batch, pages // a.batch, dtype=torch.int32, device="meta")
         else:
             k = torch.empty(a.batch, seqlen_k, nheads_k, a.headdim, **meta)
-        v = k[..., :dv] if dv <= a.headdim else torch.empty(*k.shape[:-1], dv, **meta)
+        # a narrower v: MLA's latent cache, v the K cache's first columns; else a cache of its own
+        v = k[..., :dv] if dv < a.headdim else torch.empty(*k.shape[:-1], dv, **meta)
         opts["cache_seqlens"] = torch.empty(a.batch, dtype=torch.int32, device="meta")
         explain(q, k, v, kvcache=True, arch=a.arch, num_splits=a.num_splits, **opts)
         return 0
