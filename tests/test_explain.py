@@ -44,9 +44,13 @@ def test_varlen_kvcache_and_paged():
     assert "varlen" in varlen and "BackwardSpec" in varlen
     q1, cache = meta(4, 1, 32, 128), meta(4, 1024, 8, 128)
     seqlens = torch.empty(4, dtype=torch.int32, device="meta")
-    decode = flashattn2.explain(q1, cache, cache, kvcache=True, cache_seqlens=seqlens, k=meta(4, 1, 8, 128),
-                                v=meta(4, 1, 8, 128))  # fmt: skip
+    decode = flashattn2.explain(q1, cache, meta(4, 1024, 8, 128), kvcache=True, cache_seqlens=seqlens,
+                                k=meta(4, 1, 8, 128), v=meta(4, 1, 8, 128))  # fmt: skip
     assert decode.startswith("KVCacheSpec on sm90") and "BackwardSpec" not in decode
+    assert "KV cache (append)" in decode and "v_from_k False" in decode  # meta tensors: all at address 0
+    latent = meta(4, 1024, 1, 576)
+    mla = flashattn2.explain(meta(4, 1, 16, 576), latent, latent[..., :512], kvcache=True, cache_seqlens=seqlens)
+    assert "v_from_k True" in mla and "latent=True" in mla
     pages, table = meta(64, 16, 2, 128), torch.empty(2, 32, dtype=torch.int32, device="meta")
     paged = flashattn2.explain(
         q, pages, pages, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40, max_seqlen_k=40, block_table=table

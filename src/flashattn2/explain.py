@@ -92,8 +92,10 @@ def _kvcache_spec(q, k_cache, v_cache, kwargs):
     a = {name: kwargs.get(name) for name in names}
     a.update({key: kwargs.get(key, default) for key, default in defaults.items()})
     args = (q, k_cache, v_cache, *a.values(), kwargs.get("learnable_sink"))
-    call = calls.kvcache(*args)
-    return call.spec
+    spec = calls.kvcache(*args).spec
+    if q.device.type == "meta":  # every meta tensor's data_ptr() is 0: the same memory only where v views k
+        spec = spec._replace(v_from_k=spec.v_from_k and (v_cache is k_cache or v_cache._base is k_cache))
+    return spec
 
 
 def _paged_spec(q, k, v, kwargs):
