@@ -31,6 +31,7 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 def kernels() -> types.SimpleNamespace:
     from ..kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary
 
+    _check_interpreter_setting(fwd.attn_fwd_kernel)
     return types.SimpleNamespace(
         fwd=fwd,
         bwd=bwd,
@@ -41,6 +42,27 @@ def kernels() -> types.SimpleNamespace:
         decode=decode,
         append=append,
         merge=merge,
+    )
+
+
+def _check_interpreter_setting(kernel) -> None:
+    """Triton builds each @triton.jit function for its interpreter or not by TRITON_INTERPRET at that moment: its own
+    language functions (tl.cdiv, tl.sum, ...) when triton is imported, flashattn2's kernels when kernels() imports
+    them. Built under two settings, the kernels cannot call Triton's functions (the interpreter raises
+    "Cannot call @triton.jit'd outside of the scope of a kernel"): say what happened instead."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    ours = isinstance(kernel, InterpretedFunction)
+    if ours == isinstance(tl.standard.cdiv, InterpretedFunction):
+        return
+    change = "set to 1" if ours else "unset"
+    raise RuntimeError(
+        f"flashattn2: TRITON_INTERPRET was {change} after triton was imported, so Triton's own functions and "
+        "flashattn2's kernels were built for different targets (one for the interpreter, one for the GPU). "
+        "TRITON_INTERPRET must be set before triton is imported (importing flashattn2's functions or layers "
+        "imports it): in the environment (TRITON_INTERPRET=1 python script.py) or at the top of the script, before "
+        "its imports."
     )
 
 
