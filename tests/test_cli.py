@@ -123,3 +123,12 @@ def test_bench_without_a_gpu_passes_its_filters_to_the_check_or_refuses_them(row
     rows.clear()
     assert cli.main(["bench", "--seqlens", "128"]) == 2
     assert "not --seqlens" in capsys.readouterr().out and not rows
+
+
+@pytest.mark.parametrize("argv", [["--causal", "--headdim", "128"], ["--varlen"], ["--kvcache", "--seqlen-q", "1"]])
+def test_explain_prints_the_plan(capsys, argv):
+    """`python -m flashattn2 explain` (the README's command), on meta tensors: the forward's plan and the backward's
+    (which failed on a function the planning package had moved)."""
+    assert cli.main(["explain", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "KVCacheSpec" in out if "--kvcache" in argv else ("AttentionSpec" in out and "BackwardSpec" in out)

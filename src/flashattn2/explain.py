@@ -77,7 +77,7 @@ def _attention_spec(q, k, v, kwargs):
 
 
 def _backward_spec(s: specs.AttentionSpec) -> specs.BackwardSpec:
-    out = planning._out_spec(s, s.q.dtype)
+    out = planning.dense._out_spec(s, s.q.dtype)
     return specs.BackwardSpec(s, out, out, False, bool(s.deterministic), (s.q, s.k, s.v), s.aligned)
 
 

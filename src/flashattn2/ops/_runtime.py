@@ -1,7 +1,8 @@
 """What the launchers need from Triton's runtime: the kernels, whether they run in the
 interpreter, allocation (poisonable by tests) and the TMA scratch allocator.
 The kernels are imported on first use. TRITON_INTERPRET=1 must be set before triton is first
-imported (torch's custom-op machinery imports it), so in practice before Python starts."""
+imported (flashattn2's ops modules import it: `from flashattn2 import ...` does; `import torch` does not): Triton
+builds its own language functions for the interpreter or not at that import (_check_interpreter_setting)."""
 
 from __future__ import annotations
 

@@ -225,7 +225,8 @@ def check_device(device: torch.device, name: str) -> None:
             )
             raise ArgumentError(
                 f"{name} is a CPU tensor: flashattn2 runs on CUDA GPUs, or on the CPU through Triton's "
-                f"interpreter when TRITON_INTERPRET=1 is set before torch and triton are imported{late}"
+                f"interpreter when TRITON_INTERPRET=1 is set before triton is imported (before `from flashattn2 "
+                f"import ...`){late}"
             )
         return
     raise ArgumentError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")
