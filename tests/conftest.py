@@ -15,13 +15,25 @@ from flashattn2.ops import _runtime, launcher  # noqa: E402  (after TRITON_INTER
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def skip_without_interpreter() -> None:
-    """Skip a test that runs kernels through Triton's interpreter in a subprocess (gloo ranks, a CPU run) where numpy
-    is 2.4 or newer, which the interpreter does not take (the README's requirement; the H200 image has 2.4)."""
+def interpreter_numpy_problem() -> str | None:
+    """Why Triton's interpreter cannot run here, or None: triton 3.6's interpreter fails on numpy 2.4 and newer
+    (triton-lang/triton#9171: int() of a one-element array; fixed in 3.7). The README's requirement; the H200 image
+    has numpy 2.4 with triton 3.6."""
     import numpy as np
+    import triton
 
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"Triton's interpreter needs numpy < 2.4; this has {np.__version__}")
+    new_numpy = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4)
+    if new_numpy and triton.__version__.startswith("3.6."):
+        return f"triton 3.6's interpreter needs numpy < 2.4; this has {np.__version__}"
+    return None
+
+
+def skip_without_interpreter() -> None:
+    """Skip a test that runs kernels through Triton's interpreter in a subprocess (gloo ranks, a CPU run) where the
+    interpreter cannot run (interpreter_numpy_problem)."""
+    problem = interpreter_numpy_problem()
+    if problem:
+        pytest.skip(problem)
 
 
 def pytest_report_header(config):

@@ -127,13 +127,94 @@ def test_mixed_devices():
         flashattn2.flash_attn_func(q, k.cpu(), v)
 
 
-def test_cpu_tensor_without_interpreter(monkeypatch):
+def _cpu_calls():
+    """Every public entry point that launches a Triton kernel, called on CPU tensors (the attention functions, the
+    rotary functions and MHA's rotary path, a ring's merge)."""
+    from flashattn2 import parallel
+    from flashattn2.layers import rotary
+    from flashattn2.modules.mha import MHA
+    from flashattn2.ops.merge import merge_
+
+    q, k, v = (t.cpu() for t in qkv())
+    cos = sin = torch.randn(16, 8, dtype=f16)
+    acc, lse = torch.zeros(1, 16, 2, 32), torch.zeros(1, 2, 16)
+    shards = [torch.stack([t, t]) for t in (q, k, v)]
+    mha = MHA(64, 2, causal=True, rotary_emb_dim=16, use_flash_attn=True, dtype=f16)
+    return {
+        "flash_attn_func": lambda: flashattn2.flash_attn_func(q, k, v),
+        "flash_attn_with_kvcache": lambda: flashattn2.flash_attn_with_kvcache(q, k, v),
+        "apply_rotary_emb": lambda: rotary.apply_rotary_emb(q, cos, sin),
+        "apply_rotary_emb_qkv_": lambda: rotary.apply_rotary_emb_qkv_(torch.stack([q, k, v], dim=2), cos, sin),
+        "apply_rotary_emb_kv_": lambda: rotary.apply_rotary_emb_kv_(torch.stack([k, v], dim=2), cos, sin),
+        "MHA-rotary": lambda: mha(torch.randn(1, 16, 64, dtype=f16)),
+        "ring": lambda: parallel.ring_flash_attn_func(*shards, group=parallel.SimulatedGroup(2)),
+        "merge_": lambda: merge_(acc, lse, acc, lse, True),
+    }
+
+
+ENTRY_POINTS = ["flash_attn_func", "flash_attn_with_kvcache", "apply_rotary_emb", "apply_rotary_emb_qkv_"]
+ENTRY_POINTS += ["apply_rotary_emb_kv_", "MHA-rotary", "ring", "merge_"]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_cpu_tensor_without_interpreter(monkeypatch, entry):
+    """A CPU tensor without the interpreter is flashattn2's ArgumentError naming TRITON_INTERPRET at every entry
+    point that launches a kernel (the rotary path raised Triton's "0 active drivers")."""
     from flashattn2.ops import _runtime
 
+    calls = _cpu_calls()
+    assert sorted(calls) == sorted(ENTRY_POINTS)
+    call = calls[entry]
     monkeypatch.setattr(_runtime, "interpreted", lambda: False)
-    q, k, v = (t.cpu() for t in qkv())
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        flashattn2.flash_attn_func(q, k, v)
+
+    def no_driver():  # what a launch meets on a CPU-only machine without the interpreter
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    monkeypatch.setattr(_runtime, "kernels", no_driver)
+    with pytest.raises(flashattn2.ArgumentError, match="TRITON_INTERPRET=1 is set before"):
+        call()
+
+
+def _plain(x):
+    return x
+
+
+def test_interpreter_set_after_triton_is_named(monkeypatch):
+    """Kernels built for the interpreter beside Triton's own functions built for the GPU (TRITON_INTERPRET set after
+    triton was imported), or the other way round, raise an error that names TRITON_INTERPRET and when to set it,
+    not the interpreter's "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from flashattn2.ops import _runtime
+
+    interpreted, compiled = InterpretedFunction(_plain), JITFunction(_plain)
+    _runtime._check_interpreter_setting(interpreted if isinstance(tl.standard.cdiv, InterpretedFunction) else compiled)
+    monkeypatch.setattr(tl.standard, "cdiv", compiled)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET was set to 1 after triton was imported"):
+        _runtime._check_interpreter_setting(interpreted)
+    monkeypatch.setattr(tl.standard, "cdiv", interpreted)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET was unset after triton was imported"):
+        _runtime._check_interpreter_setting(compiled)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's case: a GPU process runs without the interpreter")
+def test_interpreter_set_after_import_end_to_end():
+    """As a script does it: triton imported (by flashattn2's functions), then TRITON_INTERPRET=1, then a call."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os\nfrom flashattn2.ops import _runtime\nos.environ['TRITON_INTERPRET'] = '1'\n"
+        "try:\n    _runtime.kernels()\nexcept RuntimeError as e:\n    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "TRITON_INTERPRET was set to 1 after triton was imported" in run.stdout, run.stdout + run.stderr[-2000:]
 
 
 def test_empty_batch():

@@ -4,9 +4,13 @@ the loss curve, sampling through the KV cache."""
 import importlib.util
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+
+import pytest
+import torch
 
 from conftest import DEVICE, skip_without_interpreter
 
@@ -31,11 +35,41 @@ def test_gpt_example_smoke(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "unigram entropy" in proc.stdout and "sample:\ndef " in proc.stdout, proc.stdout[-2000:]
+    assert "unigram entropy" in proc.stdout, proc.stdout[-2000:]
+    assert "sample (a few steps teach the model nothing: unreadable bytes are expected):\ndef " in proc.stdout
+    assert "train.py: on the CPU" not in proc.stderr  # --smoke: no warning
     result = _result(tmp_path)
     assert float(result["val_loss"]) > 0 and float(result["steps"]) == 3
     if importlib.util.find_spec("matplotlib") is not None:  # the loss curve needs it
         assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("gpt_train", ROOT / "examples" / "gpt" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpt_example_warns_of_the_full_model_on_the_cpu():
+    """Without --smoke on the CPU the default model takes minutes a step through the interpreter: the script says so
+    (and how to get the smoke run) before it starts; --smoke and a GPU start without a word."""
+    train = _train_module()
+    warning = train.cpu_warning(train.parse_args([]), torch.device("cpu"))
+    assert warning and "--smoke" in warning and "interpreter" in warning
+    assert train.cpu_warning(train.parse_args(["--smoke"]), torch.device("cpu")) is None
+    assert train.cpu_warning(train.parse_args([]), torch.device("cuda")) is None
+
+
+def test_gpt_example_output_is_ignored_by_git():
+    """The run's default --out, examples/gpt/out/ (result.txt, loss.png), stays out of `git status`."""
+    out = pathlib.Path(_train_module().parse_args([]).out)
+    assert out == ROOT / "examples" / "gpt" / "out"
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for name in ("result.txt", "loss.png"):
+        rel = (out / name).relative_to(ROOT)
+        assert subprocess.run(["git", "check-ignore", "-q", str(rel)], cwd=ROOT).returncode == 0, rel
 
 
 def _result(out_dir) -> dict:

@@ -1,10 +1,9 @@
-"""The README holds: every Python block runs (each in a fresh interpreter, as a reader would paste it), its
-benchmark summary is what `python -m flashattn2 bench summary` makes from bench/results/, and its settings table
-names every switch the package reads.
+"""The README holds: every Python block runs as printed (each in a fresh interpreter, from an environment without
+TRITON_INTERPRET, as a reader would paste it) and prints what its comments say, its benchmark summary is what
+`python -m flashattn2 bench summary` makes from bench/results/, and its settings table names every switch the
+package reads.
 
-On the CPU a block runs through Triton's interpreter: TRITON_INTERPRET=1 is in its environment unless the block
-sets it itself (the CPU first call must work as printed from a clean environment), and a block written for the GPU
-(`device="cuda"`) runs with the CPU as its device. On a GPU every block runs as printed."""
+A block that runs kernels sets TRITON_INTERPRET=1 itself where there is no GPU; on a GPU every block runs on it."""
 
 import os
 import pathlib
@@ -12,42 +11,61 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import ON_GPU
+from conftest import ON_GPU, interpreter_numpy_problem
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+SETS_INTERPRETER = 'os.environ["TRITON_INTERPRET"] = "1"'
 
 
 def _block_id(code: str) -> str:
-    first = next(line for line in code.splitlines() if line and not line.startswith(("import", "from", "#")))
+    first = next(
+        line
+        for line in code.splitlines()
+        if line and not line.startswith(("import", "from", "#", "if ", "    ", "device = "))
+    )
     return re.sub(r"\W+", "-", first)[:40].strip("-")
 
 
+def expected_output(code: str) -> list[str]:
+    """The lines a block promises to print: each top-level `print(...)  # EXPECTED` line's comment, up to a ": "
+    that starts its explanation."""
+    return [m.group(1).split(": ")[0].strip() for m in re.finditer(r"^print\(.*\)  # (.*)$", code, re.M)]
+
+
 @pytest.mark.parametrize("code", BLOCKS, ids=[_block_id(c) for c in BLOCKS])
-def test_python_block_runs(code):
+def test_python_block_runs_as_printed(code):
     if "transformers" in code:
         pytest.importorskip("transformers")
-    interpreted = not ON_GPU or 'os.environ["TRITON_INTERPRET"]' in code
-    if interpreted and tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"Triton's interpreter needs numpy < 2.4 (the README's requirement); this has {np.__version__}")
+    if not ON_GPU and SETS_INTERPRETER in code and interpreter_numpy_problem():
+        pytest.skip(interpreter_numpy_problem())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    if not ON_GPU:
-        if 'os.environ["TRITON_INTERPRET"]' not in code:
-            env["TRITON_INTERPRET"] = "1"
-        code = code.replace('device="cuda"', 'device="cpu"')
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{run.stderr[-3000:]}"
+    printed = [line.strip() for line in run.stdout.splitlines()]
+    expected = expected_output(code)
+    found = iter(printed)
+    missing = [line for line in expected if not any(line == p for p in found)]  # in order
+    assert not missing, f"README block printed {printed}, its comments promise {expected}:\n{code}"
 
 
 def test_every_block_was_found():
-    """The blocks this file runs: the first calls (GPU, CPU), MHA, transformers and the batch-invariant example."""
-    assert len(BLOCKS) >= 5
-    assert any('device="cuda"' in c for c in BLOCKS) and any('os.environ["TRITON_INTERPRET"]' in c for c in BLOCKS)
+    """The blocks this file runs: the first call, MHA, transformers, SimulatedGroup, the batch-invariant example and
+    install_as_flash_attn; each prints what its comments promise, and each that runs kernels sets the interpreter
+    itself for a CPU."""
+    assert len(BLOCKS) >= 6
+    assert all(expected_output(code) for code in BLOCKS)
+    kernels = [code for code in BLOCKS if "torch.randn" in code or "generate(" in code]
+    assert len(kernels) >= 5 and all(SETS_INTERPRETER in code for code in kernels)
+
+
+def test_expected_output_reads_the_comments():
+    code = "x = 1\nprint(x)  # 1\nprint(x == 1)  # True: an explanation\n    print(x)  # nested: not read\n"
+    assert expected_output(code) == ["1", "True"]
 
 
 def test_bench_summary_is_generated():

@@ -3,7 +3,8 @@ read from the running Python, nothing to download — on flashattn2's kernels, w
 as a PNG, then sample from the model through the KV cache.
 
     python examples/gpt/train.py                   # a CUDA GPU: ~11M parameters, a few minutes
-    python examples/gpt/train.py --smoke           # a few steps of a tiny model, on the CPU by default
+    python examples/gpt/train.py --smoke           # 3 steps of a tiny model, on the CPU by default (its sample
+                                                   # is unreadable bytes: 3 steps teach it nothing)
     torchrun --nproc-per-node 2 examples/gpt/train.py --context-parallel 2
                                                    # each sequence sharded over 2 ranks (zigzag ring attention)
 
@@ -20,6 +21,18 @@ import pathlib
 import sys
 import sysconfig
 import time
+
+
+def cpu_warning(args, device) -> str | None:
+    """What to say before a run without --smoke starts on the CPU: Triton's interpreter runs the kernels in Python,
+    fine for the smoke model and far too slow for the default one."""
+    if device.type != "cpu" or args.smoke:
+        return None
+    return (
+        "train.py: on the CPU the kernels run through Triton's interpreter, thousands of times slower than on a GPU: "
+        "a step of the default model takes minutes. `--smoke` trains a tiny model for 3 steps (under a minute); "
+        "smaller --n-layer, --n-embd, --seqlen and --batch sit in between. Ctrl-C stops this run."
+    )
 
 
 def parse_args(argv=None):
@@ -87,6 +100,9 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # the kernels run through Triton's interpreter (set before import)
+    warning = cpu_warning(args, device)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     from flashattn2.models.gpt import GPT, GPTConfig
 
     cp = ContextParallel.start(args.context_parallel, device)
@@ -211,7 +227,9 @@ def main(argv=None):
     prompt = torch.tensor([list(b"def ")], device=device)
     with autocast:
         tokens = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=50)
-    log("sample:\n" + bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+    text = bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+    untrained = " (a few steps teach the model nothing: unreadable bytes are expected)" if args.steps < 100 else ""
+    log(f"sample{untrained}:\n{text}")
     cp.stop()
 
 

@@ -1,20 +1,12 @@
-"""flashattn2: FlashAttention-2 in Triton, a drop-in for flash_attn 2.x's functions."""
+"""flashattn2: FlashAttention-2 in Triton, a drop-in for flash_attn 2.x's functions.
+
+The public names are imported on first use (PEP 562): `import flashattn2` alone imports neither torch nor triton,
+so `python -m flashattn2 --help` answers at once; the first name used (`flashattn2.flash_attn_func`,
+`from flashattn2 import ...`) imports them all, as an eager package would have."""
+
+from typing import TYPE_CHECKING
 
 from .errors import ArgumentError, ArgumentTypeError
-from .api import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-    set_kvcache_checks,
-)
-from .ops.checks import set_value_checks
-from .ops.invariance import batch_invariant, set_batch_invariant
-from .compat import FLASH_ATTN_VERSION, install_as_flash_attn
-from .explain import explain
 
 __version__ = "0.1.0"
 
@@ -37,3 +29,54 @@ __all__ = [
     "explain",
     "__version__",
 ]
+
+if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ brings
+    from .api import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+        flash_attn_with_kvcache,
+        set_kvcache_checks,
+    )
+    from .compat import FLASH_ATTN_VERSION, install_as_flash_attn
+    from .explain import explain
+    from .ops.checks import set_value_checks
+    from .ops.invariance import batch_invariant, set_batch_invariant
+
+
+def _load() -> None:
+    """Import the public names into the package, all at once (the modules an eager __init__ imported)."""
+    import importlib
+
+    # import_module, not `from . import api`: that asks this module for the attribute first (__getattr__ again)
+    api, compat, checks, invariance, explain = (
+        importlib.import_module(name, __name__)
+        for name in (".api", ".compat", ".ops.checks", ".ops.invariance", ".explain")
+    )
+    names = {name: getattr(api, name) for name in __all__ if name.startswith("flash_attn_")}
+    names.update(
+        set_kvcache_checks=api.set_kvcache_checks,
+        set_value_checks=checks.set_value_checks,
+        batch_invariant=invariance.batch_invariant,
+        set_batch_invariant=invariance.set_batch_invariant,
+        FLASH_ATTN_VERSION=compat.FLASH_ATTN_VERSION,
+        install_as_flash_attn=compat.install_as_flash_attn,
+        explain=explain.explain,  # the function, not the submodule of the same name its import bound here
+    )
+    globals().update(names)
+
+
+def __getattr__(name: str):
+    # a public name, or a submodule the eager import bound (flashattn2.ops, .api, .compat, .kernels)
+    if not name.startswith("__"):
+        _load()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

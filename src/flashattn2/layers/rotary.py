@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..ops import checks
 from ..ops import rotary as _rotary
 
 
 def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):
+    checks.check_device(x.device, what)  # a CPU tensor runs only in Triton's interpreter, as the attention's
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ArgumentError(
             f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} and {tuple(sin.shape)}"

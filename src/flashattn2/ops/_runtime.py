@@ -1,7 +1,8 @@
 """What the launchers need from Triton's runtime: the kernels, whether they run in the
 interpreter, allocation (poisonable by tests) and the TMA scratch allocator.
 The kernels are imported on first use. TRITON_INTERPRET=1 must be set before triton is first
-imported (torch's custom-op machinery imports it), so in practice before Python starts."""
+imported (flashattn2's ops modules import it: `from flashattn2 import ...` does; `import torch` does not): Triton
+builds its own language functions for the interpreter or not at that import (_check_interpreter_setting)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 def kernels() -> types.SimpleNamespace:
     from ..kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary
 
+    _check_interpreter_setting(fwd.attn_fwd_kernel)
     return types.SimpleNamespace(
         fwd=fwd,
         bwd=bwd,
@@ -41,6 +43,27 @@ def kernels() -> types.SimpleNamespace:
         decode=decode,
         append=append,
         merge=merge,
+    )
+
+
+def _check_interpreter_setting(kernel) -> None:
+    """Triton builds each @triton.jit function for its interpreter or not by TRITON_INTERPRET at that moment: its own
+    language functions (tl.cdiv, tl.sum, ...) when triton is imported, flashattn2's kernels when kernels() imports
+    them. Built under two settings, the kernels cannot call Triton's functions (the interpreter raises
+    "Cannot call @triton.jit'd outside of the scope of a kernel"): say what happened instead."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    ours = isinstance(kernel, InterpretedFunction)
+    if ours == isinstance(tl.standard.cdiv, InterpretedFunction):
+        return
+    change = "set to 1" if ours else "unset"
+    raise RuntimeError(
+        f"flashattn2: TRITON_INTERPRET was {change} after triton was imported, so Triton's own functions and "
+        "flashattn2's kernels were built for different targets (one for the interpreter, one for the GPU). "
+        "TRITON_INTERPRET must be set before triton is imported (importing flashattn2's functions or layers "
+        "imports it): in the environment (TRITON_INTERPRET=1 python script.py) or at the top of the script, before "
+        "its imports."
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import os
 
 import torch
 
@@ -236,9 +237,15 @@ def check_device(device: torch.device, name: str) -> None:
         return
     if device.type == "cpu":
         if not _runtime.interpreted():
+            late = (
+                " (it is set now, but was not when triton was imported)"
+                if os.environ.get("TRITON_INTERPRET") == "1"
+                else ""
+            )
             raise ArgumentError(
                 f"{name} is a CPU tensor: flashattn2 runs on CUDA GPUs, or on the CPU through Triton's "
-                "interpreter when TRITON_INTERPRET=1 is set before torch and triton are imported"
+                f"interpreter when TRITON_INTERPRET=1 is set before triton is imported (before `from flashattn2 "
+                f"import ...`){late}"
             )
         return
     raise ArgumentError(f"{name} is on {device}; flashattn2 supports CUDA devices (and the CPU interpreter)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import _runtime, launcher
+from . import _runtime, checks, launcher
 
 # rows x head-dim elements a program merges: 8K fp32 elements, 32 KiB of accumulator per program
 _ELEMENTS = 8192
@@ -21,6 +21,7 @@ def merge_(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: tor
     out, out_lse: the block's output (any float dtype) and logsumexp, in the same layouts.
     first: acc and lse hold nothing yet: the block is copied (no read of acc / lse).
     """
+    checks.check_device(acc.device, "acc")
     if acc.dim() == 3:
         acc, lse, out, out_lse = acc[None], lse[None], out[None], out_lse[None]
     batch, seqlen, nheads, head_dim = acc.shape
