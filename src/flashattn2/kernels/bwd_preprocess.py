@@ -99,9 +99,9 @@ def attn_bwd_preprocess_kernel(
         lse = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf"))
     if COPY_LSE:
         tl.store(LsePad + out_row0 + offs_m, lse, mask=offs_m < rows_end)
-    if SINK:  # rows past seqlen_q: lse +inf, weight 0 (delta there is 0 too)
+    if SINK:  # rows past seqlen_q: lse +inf, weight 0, an exact 0 whatever delta; a NaN lse (weight NaN) stays NaN
         w = tl.math.exp2((tl.load(Sinks + off_h) - lse) * LOG2E)
-        tl.store(SinkPart + tl.program_id(0), -tl.sum(tl.where(w > 0.0, w * delta, 0.0), 0))
+        tl.store(SinkPart + tl.program_id(0), -tl.sum(tl.where(w == 0.0, 0.0, w * delta), 0))
     if PADDED:
         zeros = tl.zeros([BLOCK_M, BLOCK_ACC], dtype=tl.float32)
         store_rows(

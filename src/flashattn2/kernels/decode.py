@@ -445,12 +445,15 @@ def attn_combine_kernel(
         sc = s0 + tl.arange(0, CHUNK_S)
         ok = sc < num_splits
         lse_c = tl.load(LsePart + sc.to(tl.int64) * stride_ls + lse_off, mask=ok, other=float("-inf"))
-        w = tl.math.exp2((lse_c - lse) * LOG2E)  # 0 for a split without keys (and for all when empty)
+        w = tl.math.exp2((lse_c - lse) * LOG2E)  # NaN for every split where lse is NaN
         part = tl.load(
             OutPart + sc.to(tl.int64)[:, None] * stride_ps + row_off + cols[None, :],
             mask=ok[:, None] & col_ok[None, :],
             other=0.0,
         )
-        acc += tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
+        # a split without keys (lse_c -inf; the lanes past num_splits) adds an exact 0, even where its part is NaN
+        # (a NaN or inf value of a key it masked, times p = 0); any other split adds part * w, which keeps a NaN
+        # (a NaN lse: NaN weights; a NaN part, even at a weight that underflows to 0, as a single pass's p = 0 does)
+        acc += tl.sum(tl.where(lse_c[:, None] == float("-inf"), 0.0, part * w[:, None]), 0)
     tl.store(Out + row_off + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
     tl.store(Lse + lse_off, lse)

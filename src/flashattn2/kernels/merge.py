@@ -6,7 +6,8 @@ logsumexp are rescaled to the merged logsumexp and the block's output is added w
     acc   = acc * exp(lse_acc - lse) + out_blk * exp(lse_blk - lse)
 
 A row no block has reached has lse -inf (FIRST copies the block instead of merging into nothing); a
-block's row that saw no key (lse -inf, or flash_attn's +inf) adds nothing."""
+block's row that saw no key (lse -inf, or flash_attn's +inf) adds nothing. A NaN on either side (a NaN
+logsumexp, a NaN output) gives a NaN row, lse and output, as the attention over all the keys would."""
 
 import triton
 import triton.language as tl
@@ -58,7 +59,9 @@ def merge_kernel(
     else:
         a_lse = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
         acc = tl.load(acc_ptrs, mask=mask, other=0.0)
-        top = tl.maximum(a_lse, b_lse)
+        # a NaN logsumexp on either side makes top NaN, so the merged lse and acc are NaN (the GPU's default
+        # maximum would return the other side and drop it)
+        top = tl.maximum(a_lse, b_lse, propagate_nan=tl.PropagateNan.ALL)
         # rows neither side has reached stay -inf with weights 0, not NaN
         safe_top = tl.where(top == float("-inf"), 0.0, top)
         w_a = tl.exp(a_lse - safe_top)
