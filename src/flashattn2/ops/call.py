@@ -303,6 +303,7 @@ class KVCacheCall:
         "decode",
         "append",
         "q_ready",
+        "indices_ready",
     )
 
     def __init__(self, spec: specs.KVCacheSpec, plan: planning.Plan):
@@ -320,6 +321,16 @@ class KVCacheCall:
         # q goes to the kernel as it is: its last dimension contiguous, no broadcast dimension (or rotated: a copy)
         rotated = spec.k is not None and spec.rotary_cos is not None
         self.q_ready = rotated or (spec.q.stride[-1] == 1 and 0 not in spec.q.stride)
+        # cache_seqlens (a tensor or none) and no other index tensor, alibi_slopes or sink: nothing to make contiguous
+        seqlens = spec.cache_seqlens
+        self.indices_ready = (
+            (not isinstance(seqlens, specs.TensorSpec) or seqlens.shape[0] <= 1 or seqlens.stride == (1,))
+            and spec.cache_batch_idx is None
+            and spec.cache_leftpad is None
+            and spec.block_table is None
+            and spec.alibi is None
+            and spec.sink is None
+        )
 
     def seqlen(self, cache_seqlens, rotary_cos) -> int:
         """An int (or absent) cache_seqlens checked against the capacity and the rotary table: the int the kernels

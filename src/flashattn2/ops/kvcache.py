@@ -39,7 +39,8 @@ class Append:
     written) and none writes if one is out of range; without, a write whose row, page or position is out of range is
     dropped (kvcache_append_kernel), so that a bad value never writes what another index names."""
 
-    __slots__ = ("shape", "launch", "grid", "ints", "rotary", "torch_rotary", "interleaved", "empty", "table_rows")
+    __slots__ = ("shape", "launch", "grid", "ints", "rotary", "torch_rotary", "interleaved", "empty", "table_rows",
+                 "copy_k", "copy_v", "plain")  # fmt: skip
 
     def __init__(self, shape: Shape, k_new: specs.TensorSpec, v_new: specs.TensorSpec, rotary, interleaved: bool,
                  arch: str):  # fmt: skip
@@ -56,6 +57,7 @@ class Append:
         self.grid = (batch, -(-seqlen_new // block_t))
         # the kernel reads rows of k/v with unit stride: the new k and v are copied where theirs are not
         strides = [t.stride[:3] if t.stride[-1] == 1 else contiguous_strides(t.shape)[:3] for t in (k_new, v_new)]
+        self.copy_k, self.copy_v = k_new.stride[-1] != 1, v_new.stride[-1] != 1
         if self.torch_rotary:
             strides[0] = contiguous_strides(k_new.shape)[:3]
         cos_rows = (rotary.shape[0], rotary.shape[1]) if self.rotary else (0, 0)
@@ -64,6 +66,9 @@ class Append:
         self.ints = (*strides, shape.k.stride[:3], shape.v.stride[:3], shape.table_stride, cos_stride,
                      (batch, nheads_k, seqlen_new, None, shape.capacity, shape.k.shape[0], shape.capacity - seqlen_new),
                      cos_rows)  # fmt: skip
+        # the integer arguments of a call with a tensor cache_seqlens and no Check (the usual one), made once
+        sizes = self.ints[6]
+        self.plain = (*self.ints[:6], (*sizes[:3], 0, *sizes[4:]), cos_rows)
         kernels = _runtime.kernels()
         kwargs = dict(
             CACHE=kernels.decode.CacheLayout(
@@ -92,8 +97,10 @@ class Append:
                  check: Check | None = None) -> None:  # fmt: skip
         if self.empty:
             return
-        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+        if self.copy_k:
+            k_new = k_new.contiguous()
+        if self.copy_v:
+            v_new = v_new.contiguous()
         shape = self.shape
         if check is not None and block_table is not None:
             _check_pages_read(block_table, self.table_rows, shape, seqlens, seqlen_int, check)
@@ -102,9 +109,13 @@ class Append:
             k_new = _rotary.rotate_(k_new.float(), cos, sin, self.interleaved, offsets).to(k_new.dtype)
         if not self.rotary:
             cos = sin = k_new
-        k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows = self.ints
-        limit = sizes[6] if check is None else check.seqlen_limit
-        sizes = (*sizes[:3], seqlen_int, *sizes[4:6], limit)
+        if check is None and seqlen_int == 0:
+            ints = self.plain
+        else:
+            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows = self.ints
+            limit = sizes[6] if check is None else check.seqlen_limit
+            sizes = (*sizes[:3], seqlen_int, *sizes[4:6], limit)
+            ints = (k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows)
         dummy = k_new
         self.launch[check is not None](
             self.grid, k_new, v_new, k_cache, v_cache, cos, sin,
@@ -113,7 +124,7 @@ class Append:
             dummy if leftpad is None else leftpad,
             dummy if block_table is None else block_table,
             dummy if check is None else check.err,
-            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows,
+            *ints,
         )  # fmt: skip
 
 
@@ -231,7 +242,7 @@ class Decode:
     the cache's index tensors are clamped into range; with a Check, a value out of range also sets its flag."""
 
     __slots__ = ("shape", "plan", "out_shape", "lse_shape", "out_dtype", "empty", "grid", "kernel", "combine",
-                 "combine_grid", "ints", "score", "strides", "combine_ints", "tail", "sink_only", "work")  # fmt: skip
+                 "combine_grid", "ints", "plain", "score", "strides", "combine_ints", "tail", "sink_only", "work")  # fmt: skip
 
     def __init__(self, plan: Plan, shape: Shape, arch: str):
         self.shape, self.plan = shape, plan
@@ -277,6 +288,7 @@ class Decode:
         check_limit = shape.capacity  # (a Check's own limit replaces it)
         self.ints = (nheads, nheads_k, seqlen_q, shape.seqlen_new, None, plan.chunk, shape.capacity, shape.k.shape[0],
                      row_blocks, check_limit)  # fmt: skip
+        self.plain = (*self.ints[:4], 0, *self.ints[5:])  # a tensor cache_seqlens and no Check: the usual call
         self.strides = (shape.q_strides, shape.k.stride[:3], shape.v.stride[:3], dst_strides, lse_strides,
                         shape.table_stride, shape.alibi.shape[-1] if shape.alibi is not None and
                         len(shape.alibi.shape) == 2 else 0)  # fmt: skip
@@ -366,8 +378,11 @@ class Decode:
             return out.to(q.dtype), lse
         if self.plan.kv_tma and q.device.type == "cuda":
             _runtime.ensure_tma_allocator()
-        ints = self.ints
-        ints = (*ints[:4], seqlen_int, *ints[5:9], ints[9] if check is None else check.seqlen_limit)
+        if check is None and seqlen_int == 0:
+            ints = self.plain
+        else:
+            ints = self.ints
+            ints = (*ints[:4], seqlen_int, *ints[5:9], ints[9] if check is None else check.seqlen_limit)
         self.kernel[check is not None](
             self.grid, q, k, v, dst, dst_lse,
             lse if seqlens is None else seqlens,
@@ -384,4 +399,4 @@ class Decode:
             self.combine(self.combine_grid, dst, dst_lse, out, lse, lse if sinks is None else sinks, *self.combine_ints)
         if self.tail is not None:
             self.tail((out, cu_q), (lse, cu_q))
-        return out.to(q.dtype), lse
+        return (out if out.dtype is q.dtype else out.to(q.dtype)), lse

@@ -30,11 +30,12 @@ class TailFill:
     the logsumexp -- in one launch (kernels/fill.py), skipped when every cu_seqlens is known to end at its last row
     (ops.seqlens.known). slots: (shape, strides, value, rows_dim) of each tensor; the tensors come with each call."""
 
-    __slots__ = ("launch", "grid", "slots", "totals", "batch")
+    __slots__ = ("launch", "grid", "slots", "totals", "batch", "rowless")
 
     def __init__(self, batch: int, *slots):
         self.batch = batch
         self.totals = [shape[rows_dim] for shape, _, _, rows_dim in slots]
+        self.rowless = max(self.totals, default=0) == 0
         self.slots = []
         for shape, strides, value, rows_dim in slots:
             if rows_dim == 0:
@@ -50,9 +51,13 @@ class TailFill:
 
     def __call__(self, *pairs) -> None:
         """pairs: (tensor, cu_seqlens) for each slot."""
-        if max(self.totals, default=0) == 0 or all(
-            (seqlens.known(cu) or (-1,))[0] == total for (_, cu), total in zip(pairs, self.totals)
-        ):
+        if self.rowless:
+            return
+        for (_, cu), total in zip(pairs, self.totals):
+            seen = seqlens.entry(cu)
+            if seen is None or seen.values is None or seen.values[0] != total:
+                break
+        else:  # every cu_seqlens is known to end at its last row
             return
         pairs = (*pairs, *pairs[:1] * (3 - len(pairs)))
         (x0, cu0), (x1, cu1), (x2, cu2) = pairs
@@ -104,7 +109,8 @@ class Forward:
             out.zero_(), lse.fill_(float("inf"))
             return out.to(q.dtype), lse
         # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
-        order = None if cu_k is None else seqlens.remembered(cu_k)[1]
+        seen = None if cu_k is None else seqlens.entry(cu_k)
+        order = None if seen is None else seen.order
         if self.plan.host_desc:
             bm, bn = self.rows
             q, k, v, dst = host_desc(q, bm), host_desc(k, bn), host_desc(v, bn), host_desc(out, bm)

@@ -369,9 +369,12 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
         if spec.k is not None:
             call.append = kvcache.Append(shape, spec.k, spec.v, spec.rotary_cos, bool(spec.rotary_interleaved), arch)
         decode = call.decode = kvcache.Decode(call.plan, shape, arch)
-    seqlens = _contiguous(cache_seqlens)
-    if batch_idx is not None or leftpad is not None or block_table is not None:
+    if call.indices_ready:
+        seqlens = cache_seqlens
+    else:
+        seqlens = _contiguous(cache_seqlens)
         batch_idx, leftpad, block_table = _contiguous(batch_idx), _contiguous(leftpad), _contiguous(block_table)
+        alibi_slopes, sink = _contiguous(alibi_slopes), _contiguous(sink)
     with _runtime.device_of(q):
         if k is not None:
             cos = sin = None
@@ -384,7 +387,7 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
                 check = None
         return decode(
             q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
-            block_table, None, _contiguous(alibi_slopes), _contiguous(sink), check,
+            block_table, None, alibi_slopes, sink, check,
         )  # fmt: skip
 
 

@@ -37,7 +37,15 @@ _SEEN_MAX = 64
 _LOCK = threading.Lock()
 
 
+# the attribute of a clamped copy in_range made, what is remembered of it (no weakref, lock or eviction: it lives as
+# long as the copy, which only flashattn2 holds)
+_OWN = "_flashattn2_seen"
+
+
 def entry(cu: torch.Tensor) -> Seen | None:
+    own = getattr(cu, _OWN, None)
+    if own is not None:
+        return own if own.version == cu._version else None
     if cu.is_inference():  # no version counter: never remembered
         return None
     seen = _SEEN.get(id(cu))
@@ -59,6 +67,9 @@ def remembered(cu: torch.Tensor) -> tuple[tuple[int, int] | None, torch.Tensor |
 
 
 def remember(cu: torch.Tensor, values, order: torch.Tensor) -> None:
+    if getattr(cu, _OWN, None) is not None:  # a clamped copy in_range made: remembered on itself
+        setattr(cu, _OWN, _new(Seen, (None, cu._version, 0, values, order)))
+        return
     # a tensor made under torch.inference_mode has no version counter to trust; under it, order is one too
     if cu.is_inference() or torch.is_inference_mode_enabled():
         return
@@ -91,7 +102,8 @@ def in_range(cu: torch.Tensor, rows: int) -> torch.Tensor:
         lengths = clamped[1:] - clamped[:-1]
         order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
         remember(cu, None, order)
-        remember(clamped, None, order)
+        values = None
     else:  # values read earlier stay true of the copy when they lie within the rows
-        remember(clamped, seen.values if seen.values and seen.values[0] <= rows else None, seen.order)
+        values, order = (seen.values if seen.values and seen.values[0] <= rows else None), seen.order
+    setattr(clamped, _OWN, _new(Seen, (None, clamped._version, 0, values, order)))
     return clamped
