@@ -95,10 +95,12 @@ class Append:
         v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
         shape = self.shape
         if check is not None and block_table is not None:
-            _check_pages_read(block_table, self.table_rows, shape, seqlens, seqlen_int, check)
+            check_pages(block_table, self.table_rows, shape, seqlens, seqlen_int, check)
         if self.torch_rotary:
             offsets = seqlens if seqlens is not None else seqlen_int
-            k_new = _rotary.rotate_(k_new.float(), cos, sin, self.interleaved, offsets).to(k_new.dtype)
+            # a contiguous copy: the kernel was given contiguous strides for it
+            rotated = k_new.to(torch.float32, memory_format=torch.contiguous_format)
+            k_new = _rotary.rotate_(rotated, cos, sin, self.interleaved, offsets).to(k_new.dtype)
         if not self.rotary:
             cos = sin = k_new
         k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows = self.ints
@@ -116,10 +118,11 @@ class Append:
         )  # fmt: skip
 
 
-def _check_pages_read(table, blocks: int, shape: Shape, seqlens, seqlen_int: int, check: Check) -> None:
-    """Flag, on the device and before the append, block-table entries out of range among the pages each sequence uses
-    (not only those the append writes): the append kernel reads the flag and writes nothing, so a bad page raises
-    before any memory is touched."""
+def check_pages(table, blocks: int, shape: Shape, seqlens, seqlen_int: int, check: Check) -> None:
+    """Flag, on the device, block-table entries out of range among the pages each sequence uses (not only those the
+    append writes or the attention reads: a window or left padding skips some). Before the append: its kernel reads
+    the flag and writes nothing, so a bad page raises before any memory is touched; without one, before the
+    attention (ops.registry.kvcache_forward)."""
     seqlen_new = shape.seqlen_new
     if seqlens is not None:
         ends = seqlens.clamp(0, shape.capacity - seqlen_new) + seqlen_new
