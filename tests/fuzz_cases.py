@@ -31,13 +31,14 @@ import dataclasses
 import math
 import random
 import re
+import time
 
 import torch
 
 import flashattn2
 from flashattn2.ops import _runtime, checks, planning
 from flashattn2.ops.planning import decoding
-from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
+from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref, local_mask
 from flashattn2.reference.kvcache import kvcache_ref
 from tolerance import assert_close
 
@@ -68,16 +69,16 @@ API = {
     "bad_varlen": "flash_attn_varlen_func",
 }
 WEIGHTS = {
-    "func": 20,
-    "qkvpacked": 6,
-    "kvpacked": 6,
+    "func": 34,
+    "qkvpacked": 5,
+    "kvpacked": 7,
     "varlen": 14,
-    "varlen_qkvpacked": 4,
+    "varlen_qkvpacked": 3,
     "varlen_kvpacked": 4,
-    "varlen_paged": 7,
-    "kvcache": 22,
-    "bad_kvcache": 10,
-    "bad_varlen": 7,
+    "varlen_paged": 6,
+    "kvcache": 15,
+    "bad_kvcache": 7,
+    "bad_varlen": 5,
 }
 
 
@@ -95,7 +96,7 @@ class Sizes:
     gpu: bool
 
 
-CPU = Sizes(max_len=200, max_batch=3, max_heads_k=2, max_group=4, max_work=200_000, max_new=9, budget=30, gpu=False)
+CPU = Sizes(max_len=200, max_batch=3, max_heads_k=2, max_group=4, max_work=200_000, max_new=9, budget=16, gpu=False)
 GPU = Sizes(
     max_len=4200, max_batch=4, max_heads_k=4, max_group=8, max_work=1 << 26, max_new=300, budget=math.inf, gpu=True
 )
@@ -192,23 +193,28 @@ def _offset(rng, tiles, hi):
     return (off + rng.choice((-1, 0, 1))) * rng.choice((1, -1))
 
 
-def _pair(rng, tiles, hi, same=False):
-    """(seqlen_q, seqlen_k) in [0, hi]: mostly a diagonal near a tile boundary, else two lengths of _length."""
+def _pair(rng, tiles, hi, same=False, diagonal=0.6):
+    """(seqlen_q, seqlen_k) in [0, hi]: with probability `diagonal` seqlen_k - seqlen_q near a tile boundary (_offset)
+    and seqlen_q around a multiple of a tile (a block or more: a full query block meets the diagonal), else two lengths
+    of _length."""
     for _ in range(200):
-        sq = _length(rng, tiles, hi)
+        on_diagonal = not same and rng.random() < diagonal
+        sq = _near(rng, tiles, hi) if on_diagonal else _length(rng, tiles, hi)
         if same:
             return sq, sq
-        sk = sq + _offset(rng, tiles, hi) if rng.random() < 0.6 else _length(rng, tiles, hi)
+        sk = sq + _offset(rng, tiles, hi) if on_diagonal else _length(rng, tiles, hi)
         if 0 <= sk <= hi:
             return sq, sk
     return 1, 1
 
 
 def _head_dim(rng, sizes, limit=512):
-    r = rng.random()
-    if r < 0.3:
-        return rng.choice((16, 32, 64, 128))
-    if r < 0.55:
+    """1 to 512: the model sizes' powers of two, any other; on the CPU mostly small ones (the interpreter's 16-bit
+    matmuls cost ~3x more at 128 than at 32)."""
+    r = rng.random() * (1 if sizes.gpu else 0.9)
+    if r < 0.25:
+        return rng.choice((16, 32, 64, 128) if sizes.gpu else (16, 32, 64))
+    if r < 0.5 or (not sizes.gpu and r < 0.65):
         return rng.randint(1, 64)
     if r < 0.8:
         return rng.randint(65, 256)
@@ -245,8 +251,10 @@ def _window(rng, tiles, hi):
 
 def _options(rng, p, tiles, hi, dropout=True):
     """The score options every attention function takes."""
-    p["causal"] = rng.random() < 0.5
-    p["window"] = _window(rng, tiles, hi) if rng.random() < 0.35 else (-1, -1)
+    # the masks whose key-block ranges the kernels compute, weighted toward causal's (where most calls are)
+    mask = rng.choices(("none", "causal", "window", "causal-window"), (15, 55, 15, 15))[0]
+    p["causal"] = mask.startswith("causal")
+    p["window"] = _window(rng, tiles, hi) if mask.endswith("window") else (-1, -1)
     p["softcap"] = round(rng.uniform(0.3, 30.0), 3) if rng.random() < 0.2 else 0.0
     p["alibi"] = rng.choice((None, None, None, "h", "bh"))
     p["sink"] = rng.random() < 0.2
@@ -261,7 +269,7 @@ def _modes_draw(rng, p, sizes, dense):
     p["invariant"] = p.get("dropout", 0) == 0 and rng.random() < 0.1
     if not dense or p["invariant"]:
         return
-    if not sizes.gpu and rng.random() < 0.35:
+    if not sizes.gpu and rng.random() < 0.25:
         p["tiles"] = {kernel: rng.choice(FORCED_TILES[kernel]) for kernel in ("fwd", "bwd_dkdv", "bwd_dq")}
         p["tma"] = rng.random() < 0.3
     if sizes.gpu:
@@ -324,7 +332,7 @@ def _attention_cost(p, pairs):
 
 def _grad_draw(rng, p, sizes, backward=True):
     p["deterministic"] = rng.random() < 0.5
-    p["backward"] = backward and rng.random() < 0.75
+    p["backward"] = backward and rng.random() < 0.7
     # a second backward must give the same bits: on the CPU (deterministic whatever the flag) now and then
     p["repeat"] = p["backward"] and p["deterministic"] and not p["dropout"] and (sizes.gpu or rng.random() < 0.15)
     p["lse"] = p["dropout"] > 0 or (p["sink"] and p["backward"]) or rng.random() < 0.5
@@ -351,18 +359,25 @@ def _fit_heads(rng, p, sizes, cost, same=False):
     return True
 
 
+def _unsupported_arch(p):
+    """sm86's rows have no fp32 backward past head dim 256 (tables.UNSUPPORTED): another arch's rows for those."""
+    if p.get("arch") == "sm86" and p["dtype"] == "fp32" and max(p["d"], p["dv"]) > 256 and p["backward"]:
+        p["arch"] = "sm80"
+
+
 def _draw_dense(rng, sizes, fn):
     p = {"dtype": _dtype(rng), "d": _head_dim(rng, sizes)}
     p["dv"] = _head_dim(rng, sizes) if fn == "func" and rng.random() < 0.25 else p["d"]
     _options(rng, p, (64,), sizes.max_len)
     _modes_draw(rng, p, sizes, dense=True)
     _grad_draw(rng, p, sizes)
+    _unsupported_arch(p)
     tiles = _tiles_of(p, sizes)
     if p["window"] != (-1, -1) and rng.random() < 0.5:
         p["window"] = _window(rng, tiles, sizes.max_len)
     hi = sizes.max_len
     for _ in range(30):  # shorter each time nothing fits
-        p["seqlen_q"], p["seqlen_k"] = _pair(rng, tiles, hi, same=fn == "qkvpacked")
+        p["seqlen_q"], p["seqlen_k"] = _pair(rng, tiles, hi, same=fn == "qkvpacked", diagonal=0.85)
         p["batch"] = 1
 
         def cost(p):
@@ -388,6 +403,7 @@ def _draw_varlen(rng, sizes, fn):
     _options(rng, p, (64,), sizes.max_len, dropout=not paged)
     _modes_draw(rng, p, sizes, dense=not paged)
     _grad_draw(rng, p, sizes, backward=not paged)
+    _unsupported_arch(p)
     if paged:
         p["page"] = rng.choice((1, 3, 5, 16, 64, 128, 256) if sizes.gpu else (1, 3, 5, 16, 32, 64))
     tiles = _tiles_of(p, sizes, decode=paged)
@@ -410,7 +426,7 @@ def _draw_varlen(rng, sizes, fn):
     for _ in range(rng.randint(1, sizes.max_batch + 1)):
         hi = sizes.max_len
         for _ in range(10):  # shorter each time it does not fit
-            sq, sk = _pair(rng, tiles, hi, same=same)
+            sq, sk = _pair(rng, tiles, hi, same=same, diagonal=0.85)
             p["lengths_q"].append(sq)
             p["lengths_k"].append(sk)
             if cost(p) <= 1:
@@ -418,9 +434,11 @@ def _draw_varlen(rng, sizes, fn):
             p["lengths_q"].pop()
             p["lengths_k"].pop()
             hi = max(2, hi * 2 // 3)
-        else:
-            p["lengths_q"].append(rng.choice((0, 1)))
-            p["lengths_k"].append(p["lengths_q"][-1] if same else rng.choice((0, 1, 3)))
+        else:  # the budget is spent: no more sequences (but one)
+            if p["lengths_q"]:
+                break
+            p["lengths_q"].append(1)
+            p["lengths_k"].append(1)
     p["tail_q"] = rng.choice((0, 0, 0, 1, 3))
     p["tail_k"] = p["tail_q"] if same else rng.choice((0, 0, 0, 2))
     p["slack"] = rng.choice((0, 0, 0, 1, 7))  # max_seqlen past the longest sequence
@@ -690,8 +708,22 @@ def _grads(outputs, grad_outputs, inputs, repeat):
     return grads
 
 
-def _factors(alibi=False):
-    return {"out": FWD_FACTOR, "lse": FWD_FACTOR, "dq": BWD_FACTOR, "dk": BWD_FACTOR, "dv": BWD_FACTOR}
+FACTORS = {"out": FWD_FACTOR, "lse": FWD_FACTOR, "dq": BWD_FACTOR, "dk": BWD_FACTOR, "dv": BWD_FACTOR}
+
+
+def _one_key_rows(p, pairs) -> bool:
+    """Whether every row of these (seqlen_q, seqlen_k) sees at most one key."""
+    return all(local_mask(sq, sk, tuple(p["window"]), p["causal"]).sum(-1).max() <= 1 for sq, sk in pairs if sq and sk)
+
+
+def _without_delta_rounding(p, pairs, ours):
+    """With dropout and every row seeing one key, the reference's dq and dk are exactly 0 (P = 1: dS = dP - dP); the
+    kernels' are the rounding of the stored output, scaled by 1 / (1 - dropout_p), in delta = rowsum(dO * O), as
+    FlashAttention-2's are, and the rule's floor (an ulp of the reference's largest value, here 0) does not cover
+    it: those two are not compared then."""
+    if p["dropout"] and _one_key_rows(p, pairs):
+        ours.pop("dq", None)
+        ours.pop("dk", None)
 
 
 def _run_dense(fn, p, gen, device):
@@ -755,7 +787,8 @@ def _run_dense(fn, p, gen, device):
                 outputs.append(into["lse"].masked_fill(~finite, 0))
                 grad_outputs.append(dlse.to(into["lse"].dtype))
             into.update(zip(("dq", "dk", "dv"), torch.autograd.grad(outputs, (qr, kr, vr), grad_outputs)))
-    _compare(fn, ours, ref, low, _factors())
+    _without_delta_rounding(p, [(sq, sk)], ours)
+    _compare(fn, ours, ref, low, FACTORS)
     if sink is not None and grad:
         _check_dsink(
             fn, ours["dsink"], sink, out.reshape(-1, h, dv), lse.permute(1, 0, 2).reshape(h, -1),
@@ -905,7 +938,8 @@ def _run_varlen(fn, p, gen, device, bad=None):
                 into["lse"] = into["lse"][:, rows]
         if "lse" not in ours:
             ref.pop("lse")
-    _compare(fn, ours, ref, low, _factors())
+    _without_delta_rounding(p, list(zip(lq, lk)), ours)
+    _compare(fn, ours, ref, low, FACTORS)
     if sink is not None and grad:
         _check_dsink(fn, ours["dsink"], sink, out, lse, ref["out"], ref["lse"], dout, dlse)
 
@@ -1144,3 +1178,18 @@ def run(case: Case, device) -> None:
         RUN[case.fn](case.fn, case.p, gen, device)
     finally:
         _runtime.POISON = poison
+
+
+def fuzz(seed: int, seconds: float, sizes: Sizes, device, log=print, functions=None, first: int = 0):
+    """Cases seed:first, seed:first+1, ... until `seconds` of wall time have passed, each run whatever the others did:
+    (the number run, [(index, case, error)] of those that failed, each logged as it fails)."""
+    failures, start, index = [], time.monotonic(), first
+    while time.monotonic() - start < seconds:
+        case = draw(seed, index, sizes, functions)
+        try:
+            run(case, device)
+        except Exception as e:  # a failure of any kind is the case's: report it and go on
+            failures.append((index, case, e))
+            log(f"FAILED case {seed}:{index} ({type(e).__name__}: {e})\n  {case}")
+        index += 1
+    return index - first, failures
