@@ -102,3 +102,27 @@ def test_batch_invariant_varlen_without_keys(backward):
     if backward:
         dq, dk = torch.autograd.grad(out, (q, k), torch.randn_like(out))
         assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape
+
+
+@pytest.mark.parametrize("path", ["batch-invariant", "paged"])
+def test_rows_past_the_last_sequence_without_keys_and_a_sink(path):
+    """A varlen call whose keys are none at all (k of no rows in the batch-invariant mode; a block table of no pages),
+    with a sink: the sequences' rows have lse = the sink, the rows past cu_seqlens_q[-1] lse +inf and output 0, as
+    with keys (the sink was written into those rows too)."""
+    q = torch.randn(34, 3, 16, device=DEVICE)
+    sink = torch.randn(3, device=DEVICE)
+    cu_q = torch.tensor([0, 31], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    if path == "paged":
+        pages, table = torch.randn(2, 4, 1, 16, device=DEVICE), torch.zeros(1, 0, dtype=torch.int32, device=DEVICE)
+        out, lse, _ = flashattn2.flash_attn_varlen_func(
+            q, pages, pages, cu_q, cu_k, 31, 0, return_attn_probs=True, learnable_sink=sink, block_table=table
+        )
+    else:
+        k = torch.randn(0, 1, 16, device=DEVICE)
+        with flashattn2.batch_invariant():
+            out, lse, _ = flashattn2.flash_attn_varlen_func(
+                q, k, k, cu_q, cu_k, 38, 7, return_attn_probs=True, learnable_sink=sink
+            )
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse[:, :31], sink[:, None].expand(3, 31)) and torch.isposinf(lse[:, 31:]).all()

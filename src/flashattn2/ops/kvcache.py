@@ -361,8 +361,10 @@ class Decode:
             dst, dst_lse = out, lse
         if self.empty:
             out.zero_(), lse.fill_(float("inf"))
-            if self.sink_only:  # the rows see only the sink
+            if self.sink_only:  # the rows see only the sink (a varlen q's rows past its sequences: nothing)
                 lse.copy_(sinks[:, None].expand_as(lse))
+                if self.tail is not None:
+                    self.tail((out, cu_q), (lse, cu_q))
             return out.to(q.dtype), lse
         if self.plan.kv_tma and q.device.type == "cuda":
             _runtime.ensure_tma_allocator()
