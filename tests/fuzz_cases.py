@@ -506,7 +506,9 @@ def _draw_kvcache(rng, sizes, bad=False):
     p["leftpad"] = kind == "tensor" and rng.random() < 0.25
     if p["leftpad"]:
         p["leftpads"] = [rng.randint(0, s) for s in p["cache_seqlens"]]
-    p["rotary"] = rng.choice((None, "neox", "gptj")) if new and rng.random() < 0.4 else None
+    # rotary rotates k's first columns: not where a latent cache's v (those columns of the same memory) is appended
+    rotary = new and p["d"] > 1 and not p.get("latent") and rng.random() < 0.4
+    p["rotary"] = rng.choice(("neox", "gptj")) if rotary else None
     if p["rotary"]:
         p["rotary_dim"] = 2 * rng.randint(1, max(1, p["d"] // 2))
     p["lse"] = rng.random() < 0.6
