@@ -203,3 +203,16 @@ def test_gpu_session_rejects_an_unknown_stage(tmp_path):
     )
     assert run.returncode == 2 and "unknown stage no-such-stage" in run.stdout
     assert "results recorded as git abc" in run.stdout
+
+
+def test_fuzz_runs_for_its_time_and_replays_a_case(capsys):
+    """tools/fuzz.py on the CPU (this process's interpreter): a run of under a second prints its seed and count, and
+    --case replays one case alone, printing it."""
+    import fuzz
+
+    assert fuzz.main(["--device", "cpu", "--seconds", "0.2", "--seed", "5", "--functions", "kvcache"]) == 0
+    out = capsys.readouterr().out
+    assert "fuzz seed=5 on cpu" in out and re.search(r"fuzz seed=5: [1-9]\d* cases in \d+ s, 0 failed", out), out
+    assert fuzz.main(["--device", "cpu", "--seed", "5", "--case", "1", "--functions", "kvcache"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Case(fn='kvcache'") and "case 5:1 passed" in out

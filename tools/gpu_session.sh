@@ -49,10 +49,12 @@
 #              64(x2)x128 (measured 0.89x the 128(x2)x64 tile it was then compared with: why?) and cuDNN
 #   host-profile    where a 512-token forward + backward's host time goes (tools/host_profile.py, overhead.py --profile)
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
+#   fuzz       the fuzzer at realistic sizes for 420 s (tools/fuzz.py: random calls across the API against the reference);
+#              each failure is in the log as the Case(...) that replays it
 # Calls that fit the 10-minute limit (the stage limits add up to under 600 s; a fresh machine compiles
 # every kernel on first use): "env new-tests"; "ab-fwd host"; "grid-fp16"; "grid-bf16"; "gqa features";
 # "graph profile"; "profile-causal host-profile profile-sass"; "grid-fwd new-tests"; "env order-tests ab-order";
-# "env serve-tests"; "generate"; "decode host"; "parallel-tests parallel-bench parallel-nccl1".
+# "env serve-tests"; "generate"; "decode host"; "parallel-tests parallel-bench parallel-nccl1"; "env fuzz".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -192,6 +194,8 @@ for s in "$@"; do
           --section WarpStateStats --section SourceCounters --import-source no -o /tmp/sass-rep -f python3 tools/ncu_profile.py \
           flashattn2:fp16:256:0:4096:bwd && ncu -i /tmp/sass-rep.ncu-rep --page source --csv --print-source sass > /tmp/sass.csv &&
           gzip -c /tmp/sass.csv > '$OUT/sass.csv.gz' && python3 tools/ncu_sass.py /tmp/sass.csv" ;;
+    fuzz)
+      stage fuzz 540 python3 tools/fuzz.py --seconds 420 --device cuda ;;
     *)
       echo "unknown stage $s"; exit 2 ;;
   esac

@@ -103,10 +103,12 @@ class Append:
             v_new = v_new.contiguous()
         shape = self.shape
         if check is not None and block_table is not None:
-            _check_pages_read(block_table, self.table_rows, shape, seqlens, seqlen_int, check)
+            check_pages(block_table, self.table_rows, shape, seqlens, seqlen_int, check)
         if self.torch_rotary:
             offsets = seqlens if seqlens is not None else seqlen_int
-            k_new = _rotary.rotate_(k_new.float(), cos, sin, self.interleaved, offsets).to(k_new.dtype)
+            # a contiguous copy: the kernel was given contiguous strides for it
+            rotated = k_new.to(torch.float32, memory_format=torch.contiguous_format)
+            k_new = _rotary.rotate_(rotated, cos, sin, self.interleaved, offsets).to(k_new.dtype)
         if not self.rotary:
             cos = sin = k_new
         if check is None and seqlen_int == 0:
@@ -128,10 +130,11 @@ class Append:
         )  # fmt: skip
 
 
-def _check_pages_read(table, blocks: int, shape: Shape, seqlens, seqlen_int: int, check: Check) -> None:
-    """Flag, on the device and before the append, block-table entries out of range among the pages each sequence uses
-    (not only those the append writes): the append kernel reads the flag and writes nothing, so a bad page raises
-    before any memory is touched."""
+def check_pages(table, blocks: int, shape: Shape, seqlens, seqlen_int: int, check: Check) -> None:
+    """Flag, on the device, block-table entries out of range among the pages each sequence uses (not only those the
+    append writes or the attention reads: a window or left padding skips some). Before the append: its kernel reads
+    the flag and writes nothing, so a bad page raises before any memory is touched; without one, before the
+    attention (ops.registry.kvcache_forward)."""
     seqlen_new = shape.seqlen_new
     if seqlens is not None:
         ends = seqlens.clamp(0, shape.capacity - seqlen_new) + seqlen_new
@@ -373,8 +376,10 @@ class Decode:
             dst, dst_lse = out, lse
         if self.empty:
             out.zero_(), lse.fill_(float("inf"))
-            if self.sink_only:  # the rows see only the sink
+            if self.sink_only:  # the rows see only the sink (a varlen q's rows past its sequences: nothing)
                 lse.copy_(sinks[:, None].expand_as(lse))
+                if self.tail is not None:
+                    self.tail((out, cu_q), (lse, cu_q))
             return out.to(q.dtype), lse
         if self.plan.kv_tma and q.device.type == "cuda":
             _runtime.ensure_tma_allocator()

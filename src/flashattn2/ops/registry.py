@@ -385,6 +385,8 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
                 q = kvcache.rotate_q(q, seqlens, seqlen_int, (cos, sin, spec.rotary_interleaved), call.per_token)
             if call.seqlen_new and k.shape[0]:  # an append that ran checked every value the attention reads (pages too)
                 check = None
+        if check is not None and block_table is not None:  # the pages a window or left padding leaves unread too
+            kvcache.check_pages(block_table, k_cache.shape[0], decode.shape, seqlens, seqlen_int, check)
         return decode(
             q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
             block_table, None, alibi_slopes, sink, check,

@@ -115,9 +115,9 @@ def num_splits_for(num_splits: int, programs: int, capacity: int, block_n: int, 
 
 def chunked(capacity: int, splits: int, block_n: int) -> tuple[int, int]:
     """(splits, chunk) for about `splits` splits of the capacity: each split's keys a multiple of block_n, the count
-    recomputed from that chunk (rounding can leave fewer)."""
-    chunk = -(-capacity // (splits * block_n)) * block_n
-    return -(-capacity // chunk), chunk
+    recomputed from that chunk (rounding can leave fewer); a cache of no positions is one split of one block."""
+    chunk = max(1, -(-capacity // (splits * block_n))) * block_n
+    return max(1, -(-capacity // chunk)), chunk
 
 
 def _path(c: Cache) -> str:
