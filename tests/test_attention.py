@@ -714,6 +714,28 @@ def test_strided_inputs(layout):
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_inputs_not_as_kernels_take_them_repeated(varlen):
+    """A repeated call whose k is expanded (stride 0) and v strided in its last dimension copies them every time (the
+    prepared call of ready tensors is never reused for them: ops.call.NotReady), and gives the contiguous call's
+    output bit for bit; so does the contiguous call after it."""
+    h, d = 4, 32
+    q = randn(2, 9, h, d, dtype=torch.float16)
+    k = randn(2, 11, 1, d, dtype=torch.float16).expand(2, 11, h, d)
+    v = randn(2, 11, h, 2 * d, dtype=torch.float16)[..., ::2]
+    if varlen:
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        cu_q, cu_k = (torch.tensor([0, 4, n], dtype=torch.int32, device=q.device) for n in (18, 22))
+        call = lambda *qkv: flashattn2.flash_attn_varlen_func(*qkv, cu_q, cu_k, 14, 18, causal=True)
+    else:
+        call = lambda *qkv: flashattn2.flash_attn_func(*qkv, causal=True)
+    assert k.stride(-2) == 0 and v.stride(-1) == 2
+    expected = call(q, k.contiguous(), v.contiguous())
+    for _ in range(2):
+        assert torch.equal(call(q, k, v), expected)
+    assert torch.equal(call(q, k.contiguous(), v.contiguous()), expected)
+
+
 def test_broadcast_output_gradient():
     """out.sum() sends an expanded (stride-0) dO; the backward must not feed it to TMA as is."""
     q, k, v = make_qkv((2, 130, 130, 4, 2, 64), torch.bfloat16)

@@ -81,6 +81,17 @@ def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
     return (q if packing == "qkv" else for_kernels(q)), k, v, ready
 
 
+def _ready_call(q, k, v, packing: str | None, args):
+    """The prepared call of unpacked q, k, v as given, which proves them as the kernels take them (ops.call.NotReady);
+    None where they are packed or must be made so first (_for_kernels)."""
+    if packing is not None:
+        return None
+    try:
+        return calls.attention(q, k, v, *args)
+    except calls.NotReady:
+        return None
+
+
 def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
            deterministic, return_attn_probs, sink):  # fmt: skip
     """flash_attn_func and its packed forms: q, k, v (views of `packed` when packing is "qkv" or "kv")."""
@@ -89,11 +100,11 @@ def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_si
             q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink
         )
         return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
-    q, k, v, packed = _for_kernels(q, k, v, packed, packing, 2)
-    call = calls.attention(
-        q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink,
-        deterministic,
-    )  # fmt: skip
+    args = (None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink, deterministic)
+    call = _ready_call(q, k, v, packing, args)
+    if call is None:
+        q, k, v, packed = _for_kernels(q, k, v, packed, packing, 2)
+        call = calls.attention(q, k, v, *args)
     seed = _seed(call, q)
     if call.empty:
         out, lse = EmptyAttention.apply(q, k, v, sink)
@@ -278,9 +289,11 @@ def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         traced = (q, k, v, cu_q, cu_k, max_q, max_k, *args[7:])
         (out, lse), _ = _traced(*traced, window_size, softcap, alibi_slopes, sink)
         return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
-    q, k, v, packed = _for_kernels(q, k, v, packed, packing, 1)
-    args = (q, k, v, *args[3:])
-    call = calls.attention(*args, window_size, softcap, alibi_slopes, sink, deterministic)
+    args = (*args[3:], window_size, softcap, alibi_slopes, sink, deterministic)
+    call = _ready_call(q, k, v, packing, args)
+    if call is None:
+        q, k, v, packed = _for_kernels(q, k, v, packed, packing, 1)
+        call = calls.attention(q, k, v, *args)
     o = call.options
     cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)
     seed = _seed(call, q)

@@ -61,6 +61,19 @@ def clear() -> None:
     planning._lookup.cache_clear()
 
 
+class NotReady(Exception):
+    """q, k or v is not as the kernels take it (ops.registry.for_kernels): make it so and call again. No call is
+    prepared for such a spec (the cache remembers it as not ready), so a prepared call proves its tensors ready and
+    the API's repeated call skips the check."""
+
+
+_NOT_READY = "not ready"  # what the caches hold for a spec whose tensors are not as the kernels take them
+
+
+def _ready(spec: specs.AttentionSpec) -> bool:
+    return all(t.stride[-1] == 1 and 0 not in t.stride for t in (spec.q, spec.k, spec.v))
+
+
 def _scale(head_dim: int, softmax_scale) -> float:
     return float(head_dim**-0.5 if softmax_scale is None else softmax_scale)
 
@@ -187,7 +200,8 @@ def attention(
     literal: bool = False,
 ) -> AttentionCall:
     """The prepared call of an attention call's arguments: found by its spec, or validated, planned and kept. literal:
-    the window's edges as given (from_options), else by flash_attn's rule (window_edges)."""
+    the window's edges as given (from_options), else by flash_attn's rule (window_edges). Raises NotReady (after the
+    validation) where q, k or v is not as the kernels take it."""
     cache = LITERAL if literal else CALLS
     try:
         spec = specs.attention(
@@ -211,6 +225,8 @@ def attention(
     except (specs.NotCanonical, AttributeError, TypeError):  # a list, a tensor max_seqlen, a non-tensor
         spec = found = None
     if found is not None:
+        if found is _NOT_READY:
+            raise NotReady
         return found
     max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap = validate_attention(
         q,
@@ -248,12 +264,17 @@ def attention(
     )
     found = cache.get(canonical)
     if found is None:
-        call = AttentionCall(canonical, _options(q, canonical), None)
-        if not call.empty:
-            call.plan = planning.plan(canonical)
+        if _ready(canonical):
+            call = AttentionCall(canonical, _options(q, canonical), None)
+            if not call.empty:
+                call.plan = planning.plan(canonical)
+        else:
+            call = _NOT_READY
         found = cache.add(canonical, call)
     if spec is not None and spec != canonical:
         cache.add(spec, found)
+    if found is _NOT_READY:
+        raise NotReady
     return found
 
 

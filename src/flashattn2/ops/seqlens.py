@@ -83,7 +83,7 @@ def remember(cu: torch.Tensor, values, order: torch.Tensor) -> None:
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def in_range(cu: torch.Tensor, rows: int) -> torch.Tensor:
