@@ -713,6 +713,24 @@ def _grads(outputs, grad_outputs, inputs, repeat):
     return grads
 
 
+def _gradients(fn: str, outputs, grad_outputs, inputs, repeat: int, dim: int) -> dict:
+    """dq, dk, dv (and dsink) of a call: outputs (out, lse) with grad_outputs (dout, dlse or None), inputs the leaves
+    and the sink or None; a packed call's gradient split along dim (its q/k/v axis)."""
+    if grad_outputs[1] is None:
+        outputs, grad_outputs = outputs[:1], grad_outputs[:1]
+    sink = inputs[-1]
+    grads = _grads(outputs, grad_outputs, inputs if sink is not None else inputs[:-1], repeat)
+    if fn.endswith("qkvpacked"):
+        found = dict(zip(("dq", "dk", "dv"), grads[0].unbind(dim)))
+    elif fn.endswith("kvpacked"):
+        found = dict(dq=grads[0], dk=grads[1].select(dim, 0), dv=grads[1].select(dim, 1))
+    else:
+        found = dict(zip(("dq", "dk", "dv"), grads[:3]))
+    if sink is not None:
+        found["dsink"] = grads[-1]
+    return found
+
+
 FACTORS = {"out": FWD_FACTOR, "lse": FWD_FACTOR, "dq": BWD_FACTOR, "dk": BWD_FACTOR, "dv": BWD_FACTOR}
 
 
@@ -783,20 +801,7 @@ def _run_dense(fn, p, gen, device):
     dlse = _rand(gen, lse.shape, device) if p["dlse"] else None
     ours = {"out": out} | ({"lse": lse} if lse is not None else {})
     if grad:
-        inputs = (*leaves, *([sink] if sink is not None else []))
-        outputs, grad_outputs = (
-            (out, lse) if dlse is not None else (out,),
-            (dout, dlse) if dlse is not None else (dout,),
-        )
-        grads = _grads(outputs, grad_outputs, inputs, p["repeat"])
-        if fn == "qkvpacked":
-            ours.update(zip(("dq", "dk", "dv"), grads[0].unbind(2)))
-        elif fn == "kvpacked":
-            ours.update(dq=grads[0], dk=grads[1].select(2, 0), dv=grads[1].select(2, 1))
-        else:
-            ours.update(zip(("dq", "dk", "dv"), grads[:3]))
-        if sink is not None:
-            ours["dsink"] = grads[-1]
+        ours.update(_gradients(fn, (out, lse), (dout, dlse), (*leaves, sink), p["repeat"], 2))
     qr, kr, vr = (_leaf(t, grad) for t in (q, k, v))
     sr = _leaf(sink, grad) if sink is not None else None
     opts = _score_kwargs(p, alibi, sr) | dict(dropout_mask=keep, dropout_p=p["dropout"])
@@ -909,20 +914,7 @@ def _run_varlen(fn, p, gen, device, bad=None):
     dlse = _rand(gen, lse.shape, device) if p["dlse"] else None
     ours = {"out": out} | ({"lse": lse} if lse is not None else {})
     if grad:
-        inputs = (*leaves, *([sink] if sink is not None else []))
-        outputs, grad_outputs = (
-            (out, lse) if dlse is not None else (out,),
-            (dout, dlse) if dlse is not None else (dout,),
-        )
-        grads = _grads(outputs, grad_outputs, inputs, p["repeat"])
-        if fn == "varlen_qkvpacked":
-            ours.update(zip(("dq", "dk", "dv"), grads[0].unbind(1)))
-        elif fn == "varlen_kvpacked":
-            ours.update(dq=grads[0], dk=grads[1].select(1, 0), dv=grads[1].select(1, 1))
-        else:
-            ours.update(zip(("dq", "dk", "dv"), grads[:3]))
-        if sink is not None:
-            ours["dsink"] = grads[-1]
+        ours.update(_gradients(fn, (out, lse), (dout, dlse), (*leaves, sink), p["repeat"], 1))
     qr, kr, vr = (_leaf(t, grad) for t in (q, k, v))
     sr = _leaf(sink, grad) if sink is not None else None
     ref, low = {}, {}
