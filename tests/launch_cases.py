@@ -54,7 +54,7 @@ def on_sm90():
         yield
         return
     saved = (specs.modes, dense.wgmma, _runtime.sm_count, checks.check_device, _runtime.ensure_tma_allocator)
-    specs.modes = lambda device: specs.Modes("sm90", planning.forced(), False)
+    specs.modes = lambda t: specs.Modes("sm90", planning.forced(), False)
     dense.wgmma = lambda device: True
     _runtime.sm_count = lambda device: 132
     checks.check_device = lambda device, name: None

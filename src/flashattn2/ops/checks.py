@@ -130,16 +130,16 @@ def cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_se
     within q / k and keep every sequence within max_seqlen: a copy to pinned host memory is queued and verify() waits
     for that copy only (not for the kernels) and raises ValueError on a bad value; a tensor whose values passed is
     remembered (ops.seqlens) and not read again."""
-    maxes = (max_seqlen_q, max_seqlen_k)
     totals = (q.shape[0], k.shape[0])
-    cus = (cu_seqlens_q, cu_seqlens_k)
-    clamped = (in_range(cu_seqlens_q, totals[0]),)
+    clamped_q = in_range(cu_seqlens_q, totals[0])
     if cu_seqlens_k is cu_seqlens_q and totals[1] == totals[0]:  # self-attention: one clamp serves both
-        clamped += clamped
+        clamped = (clamped_q, clamped_q)
     else:
-        clamped += (in_range(cu_seqlens_k, totals[1]),)
+        clamped = (clamped_q, in_range(cu_seqlens_k, totals[1]))
     if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
         return *clamped, _nothing
+    maxes = (max_seqlen_q, max_seqlen_k)
+    cus = (cu_seqlens_q, cu_seqlens_k)
     seen_q, seen_k = known(cu_seqlens_q), known(cu_seqlens_k)
     if (
         seen_q is not None

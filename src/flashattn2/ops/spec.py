@@ -106,8 +106,9 @@ class Modes(NamedTuple):
     invariant: bool
 
 
-def modes(device: torch.device) -> Modes:
-    arch = planning.arch_of(device) if device.type == "cuda" else "interp"
+def modes(t: torch.Tensor) -> Modes:
+    """The modes of a call on t's device (is_cuda: torch.device.type costs more than the rest)."""
+    arch = planning.arch_of(t.device) if t.is_cuda else "interp"
     state = _INVARIANT.get()
     return _new(Modes, (arch, FORCED.get(), invariance._DEFAULT[0] if state is None else state))
 
@@ -161,6 +162,8 @@ def attention(
     varlen = cu_seqlens_q is not None
     if varlen and (type(max_seqlen_q) is not int or type(max_seqlen_k) is not int):
         raise NotCanonical
+    cu_q = optional(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else optional(cu_seqlens_k)  # self-attention's one tensor
     return _new(
         AttentionSpec,
         (
@@ -168,8 +171,8 @@ def attention(
             qs,
             tensor(k),
             tensor(v),
-            optional(cu_seqlens_q),
-            optional(cu_seqlens_k),
+            cu_q,
+            cu_k,
             max_seqlen_q if varlen else 0,
             max_seqlen_k if varlen else 0,
             _number(dropout_p),
@@ -181,7 +184,7 @@ def attention(
             optional(learnable_sink),
             _number(deterministic),
             aligned(q, k, v, alibi_slopes, learnable_sink),
-            modes(qs.device),
+            modes(q),
         ),
     )
 
@@ -294,7 +297,7 @@ def kvcache(
                 alibi_slopes,
                 learnable_sink,
             ),
-            modes(qs.device),
+            modes(q),
         ),
     )
 
@@ -361,6 +364,6 @@ def paged(
             optional(alibi_slopes),
             optional(learnable_sink),
             aligned(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
-            modes(qs.device),
+            modes(q),
         ),
     )
