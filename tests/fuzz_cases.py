@@ -639,11 +639,14 @@ def _modes(p):
         checks.set_value_checks(previous)
 
 
-def _score_kwargs(p, alibi, sink):
+def _score_kwargs(p, alibi, sink, keys=None):
+    """The options of a call; keys: the reference's, with flash_attn's window rule for the API's seqlen_k (dense) or
+    max_seqlen_k (varlen): an edge at or past the keys' end is no edge (ops.call.window_edges)."""
+    window = tuple(p["window"]) if keys is None else tuple(-1 if w >= keys else w for w in p["window"])
     return dict(
         softmax_scale=p["scale"],
         causal=p["causal"],
-        window_size=tuple(p["window"]),
+        window_size=window,
         softcap=p["softcap"],
         alibi_slopes=alibi,
         learnable_sink=sink,
@@ -804,7 +807,7 @@ def _run_dense(fn, p, gen, device):
         ours.update(_gradients(fn, (out, lse), (dout, dlse), (*leaves, sink), p["repeat"], 2))
     qr, kr, vr = (_leaf(t, grad) for t in (q, k, v))
     sr = _leaf(sink, grad) if sink is not None else None
-    opts = _score_kwargs(p, alibi, sr) | dict(dropout_mask=keep, dropout_p=p["dropout"])
+    opts = _score_kwargs(p, alibi, sr, sk) | dict(dropout_mask=keep, dropout_p=p["dropout"])
     ref, low = {}, {}
     for upcast, into in ((True, ref), (False, low)):
         into["out"], into["lse"] = attention_ref(qr, kr, vr, upcast=upcast, **opts)
@@ -818,7 +821,7 @@ def _run_dense(fn, p, gen, device):
             into.update(zip(("dq", "dk", "dv"), torch.autograd.grad(outputs, (qr, kr, vr), grad_outputs)))
     allowance = None
     if grad:
-        ropts = _score_kwargs(p, alibi, sr)
+        ropts = _score_kwargs(p, alibi, sr, sk)
         allowance = dict(zip(("dq", "dk"), _delta_allowance(p, qr, kr, ropts, dout, out, ref["out"])))
     _compare(fn, ours, ref, low, allowance)
     if sink is not None and grad:
@@ -925,7 +928,7 @@ def _run_varlen(fn, p, gen, device, bad=None):
             rq, rk = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
             keep = s_dmask[b : b + 1, :, : lq[b], : lk[b]] >= 0 if p["dropout"] else None
             slopes = alibi[b] if alibi is not None and alibi.dim() == 2 else alibi
-            opts = _score_kwargs(p, slopes, sr) | dict(dropout_mask=keep, dropout_p=p["dropout"])
+            opts = _score_kwargs(p, slopes, sr, int(max_k)) | dict(dropout_mask=keep, dropout_p=p["dropout"])
             o, s = attention_ref(qr[None, rq], kr[None, rk], vr[None, rk], upcast=upcast, **opts)
             outs.append(o[0])
             lses.append(s[0])
@@ -967,7 +970,7 @@ def _run_varlen(fn, p, gen, device, bad=None):
                 allowance["dq"][rq], allowance["dk"][rk] = (
                     a[0]
                     for a in _delta_allowance(
-                        p, qr[None, rq], kr[None, rk], _score_kwargs(p, slopes, sr), dout[None, rq], out[None, rq],
+                        p, qr[None, rq], kr[None, rk], _score_kwargs(p, slopes, sr, int(max_k)), dout[None, rq], out[None, rq],
                         ref["out"][None, rq],
                     )
                 )  # fmt: skip

@@ -1,5 +1,7 @@
 """flash_attn_func against the reference: out, logsumexp and gradients, by flash_attn's rule."""
 
+import random
+
 import pytest
 import torch
 
@@ -714,6 +716,22 @@ def test_strided_inputs(layout):
     check_against_reference(q, k, v, out, lse, grads, do, True)
 
 
+def test_ready_is_for_kernels_rule():
+    """A prepared call proves its tensors ready by ops.call's reading of the spec, which must be for_kernels' own rule
+    on every layout (a size-1 or empty dimension with stride 0, a last dimension of one): where they differed, a call
+    copied by for_kernels would still not be ready (the fuzzer found seqlen_k 0 raising NotReady)."""
+    from flashattn2.ops.registry import for_kernels
+
+    rng = random.Random(0)
+    base = torch.zeros(200)
+    for _ in range(2000):
+        ndim = rng.randint(1, 4)
+        shape = [rng.choice((0, 1, 1, 2, 3)) for _ in range(ndim)]
+        stride = [rng.choice((0, 1, 2, 3, 6, 12)) for _ in range(ndim)]
+        t = base.as_strided(shape, stride)
+        assert calls._kernel_ready(spec.tensor(t)) == (for_kernels(t) is t), (shape, stride)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_inputs_not_as_kernels_take_them_repeated(varlen):
     """A repeated call whose k is expanded (stride 0) and v strided in its last dimension copies them every time (the
@@ -734,6 +752,30 @@ def test_inputs_not_as_kernels_take_them_repeated(varlen):
     for _ in range(2):
         assert torch.equal(call(q, k, v), expected)
     assert torch.equal(call(q, k.contiguous(), v.contiguous()), expected)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_returned_lse_is_the_callers(varlen):
+    """A call without return_attn_probs (and no gradient) may write its logsumexp into a buffer such calls share
+    (_runtime.output_lse): a logsumexp returned to a caller is never that buffer, so later calls leave it as returned,
+    and the outputs are the same with it or without."""
+
+    def call(q, k, v, lse=False):
+        if not varlen:
+            return flashattn2.flash_attn_func(q, k, v, causal=True, return_attn_probs=lse)
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        cu = torch.tensor([0, 5, 18], dtype=torch.int32, device=q.device)
+        return flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, return_attn_probs=lse)
+
+    qkv = [randn(2, 9, 2, 32, dtype=torch.float16) for _ in range(3)]
+    out, lse, _ = call(*qkv, lse=True)
+    kept = lse.clone()
+    for _ in range(2):
+        assert torch.equal(call(*qkv), out)
+        other = [randn(2, 9, 2, 32, dtype=torch.float16) for _ in range(3)]
+        call(*other)
+        _, lse_other, _ = call(*other, lse=True)
+        assert torch.equal(lse, kept) and not torch.equal(lse_other, kept)
 
 
 def test_broadcast_output_gradient():

@@ -300,6 +300,26 @@ def test_empty_sequences_and_full_cache():
     check(q, k_cache, v_cache, {}, 0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_returned_lse_is_the_callers(splits):
+    """A call without return_softmax_lse may write its logsumexp into a buffer such calls share (kvcache.Decode): a
+    logsumexp returned to a caller is never that buffer, so later calls, with or without it, leave it as returned; the
+    outputs are the same either way, call after call."""
+    q = randn(2, 1, 4, 32, dtype=torch.float16)
+    k_cache, v_cache = randn(2, 20, 2, 32, dtype=torch.float16), randn(2, 20, 2, 32, dtype=torch.float16)
+    seqlens = torch.tensor([5, 11], dtype=torch.int32, device=DEVICE)
+    call = lambda q, **kw: flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kw)
+    out, lse = call(q, num_splits=splits, return_softmax_lse=True)
+    kept = lse.clone()
+    for _ in range(2):
+        assert torch.equal(call(q, num_splits=splits), out)
+        other = randn(2, 1, 4, 32, dtype=torch.float16)  # another logsumexp
+        call(other, num_splits=splits)
+        again, lse_again = call(other, num_splits=splits, return_softmax_lse=True)
+        assert torch.equal(lse, kept) and lse_again.data_ptr() != lse.data_ptr()
+        assert not torch.equal(lse_again, kept)
+
+
 def test_decode_loop_appends_token_by_token():
     """generate(): one token per step; the cache grows, each step matches the reference."""
     c = dict(

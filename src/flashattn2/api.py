@@ -109,10 +109,12 @@ def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_si
     if call.empty:
         out, lse = EmptyAttention.apply(q, k, v, sink)
     elif packing is None:
-        out, lse = _run(call, q, k, v, alibi_slopes, sink, seed=seed)
+        out, lse = _run(call, q, k, v, alibi_slopes, sink, seed=seed, lse_wanted=return_attn_probs)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, None, None, seed)
+    if not return_attn_probs:
+        return out
     return _result(out, lse, return_attn_probs, q, k, call, alibi_slopes, seed=seed)
 
 
@@ -298,11 +300,13 @@ def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)
     seed = _seed(call, q)
     if packing is None:
-        out, lse = _run(call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed)
+        out, lse = _run(call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed, lse_wanted=return_attn_probs)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, cu_q, cu_k, seed)
     verify()
+    if not return_attn_probs:
+        return out
     return _result(out, lse, return_attn_probs, q, k, call, alibi_slopes, (cu_q, cu_k), seed)
 
 
@@ -490,7 +494,7 @@ def flash_attn_with_kvcache(
     ):
         out, lse = kvcache_forward(
             call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse,
         )  # fmt: skip
         return (out, lse) if return_softmax_lse else out
     values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, call.q_positions)
@@ -500,10 +504,10 @@ def flash_attn_with_kvcache(
         check = None
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad)
     if check is None:
-        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink)
+        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse)
         return (out, lse) if return_softmax_lse else out
     try:
-        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink, check)
+        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink, check, return_softmax_lse)
         bad = bool(check.err.item())
     except BaseException:
         _ERROR_FLAGS.pop(check.key, None)  # the flag may be set: drop it (the next call makes a new one)

@@ -24,6 +24,19 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
+def output_lse(holder, shape, device: torch.device, wanted: bool) -> torch.Tensor:
+    """The logsumexp a launch writes: a new tensor for a caller who keeps it; for one who drops it (an eager call
+    without return_softmax_lse / return_attn_probs, nothing else reading it), the one tensor kept on
+    holder.dropped_lse (a prepared launch: one spec, one device), which every such call writes, at once too, and
+    nothing reads: an allocation less per call."""
+    if wanted:
+        return empty(shape, torch.float32, device)
+    lse = holder.dropped_lse
+    if lse is None:
+        lse = holder.dropped_lse = empty(shape, torch.float32, device)
+    return lse
+
+
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     return empty(t.shape, t.dtype, t.device)
 
@@ -171,6 +184,14 @@ def device_of(t: torch.Tensor):
     if not t.is_cuda or t.device.index == torch.cuda.current_device():
         return _NO_SWITCH
     return torch.cuda.device(t.device)
+
+
+def on_device_of(t: torch.Tensor, fn, *args):
+    """fn(*args) with t's CUDA device current (device_of without a context entered where none is switched)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        with torch.cuda.device(t.device):
+            return fn(*args)
+    return fn(*args)
 
 
 def _tma_scratch(size: int, alignment: int, stream):

@@ -35,16 +35,26 @@ def _launch(call: AttentionCall):
 
 
 def forward(
-    call: AttentionCall, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi=None, sink=None, seed=None
+    call: AttentionCall,
+    q,
+    k,
+    v,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    alibi=None,
+    sink=None,
+    seed=None,
+    lse_wanted=True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out like q in q's dtype with v's head dim; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen."""
+    """out like q in q's dtype with v's head dim; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen
+    (lse_wanted False: the caller drops it, _runtime.output_lse)."""
     if call.plan.kernel == "decode":
         return _invariant_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed)
     launch = call.launch
     if launch is None:
         launch = call.launch = _launch(call)
     alibi, sink = _contiguous(alibi), _contiguous(sink)
-    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed)
+    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, lse_wanted)
 
 
 def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed):

@@ -71,7 +71,24 @@ _NOT_READY = "not ready"  # what the caches hold for a spec whose tensors are no
 
 
 def _ready(spec: specs.AttentionSpec) -> bool:
-    return all(t.stride[-1] == 1 and 0 not in t.stride for t in (spec.q, spec.k, spec.v))
+    """Whether ops.registry.for_kernels leaves q, k and v as they are."""
+    return all(_kernel_ready(t) for t in (spec.q, spec.k, spec.v))
+
+
+def _kernel_ready(t: specs.TensorSpec) -> bool:
+    """for_kernels' rule: the last dimension contiguous and no stride 0, or contiguous by torch's rule (which
+    Tensor.contiguous() leaves as is: no element, or every dimension of more than one element in row-major order)."""
+    if t.stride[-1] == 1 and 0 not in t.stride:
+        return True
+    if 0 in t.shape:
+        return True
+    expected = 1
+    for n, stride in zip(reversed(t.shape), reversed(t.stride)):
+        if n != 1:
+            if stride != expected:
+                return False
+            expected *= n
+    return True
 
 
 def _scale(head_dim: int, softmax_scale) -> float:

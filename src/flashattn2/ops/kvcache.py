@@ -245,7 +245,8 @@ class Decode:
     the cache's index tensors are clamped into range; with a Check, a value out of range also sets its flag."""
 
     __slots__ = ("shape", "plan", "out_shape", "lse_shape", "out_dtype", "empty", "grid", "kernel", "combine",
-                 "combine_grid", "ints", "plain", "score", "strides", "combine_ints", "tail", "sink_only", "work")  # fmt: skip
+                 "combine_grid", "ints", "plain", "score", "strides", "combine_ints", "tail", "sink_only", "work",
+                 "dropped_lse")  # fmt: skip
 
     def __init__(self, plan: Plan, shape: Shape, arch: str):
         self.shape, self.plan = shape, plan
@@ -355,6 +356,7 @@ class Decode:
                 num_warps=2,
                 launch_pdl=plan.pdl,
             )
+        self.dropped_lse = None  # the logsumexp of calls that drop it, without splits (_runtime.output_lse)
         self.tail = None
         if shape.varlen:
             self.tail = TailFill(
@@ -364,15 +366,16 @@ class Decode:
             )
 
     def __call__(self, q, k, v, seqlens, seqlen_int, batch_idx, leftpad, block_table, cu_q, alibi, sinks,
-                 check: Check | None = None):  # fmt: skip
-        """(out like q in q's dtype, lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) with a varlen q)."""
+                 check: Check | None = None, lse_wanted: bool = True):  # fmt: skip
+        """(out like q in q's dtype, lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) with a varlen q).
+        lse_wanted False: the caller drops the logsumexp (_runtime.output_lse)."""
         out = _runtime.empty(self.out_shape, self.out_dtype, q.device)
         if self.work is not None:
             total, dst, dst_lse, lse = self.work
             work = _runtime.empty((total,), torch.float32, q.device)
             dst, dst_lse, lse = work.as_strided(*dst), work.as_strided(*dst_lse), work.as_strided(*lse)
         else:
-            lse = _runtime.empty(self.lse_shape, torch.float32, q.device)
+            lse = _runtime.output_lse(self, self.lse_shape, q.device, lse_wanted)
             dst, dst_lse = out, lse
         if self.empty:
             out.zero_(), lse.fill_(float("inf"))

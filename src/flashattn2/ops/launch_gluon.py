@@ -23,11 +23,12 @@ class ForwardLaunch:
     """The Gluon forward (the plan's fwd_hopper_persist or fwd_hopper_ws) of one prepared call: kernel, tile rows,
     grid size, integer arguments and constexprs made once (sink: whether the call has a learnable sink)."""
 
-    __slots__ = ("launch", "rows", "layout", "tiles", "persist", "ints", "parts")
+    __slots__ = ("launch", "rows", "layout", "tiles", "persist", "ints", "parts", "dropped_lse")
 
     def __init__(self, plan: Plan, layout: Layout, sink: bool):
         kernels = _runtime.hopper_kernels().fwd
         self.persist = plan.kernel == "fwd_hopper_persist"
+        self.dropped_lse = None
         kernel = kernels.attn_fwd_persist_kernel if self.persist else kernels.attn_fwd_ws_kernel
         cfg = plan.tile
         self.rows, self.layout = (cfg.block_m, cfg.block_n), layout
@@ -48,10 +49,10 @@ class ForwardLaunch:
             num_warps=plan.num_warps,
         )
 
-    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
         out = _runtime.empty(layout.out_shape, q.dtype, q.device)
-        lse = _runtime.empty(layout.lse_shape, torch.float32, q.device)
+        lse = _runtime.output_lse(self, layout.lse_shape, q.device, lse_wanted)
         rows_m, rows_n = self.rows
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
         hi, lo = self.parts

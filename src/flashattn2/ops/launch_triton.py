@@ -69,7 +69,7 @@ class Forward:
     """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too), as one prepared call
     launches it."""
 
-    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows")
+    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows", "dropped_lse")
 
     def __init__(self, layout: Layout, plan: Plan):
         self.layout, self.plan = layout, plan
@@ -78,6 +78,7 @@ class Forward:
         self.grid = (cdiv(layout.max_seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
         self.empty = torch.Size(layout.out_shape).numel() == 0
         self.no_rows = layout.batch == 0 or layout.max_seqlen_q == 0  # varlen with no query rows in any sequence
+        self.dropped_lse = None
         kw = dict(
             MODS=layout.mods,
             IS_VARLEN=layout.varlen,
@@ -98,11 +99,12 @@ class Forward:
                 (lse, contiguous_strides(lse), float("inf"), 1),
             )
 
-    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse); lse_wanted False: the caller drops the logsumexp (_runtime.output_lse)."""
         layout = self.layout
         dtype = q.dtype
         out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)
-        lse = _runtime.empty(layout.lse_shape, torch.float32, q.device)
+        lse = _runtime.output_lse(self, layout.lse_shape, q.device, lse_wanted)
         if self.empty:
             return out.to(q.dtype), lse
         if self.no_rows:

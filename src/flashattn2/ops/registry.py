@@ -340,27 +340,28 @@ class EmptyAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
 
 
-def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None, grad=True):
+def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None, grad=True, lse_wanted=True):
     """An eager attention call (the API's): through Attention when a gradient is needed (grad: whether the caller
-    records one at all), else the forward alone."""
+    records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp)."""
     if (
         grad
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad))
     ):
         return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
-    with _runtime.device_of(q):
-        return attention.forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed)
+    args = (call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, lse_wanted)
+    return _runtime.on_device_of(q, attention.forward, *args)
 
 
 # ---- the KV cache --------------------------------------------------------------------------------------------------
 
 
 def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlen_int, batch_idx,
-                    leftpad, block_table, alibi_slopes, sink, check=None):  # fmt: skip
+                    leftpad, block_table, alibi_slopes, sink, check=None, lse_wanted=True):  # fmt: skip
     """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated), rotate q, attend, as the prepared
     call (ops.call.KVCacheCall) planned (ops.kvcache's Append and Decode, made at its first run). check: a
-    kvcache.Check (eager calls only), set when a cache tensor holds a value out of range."""
+    kvcache.Check (eager calls only), set when a cache tensor holds a value out of range. lse_wanted False (an eager
+    call without return_softmax_lse): the logsumexp returned is not the caller's to keep (kvcache.Decode)."""
     spec = call.spec
     arch = spec.modes.arch
     decode = call.decode
@@ -389,7 +390,7 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
             kvcache.check_pages(block_table, k_cache.shape[0], decode.shape, seqlens, seqlen_int, check)
         return decode(
             q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
-            block_table, None, alibi_slopes, sink, check,
+            block_table, None, alibi_slopes, sink, check, lse_wanted,
         )  # fmt: skip
 
 

@@ -43,13 +43,13 @@ _OWN = "_flashattn2_seen"
 
 
 def entry(cu: torch.Tensor) -> Seen | None:
-    seen = _SEEN.get(id(cu))
-    if seen is not None and seen.ref() is cu:  # a caller's tensor (never an inference tensor: see remember)
-        return seen if seen.version == cu._version and seen.data_ptr == cu.data_ptr() else None
     own = getattr(cu, _OWN, None)
     if own is not None:
         return own if own.version == cu._version else None
-    return None
+    seen = _SEEN.get(id(cu))
+    if seen is None or seen.ref() is not cu:  # (an inference tensor is never remembered: see remember)
+        return None
+    return seen if seen.version == cu._version and seen.data_ptr == cu.data_ptr() else None
 
 
 def known(cu: torch.Tensor) -> tuple[int, int] | None:
