@@ -5,6 +5,7 @@ torch.autograd.Function subclasses)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -24,208 +25,34 @@ def _grad_mode(is_grad_enabled):
     return torch.no_grad() if is_grad_enabled is not None and not is_grad_enabled else contextlib.nullcontext()
 
 
-class FlashAttnFunc:
-    """flash_attn's FlashAttnFunc: `.apply` takes its positional arguments and runs
-    flash_attn_func. (is_grad_enabled, 2.8's last argument, may be left out as before 2.7.)"""
+def _autograd_class(name: str, fn) -> type:
+    """flash_attn's class `name`, whose `.apply` takes fn's positional parameters (all required; flash_attn calls
+    return_attn_probs return_softmax) then is_grad_enabled, 2.8's last argument (left out as before 2.7), and runs
+    fn under that grad mode."""
+    P = inspect.Parameter
+    params = [
+        p.replace(name="return_softmax" if p.name == "return_attn_probs" else p.name, default=P.empty)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is P.POSITIONAL_OR_KEYWORD
+    ]
+    signature = inspect.Signature([*params, P("is_grad_enabled", P.POSITIONAL_OR_KEYWORD, default=None)])
+    n = len(params)
 
-    @staticmethod
-    def apply(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_func(
-                q,
-                k,
-                v,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
+    def apply(*args, **kwargs):
+        if kwargs or not n <= len(args) <= n + 1:
+            args = signature.bind(*args, **kwargs).args  # raises TypeError naming what is missing or extra
+        with _grad_mode(args[n] if len(args) > n else None):
+            return fn(*args[:n])
+
+    apply.__signature__ = signature
+    apply.__qualname__ = f"{name}.apply"
+    doc = f"flash_attn's {name}: `.apply` takes its positional arguments and runs {fn.__name__}."
+    return type(name, (), {"__doc__": doc, "__module__": __name__, "apply": staticmethod(apply)})
 
 
-class FlashAttnQKVPackedFunc:
-    """flash_attn's FlashAttnQKVPackedFunc: `.apply` runs flash_attn_qkvpacked_func."""
-
-    @staticmethod
-    def apply(
-        qkv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_qkvpacked_func(
-                qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_softmax
-            )
-
-
-class FlashAttnKVPackedFunc:
-    """flash_attn's FlashAttnKVPackedFunc: `.apply` runs flash_attn_kvpacked_func."""
-
-    @staticmethod
-    def apply(
-        q,
-        kv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_kvpacked_func(
-                q,
-                kv,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
-
-
-class FlashAttnVarlenFunc:
-    """flash_attn's FlashAttnVarlenFunc: `.apply` runs flash_attn_varlen_func."""
-
-    @staticmethod
-    def apply(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        block_table,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-                block_table,
-            )
-
-
-class FlashAttnVarlenQKVPackedFunc:
-    """flash_attn's FlashAttnVarlenQKVPackedFunc: `.apply` runs flash_attn_varlen_qkvpacked_func."""
-
-    @staticmethod
-    def apply(
-        qkv,
-        cu_seqlens,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_qkvpacked_func(
-                qkv,
-                cu_seqlens,
-                max_seqlen,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
-
-
-class FlashAttnVarlenKVPackedFunc:
-    """flash_attn's FlashAttnVarlenKVPackedFunc: `.apply` runs flash_attn_varlen_kvpacked_func."""
-
-    @staticmethod
-    def apply(
-        q,
-        kv,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_softmax,
-        is_grad_enabled=None,
-    ):
-        with _grad_mode(is_grad_enabled):
-            return flash_attn_varlen_kvpacked_func(
-                q,
-                kv,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                dropout_p,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                alibi_slopes,
-                deterministic,
-                return_softmax,
-            )
+FlashAttnFunc = _autograd_class("FlashAttnFunc", flash_attn_func)
+FlashAttnQKVPackedFunc = _autograd_class("FlashAttnQKVPackedFunc", flash_attn_qkvpacked_func)
+FlashAttnKVPackedFunc = _autograd_class("FlashAttnKVPackedFunc", flash_attn_kvpacked_func)
+FlashAttnVarlenFunc = _autograd_class("FlashAttnVarlenFunc", flash_attn_varlen_func)
+FlashAttnVarlenQKVPackedFunc = _autograd_class("FlashAttnVarlenQKVPackedFunc", flash_attn_varlen_qkvpacked_func)
+FlashAttnVarlenKVPackedFunc = _autograd_class("FlashAttnVarlenKVPackedFunc", flash_attn_varlen_kvpacked_func)
