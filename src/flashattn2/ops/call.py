@@ -356,9 +356,9 @@ class KVCacheCall:
         self.q_positions = spec.q.shape[1] if self.per_token else 1
         self.seqlen_new = 0 if spec.k is None else spec.k.shape[1]
         self.decode = self.append = None  # ops.kvcache's Decode and Append, made at the first run
-        # q goes to the kernel as it is: its last dimension contiguous, no broadcast dimension (or rotated: a copy)
+        # q goes to the kernel as it is: for_kernels would leave it (_kernel_ready), or it is rotated (a copy)
         rotated = spec.k is not None and spec.rotary_cos is not None
-        self.q_ready = rotated or (spec.q.stride[-1] == 1 and 0 not in spec.q.stride)
+        self.q_ready = rotated or _kernel_ready(spec.q)
         # cache_seqlens (a tensor or none) and no other index tensor, alibi_slopes or sink: nothing to make contiguous
         seqlens = spec.cache_seqlens
         self.indices_ready = (
