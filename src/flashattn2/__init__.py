@@ -2,11 +2,16 @@
 
 The public names are imported on first use (PEP 562): `import flashattn2` alone imports neither torch nor triton,
 so `python -m flashattn2 --help` answers at once; the first name used (`flashattn2.flash_attn_func`,
-`from flashattn2 import ...`) imports them all, as an eager package would have."""
+`from flashattn2 import ...`) imports them all, as an eager package would have.
+
+Importing the package also registers "flashattn2" in torch's flash-attention registry, without importing torch
+(integrations.sdpa_registration): `torch.nn.attention.activate_flash_attention_impl("flashattn2")` or
+`with flashattn2.sdpa():` then runs SDPA's flash backend on flashattn2."""
 
 from typing import TYPE_CHECKING
 
 from .errors import ArgumentError, ArgumentTypeError
+from .integrations import sdpa_registration
 
 __version__ = "0.1.0"
 
@@ -27,8 +32,12 @@ __all__ = [
     "FLASH_ATTN_VERSION",
     "install_as_flash_attn",
     "explain",
+    "sdpa",
+    "sdpa_fallbacks",
     "__version__",
 ]
+
+sdpa_registration.register_on_import()
 
 if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ brings
     from .api import (
@@ -43,6 +52,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ brings
     )
     from .compat import FLASH_ATTN_VERSION, install_as_flash_attn
     from .explain import explain
+    from .integrations.sdpa import fallbacks as sdpa_fallbacks
+    from .integrations.sdpa import sdpa
     from .ops.checks import set_value_checks
     from .ops.invariance import batch_invariant, set_batch_invariant
 
@@ -52,9 +63,9 @@ def _load() -> None:
     import importlib
 
     # import_module, not `from . import api`: that asks this module for the attribute first (__getattr__ again)
-    api, compat, checks, invariance, explain = (
+    api, compat, checks, invariance, explain, sdpa = (
         importlib.import_module(name, __name__)
-        for name in (".api", ".compat", ".ops.checks", ".ops.invariance", ".explain")
+        for name in (".api", ".compat", ".ops.checks", ".ops.invariance", ".explain", ".integrations.sdpa")
     )
     names = {name: getattr(api, name) for name in __all__ if name.startswith("flash_attn_")}
     names.update(
@@ -65,6 +76,8 @@ def _load() -> None:
         FLASH_ATTN_VERSION=compat.FLASH_ATTN_VERSION,
         install_as_flash_attn=compat.install_as_flash_attn,
         explain=explain.explain,  # the function, not the submodule of the same name its import bound here
+        sdpa=sdpa.sdpa,
+        sdpa_fallbacks=sdpa.fallbacks,
     )
     globals().update(names)
 
