@@ -33,6 +33,7 @@ def sdpa_layout(*tensors):
         pytest.param((2, 13, 13, 4, 4, 32), False, None, None, id="b2-s13-h4-d32"),
         pytest.param((1, 17, 17, 4, 2, 16), True, 0.3, None, id="b1-s17-h4-hk2-d16-causal-scale"),
         pytest.param((1, 9, 21, 2, 1, 24), False, None, 40, id="b1-sq9-sk21-h2-hk1-d24-dv40"),
+        pytest.param((1, 5, 5, 2, 2, 256), True, None, None, id="b1-s5-h2-d256-causal"),
     ],
 )
 def test_sdpa_op_forward_backward(shape, causal, scale, dv, dtype):
@@ -164,7 +165,8 @@ def _paged(k, page_size):
 
 def test_paged_kv_and_seqused_k():
     """block_table (paged K/V) with seqused_k: dense queries (a KV cache) and ragged ones (varlen_attn's
-    cum_seq_k=None), against the reference on each sequence's first seqused_k keys."""
+    cum_seq_k=None), and seqused_k on unpaged dense keys, against the reference on each sequence's first seqused_k
+    keys."""
     q, k, v = make_qkv((2, 3, 32, 2, 1, 16), torch.float16, requires_grad=False)
     k_pages, table = _paged(k, 16)
     v_pages = torch.empty_like(k_pages)
@@ -177,10 +179,14 @@ def test_paged_kv_and_seqused_k():
     ragged_out, ragged_lse = S.flash_attention_forward(
         q.reshape(6, 2, 16), k_pages, v_pages, cu_q, None, 3, 29, 0.0, True, False, seqused_k=used, block_table=table
     )[:2]
+    unpaged_out, unpaged_lse = S.flash_attention_forward(q, k, v, None, None, 3, 32, 0.0, True, False, seqused_k=used)[
+        :2
+    ]
     for b in range(2):
         n = int(used[b])
         parts = (q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n])
         check_against_reference(*parts, dense_out[b : b + 1], dense_lse[b : b + 1], None, None, causal=True)
+        check_against_reference(*parts, unpaged_out[b : b + 1], unpaged_lse[b : b + 1], None, None, causal=True)
         rows = slice(3 * b, 3 * b + 3)
         check_against_reference(*parts, ragged_out[rows][None], ragged_lse[:, rows][None], None, None, causal=True)
 
@@ -210,12 +216,15 @@ def test_fallback_rule():
     assert kernel("keyset", q16, q16, q16, 0.0, False, True) == "torch's result"  # a debug mask without dropout
     served = kernel("keyset", q16, q16, q16)
     assert served[0].shape == q16.shape and len(previous.calls) == 2
+    wide = torch.randn(1, 2, 3, 520, device=DEVICE, dtype=torch.float16)  # flashattn2's NotImplementedError
+    assert kernel("keyset", wide, wide, wide) == "torch's result" and len(previous.calls) == 3
     quantized = S.serving(op + ".quantized", S.quantized, previous)
     assert quantized("keyset", q16, q16, q16, None, None, None) == "torch's result"
     counts = S.fallbacks(reset=True)
     assert counts == {
         f"{op}: dtype torch.float32 (torch's flash kernel takes float16 and bfloat16)": 1,
         f"{op}: return_debug_mask without dropout (torch's kernel refuses it)": 1,
+        f"{op}: headdim 520 > 512 is not supported": 1,
         f"{op}.quantized: FP8 (.quantized): no FP8 forward in flashattn2 yet": 1,
     }
     assert flashattn2.sdpa_fallbacks() == {}
