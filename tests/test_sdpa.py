@@ -165,8 +165,8 @@ def _paged(k, page_size):
 
 def test_paged_kv_and_seqused_k():
     """block_table (paged K/V) with seqused_k: dense queries (a KV cache) and ragged ones (varlen_attn's
-    cum_seq_k=None), and seqused_k on unpaged dense keys, against the reference on each sequence's first seqused_k
-    keys."""
+    cum_seq_k=None); seqused_k on unpaged keys, dense and ragged; each against the reference on its sequence's first
+    seqused_k keys."""
     q, k, v = make_qkv((2, 3, 32, 2, 1, 16), torch.float16, requires_grad=False)
     k_pages, table = _paged(k, 16)
     v_pages = torch.empty_like(k_pages)
@@ -179,9 +179,12 @@ def test_paged_kv_and_seqused_k():
     ragged_out, ragged_lse = S.flash_attention_forward(
         q.reshape(6, 2, 16), k_pages, v_pages, cu_q, None, 3, 29, 0.0, True, False, seqused_k=used, block_table=table
     )[:2]
-    unpaged_out, unpaged_lse = S.flash_attention_forward(q, k, v, None, None, 3, 32, 0.0, True, False, seqused_k=used)[
-        :2
-    ]
+    unpaged = S.flash_attention_forward(q, k, v, None, None, 3, 32, 0.0, True, False, seqused_k=used)
+    unpaged_out, unpaged_lse = unpaged[:2]
+    packed = [t.reshape(64, 1, 16) for t in (k, v)]
+    ragged_unpaged = S.flash_attention_forward(
+        q.reshape(6, 2, 16), *packed, cu_q, cu_seqlens([32, 32]), 3, 32, 0.0, True, False, seqused_k=used
+    )
     for b in range(2):
         n = int(used[b])
         parts = (q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n])
@@ -189,6 +192,8 @@ def test_paged_kv_and_seqused_k():
         check_against_reference(*parts, unpaged_out[b : b + 1], unpaged_lse[b : b + 1], None, None, causal=True)
         rows = slice(3 * b, 3 * b + 3)
         check_against_reference(*parts, ragged_out[rows][None], ragged_lse[:, rows][None], None, None, causal=True)
+        out, lse = ragged_unpaged[0][rows][None], ragged_unpaged[1][:, rows][None]
+        check_against_reference(*parts, out, lse, None, None, causal=True, name="ragged-unpaged")
 
 
 class FakeKernel:

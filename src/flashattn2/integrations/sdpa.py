@@ -23,12 +23,12 @@ Each function takes its aten op's arguments and returns what torch's own flash k
   to torch's CUDA kernel's; it is as random, and forward and backward agree. debug_attn_mask is flash_attn's
   S_dmask (negative where dropped), as torch's kernel returns it.
 - window_size_left/right, alibi_slopes, scale: flash_attn's meaning. block_table (paged K/V) and seqused_k: forward
-  only, without dropout, as torch's. num_splits is a speed knob there; flashattn2 picks its own split.
+  only, without dropout, as torch's (a ragged seqused_k without block_table reads the packed keys as pages of one
+  key: a gather, slower than contiguous keys). num_splits is a speed knob there; flashattn2 picks its own split.
 
 What flashattn2 cannot serve runs on the kernel torch had before activation, counted in `fallbacks()` (and logged
 once per reason): inputs other than float16/bfloat16 (torch's kernel refuses them too), GPUs before sm_80 and ROCm,
-return_debug_mask without dropout, dropout with block_table / seqused_k, a ragged seqused_k without block_table,
-the `.quantized` (FP8) overloads, and whatever flashattn2 raises NotImplementedError for.
+return_debug_mask without dropout, dropout with block_table / seqused_k, the `.quantized` (FP8) overloads, and whatever flashattn2 raises NotImplementedError for.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..api import flash_attn_varlen_func, flash_attn_with_kvcache
 from ..errors import ArgumentTypeError
@@ -141,6 +142,13 @@ def _seed_state(rng_state: torch.Tensor | None, dropout_p: float) -> torch.Tenso
     return state
 
 
+def _key_pages(cum_seq_k: torch.Tensor, max_k: int, total_k: int) -> torch.Tensor:
+    """block_table (batch, max_k) int32 over pages of one key: sequence b's j-th key is key cum_seq_k[b] + j (the
+    entries past a sequence's keys are never read; clamped to stay in range)."""
+    positions = cum_seq_k[:-1, None].long() + torch.arange(max_k, device=cum_seq_k.device)
+    return positions.clamp_(max=max(total_k - 1, 0)).to(torch.int32)
+
+
 def flash_attention_forward(
     query,
     key,
@@ -170,8 +178,6 @@ def flash_attention_forward(
     paged = block_table is not None or seqused_k is not None
     if paged and dropout_p > 0:
         raise Unsupported("dropout with block_table or seqused_k")
-    if cum_seq_q is not None and seqused_k is not None and block_table is None:
-        raise Unsupported("seqused_k without block_table in a ragged call")
     left, right = _window(window_size_left, window_size_right)
     q, k, v = (_last_dim_contiguous(t) for t in (query, key, value))
     rng_state, debug_mask = None, torch.empty(0, dtype=query.dtype, device=query.device)
@@ -186,13 +192,11 @@ def flash_attention_forward(
                 q, k, v, dropout_p, scale, bool(is_causal), left, right, 0.0, alibi_slopes, bool(return_debug_mask)
             )
             debug_mask = dmask if return_debug_mask else debug_mask
-        elif block_table is not None:
+        elif paged:
+            if block_table is None:  # packed keys of which each sequence uses a prefix: pages of one key
+                k, v, block_table = k.unsqueeze(1), v.unsqueeze(1), _key_pages(cum_seq_k, max_k, k.shape[0])
             # seqused_k gives each sequence's key count; the paged varlen call reads them as cu_seqlens_k's steps
-            cu_k = (
-                cum_seq_k
-                if seqused_k is None
-                else torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
-            )
+            cu_k = cum_seq_k if seqused_k is None else F.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
             o, lse, _ = flash_attn_varlen_func(
                 q, k, v, cum_seq_q, cu_k, max_q, max_k, 0.0, scale, bool(is_causal), (left, right), 0.0, alibi_slopes,
                 False, True, block_table,
