@@ -57,8 +57,8 @@ __all__ = ["sdpa", "fallbacks", "install", "Unsupported", "TORCH_NEEDED"]
 
 logger = logging.getLogger(__name__)
 
-# the registry (torch.nn.attention.register_flash_attention_impl and friends) came with FA4's provider
-TORCH_NEEDED = "torch 2.10 or newer"
+# the registry (torch.nn.attention.register_flash_attention_impl and friends) came with FA4's provider (pytorch#167348)
+TORCH_NEEDED = "torch 2.10 or newer; 2.13 has all of it, tested"
 REGISTRY_FUNCTIONS = (
     "register_flash_attention_impl",
     "activate_flash_attention_impl",
@@ -132,8 +132,8 @@ def _aux(query: torch.Tensor, rng_state: torch.Tensor | None) -> tuple[torch.Ten
 
 def _seed_state(rng_state: torch.Tensor | None, dropout_p: float) -> torch.Tensor | None:
     """The forward's rng_state as flashattn2's backward reads it (int64, seed first)."""
-    if dropout_p == 0 or rng_state is None:
-        return rng_state if dropout_p == 0 else None
+    if dropout_p == 0 or rng_state is None:  # (None with dropout: flashattn2's backward names it)
+        return None
     state = rng_state.reshape(-1)
     if state.dtype == torch.uint64:
         state = state.view(torch.int64)
@@ -414,8 +414,8 @@ def torch_attention():
     missing = [name for name in REGISTRY_FUNCTIONS if not hasattr(attention, name)]
     if missing:
         raise RuntimeError(
-            f"flashattn2.sdpa() needs torch's flash-attention registry (torch.nn.attention.{missing[0]} and "
-            f"friends), in {TORCH_NEEDED}; this is torch {torch.__version__}"
+            f"flashattn2.sdpa() needs torch's flash-attention registry, torch.nn.attention.{', '.join(missing)} "
+            f"({TORCH_NEEDED}); this is torch {torch.__version__}"
         )
     return attention
 
