@@ -76,6 +76,21 @@ def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False) -> None:
     check_positions("total_k" if varlen else "seqlen_k", k.shape[seq])
 
 
+def check_descale(name: str, t, batch: int, nheads_k: int, device) -> None:
+    """An FP8 call's q_descale / k_descale / v_descale (FA3's): None (1), or float32 (batch, nheads_k) on q's device,
+    any strides (an expanded scalar included); varlen's batch is the number of sequences."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ArgumentTypeError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) != (batch, nheads_k):
+        raise ArgumentError(f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ArgumentError(f"{name} must be on q's device {device}, got {t.device}")
+
+
 def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, limit=MAX_HEAD_DIM) -> None:
     """The GQA ratio, the head-dim limits (q/k's up to `limit`, v's up to MAX_HEAD_DIM) and q's device."""
     if nheads % nheads_k:
