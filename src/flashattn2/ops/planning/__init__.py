@@ -43,7 +43,7 @@ from ..tables import (  # noqa: F401  (TABLE and its types are read through this
     TileConfig,
     parse_tile,
 )
-from .common import Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401
+from .common import Features, Plan, Window, head_dim_bucket, out_dtype, result_dtype, rows, tma_ok, window  # noqa: F401
 from .decoding import (  # noqa: F401
     Cache,
     decode,
