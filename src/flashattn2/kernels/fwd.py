@@ -34,7 +34,7 @@ def fp8_operand(x, PATH: tl.constexpr):
     """An e4m3 tile as the dots take it (constexprs.FP8_*): as loaded, or its uint8 codes decoded."""
     if PATH.FP8 == 2:
         x = e4m3_decode(x).to(tl.bfloat16)
-    elif PATH.FP8 == 3:
+    elif PATH.FP8 >= 3:
         x = e4m3_decode(x)
     return x
 
@@ -107,8 +107,8 @@ def _fwd_inner(
         v = fp8_operand(load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH), PATH)
         # [BLOCK_M, BLOCK_DV]; P in v's type (e4m3 on the FP8 dots: its rows' running max makes it <= 1)
         acc = acc * alpha[:, None]
-        if PATH.FP8 == 4:
-            p = e4m3_encode(p).to(tl.float8e4nv, bitcast=True)
+        if PATH.FP8 == 4:  # (the interpreter's run of the e4m3 dots: P rounded as they round it)
+            p = e4m3_decode(e4m3_encode(p))
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i

@@ -334,7 +334,7 @@ def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
     """qkv (batch, seqlen, 3, nheads, headdim) or kv (batch, seqlen_k, 2, nheads_k, headdim);
     in varlen qkv (total, 3, nheads, headdim) or kv (total_k, 2, nheads_k, headdim)."""
     layout = f"({'total' if varlen else 'batch, seqlen'}, {count}, nheads, headdim)"
-    _tensor(name, t, 4 if varlen else 5, layout)
+    _tensor(name, t, 4 if varlen else 5, layout, fp8=True)  # (e4m3: the FP8 forward)
     if t.shape[1 if varlen else 2] != count:
         raise ArgumentError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
+from ..kernels.constexprs import FP8_DOTS, Path, Tile
 from . import _runtime, launcher, seqlens
 from .geometry import block_d, cdiv
 from .layout import Layout, contiguous_strides, rows_strides
@@ -158,7 +158,7 @@ class Forward:
     def _fp8(self, q, k, v, descale):
         """An FP8 call's q, k, v as its path reads them (the uint8 codes where they are decoded in the kernel: Triton
         has no e4m3 type below sm_89) and its three descales, a kept 1 for each not given."""
-        if self.plan.fp8 not in (FP8_DOTS, FP8_DOTS_INTERP):
+        if self.plan.fp8 != FP8_DOTS:
             q, k, v = q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
         one = self.one
         if one is None:

@@ -12,8 +12,10 @@ E4M3_MAX = 448.0  # the largest finite e4m3fn value; fn: no infinities
 
 
 def _per_row(descale: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """descale (batch, nheads_k) broadcast over x: (batch, seqlen, nheads_k, d), or varlen (total, nheads_k, d)
-    with each sequence's rows taking its batch row (rows past cu_seqlens[-1] take 0)."""
+    """descale (batch, nheads_k) broadcast over x: (batch, seqlen, nheads, d), or varlen (total, nheads, d) with each
+    sequence's rows taking its batch row (rows past cu_seqlens[-1] take 0); head h of x's nheads (a multiple of
+    nheads_k: q's) takes kv head h // (nheads // nheads_k)'s."""
+    descale = descale.repeat_interleave(x.shape[-2] // descale.shape[-1], dim=-1)
     if cu_seqlens is None:
         return descale[:, None, :, None]
     lengths = cu_seqlens.diff().long()
