@@ -109,9 +109,7 @@ def test_every_option(dots):
     sink = torch.randn(6, device=DEVICE)
     opts = dict(window_size=(30, 5), softcap=8.0, alibi_slopes=alibi, softmax_scale=0.2)
     with force(fp8_dots=dots):
-        out = flashattn2.flash_attn_func(
-            q, k, v, **opts, learnable_sink=sink, q_descale=qd, k_descale=kd, v_descale=vd
-        )
+        out = flashattn2.flash_attn_func(q, k, v, **opts, learnable_sink=sink, q_descale=qd, k_descale=kd, v_descale=vd)
     _check(out, None, (q64, k64, v64), dots, learnable_sink=sink, **opts)
 
 
@@ -146,7 +144,9 @@ def test_varlen_and_packed(dots):
         qkv = flashattn2.flash_attn_qkvpacked_func(
             torch.stack([q, k, v], dim=2), q_descale=qd, k_descale=kd, v_descale=vd
         )
-        kvp = flashattn2.flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), q_descale=qd, k_descale=kd, v_descale=vd)
+        kvp = flashattn2.flash_attn_kvpacked_func(
+            q, torch.stack([k, v], dim=2), q_descale=qd, k_descale=kd, v_descale=vd
+        )
     assert torch.equal(plain, qkv) and torch.equal(plain, kvp)
 
 
