@@ -23,6 +23,7 @@ SHARDS = {
     ("sm90", "table"): 4,
     ("sm86", "table"): 3,
     ("sm80", "table"): 1,
+    ("sm89", "table"): 1,
     ("sm90", "lengths-one"): 2,
     ("sm80", "lengths-one"): 1,
 }

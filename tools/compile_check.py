@@ -26,14 +26,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
-from flashattn2.kernels.constexprs import Mods, Path, Tile  # noqa: E402
+from flashattn2.kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_NONE, Mods, Path, Tile  # noqa: E402
 from flashattn2.ops import _runtime, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.tma import host_desc  # noqa: E402
 
-SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376}  # bytes per block, opt-in maximum
-CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart"}
+# bytes per block, opt-in maximum; sm89 (Ada: the sm86 rows, e4m3 dots) compiles the FP8 configurations only
+SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}
+CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86, "sm89": 89}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart", "QDescale", "KDescale"}
+FP32_POINTERS |= {"VDescale"}
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 T = planning.TileConfig
@@ -141,17 +143,18 @@ VARIANTS = {
 }
 
 
-def _attn_constexprs(kernel: str, flags: dict, use_tma: bool, host: bool, upcast: bool, tile: Tile) -> dict:
+def _attn_constexprs(
+    kernel: str, flags: dict, use_tma: bool, host: bool, upcast: bool, tile: Tile, fp8: int = FP8_NONE
+) -> dict:
     """The constexprs of `kernel` (fwd, bwd_dkdv, bwd_dq) for a VARIANTS entry, a load path and a tile (the
-    backward's kernels take no sink: a sink changes only lse there; their DSPLIT is added by the caller)."""
+    backward's kernels take no sink: a sink changes only lse there; their DSPLIT is added by the caller). The
+    forward's descale arguments are None (constexprs) but for FP8 (fp8: constexprs.FP8_*)."""
     mods = Mods(**{f: flags[f] and (f != "SINK" or kernel == "fwd") for f in Mods._fields})
-    return dict(
-        MODS=mods,
-        IS_VARLEN=flags["IS_VARLEN"],
-        SORTED=flags["SORTED"],
-        PATH=Path(USE_TMA=use_tma, HOST_DESC=host, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32"),
-        TILE=tile,
-    )
+    path = Path(USE_TMA=use_tma, HOST_DESC=host, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", FP8=fp8)
+    found = dict(MODS=mods, IS_VARLEN=flags["IS_VARLEN"], SORTED=flags["SORTED"], PATH=path, TILE=tile)
+    if kernel == "fwd" and fp8 == FP8_NONE:
+        found.update(QDescale=None, KDescale=None, VDescale=None, descale_strides=None)
+    return found
 
 
 _S2, _S3 = ("i32",) * 2, ("i32",) * 3
@@ -282,8 +285,45 @@ def _gluon_cases(arch, row):
         yield f"{arch}-{dims}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
 
 
+def fp8_cases(arch):
+    """The FP8 forward's rows (sm89: sm86's): e4m3 tiles into the dots on sm_90 and sm_89, uint8 codes decoded to
+    bf16 on sm_80/86; every load path the plan can choose, the plain causal case and every option but dropout."""
+    native = arch in ("sm90", "sm89")
+    fp8, elem = (FP8_DOTS, "fp8e4nv") if native else (FP8_BF16, "u8")
+    paths = [(True, False), (False, False), (True, True)] if arch == "sm90" else [(False, False)]
+    for row in planning.rows("sm86" if arch == "sm89" else arch):
+        if row.elem_bytes != 1:
+            continue
+        bucket = row.head_dim
+        cfg = row.tile
+        tile = Tile(bucket, cfg.block_m, cfg.block_n, bucket, bucket, bucket)
+        for use_tma, host in paths:
+            for variant, flags in VARIANTS.items():
+                if flags["DROPOUT"]:
+                    flags = dict(flags, DROPOUT=False)
+                    variant = variant.replace("-dropout", "")
+                if host and flags["IS_VARLEN"]:
+                    continue
+                types, _ = _tuple_types(KERNELS["fwd"])
+                types.update(Q="*" + elem, K="*" + elem, V="*" + elem, Out="*bf16", descale_strides=("i32",) * 6)
+                if host:
+                    rows = dict(Q=cfg.block_m, K=cfg.block_n, V=cfg.block_n, Out=cfg.block_m)
+                    types.update(
+                        {n: f"tensordesc<{'bf16' if n == 'Out' else elem}[1,{r},{bucket}]>" for n, r in rows.items()}
+                    )
+                constexprs = _attn_constexprs("fwd", flags, use_tma, host, False, tile, fp8)
+                name = f"{arch}-d{bucket}-e4m3-fwd-{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}"
+                yield name, KERNELS["fwd"], 1, constexprs, cfg, types
+
+
 def cases(arch):
+    if arch == "sm89":  # the sm86 rows' FP8 configurations, with e4m3 dots
+        yield from fp8_cases(arch)
+        return
+    yield from fp8_cases(arch)
     for row in planning.rows(arch):
+        if row.elem_bytes == 1:  # fp8_cases
+            continue
         if row.kernel not in ("fwd", "bwd_dkdv"):  # the Gluon kernels: sm_90, 2-byte types, dense, causal or not
             yield from _gluon_cases(arch, row)
             continue

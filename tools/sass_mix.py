@@ -1,6 +1,6 @@
 """The sm_90 SASS of every configuration tools/compile_check.py builds (or those whose id contains --match), as
 numbers to compare between Triton releases, compiled here without a GPU: registers, local memory and spill
-instructions, instructions, wgmma (HGMMA) count, the three shortest loops of at least 60 instructions (the inner loops:
+instructions, instructions, wgmma count (HGMMA; QGMMA: e4m3), the three shortest loops of at least 60 instructions (the inner loops:
 tools/sass_loops.py), the opcode mix. The same
 kernel source under two Tritons (each with its own ptxas) should keep its wgmma count, spill nothing new and keep
 its loops' sizes close; this is what the Gluon kernels are checked with before an untested Triton runs them.
@@ -41,6 +41,7 @@ def summarize(sass: str, resources: str) -> dict:
         "spill_loads": ops["LDL"],
         "instructions": len(instrs),
         "hgmma": ops["HGMMA"],
+        "qgmma": ops["QGMMA"],  # wgmma with e4m3 operands (the FP8 forward)
         "loops": [sum(counts.values()) for _, _, counts in sass_loops.loops(instrs, 60)][:3],
         "mix": dict(ops.most_common(12)),
     }
@@ -56,11 +57,11 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([tool, flag, fh.name], capture_output=True, text=True, check=True).stdout
 
 
-_COMPARED = ("regs", "stack", "local", "spill_stores", "spill_loads", "instructions", "hgmma")
+_COMPARED = ("regs", "stack", "local", "spill_stores", "spill_loads", "instructions", "hgmma", "qgmma")
 
 
 def differences(now: dict, before: dict) -> dict:
-    diff = {k: [before[k], now[k]] for k in _COMPARED if before[k] != now[k]}
+    diff = {k: [before.get(k), now[k]] for k in _COMPARED if before.get(k) != now[k]}
     if before["loops"] != now["loops"]:
         diff["loops"] = [before["loops"], now["loops"]]
     return diff

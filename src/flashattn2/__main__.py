@@ -14,7 +14,7 @@ import os
 import sys
 
 RESULTS = os.path.join("bench", "results")
-WHATS = ("kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab", "parallel", "host")
+WHATS = ("kernels", "report", "summary", "features", "decode", "gpt", "generate", "ab", "parallel", "host", "fp8")
 PROVIDERS = ("flashattn2", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "naive")
 # --dtypes' names, and the torch names they may also be given by
 DTYPE_NAMES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -37,6 +37,7 @@ WHAT:
             one rank per GPU (NCCL), beside PyTorch's context_parallel
   host      host time per call of each entry point beside SDPA's and an empty custom op (on the CPU: launches
             stubbed; into bench/results/host-<device>.csv/.md)
+  fp8       the FP8 forward's TFLOP/s beside our bf16 forward and cuDNN's (--headdims, --seqlens, --causal, --rounds)
 
 Each option says which WHAT reads it."""
 
@@ -305,6 +306,8 @@ def main(argv=None) -> int:
         return _features(args)
     if args.what == "decode":
         return _decode(args)
+    if args.what == "fp8":
+        return _fp8(args)
     from .bench import kernels
 
     names = (args.providers or ",".join(PROVIDERS)).split(",")
@@ -450,6 +453,20 @@ def _parallel(args):
     path = args.csv or os.path.join(RESULTS, f"parallel-{_slug(torch.cuda.get_device_name())}.csv")
     parallel.run(path, seqlens, _ints(args.worlds), args.algorithms.split(","), modes, reps=args.reps)
     return _write_markdown(path, parallel.markdown(path)) if int(os.environ.get("RANK", "0")) == 0 else 0
+
+
+def _fp8(args):
+    import torch
+
+    from .bench import fp8
+
+    if not torch.cuda.is_available():
+        print("bench fp8 times the FP8 forward: it needs a CUDA GPU")
+        return 2
+    path = args.csv or os.path.join(RESULTS, f"fp8-{_slug(torch.cuda.get_device_name())}.csv")
+    headdims, seqlens = args.headdims or [64, 128, 256], args.seqlens or [1024, 4096, 8192, 16384]
+    fp8.run(path, headdims, seqlens, args.causal or [False, True], rounds=args.rounds or 3)
+    return _write_markdown(path, fp8.markdown(path))
 
 
 def _slug(gpu: str) -> str:

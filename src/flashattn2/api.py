@@ -92,15 +92,32 @@ def _ready_call(q, k, v, packing: str | None, args):
         return None
 
 
+def _no_fp8(what: str, q, descale) -> None:
+    """NotImplementedError for FP8 inputs (or descales) where `what` has no FP8 path."""
+    if getattr(q, "dtype", None) == torch.float8_e4m3fn or any(d is not None for d in descale):
+        raise NotImplementedError(f"FP8 inputs (float8_e4m3fn, q_descale/k_descale/v_descale) with {what}")
+
+
+def _fp8_packing(q, descale, packing):
+    """An FP8 call's packed forms run as q, k, v views (no gradient to pack)."""
+    if q.dtype == torch.float8_e4m3fn or descale != (None, None, None):
+        return None
+    return packing
+
+
 def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           deterministic, return_attn_probs, sink):  # fmt: skip
-    """flash_attn_func and its packed forms: q, k, v (views of `packed` when packing is "qkv" or "kv")."""
+           deterministic, return_attn_probs, sink, descale):  # fmt: skip
+    """flash_attn_func and its packed forms: q, k, v (views of `packed` when packing is "qkv" or "kv"); descale: FA3's
+    (q_descale, k_descale, v_descale) of an FP8 call."""
+    packing = _fp8_packing(q, descale, packing) if packing is not None else None
     if torch.compiler.is_compiling():
+        _no_fp8("torch.compile", q, descale)
         (out, lse), _ = _traced(
             q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink
         )
         return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
-    args = (None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink, deterministic)
+    args = (None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink, deterministic,
+            False, descale)  # fmt: skip
     call = _ready_call(q, k, v, packing, args)
     if call is None:
         q, k, v, packed = _for_kernels(q, k, v, packed, packing, 2)
@@ -109,7 +126,7 @@ def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_si
     if call.empty:
         out, lse = EmptyAttention.apply(q, k, v, sink)
     elif packing is None:
-        out, lse = _run(call, q, k, v, alibi_slopes, sink, seed=seed, lse_wanted=return_attn_probs)
+        out, lse = _run(call, q, k, v, alibi_slopes, sink, seed=seed, lse_wanted=return_attn_probs, descale=descale)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, None, None, seed)
@@ -132,6 +149,9 @@ def flash_attn_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Exact softmax attention, softmax(q k^T * softmax_scale) v, with FlashAttention-2.
 
@@ -161,8 +181,14 @@ def flash_attn_func(
             logsumexp is L (a row that sees no key: out 0, logsumexp sink_h); the backward gives its gradient
             -sum_{batch, i} exp(sink_h - L_i) * (rowsum(dout_i * out_i) - dlse_i). Composes with every other
             option; S_dmask does not include it.
+        q_descale, k_descale, v_descale (keyword-only; FA3's FP8 forward): with float8_e4m3fn q, k, v, float32
+            (batch, nheads_k) descales, None meaning 1: the scores are (q * q_descale)(k * k_descale)^T *
+            softmax_scale and the values v * v_descale, query head h taking kv head h // (nheads // nheads_k)'s.
+            The output is bf16; P meets V rounded to e4m3 where the GPU's dots take e4m3 (sm_89 on), in bf16 on
+            sm_80/86 (README, "FP8"). Forward only (a gradient raises NotImplementedError), no dropout; every other
+            option composes. Given with other dtypes: ArgumentError.
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), q's dtype.
+        out: (batch, seqlen_q, nheads, headdim), q's dtype (bf16 for FP8 inputs).
         softmax_lse (with return_attn_probs): (batch, nheads, seqlen_q) float32, the natural
             logsumexp of each row of q k^T * softmax_scale (+inf for a row that sees no key).
             It is differentiable.
@@ -173,7 +199,7 @@ def flash_attn_func(
     """
     return _dense(
         q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, learnable_sink,
+        return_attn_probs, learnable_sink, (q_descale, k_descale, v_descale),
     )  # fmt: skip
 
 
@@ -189,6 +215,9 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); the backward writes one dqkv.
 
@@ -198,7 +227,7 @@ def flash_attn_qkvpacked_func(
     q, k, v = qkv.unbind(dim=2)
     return _dense(
         q, k, v, qkv, "qkv", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, learnable_sink,
+        return_attn_probs, learnable_sink, (q_descale, k_descale, v_descale),
     )  # fmt: skip
 
 
@@ -215,6 +244,9 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2,
     nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
@@ -222,7 +254,7 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(dim=2)
     return _dense(
         q, k, v, kv, "kv", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, learnable_sink,
+        return_attn_probs, learnable_sink, (q_descale, k_descale, v_descale),
     )  # fmt: skip
 
 
@@ -245,6 +277,9 @@ def flash_attn_varlen_func(
     block_table=None,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash_attn_func on sequences of different lengths packed along the first dimension.
 
@@ -269,6 +304,7 @@ def flash_attn_varlen_func(
     does not wait for them (outside torch.compile).
     """
     if block_table is not None:
+        _no_fp8("block_table (a paged K/V in flash_attn_varlen_func)", q, (q_descale, k_descale, v_descale))
         return _varlen_paged(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, return_attn_probs, block_table, learnable_sink,
@@ -276,22 +312,26 @@ def flash_attn_varlen_func(
     return _varlen(
         q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+        (q_descale, k_descale, v_descale),
     )  # fmt: skip
 
 
 def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sink):  # fmt: skip
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sink,
+            descale):  # fmt: skip
     """flash_attn_varlen_func and its packed forms. The cu_seqlens values are checked on the host (value checks on)
-    after the kernels are queued, from a copy that does not wait for them."""
+    after the kernels are queued, from a copy that does not wait for them. descale: as _dense's."""
+    packing = _fp8_packing(q, descale, packing) if packing is not None else None
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal)
     if torch.compiler.is_compiling():
+        _no_fp8("torch.compile", q, descale)
         checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
         max_q, max_k = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
         cu_q, cu_k, _ = calls.sequences(cu_seqlens_q, cu_seqlens_k, max_q, max_k, q, k)  # clamped, nothing read
         traced = (q, k, v, cu_q, cu_k, max_q, max_k, *args[7:])
         (out, lse), _ = _traced(*traced, window_size, softcap, alibi_slopes, sink)
         return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
-    args = (*args[3:], window_size, softcap, alibi_slopes, sink, deterministic)
+    args = (*args[3:], window_size, softcap, alibi_slopes, sink, deterministic, False, descale)
     call = _ready_call(q, k, v, packing, args)
     if call is None:
         q, k, v, packed = _for_kernels(q, k, v, packed, packing, 1)
@@ -300,7 +340,9 @@ def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)
     seed = _seed(call, q)
     if packing is None:
-        out, lse = _run(call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed, lse_wanted=return_attn_probs)
+        out, lse = _run(
+            call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed, lse_wanted=return_attn_probs, descale=descale
+        )
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, cu_q, cu_k, seed)
@@ -371,6 +413,9 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
     checks.check_packed("qkv", qkv, 3, varlen=True)
@@ -378,6 +423,7 @@ def flash_attn_varlen_qkvpacked_func(
     return _varlen(
         q, k, v, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+        (q_descale, k_descale, v_descale),
     )  # fmt: skip
 
 
@@ -398,6 +444,9 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k,
     headdim); the backward writes one dkv."""
@@ -406,6 +455,7 @@ def flash_attn_varlen_kvpacked_func(
     return _varlen(
         q, k, v, kv, "kv", cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+        (q_descale, k_descale, v_descale),
     )  # fmt: skip
 
 

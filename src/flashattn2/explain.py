@@ -45,7 +45,8 @@ def _explain(q, k, v, kvcache: bool, arch: str | None, meta: bool, kwargs) -> st
         parts = [spec]
     if meta:
         parts = [_on(arch or "sm90", p) for p in parts]
-    if isinstance(parts[0], specs.AttentionSpec) and not parts[0].modes.invariant:
+    fp8 = parts[0].q.dtype == torch.float8_e4m3fn  # the FP8 forward has no backward
+    if isinstance(parts[0], specs.AttentionSpec) and not parts[0].modes.invariant and not fp8:
         parts.append(_backward_spec(parts[0]))
     text = "\n".join(planning.explain(p) for p in parts)
     print(text)
@@ -63,7 +64,7 @@ _ATTENTION = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", 
 
 def _attention_spec(q, k, v, kwargs):
     unknown = set(kwargs) - {*_ATTENTION, "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                             "learnable_sink", "return_attn_probs"}  # fmt: skip
+                             "learnable_sink", "return_attn_probs", "q_descale", "k_descale", "v_descale"}  # fmt: skip
     if unknown:
         raise checks.ArgumentError(f"explain: unknown arguments {sorted(unknown)}")
     a = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
@@ -71,9 +72,11 @@ def _attention_spec(q, k, v, kwargs):
     cu_q, cu_k = kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_k")
     max_q, max_k = kwargs.get("max_seqlen_q", 0), kwargs.get("max_seqlen_k", 0)
     sink = kwargs.get("learnable_sink")
+    descale = tuple(kwargs.get(name) for name in ("q_descale", "k_descale", "v_descale"))
     args = (q, k, v, cu_q, cu_k, max_q, max_k, *a.values(), sink)
-    normal = calls.validate_attention(*args)
-    return specs.attention(q, k, v, cu_q, cu_k, *normal, a["alibi_slopes"], sink, bool(kwargs.get("deterministic")))
+    normal = calls.validate_attention(*args, descale=descale)
+    deterministic = bool(kwargs.get("deterministic"))
+    return specs.attention(q, k, v, cu_q, cu_k, *normal, a["alibi_slopes"], sink, deterministic, descale)
 
 
 def _backward_spec(s: specs.AttentionSpec) -> specs.BackwardSpec:

@@ -23,6 +23,16 @@ class Path(NamedTuple):
     HOST_DESC: bool  # the descriptors built on the host (common.tile_src), not per program
     UPCAST: bool  # tiles converted to fp32 once loaded (fp32 inputs, and the interpreter's bf16)
     DOT_PRECISION: str  # tl.dot's input_precision: "ieee" where UPCAST, else "tf32"
+    FP8: int = 0  # float8_e4m3fn q, k, v (the forward): FP8_NONE, FP8_DOTS, ... below
+
+
+# Path.FP8: how e4m3 tiles meet the dots. FP8_DOTS: as they are (sm_89+: mma/wgmma e4m3; P rounded to e4m3 for the
+# P V product, as FA3); FP8_BF16: the codes read as uint8 and decoded to bf16 once loaded (sm_80/86, whose Triton has no
+# e4m3 type; P in bf16); FP8_FP32: the same decoded to fp32 (the interpreter's run of the sm_80/86 path: its bf16
+# arithmetic is wrong, TRITON-ON-CPU.md); FP8_DOTS_INTERP: the interpreter's run of FP8_DOTS, decoded to fp32 (exact:
+# e4m3 products are exact in fp32) with P rounded by kernels/fp8.e4m3_encode -- the interpreter's own e4m3 arithmetic
+# loses the carry into the exponent when it rounds (0.4948 -> 0.25) and reads the NaN code as 480
+FP8_NONE, FP8_DOTS, FP8_BF16, FP8_FP32, FP8_DOTS_INTERP = 0, 1, 2, 3, 4
 
 
 class Tile(NamedTuple):

@@ -4,7 +4,8 @@ One program per (query block, batch, head): the Q tile stays on chip while K/V t
 an online softmax keeps the running row max `m_i` and row sum `l_i` (base 2) and an unscaled fp32
 accumulator, which is divided by `l_i` once at the end. Only O and the logsumexp are written.
 Softcap, ALiBi, a local window and a learnable sink (a logit per head in every row's denominator, joined once
-after the key loop) are constexpr flags: when off they cost nothing.
+after the key loop) are constexpr flags: when off they cost nothing. FP8 (PATH.FP8, FA3's forward): e4m3 q, k, v with
+a float32 descale per (batch, kv head); the q and k descales join the score scale, the v descale the output.
 """
 
 import triton
@@ -25,6 +26,17 @@ from .common import (
     tile_src,
     visible,
 )
+from .fp8 import e4m3_decode, e4m3_encode
+
+
+@triton.jit
+def fp8_operand(x, PATH: tl.constexpr):
+    """An e4m3 tile as the dots take it (constexprs.FP8_*): as loaded, or its uint8 codes decoded."""
+    if PATH.FP8 == 2:
+        x = e4m3_decode(x).to(tl.bfloat16)
+    elif PATH.FP8 >= 3:
+        x = e4m3_decode(x)
+    return x
 
 
 @triton.jit
@@ -53,7 +65,7 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(n_lo, n_hi, BLOCK_N):
-        k = load_tile(k_tile, start_n, TILE.HEAD_DIM, BLOCK_N, TILE.BLOCK_D, PATH)
+        k = fp8_operand(load_tile(k_tile, start_n, TILE.HEAD_DIM, BLOCK_N, TILE.BLOCK_D, PATH), PATH)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, tl.trans(k), input_precision=PATH.DOT_PRECISION)
         if MASKED or MODS.SOFTCAP or MODS.ALIBI:
@@ -92,9 +104,11 @@ def _fwd_inner(
             # the normaliser keeps every score; only the values mixed into O are dropped
             keep = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH)
-        # [BLOCK_M, BLOCK_DV]
+        v = fp8_operand(load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH), PATH)
+        # [BLOCK_M, BLOCK_DV]; P in v's type (e4m3 on the FP8 dots: its rows' running max makes it <= 1)
         acc = acc * alpha[:, None]
+        if PATH.FP8 == 4:  # (the interpreter's run of the e4m3 dots: P rounded as they round it)
+            p = e4m3_decode(e4m3_encode(p))
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -113,12 +127,16 @@ def attn_fwd_kernel(
     CuSeqlensK,
     Seed,
     SeqOrder,
+    QDescale,
+    KDescale,
+    VDescale,
     q_strides,
     k_strides,
     v_strides,
     out_strides,
     lse_strides,
     stride_alibi_b,
+    descale_strides,
     shape,
     score,
     MODS: tl.constexpr,
@@ -128,7 +146,8 @@ def attn_fwd_kernel(
     TILE: tl.constexpr,
 ):
     # (batch, row, head) strides per tensor, Lse's (batch, head); shape = (batch, nheads, max_seqlen_q,
-    # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, softcap, dropout_p)
+    # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, softcap, dropout_p); FP8: the
+    # descales' (batch, kv head) strides, q's, k's and v's (None otherwise, as the descale pointers)
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
     window_left, window_right, sm_scale, softcap, dropout_p = score
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
@@ -143,6 +162,12 @@ def attn_fwd_kernel(
     )
     if start_m >= seqlen_q:
         return
+    v_descale = 1.0
+    if PATH.FP8 != 0:
+        qd_b, qd_h, kd_b, kd_h, vd_b, vd_h = descale_strides
+        sm_scale = sm_scale * tl.load(QDescale + off_b * qd_b + off_hk * qd_h)
+        sm_scale = sm_scale * tl.load(KDescale + off_b * kd_b + off_hk * kd_h)
+        v_descale = tl.load(VDescale + off_b * vd_b + off_hk * vd_h)
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
@@ -156,7 +181,7 @@ def attn_fwd_kernel(
     v_tile = tile_src((V, v_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PATH)
     o_tile = tile_src((Out, out_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
 
-    q = load_tile(q_tile, start_m, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
+    q = fp8_operand(load_tile(q_tile, start_m, HEAD_DIM, BLOCK_M, BLOCK_D, PATH), PATH)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -183,6 +208,8 @@ def attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     if MODS.DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
+    if PATH.FP8 != 0:
+        acc = acc * v_descale
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     store_tile(o_tile, acc, start_m, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)

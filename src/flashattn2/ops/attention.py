@@ -45,15 +45,24 @@ def forward(
     sink=None,
     seed=None,
     lse_wanted=True,
+    descale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out like q in q's dtype with v's head dim; lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) in varlen
-    (lse_wanted False: the caller drops it, _runtime.output_lse)."""
+    """out like q in q's dtype (bf16 for FP8 inputs) with v's head dim; lse fp32 (batch, nheads, seqlen_q), or
+    (nheads, total_q) in varlen (lse_wanted False: the caller drops it, _runtime.output_lse). descale: an FP8 call's
+    (q_descale, k_descale, v_descale)."""
     if call.plan.kernel == "decode":
+        if call.layout.descale_strides is not None:
+            raise NotImplementedError(
+                "float8_e4m3fn inputs in batch-invariant mode: the mode's kernel (the KV cache's) takes FP8 caches "
+                "through flash_attn_with_kvcache only"
+            )
         return _invariant_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed)
     launch = call.launch
     if launch is None:
         launch = call.launch = _launch(call)
     alibi, sink = _contiguous(alibi), _contiguous(sink)
+    if descale is not None:
+        return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, lse_wanted, descale)
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, lse_wanted)
 
 

@@ -176,12 +176,14 @@ def validate_attention(
     alibi_slopes,
     learnable_sink,
     literal: bool = False,
+    descale=None,
 ):
     """Validate an attention call's arguments (each error names the argument); returns them normalized as a spec
     takes them: (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap). The window's
-    edges by flash_attn's rule (window_edges), or as given (literal)."""
+    edges by flash_attn's rule (window_edges), or as given (literal). descale: an FP8 call's (q_descale, k_descale,
+    v_descale)."""
     varlen = cu_seqlens_q is not None
-    checks.check_qkv(q, k, v, varlen=varlen, empty_ok=not varlen)
+    checks.check_qkv(q, k, v, varlen=varlen, empty_ok=not varlen, fp8=True)
     checks.check_sink(learnable_sink, q)
     maxes = (0, 0)
     batch = q.shape[0]
@@ -191,6 +193,7 @@ def validate_attention(
         batch = cu_seqlens_q.shape[0] - 1
     checks.check_options(dropout_p, softmax_scale, window_size, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
+    checks.check_fp8(q, descale or (None, None, None), batch, k.shape[-2], dropout_p)
     left, right = (
         (int(w) for w in window_size) if literal else window_edges(window_size, maxes[1] if varlen else k.shape[1])
     )
@@ -215,10 +218,12 @@ def attention(
     learnable_sink,
     deterministic,
     literal: bool = False,
+    descale=None,
 ) -> AttentionCall:
     """The prepared call of an attention call's arguments: found by its spec, or validated, planned and kept. literal:
-    the window's edges as given (from_options), else by flash_attn's rule (window_edges). Raises NotReady (after the
-    validation) where q, k or v is not as the kernels take it."""
+    the window's edges as given (from_options), else by flash_attn's rule (window_edges). descale: an FP8 call's
+    (q_descale, k_descale, v_descale). Raises NotReady (after the validation) where q, k or v is not as the kernels
+    take it."""
     cache = LITERAL if literal else CALLS
     try:
         spec = specs.attention(
@@ -237,6 +242,7 @@ def attention(
             alibi_slopes,
             learnable_sink,
             deterministic,
+            descale,
         )
         found = cache.get(spec)
     except (specs.NotCanonical, AttributeError, TypeError):  # a list, a tensor max_seqlen, a non-tensor
@@ -261,6 +267,7 @@ def attention(
         alibi_slopes,
         learnable_sink,
         literal,
+        descale,
     )
     canonical = specs.attention(
         q,
@@ -278,6 +285,7 @@ def attention(
         alibi_slopes,
         learnable_sink,
         bool(deterministic),
+        descale,
     )
     found = cache.get(canonical)
     if found is None:

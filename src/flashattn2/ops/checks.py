@@ -12,6 +12,10 @@ from .seqlens import _capturing, in_range, known, remember
 from ..errors import ArgumentError, ArgumentTypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+E4M3 = torch.float8_e4m3fn  # the FP8 forward's inputs (FA3's): q, k, v with float32 descales
+_OTHER_FP8 = tuple(
+    getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
+)
 MAX_HEAD_DIM = 512  # q/k's and v's, each
 # flash_attn_with_kvcache: q/k up to the MLA decode shape, a 512-wide latent and its 64 rotary columns (v 512)
 MAX_HEAD_DIM_KVCACHE = 576
@@ -30,26 +34,29 @@ def check_positions(name: str, n: int) -> None:
         )
 
 
-def _tensor(name: str, t, ndim: int, layout: str) -> None:
+def _tensor(name: str, t, ndim: int, layout: str, fp8: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ArgumentError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in DTYPES:
-        raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16 and float32")
+    if t.dtype not in DTYPES and not (fp8 and t.dtype == E4M3):
+        if fp8 and t.dtype in _OTHER_FP8:
+            raise NotImplementedError(f"{name} has dtype {t.dtype}: flashattn2's FP8 forward takes float8_e4m3fn")
+        also = ", float8_e4m3fn (the forward)" if fp8 else ""
+        raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16, float32{also}")
 
 
-def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False) -> None:
+def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False, fp8: bool = False) -> None:
     """q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim), v (batch, seqlen_k,
     nheads_k, headdim_v); in varlen q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim / headdim_v).
     v's head dim may differ from q's and k's (the output has v's). empty_ok: a dense seqlen of 0 is accepted (the
-    caller runs no kernel then)."""
+    caller runs no kernel then). fp8: float8_e4m3fn accepted (the forward's FA3 inputs)."""
     ndim = 3 if varlen else 4
     prefix = "(total_q, " if varlen else "(batch, seqlen_q, "
     prefix_k = "(total_k, " if varlen else "(batch, seqlen_k, "
-    _tensor("q", q, ndim, prefix + "nheads, headdim)")
-    _tensor("k", k, ndim, prefix_k + "nheads_k, headdim)")
-    _tensor("v", v, ndim, prefix_k + "nheads_k, headdim_v)")
+    _tensor("q", q, ndim, prefix + "nheads, headdim)", fp8)
+    _tensor("k", k, ndim, prefix_k + "nheads_k, headdim)", fp8)
+    _tensor("v", v, ndim, prefix_k + "nheads_k, headdim_v)", fp8)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ArgumentTypeError(f"q, k and v must have one dtype: q is {q.dtype}, {name} is {t.dtype}")
@@ -74,6 +81,36 @@ def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False) -> None:
     seq = 0 if varlen else 1
     check_positions("total_q" if varlen else "seqlen_q", q.shape[seq])
     check_positions("total_k" if varlen else "seqlen_k", k.shape[seq])
+
+
+def check_fp8(q, descale, batch: int, nheads_k: int, dropout_p) -> None:
+    """An attention call's FP8 arguments: descale = (q_descale, k_descale, v_descale) only with float8_e4m3fn q, k, v
+    (never ignored), each checked by check_descale; no dropout with FP8 inputs (FA3 has none either)."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if q.dtype != E4M3:
+        for name, t in zip(names, descale):
+            if t is not None:
+                raise ArgumentError(f"{name} is for float8_e4m3fn q, k, v (FA3's FP8 forward); q is {q.dtype}")
+        return
+    if dropout_p > 0:
+        raise NotImplementedError("dropout_p > 0 with float8_e4m3fn inputs: the FP8 forward has no dropout")
+    for name, t in zip(names, descale):
+        check_descale(name, t, batch, nheads_k, q.device)
+
+
+def check_descale(name: str, t, batch: int, nheads_k: int, device) -> None:
+    """An FP8 call's q_descale / k_descale / v_descale (FA3's): None (1), or float32 (batch, nheads_k) on q's device,
+    any strides (an expanded scalar included); varlen's batch is the number of sequences."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ArgumentTypeError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) != (batch, nheads_k):
+        raise ArgumentError(f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ArgumentError(f"{name} must be on q's device {device}, got {t.device}")
 
 
 def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, limit=MAX_HEAD_DIM) -> None:
@@ -297,7 +334,7 @@ def check_packed(name: str, t, count: int, varlen: bool = False) -> None:
     """qkv (batch, seqlen, 3, nheads, headdim) or kv (batch, seqlen_k, 2, nheads_k, headdim);
     in varlen qkv (total, 3, nheads, headdim) or kv (total_k, 2, nheads_k, headdim)."""
     layout = f"({'total' if varlen else 'batch, seqlen'}, {count}, nheads, headdim)"
-    _tensor(name, t, 4 if varlen else 5, layout)
+    _tensor(name, t, 4 if varlen else 5, layout, fp8=True)  # (e4m3: the FP8 forward)
     if t.shape[1 if varlen else 2] != count:
         raise ArgumentError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
 

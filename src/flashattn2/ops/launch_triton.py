@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.constexprs import Path, Tile
+from ..kernels.constexprs import FP8_DOTS, Path, Tile
 from . import _runtime, launcher, seqlens
 from .geometry import block_d, cdiv
 from .layout import Layout, contiguous_strides, rows_strides
@@ -15,7 +15,7 @@ from .tma import host_desc
 
 
 def _path(layout: Layout, plan: Plan) -> Path:
-    return Path(plan.tma, plan.host_desc, layout.upcast, "ieee" if layout.upcast else "tf32")
+    return Path(plan.tma, plan.host_desc, layout.upcast, "ieee" if layout.upcast else "tf32", plan.fp8)
 
 
 def _tile(layout: Layout, cfg) -> Tile:
@@ -69,7 +69,7 @@ class Forward:
     """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too), as one prepared call
     launches it."""
 
-    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows", "dropped_lse")
+    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows", "dropped_lse", "one")
 
     def __init__(self, layout: Layout, plan: Plan):
         self.layout, self.plan = layout, plan
@@ -79,6 +79,7 @@ class Forward:
         self.empty = torch.Size(layout.out_shape).numel() == 0
         self.no_rows = layout.batch == 0 or layout.max_seqlen_q == 0  # varlen with no query rows in any sequence
         self.dropped_lse = None
+        self.one = None  # FP8: the 1 a descale not given reads (made at the first launch, on the call's device)
         kw = dict(
             MODS=layout.mods,
             IS_VARLEN=layout.varlen,
@@ -99,20 +100,26 @@ class Forward:
                 (lse, contiguous_strides(lse), float("inf"), 1),
             )
 
-    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse); lse_wanted False: the caller drops the logsumexp (_runtime.output_lse)."""
+    def __call__(
+        self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True, descale=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse); lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). descale: an FP8 call's
+        (q_descale, k_descale, v_descale), each None for 1."""
         layout = self.layout
-        dtype = q.dtype
+        dtype = layout.result_dtype
         out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)
         lse = _runtime.output_lse(self, layout.lse_shape, q.device, lse_wanted)
         if self.empty:
-            return out.to(q.dtype), lse
+            return out.to(dtype), lse
         if self.no_rows:
             out.zero_(), lse.fill_(float("inf"))
-            return out.to(q.dtype), lse
+            return out.to(dtype), lse
         # a query block's work grows with its sequence's keys: order the slots by cu_seqlens_k
         seen = None if cu_k is None else seqlens.entry(cu_k)
         order = None if seen is None else seen.order
+        descales = (None, None, None)
+        if layout.descale_strides is not None:
+            q, k, v, descales = self._fp8(q, k, v, descale)
         if self.plan.host_desc:
             bm, bn = self.rows
             q, k, v, dst = host_desc(q, bm), host_desc(k, bn), host_desc(v, bn), host_desc(out, bm)
@@ -133,18 +140,31 @@ class Forward:
             lse if cu_k is None else cu_k,
             lse if seed is None else seed,
             lse if order is None else order,
+            *descales,
             layout.q_strides,
             layout.k_strides,
             layout.v_strides,
             layout.out_strides,
             layout.lse_strides,
             layout.alibi_stride,
+            layout.descale_strides,
             layout.shape,
             layout.score,
         )
         if self.tail is not None:
             self.tail((out, cu_q), (lse, cu_q))
         return (out if out.dtype == dtype else out.to(dtype)), lse
+
+    def _fp8(self, q, k, v, descale):
+        """An FP8 call's q, k, v as its path reads them (the uint8 codes where they are decoded in the kernel: Triton
+        has no e4m3 type below sm_89) and its three descales, a kept 1 for each not given."""
+        if self.plan.fp8 != FP8_DOTS:
+            q, k, v = q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        one = self.one
+        if one is None:
+            one = self.one = torch.ones(1, dtype=torch.float32, device=q.device)
+        given = descale if descale is not None else (None, None, None)
+        return q, k, v, tuple(one if d is None else d for d in given)
 
 
 class SinkGrad:

@@ -11,7 +11,7 @@ import torch
 from ..kernels.constexprs import Mods
 from . import spec as specs
 from .geometry import Geometry, Varlen
-from .planning import out_dtype, window
+from .planning import out_dtype, result_dtype, window
 
 
 def rows_strides(t: specs.TensorSpec, varlen: bool) -> tuple[int, int, int]:
@@ -31,7 +31,7 @@ class Layout:
         "varlen", "batch", "nheads", "nheads_k", "head_dim", "head_dim_v", "max_seqlen_q", "max_seqlen_k", "arch",
         "dtype", "out_dtype", "device", "upcast", "q_strides", "k_strides", "v_strides", "out_shape", "out_strides",
         "lse_shape", "lse_strides", "shape", "score", "mods", "alibi_stride", "geometry", "out_spec", "grad_specs",
-        "grad_dtype",
+        "grad_dtype", "result_dtype", "descale_strides",
     )  # fmt: skip
 
     def __init__(self, spec: specs.AttentionSpec, softmax_scale: float):
@@ -48,8 +48,16 @@ class Layout:
             self.lse_shape = (self.batch, self.nheads, q.shape[1])
         self.arch, self.dtype, self.device = spec.modes.arch, q.dtype, q.device
         self.out_dtype = out_dtype(q.dtype, self.arch)
-        # the interpreter's bf16 arithmetic is wrong (TRITON-ON-CPU.md): it computes in fp32
-        self.upcast = self.arch == "interp" or q.dtype == torch.float32
+        self.result_dtype = result_dtype(q.dtype)  # the output's: q's, bf16 for FP8 inputs
+        # the interpreter's bf16 arithmetic is wrong (TRITON-ON-CPU.md): it computes in fp32 (FP8 tiles: as
+        # Path.FP8 says)
+        fp8 = q.dtype == torch.float8_e4m3fn
+        self.upcast = (self.arch == "interp" or q.dtype == torch.float32) and not fp8
+        # FP8: the (batch, kv head) strides of q's, k's and v's descales (0, 0: none given, a 1 read in its place)
+        self.descale_strides = None
+        if fp8:
+            given = spec.descales[:3] if spec.descales is not None else (None, None, None)
+            self.descale_strides = tuple(x for d in given for x in ((0, 0) if d is None else d.stride))
         self.q_strides, self.k_strides, self.v_strides = (rows_strides(t, varlen) for t in (q, k, v))
         self.out_shape = (*q.shape[:-1], self.head_dim_v)
         out = contiguous_strides(self.out_shape)
@@ -72,7 +80,7 @@ class Layout:
         alibi = spec.alibi
         self.mods = Mods(w.causal, w.local, softcap > 0, alibi is not None, spec.dropout_p > 0, spec.sink is not None)
         self.alibi_stride = alibi.shape[-1] if alibi is not None and len(alibi.shape) == 2 else 0  # contiguous
-        self.out_spec = specs.TensorSpec(torch.Size(self.out_shape), out, q.dtype, q.device)  # the forward's own
+        self.out_spec = specs.TensorSpec(torch.Size(self.out_shape), out, self.result_dtype, q.device)  # the forward's
         # the autograd Functions' gradients (ops.registry.Attention): contiguous, q's, k's and v's shapes; the
         # interpreter's in fp32 (its 16-bit stores truncate), which autograd casts to the inputs' dtype
         self.grad_dtype = torch.float32 if self.arch == "interp" else q.dtype

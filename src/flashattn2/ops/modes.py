@@ -26,6 +26,7 @@ class Forced:
     tma: bool | None = None  # the TMA load path on (where alignment allows it; any arch) or off
     host_desc: bool | None = None  # host-built TMA descriptors on the Triton path (dense, power-of-two head dims)
     bwd_order: str | None = None  # the Gluon backward's program order: "head-major" or "grouped"
+    fp8_dots: bool | None = None  # FP8 inputs: e4m3 tiles into the dots (True) or decoded to bf16 first (False)
 
     def tile(self, kernel: str) -> TileConfig | None:
         for name, t in self.tiles:
@@ -51,6 +52,7 @@ def force(
     tma: bool | None = None,
     host_desc: bool | None = None,
     bwd_order: str | None = None,
+    fp8_dots: bool | None = None,
     **tiles: TileConfig,
 ):
     """Inside the with-block (this thread or task only), plans use these tiles (fwd=TileConfig(...),
@@ -58,7 +60,8 @@ def force(
     load path on a CUDA device; the interpreter ignores it), hopper=False (the Triton kernels instead of the
     Gluon ones; True: as the default, whatever FLASHATTN2_HOPPER says), tma (the TMA load path on or off),
     host_desc (host-built TMA descriptors on the Triton path), bwd_order ("head-major" or "grouped": the Gluon
-    backward's program order). Arguments left None keep what an enclosing force() set. A call's backward through
+    backward's program order), fp8_dots (FP8 inputs: e4m3 tiles into the dots, sm_89+'s path, or False: decoded to
+    bf16 once loaded, sm_80/86's; in the interpreter, fp32). Arguments left None keep what an enclosing force() set. A call's backward through
     autograd runs under its forward's force() (a with-block around the forward is enough; one around only the
     backward is not seen: autograd runs it in another thread)."""
     unknown = set(tiles) - set(KERNELS)
@@ -80,7 +83,9 @@ def force(
     merged.update(tiles)
     switches = {
         name: value
-        for name, value in dict(arch=arch, hopper=hopper, tma=tma, host_desc=host_desc, bwd_order=bwd_order).items()
+        for name, value in dict(
+            arch=arch, hopper=hopper, tma=tma, host_desc=host_desc, bwd_order=bwd_order, fp8_dots=fp8_dots
+        ).items()
         if value is not None
     }
     with entered(replace(now, tiles=tuple(sorted(merged.items())), **switches)):
@@ -152,3 +157,24 @@ def wgmma(device: torch.device) -> bool:
 
 
 _WGMMA: dict = {}
+
+
+def fp8_dots(device: torch.device, arch: str) -> bool:
+    """Whether the e4m3 tiles of an FP8 call go straight into the dots: Triton has the e4m3 type, and the tensor
+    cores take it, from sm_89 on (the sm86 rows cover sm_86 and sm_89: the capability decides); the interpreter runs
+    them too. force(fp8_dots=...) overrides."""
+    want = FORCED.get().fp8_dots
+    if want is not None:
+        return want
+    if arch in ("interp", "sm90"):
+        return True
+    if arch == "sm80" or device.type != "cuda":  # (meta: explain's sm86 device, the lower of the two)
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _FP8_DOTS.get(index)
+    if found is None:
+        found = _FP8_DOTS[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return found
+
+
+_FP8_DOTS: dict = {}

@@ -329,7 +329,8 @@ class EmptyAttention(torch.autograd.Function):
             lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device)
         else:
             lse = sink.detach().float()[:, None].expand(shape).contiguous()
-        return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse
+        dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 inputs: a bf16 output
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -340,9 +341,15 @@ class EmptyAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
 
 
-def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None, grad=True, lse_wanted=True):
+def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None, grad=True, lse_wanted=True,
+        descale=None):  # fmt: skip
     """An eager attention call (the API's): through Attention when a gradient is needed (grad: whether the caller
-    records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp)."""
+    records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp). descale: an FP8
+    call's (q_descale, k_descale, v_descale); the FP8 forward has no backward (FA3's neither)."""
+    if call.layout.descale_strides is not None:
+        _no_fp8_grad(q, k, v, sink, descale)
+        args = (call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, lse_wanted, descale)
+        return _runtime.on_device_of(q, attention.forward, *args)
     if (
         grad
         and torch.is_grad_enabled()
@@ -351,6 +358,17 @@ def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None,
         return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
     args = (call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, lse_wanted)
     return _runtime.on_device_of(q, attention.forward, *args)
+
+
+def _no_fp8_grad(*tensors) -> None:
+    """NotImplementedError where an FP8 call would record a gradient: its forward has no backward."""
+    if torch.is_grad_enabled():
+        flat = [t for x in tensors for t in (x if isinstance(x, tuple) else (x,))]
+        if any(t is not None and t.requires_grad for t in flat):
+            raise NotImplementedError(
+                "a gradient through the FP8 forward (float8_e4m3fn inputs): it has no backward (FA3's neither); "
+                "run it under torch.no_grad() or with inputs that do not require grad"
+            )
 
 
 # ---- the KV cache --------------------------------------------------------------------------------------------------

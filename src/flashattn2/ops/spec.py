@@ -138,6 +138,20 @@ class AttentionSpec(NamedTuple):
     deterministic: bool
     aligned: bool | tuple[bool, ...]  # aligned()'s answer for q, k, v, alibi_slopes, learnable_sink
     modes: Modes
+    # an FP8 call's q_descale, k_descale, v_descale (each None: 1) and aligned()'s answer for them; None: none given
+    descales: tuple | None = None
+
+
+def descales(q_descale, k_descale, v_descale) -> tuple | None:
+    """AttentionSpec.descales of FA3's three descale arguments."""
+    if q_descale is None and k_descale is None and v_descale is None:
+        return None
+    return (
+        optional(q_descale),
+        optional(k_descale),
+        optional(v_descale),
+        aligned(q_descale, k_descale, v_descale),
+    )
 
 
 def attention(
@@ -156,8 +170,10 @@ def attention(
     alibi_slopes,
     learnable_sink,
     deterministic,
+    descale=None,
 ) -> AttentionSpec:
-    """The spec of an attention call from its arguments (raises NotCanonical, see the module docstring)."""
+    """The spec of an attention call from its arguments (raises NotCanonical, see the module docstring); descale: an
+    FP8 call's (q_descale, k_descale, v_descale)."""
     qs = tensor(q)
     varlen = cu_seqlens_q is not None
     if varlen and (type(max_seqlen_q) is not int or type(max_seqlen_k) is not int):
@@ -185,6 +201,7 @@ def attention(
             _number(deterministic),
             aligned(q, k, v, alibi_slopes, learnable_sink),
             modes(q),
+            None if descale is None else descales(*descale),
         ),
     )
 

@@ -216,9 +216,30 @@ _OTHER = [
       for row in _triton("interp", d, elem_bytes, INTERP, INTERP, INTERP, "the interpreter: few big steps",
                          dsplit=2 if d > 256 else 1)),  # (the split backward, tested on the CPU)
 ]
+# FP8 (float8_e4m3fn q, k, v with descales; the forward only, as FA3): the Triton forward on every arch, the Gluon
+# kernels being fp16/bf16. On sm_90 (and sm_89) the e4m3 tiles go straight into the dots (wgmma/mma e4m3, V transposed
+# on its way to shared memory by Triton: wgmma's e4m3 operands are K-major), bf16's Triton tiles with the key block
+# doubled where the halved bytes let it; sm_80/86 decode the codes to bf16 once loaded and keep their bf16 tiles
+# (shared memory holds e4m3: half of what those tiles were sized for). None measured yet: the compile check keeps
+# each within the target's shared memory; tools/sass_mix.py reads QGMMA (wgmma e4m3) in every sm_90 one and no more
+# spills than bf16's kernel of the same tile.
+_FP8_WHY = "FP8, not yet measured: "
+_FP8 = [
+    Row("fwd", "sm90", 64, 1, "fwd", T(128, 128, 4, 3), why=_FP8_WHY + "e4m3 dots, bf16's Triton tile"),
+    Row("fwd", "sm90", 128, 1, "fwd", T(128, 128, 8, 3), why=_FP8_WHY + "e4m3 dots, bf16's 128x64 with 128 keys"),
+    Row("fwd", "sm90", 256, 1, "fwd", T(128, 64, 8, 2), why=_FP8_WHY + "e4m3 dots, bf16's Triton tile"),
+    Row("fwd", "sm90", 512, 1, "fwd", T(64, 32, 8, 1),
+        why=_FP8_WHY + "e4m3 dots; pointer-path spills 169 stores (bf16's 64x64 tile: 932; bf16 at 64x32: 362)"),
+    *(
+        Row("fwd", row.arch, row.head_dim, 1, "fwd", row.tile, why=_FP8_WHY + "decoded to bf16, bf16's tile")
+        for row in _OTHER
+        if row.arch in ("sm80", "sm86") and row.direction == "fwd" and row.elem_bytes == 2
+    ),
+    *(Row("fwd", "interp", d, 1, "fwd", INTERP, why="the interpreter: few big steps") for d in HEAD_DIM_BUCKETS),
+]
 # fmt: on
 
-TABLE: tuple[Row, ...] = (*_SM90, *_OTHER)
+TABLE: tuple[Row, ...] = (*_SM90, *_OTHER, *_FP8)
 assert not any((r.direction, r.arch, r.head_dim, r.elem_bytes) in UNSUPPORTED for r in TABLE)
 # TABLE's rows by (direction, arch, head-dim bucket, bytes per element), in order
 ROWS: dict[tuple[str, str, int, int], tuple[Row, ...]] = {}

@@ -42,6 +42,7 @@ def attention_ref(
     dropout_mask=None,
     dropout_p=0.0,
     learnable_sink=None,
+    p_dtype=None,
 ):
     """Attention on (batch, seqlen, nheads, headdim) inputs (v's head dim may differ from q's and k's: out has
     v's); returns (out, lse).
@@ -58,6 +59,8 @@ def attention_ref(
     kept) multiplies the probabilities by mask / (1 - dropout_p) before they meet v.
     learnable_sink ((nheads,)): one more logit per head in every row's softmax, dropped before v (a row
     that sees no key then has out 0 and lse the sink's logit). Differentiable: the oracle of its gradient.
+    p_dtype: the FP8 forward's rounding (reference.fp8): the probabilities meet v as exp(s - rowmax) rounded to
+    p_dtype (each <= 1), divided by their exact sum after.
     """
     dtype = q.dtype
     if upcast:
@@ -87,7 +90,11 @@ def attention_ref(
         scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
     empty = torch.isneginf(lse)
-    attn = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    if p_dtype is None:
+        attn = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    else:
+        p = torch.exp(scores - scores.amax(-1, keepdim=True).masked_fill(empty[..., None], 0.0))
+        attn = (p.to(p_dtype).to(p.dtype) / p.sum(-1, keepdim=True)).masked_fill(empty[..., None], 0.0)
     if learnable_sink is not None:
         attn = attn[..., :-1]
     if dropout_mask is not None:

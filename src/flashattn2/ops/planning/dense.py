@@ -15,7 +15,8 @@ from ...errors import ArgumentError
 from .. import _runtime
 from .. import spec as specs
 from ..geometry import block_d
-from ..modes import Forced, forced, wgmma
+from ...kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_DOTS_INTERP, FP8_FP32, FP8_NONE
+from ..modes import Forced, fp8_dots, forced, wgmma
 from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
 from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
 from .decoding import sm_count
@@ -77,7 +78,7 @@ def walk(arch, dtype, head_dim, causal, max_seqlen_k, features: Features, direct
     """TABLE's rows for the call in order, each with why it is passed over (None: it runs)."""
     hopper = forced.hopper if forced.hopper is not None else _runtime.gluon_switch() is not False
     v_bucket = head_dim_bucket(head_dim_v)
-    key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), 4 if dtype == torch.float32 else 2)
+    key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), dtype.itemsize)
     if key in UNSUPPORTED:
         raise NotImplementedError(
             f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
@@ -208,7 +209,9 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     out = out_spec(s, out_dtype(s.q.dtype, arch))
     tensors = (s.q, s.k, s.v, out, *extra)
     gluon, gluon_why = False, "varlen: the Gluon kernels take dense inputs"
-    if not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
+    if s.q.dtype == torch.float8_e4m3fn:
+        gluon_why = "FP8: the Gluon kernels take fp16 and bf16"
+    elif not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
         gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
     persist = not (gluon and direction == "fwd") or _persist_counter(s)
     features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why, persist)
@@ -218,10 +221,20 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     return args, tma, host
 
 
+def fp8_mode(s: specs.AttentionSpec) -> int:
+    """How an FP8 call's e4m3 tiles meet the Triton forward's dots (constexprs.FP8_*; FP8_NONE for other dtypes)."""
+    if s.q.dtype != torch.float8_e4m3fn:
+        return FP8_NONE
+    interp = s.modes.arch == "interp"
+    if fp8_dots(s.q.device, s.modes.arch):
+        return FP8_DOTS_INTERP if interp else FP8_DOTS
+    return FP8_FP32 if interp else FP8_BF16
+
+
 def forward(s: specs.AttentionSpec) -> Plan:
     args, tma, host = attention_plan(s, "fwd", True)
     plan = _lookup(*args)
-    return plan if plan.gluon else replace(plan, tma=tma, host_desc=host)
+    return plan if plan.gluon else replace(plan, tma=tma, host_desc=host, fp8=fp8_mode(s))
 
 
 def backward(b: specs.BackwardSpec) -> Plan:

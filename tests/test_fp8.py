@@ -1,0 +1,213 @@
+"""The FP8 forward (FA3's API: float8_e4m3fn q, k, v with q_descale, k_descale, v_descale) and the e4m3 codec the
+kernels share.
+
+Accuracy, the bound stated in the README ("FP8"): against the fp64 reference on the dequantized inputs, our error is at
+most 2x the error of PyTorch doing the same rounding (reference.attention_ref with p_dtype: P = exp(s - rowmax)
+rounded to e4m3 where the dots take e4m3, to bf16 on the sm_80/86 path; the output rounded to bf16) plus one bf16
+ulp of the largest output: flash_attn's tolerance rule with that emulation as the yardstick. Both kernel paths run
+here (force(fp8_dots=...)): the interpreter's FP8_DOTS_INTERP rounds P as the GPU does (kernels/fp8.e4m3_encode),
+its sm_80/86 path decodes to fp32 (P unrounded)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import DEVICE, ON_GPU
+from tolerance import assert_close
+
+import flashattn2
+from flashattn2 import ArgumentError
+from flashattn2.errors import ArgumentTypeError
+from flashattn2.kernels.fp8 import e4m3_decode, e4m3_encode
+from flashattn2.ops.modes import force
+from flashattn2.reference import FWD_FACTOR, attention_ref
+from flashattn2.reference.fp8 import E4M3, dequantize, quantize
+
+E4M3_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+
+
+@triton.jit
+def _codec_kernel(Codes, Values, X, Encoded, N: tl.constexpr, M: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Values + i, e4m3_decode(tl.load(Codes + i)))
+    j = tl.arange(0, M)
+    tl.store(Encoded + j, e4m3_encode(tl.load(X + j)))
+
+
+def test_codec_is_exact():
+    """Every code decodes to torch's value (-0 and NaN's sign included); encoding rounds to nearest even, saturates
+    at +-448 and keeps NaN, as torch's `x.clamp(-448, 448).to(float8_e4m3fn)`: exactly, ties and subnormals too."""
+    codes = E4M3_CODES.to(DEVICE)
+    exact = codes.view(E4M3).float()
+    halfway = (exact[1:127] + exact[:126]) / 2  # ties between neighbouring positive codes
+    x = torch.cat(
+        [
+            exact,
+            halfway,
+            -halfway,
+            torch.randn(1024) * 100,
+            torch.randn(512) * 1e-2,
+            torch.randn(512) * 1e-3,
+            (torch.rand(512) - 0.5) * 2000,
+            torch.tensor([float("inf"), -float("inf"), 1e-30, -1e-30, 449.0, 464.0, 465.0, 1e6]),
+        ]
+    ).to(DEVICE)
+    x = torch.cat([x, torch.zeros(4096 - x.numel(), device=DEVICE)])
+    values = torch.empty(256, device=DEVICE)
+    encoded = torch.empty(4096, dtype=torch.uint8, device=DEVICE)
+    _codec_kernel[(1,)](codes, values, x, encoded, N=256, M=4096)
+    nan = exact.isnan()
+    assert torch.equal(values.isnan(), nan) and torch.equal(values[~nan], exact[~nan])
+    assert torch.equal(values.signbit(), exact.signbit())
+    expected = x.clamp(-448, 448).to(E4M3).view(torch.uint8)
+    assert torch.equal(encoded, expected), (x[encoded != expected][:4], encoded[encoded != expected][:4])
+
+
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv=None, descales=True):
+    """e4m3 q, k, v made from normal values by quantize (descales in [0.5, 2) or None) and their dequantized fp64."""
+    dv = d if dv is None else dv
+    made = []
+    for shape in ((batch, seqlen_q, nheads, d), (batch, seqlen_k, nheads_k, d), (batch, seqlen_k, nheads_k, dv)):
+        x = torch.randn(shape, device=DEVICE) * 2
+        descale = torch.rand(batch, nheads_k, device=DEVICE) * 1.5 + 0.5 if descales else None
+        x8 = quantize(x, descale)
+        made.append((x8, descale, dequantize(x8, descale)))
+    return made
+
+
+def _check(out, lse, deq, dots: bool, name="", **opts):
+    """out (bf16) and lse against the fp64 reference on the dequantized inputs, with the emulation of the path's
+    rounding as the yardstick (the module docstring)."""
+    (q, k, v) = deq
+    ref, ref_lse = attention_ref(q, k, v, **opts)
+    low, _ = attention_ref(q.float(), k.float(), v.float(), p_dtype=E4M3 if dots else torch.float32, **opts)
+    assert out.dtype == torch.bfloat16
+    assert_close(f"{name} out", out, ref, low.to(torch.bfloat16), FWD_FACTOR)
+    if lse is not None:
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
+        assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-4 * max(1.0, ref_lse[finite].abs().max())
+
+
+@pytest.mark.parametrize("dots", [True, False], ids=["e4m3-dots", "decoded"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("descales", [True, False], ids=["descales", "no-descales"])
+def test_forward(dots, causal, descales):
+    (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(2, 70, 79, 4, 2, 64, descales=descales)
+    with force(fp8_dots=dots):
+        out, lse, _ = flashattn2.flash_attn_func(
+            q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True
+        )
+    _check(out, lse, (q64, k64, v64), dots, causal=causal)
+
+
+@pytest.mark.parametrize("dots", [True, False], ids=["e4m3-dots", "decoded"])
+def test_every_option(dots):
+    """A window, softcap, ALiBi and a learnable sink at once, GQA, a value head dim of its own, a softmax_scale."""
+    (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(2, 40, 90, 6, 2, 96, dv=64)
+    alibi = torch.rand(2, 6, device=DEVICE) * 0.3
+    sink = torch.randn(6, device=DEVICE)
+    opts = dict(window_size=(30, 5), softcap=8.0, alibi_slopes=alibi, softmax_scale=0.2)
+    with force(fp8_dots=dots):
+        out = flashattn2.flash_attn_func(q, k, v, **opts, learnable_sink=sink, q_descale=qd, k_descale=kd, v_descale=vd)
+    _check(out, None, (q64, k64, v64), dots, learnable_sink=sink, **opts)
+
+
+@pytest.mark.parametrize("dots", [True, False], ids=["e4m3-dots", "decoded"])
+def test_varlen_and_packed(dots):
+    """flash_attn_varlen_func with a descale row per sequence (an empty one among them), and the packed forms,
+    which give the unpacked call's output exactly."""
+    lengths_q, lengths_k = [30, 0, 65], [41, 7, 70]
+    cu_q = torch.tensor([0, 30, 30, 95], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 41, 48, 118], dtype=torch.int32, device=DEVICE)
+    q = quantize(torch.randn(95, 4, 64, device=DEVICE) * 2)
+    kv = quantize(torch.randn(118, 2, 2, 64, device=DEVICE) * 2)
+    k, v = kv.unbind(1)
+    qd, kd, vd = (torch.rand(3, 2, device=DEVICE) + 0.5 for _ in range(3))
+    scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    with force(fp8_dots=dots):
+        out = flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 65, 70, causal=True, **scales)
+        packed = flashattn2.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 65, 70, causal=True, **scales)
+    assert torch.equal(out, packed)
+    q64, k64, v64 = dequantize(q, qd, cu_q), dequantize(k, kd, cu_k), dequantize(v, vd, cu_k)
+    for b in range(3):
+        if lengths_q[b] == 0:
+            continue
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        deq = (q64[None, rows], k64[None, keys], v64[None, keys])
+        _check(out[None, rows], None, deq, dots, name=f"sequence {b}", causal=True)
+    assert lengths_k  # (the key lengths are cu_k's)
+    # dense packed forms: one descale row per batch entry
+    (q, qd, _), (k, kd, _), (v, vd, _) = _inputs(2, 33, 33, 4, 4, 64)
+    with force(fp8_dots=dots):
+        plain = flashattn2.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+        qkv = flashattn2.flash_attn_qkvpacked_func(
+            torch.stack([q, k, v], dim=2), q_descale=qd, k_descale=kd, v_descale=vd
+        )
+        kvp = flashattn2.flash_attn_kvpacked_func(
+            q, torch.stack([k, v], dim=2), q_descale=qd, k_descale=kd, v_descale=vd
+        )
+    assert torch.equal(plain, qkv) and torch.equal(plain, kvp)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 37), (37, 1)])
+def test_lengths_of_one(seqlen_q, seqlen_k):
+    """Triton specializes an integer argument equal to 1: one-token sequences, batch 1 and MHA are their own
+    kernels."""
+    (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(1, seqlen_q, seqlen_k, 2, 2, 64)
+    out = flashattn2.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    _check(out, None, (q64, k64, v64), True, causal=True)
+
+
+def test_nan_stays_nan():
+    """A NaN code in a query row makes that row's output NaN and no other's; a saturated value stays finite."""
+    (q, qd, _), (k, kd, _), (v, vd, _) = _inputs(1, 20, 30, 2, 2, 64)
+    codes = q.view(torch.uint8).clone()
+    codes[0, 5, 1, 3] = 0x7F  # e4m3fn's NaN
+    out = flashattn2.flash_attn_func(codes.view(E4M3), k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    nan_rows = out.isnan().any(-1)
+    assert nan_rows[0, 5, 1] and nan_rows.sum() == 1
+    big = quantize(torch.full((1, 20, 2, 64), 1e6, device=DEVICE))  # saturated at 448
+    assert torch.isfinite(flashattn2.flash_attn_func(big, k, v, q_descale=qd, k_descale=kd, v_descale=vd)).all()
+
+
+def test_explain_names_the_fp8_rows():
+    meta = lambda *shape: torch.empty(*shape, dtype=E4M3, device="meta")  # noqa: E731
+    q = meta(2, 4096, 32, 128)
+    for arch in ("sm90", "sm80"):
+        text = flashattn2.explain(q, q, q, causal=True, arch=arch)
+        first = text.splitlines()[0]
+        assert "fwd" in first and "hopper" not in first and "FP8, not yet measured" in text, text
+
+
+def test_errors_name_the_argument():
+    (q, qd, _), (k, kd, _), (v, vd, _) = _inputs(2, 8, 8, 4, 2, 64)
+    bf16 = q.to(torch.bfloat16)
+    with pytest.raises(ArgumentError, match="q_descale is for float8_e4m3fn"):
+        flashattn2.flash_attn_func(bf16, bf16, bf16, q_descale=qd)
+    with pytest.raises(ArgumentError, match=r"k_descale must have shape \(batch, nheads_k\) = \(2, 2\)"):
+        flashattn2.flash_attn_func(q, k, v, k_descale=kd[:1])
+    with pytest.raises(ArgumentTypeError, match="v_descale must be float32"):
+        flashattn2.flash_attn_func(q, k, v, v_descale=vd.double())
+    with pytest.raises(ArgumentTypeError, match="q, k and v must have one dtype"):
+        flashattn2.flash_attn_func(q, k.to(torch.bfloat16), v)
+    with pytest.raises(NotImplementedError, match="float8_e5m2"):
+        flashattn2.flash_attn_func(q.to(torch.float8_e5m2), k, v)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flashattn2.flash_attn_func(q, k, v, dropout_p=0.1, q_descale=qd)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flashattn2.flash_attn_func(q, k, v, learnable_sink=torch.zeros(4, device=DEVICE, requires_grad=True))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        table = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
+        flashattn2.flash_attn_varlen_func(q[0], k, v, cu, cu, 4, 4, block_table=table)
+    with flashattn2.batch_invariant(), pytest.raises(NotImplementedError, match="batch-invariant"):
+        flashattn2.flash_attn_func(q, k, v)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the device's own path (sm_89+: e4m3 dots; sm_80/86: decoded to bf16)")
+def test_device_path_at_size():
+    (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(2, 2048, 2048, 16, 4, 128)
+    out = flashattn2.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    dots = torch.cuda.get_device_capability() >= (8, 9)
+    _check(out, None, (q64, k64, v64), dots, causal=True)
