@@ -223,19 +223,39 @@ def test_fallback_rule():
     assert served[0].shape == q16.shape and len(previous.calls) == 2
     wide = torch.randn(1, 2, 3, 520, device=DEVICE, dtype=torch.float16)  # flashattn2's NotImplementedError
     assert kernel("keyset", wide, wide, wide) == "torch's result" and len(previous.calls) == 3
-    quantized = S.serving(op + ".quantized", S.quantized, previous)
+    quantized = S.serving(op + ".quantized", S.scaled_dot_product_flash_attention_quantized, previous)
     assert quantized("keyset", q16, q16, q16, None, None, None) == "torch's result"
     counts = S.fallbacks(reset=True)
     assert counts == {
         f"{op}: dtype torch.float32 (torch's flash kernel takes float16 and bfloat16)": 1,
         f"{op}: return_debug_mask without dropout (torch's kernel refuses it)": 1,
         f"{op}: headdim 520 > 512 is not supported": 1,
-        f"{op}.quantized: FP8 (.quantized): no FP8 forward in flashattn2 yet": 1,
+        f"{op}.quantized: FP8 inputs of ['torch.float16'] (flashattn2 takes float8_e4m3fn)": 1,
     }
     assert flashattn2.sdpa_fallbacks() == {}
     with pytest.raises(NotImplementedError, match=f"aten::{op}: flashattn2 leaves this call to torch .dtype"):
         S.serving(op, S.scaled_dot_product_flash_attention, None)("keyset", q32, q32, q32)
     S.fallbacks(reset=True)
+
+
+def test_quantized_ops_run_the_fp8_forward():
+    """The `.quantized` overloads (FA3's FP8 SDPA): float8_e4m3fn inputs with (batch, nheads_k) descales give
+    flashattn2's FP8 forward's output (bf16) and logsumexp, dense in SDPA's layout and ragged; dropout falls back."""
+    from flashattn2.reference.fp8 import quantize
+
+    q, k, v = (quantize(torch.randn(2, 24, h, 32, device=DEVICE) * 2) for h in (4, 2, 2))
+    qd, kd, vd = (torch.rand(2, 2, device=DEVICE) + 0.5 for _ in range(3))
+    want, want_lse, _ = flashattn2.flash_attn_func(
+        q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True
+    )
+    out, lse, *_ = S.scaled_dot_product_flash_attention_quantized(*sdpa_layout(q, k, v), qd, kd, vd, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.transpose(1, 2), want) and torch.equal(lse, want_lse)
+    cu = torch.tensor([0, 24, 48], dtype=torch.int32, device=DEVICE)
+    flat = [t.flatten(0, 1) for t in (q, k, v)]
+    out, lse, *_ = S.flash_attention_forward_quantized(*flat, cu, cu, 24, 24, 0.0, True, False, qd, kd, vd)
+    assert torch.equal(out, want.flatten(0, 1))
+    with pytest.raises(S.Unsupported, match="dropout"):
+        S.flash_attention_forward_quantized(*flat, cu, cu, 24, 24, 0.1, True, False, qd, kd, vd)
 
 
 @pytest.mark.skipif(ON_GPU, reason="installs the kernels for CPU tensors: the CPU run's dispatcher test")

@@ -28,7 +28,8 @@ Each function takes its aten op's arguments and returns what torch's own flash k
 
 What flashattn2 cannot serve runs on the kernel torch had before activation, counted in `fallbacks()` (and logged
 once per reason): inputs other than float16/bfloat16 (torch's kernel refuses them too), GPUs before sm_80 and ROCm,
-return_debug_mask without dropout, dropout with block_table / seqused_k, the `.quantized` (FP8) overloads, and whatever flashattn2 raises NotImplementedError for.
+return_debug_mask without dropout, dropout with block_table / seqused_k, FP8 (the `.quantized` overloads, on
+flashattn2's FP8 forward) with dropout or seqused_k, and whatever flashattn2 raises NotImplementedError for.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..api import flash_attn_varlen_func, flash_attn_with_kvcache
+from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ..errors import ArgumentTypeError
 from ..flash_attn_interface import (
     _flash_attn_backward,
@@ -102,7 +103,11 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
         raise Unsupported("inputs of different dtypes")
     if query.dtype not in HALF:
         raise Unsupported(f"dtype {query.dtype} (torch's flash kernel takes float16 and bfloat16)")
-    device = query.device
+    _check_device(query.device)
+
+
+def _check_device(device: torch.device) -> None:
+    """A device flashattn2 runs on: NVIDIA sm_80+, or the CPU through Triton's interpreter."""
     if device.type == "cuda":
         if torch.version.hip:
             raise Unsupported("a ROCm device")
@@ -332,18 +337,78 @@ def scaled_dot_product_flash_attention_backward(
     return tuple(g.transpose(1, 2) for g in grads)
 
 
-def quantized(*args, **kwargs):
-    """The `.quantized` (FP8) overloads: flashattn2's FP8 forward will take them; until then torch's kernel does."""
-    raise Unsupported("FP8 (.quantized): no FP8 forward in flashattn2 yet")
+def _check_fp8(*tensors: torch.Tensor) -> None:
+    """The `.quantized` ops' rule: float8_e4m3fn inputs (FA3's) on a device flashattn2 runs."""
+    if any(t.dtype != torch.float8_e4m3fn for t in tensors):
+        raise Unsupported(f"FP8 inputs of {sorted({str(t.dtype) for t in tensors})} (flashattn2 takes float8_e4m3fn)")
+    _check_device(tensors[0].device)
+
+
+def flash_attention_forward_quantized(
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    q_descale,
+    k_descale,
+    v_descale,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+):
+    """aten::_flash_attention_forward.quantized: float8_e4m3fn inputs with FA3's descales ((batch, nheads_k) float32,
+    None meaning 1) on flashattn2's FP8 forward; the output bf16, as FA3's."""
+    _check_fp8(query, key, value)
+    if float(dropout_p) != 0 or return_debug_mask:
+        raise Unsupported("dropout or return_debug_mask with FP8 inputs (the FP8 forward has no dropout)")
+    if seqused_k is not None:
+        raise Unsupported("seqused_k with FP8 inputs")
+    window = _window(window_size_left, window_size_right)
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    q, k, v = (_last_dim_contiguous(t) for t in (query, key, value))
+    with torch.no_grad():
+        if cum_seq_q is None:
+            o, lse, _ = flash_attn_func(
+                q, k, v, 0.0, scale, bool(is_causal), window, 0.0, alibi_slopes, False, True, **descales
+            )
+        else:
+            o, lse, _ = flash_attn_varlen_func(
+                q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, scale, bool(is_causal), window, 0.0, alibi_slopes,
+                False, True, **descales,
+            )  # fmt: skip
+    return (o, lse, *_aux(query, None), torch.empty(0, dtype=o.dtype, device=query.device))
+
+
+def scaled_dot_product_flash_attention_quantized(
+    query, key, value, q_descale, k_descale, v_descale, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+    scale=None,
+):  # fmt: skip
+    """aten::_scaled_dot_product_flash_attention.quantized: SDPA's layout on the FP8 forward (bf16 out)."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    o, lse, rng_state, unused, debug_mask = flash_attention_forward_quantized(
+        q, k, v, None, None, seqlen_q, seqlen_k, dropout_p, is_causal, return_debug_mask, q_descale, k_descale,
+        v_descale, scale=scale,
+    )  # fmt: skip
+    return o.transpose(1, 2), lse, None, None, seqlen_q, seqlen_k, rng_state, unused, debug_mask
 
 
 OVERRIDES = {
     "_flash_attention_forward": flash_attention_forward,
-    "_flash_attention_forward.quantized": quantized,
+    "_flash_attention_forward.quantized": flash_attention_forward_quantized,
     "_flash_attention_forward_no_dropout_inplace": flash_attention_forward_no_dropout_inplace,
     "_flash_attention_backward": flash_attention_backward,
     "_scaled_dot_product_flash_attention": scaled_dot_product_flash_attention,
-    "_scaled_dot_product_flash_attention.quantized": quantized,
+    "_scaled_dot_product_flash_attention.quantized": scaled_dot_product_flash_attention_quantized,
     "_scaled_dot_product_flash_attention_backward": scaled_dot_product_flash_attention_backward,
 }
 
