@@ -185,6 +185,7 @@ def run(name, c):
 CASES = {
     "contiguous-bf16-q": dict(),
     "contiguous-fp16-q-no-descales-mha-batch1": dict(dtype=torch.float16, descales=False, group=1, batch=1),
+    "contiguous-fp32-q-append2": dict(dtype=torch.float32, seqlen_new=2),
     "contiguous-fp16-append1-causal": dict(dtype=torch.float16, seqlen_new=1, causal=True, seqlen_q=1),
     "fp8-q-contiguous-gqa4": dict(q_fp8=True, group=4, seqlen_q=2, causal=True),
     "fp8-q-no-descales": dict(q_fp8=True, descales=False),

@@ -35,7 +35,7 @@ key tile's first column block is also the value tile: one load of the cache per 
 A learnable sink (SINK: a logit per query head in every row's denominator) joins once: in the program's
 final step without splits, in the combine with them (never in a split's partial logsumexp).
 
-FP8 (DecodeFp8): K and V (FP8.KV), and q (FP8.Q), may be float8_e4m3fn codes, passed as uint8 and decoded in
+FP8 (DecodeFp8): K and V (KV_E4M3), and q (Q_E4M3), may be float8_e4m3fn codes, passed as uint8 and decoded in
 registers by kernels.fp8.e4m3_decode (exact, integer arithmetic: every arch, sm_80/86 included) into the dots' dtype
 (q's, bf16 for an e4m3 q; fp32 with UPCAST): half the bytes of a 16-bit cache read. The descales (FA3's, float32
 (batch, nheads_k), absent = 1) are the program's (batch row, kv head)'s: q's and k's fold into the score scale (so
@@ -96,8 +96,8 @@ class DecodeDots(NamedTuple):
 class DecodeFp8(NamedTuple):
     """Which of attn_kvcache_kernel's inputs are float8_e4m3fn codes (uint8 views) and which descales it reads."""
 
-    Q: bool  # q is e4m3 codes (its dots in bf16)
-    KV: bool  # the K and V caches are e4m3 codes
+    Q_E4M3: bool  # q is e4m3 codes (its dots in bf16)
+    KV_E4M3: bool  # the K and V caches are e4m3 codes
     Q_DESCALE: bool  # QDescale[b, h_k] multiplies q (else 1)
     K_DESCALE: bool
     V_DESCALE: bool
@@ -292,7 +292,7 @@ def attn_kvcache_kernel(
             block_shape=[BLOCK_N, BLOCK_D_LO],
         )  # fmt: skip
         tl.static_assert(
-            PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD and not FP8.KV,
+            PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD and not FP8.KV_E4M3,
             "KV_TMA: ops.kvcache.kv_tma's cache (16-bit)",
         )
         n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
@@ -388,7 +388,7 @@ def attn_kvcache_kernel(
 @triton.jit
 def _q_tile(q, DOTS: tl.constexpr, FP8: tl.constexpr):
     """q's tile as the dots take it: e4m3 codes decoded (exact in bf16), fp32 with UPCAST."""
-    if FP8.Q:
+    if FP8.Q_E4M3:
         q = e4m3_decode(q).to(tl.bfloat16)
     if DOTS.UPCAST:
         q = q.to(tl.float32)
@@ -399,7 +399,7 @@ def _q_tile(q, DOTS: tl.constexpr, FP8: tl.constexpr):
 def _kv_tile(x, dtype: tl.constexpr, DOTS: tl.constexpr, FP8: tl.constexpr):
     """A key or value tile as the dots take it: e4m3 codes decoded into q's tile's dtype (exact in fp16 and bf16: e4m3's
     values are theirs), fp32 with UPCAST."""
-    if FP8.KV:
+    if FP8.KV_E4M3:
         x = e4m3_decode(x).to(dtype)
     elif DOTS.UPCAST:
         x = x.to(tl.float32)

@@ -379,8 +379,8 @@ class Decode:
                 BLOCK_D_LO=column_parts(head_dim)[1],
             ),
             FP8=kernels.DecodeFp8(
-                Q=fp8 is not None and fp8.q,
-                KV=shape.k.dtype == E4M3,
+                Q_E4M3=fp8 is not None and fp8.q,
+                KV_E4M3=shape.k.dtype == E4M3,
                 Q_DESCALE=descales[0] is not None,
                 K_DESCALE=descales[1] is not None,
                 V_DESCALE=descales[2] is not None,
