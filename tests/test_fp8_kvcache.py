@@ -289,3 +289,44 @@ def test_errors_name_the_argument(name):
     args, kwargs, error, match = ERRORS[name]
     with pytest.raises(error, match=match):
         flashattn2.flash_attn_with_kvcache(*args, **kwargs)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_decode_takes_fp8_for_the_invariant_mode(varlen):
+    """kvcache.Decode over e4m3 q, k and v with descales, as the batch-invariant mode's dense FP8 forward makes it
+    (kvcache.invariant_shape(call, descale specs), then decode(..., descales=...)): the output bf16, within the bound
+    of the fp64 attention of the dequantized inputs."""
+    from flashattn2.ops import call as calls
+    from flashattn2.ops import kvcache, planning
+    from flashattn2.ops import spec as specs
+    from flashattn2.ops.options import Options
+    from flashattn2.reference.attention import attention_ref
+
+    batch, seqlen, nheads_k, group = 2, 9, 2, 2
+    qd, kd, vd = (_descale(batch, nheads_k, True) for _ in range(3))
+    q = randn(batch, seqlen, nheads_k * group, HEAD_DIM, dtype=torch.float32)
+    q8 = rf.quantize(q.view(batch, seqlen, nheads_k, -1), qd).view(q.shape)
+    k8, v8 = (rf.quantize(randn(batch, seqlen, nheads_k, HEAD_DIM, dtype=torch.float32), d) for d in (kd, vd))
+    cu = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32, device=DEVICE) if varlen else None
+    args = (q8, k8, v8) if not varlen else tuple(t.flatten(0, 1) for t in (q8, k8, v8))
+    maxes = (seqlen, seqlen) if varlen else (0, 0)
+    with flashattn2.batch_invariant():
+        spec = specs.attention(*args, cu, cu, *maxes, 0.0, None, True, (-1, -1), 0.0, None, None, False)
+        options = Options(cu, cu, *maxes, 0.0, None, HEAD_DIM**-0.5, True, -1, -1, 0.0)
+        call = calls.AttentionCall(spec, options, planning.plan(spec))
+    descales = (qd, kd, vd)
+    shape = kvcache.invariant_shape(call, tuple(specs.optional(d) for d in descales))
+    decode = kvcache.Decode(call.plan, shape, spec.modes.arch)
+    q_, k_, v_ = args
+    if varlen:
+        rows = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+        out, _ = decode(q_, k_[None], v_[None], cu[1:], 0, rows, cu[:-1], None, cu, None, None, descales=descales)
+        out = out.view(batch, seqlen, *out.shape[1:])
+    else:
+        out, _ = decode(q_, k_, v_, None, seqlen, None, None, None, None, None, None, descales=descales)
+    assert out.dtype == torch.bfloat16
+    deq = [rf.dequantize(t.view(batch, seqlen, nheads_k, -1), d).view(t.shape) for t, d in zip((q8, k8, v8), descales)]
+    ref = attention_ref(*deq, causal=True)[0]
+    low = attention_ref(*(t.to(torch.bfloat16) for t in deq), causal=True, upcast=False)[0]
+    ok, err, bound = tolerance.check(out, ref, low, tolerance.FWD_FACTOR)
+    assert ok, f"error {err} > bound {bound}"

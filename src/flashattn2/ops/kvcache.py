@@ -266,10 +266,12 @@ def paged_shape(call) -> Shape:
     )  # fmt: skip
 
 
-def invariant_shape(call) -> Shape:
+def invariant_shape(call, descales: tuple = NO_DESCALES) -> Shape:
     """The batch-invariant mode's attention (ops.attention): k and v as a cache -- dense: a contiguous cache of seqlen_k
     keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from cu_seqlens_k[b] (its left
-    padding) to cu_seqlens_k[b + 1] (its cache_seqlens)."""
+    padding) to cu_seqlens_k[b + 1] (its cache_seqlens). descales: an FP8 call's (q_descale, k_descale, v_descale)
+    specs (specs.optional of each; (batch, nheads_k), varlen's batch the sequences), for e4m3 q, k and v: the Decode
+    made with this shape then takes the tensors (Decode.__call__'s descales)."""
     s, o = call.spec, call.options
     q = _q_strides(s.q, False)
     if s.varlen:
@@ -281,6 +283,7 @@ def invariant_shape(call) -> Shape:
     return Shape(
         s.q.shape, q_strides, k, v, s.varlen, batch, seqlen_q, capacity, 0, s.varlen, s.varlen, s.varlen, 0, 0,
         bool(s.causal), *s.window, float(s.softcap), o.softmax_scale, s.alibi, s.sink is not None,
+        fp8_of(s.q.dtype, s.k.dtype, descales),
     )  # fmt: skip
 
 

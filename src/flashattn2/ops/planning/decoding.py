@@ -338,6 +338,6 @@ def invariant_cache(s: specs.AttentionSpec) -> Cache:
     group = nheads // nheads_k
     rows = _varlen_rows(group, seqlen_q) if s.varlen else group * seqlen_q
     return Cache(
-        capacity, 0, s.varlen, batch, nheads_k, rows, head_dim, s.v.shape[-1], s.q.dtype, False, True,
-        max_keys, s.k, specs.all_aligned(s.aligned, 3),
+        capacity, 0, s.varlen, batch, nheads_k, rows, head_dim, s.v.shape[-1], compute_dtype(s.q.dtype), False, True,
+        max_keys, s.k, specs.all_aligned(s.aligned, 3), s.k.dtype == E4M3,
     )  # fmt: skip
