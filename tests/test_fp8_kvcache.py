@@ -331,3 +331,24 @@ def test_decode_takes_fp8_for_the_invariant_mode(varlen):
     low = attention_ref(*(t.to(torch.bfloat16) for t in deq), causal=True, upcast=False)[0]
     ok, err, bound = tolerance.check(out, ref, low, tolerance.FWD_FACTOR)
     assert ok, f"error {err} > bound {bound}"
+
+
+def test_compile_decode_step_fullgraph():
+    """torch.compile over a decode step on an FP8 cache, FP8 q: no graph break, the eager step's output and cache."""
+    torch._dynamo.reset()
+    q, k_cache, v_cache, kwargs = make(dict(q_fp8=True, seqlen_new=1))
+    names = ("k", "v", "cache_seqlens", "q_descale", "k_descale", "v_descale")
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale):
+        return flashattn2.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, causal=True,
+        )  # fmt: skip
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    eager = step(q, kc, vc, *(kwargs[n] for n in names))
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q, kc2, vc2, *(kwargs[n] for n in names))
+    assert compiled.dtype == torch.bfloat16
+    assert torch.equal(compiled, eager)
+    assert torch.equal(_codes(kc2), _codes(kc)) and torch.equal(_codes(vc2), _codes(vc))
