@@ -1,5 +1,6 @@
 """Compile-only check, no GPU needed: every tile the plan table (ops/planning/) can select builds for sm_90
-(TMA and pointer paths), sm_80 and sm_86 (99 KB GPUs) within the target's shared memory. The interpreter accepts
+(TMA and pointer paths), sm_80 and sm_86 (99 KB GPUs), and the FP8 configurations for sm_89, within the target's
+shared memory. The interpreter accepts
 kernels the GPU compiler rejects (TRITON-ON-CPU.md), so this runs tools/compile_check.py in a
 process without TRITON_INTERPRET. With --cases lengths-one it compiles the Triton kernels with
 lengths of 1 (a pipeliner failure hid there: tools/compile_check.py's LENGTHS_ONE)."""
@@ -23,7 +24,7 @@ SHARDS = {
     ("sm90", "table"): 4,
     ("sm86", "table"): 3,
     ("sm80", "table"): 1,
-    ("sm89", "table"): 1,
+    ("sm89", "table"): 1,  # the FP8 configurations (the forward's and the KV cache's) at sm86's rows
     ("sm90", "lengths-one"): 2,
     ("sm80", "lengths-one"): 1,
 }

@@ -1,5 +1,6 @@
 """Compile every kernel configuration the plan table (ops/planning/) can select for sm_90 / sm_80 / sm_86, no GPU needed,
-and check shared memory against the target's limit. Prints one JSON line per configuration,
+and check shared memory against the target's limit; sm_89 (Ada, FP8's first 99 KB GPU) compiles the FP8
+configurations (fp8_cases: the forward's e4m3 dots; fp8_cache_cases: the KV cache's, at sm_86's rows). Prints one JSON line per configuration,
 with the compile time ("seconds": a cold compile when TRITON_CACHE_DIR points at an empty
 directory; Triton's cache serves later processes).
 
@@ -34,8 +35,8 @@ from flashattn2.ops.tma import host_desc  # noqa: E402
 # bytes per block, opt-in maximum; sm89 (Ada: the sm86 rows, e4m3 dots) compiles the FP8 configurations only
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86, "sm89": 89}
-FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart", "QDescale", "KDescale"}
-FP32_POINTERS |= {"VDescale"}
+FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart", "QDescale", "KDescale",
+                 "VDescale"}  # fmt: skip
 TYPE = {2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 T = planning.TileConfig
@@ -317,8 +318,9 @@ def fp8_cases(arch):
 
 
 def cases(arch):
-    if arch == "sm89":  # the sm86 rows' FP8 configurations, with e4m3 dots
+    if arch == "sm89":  # FP8's own target: its configurations only (the rest is sm86's, whose rows it shares)
         yield from fp8_cases(arch)
+        yield from fp8_cache_cases(arch)
         return
     yield from fp8_cases(arch)
     for row in planning.rows(arch):
@@ -442,6 +444,7 @@ def cases(arch):
         ROW_BLOCKS_ADJACENT=False,
         KV_TMA=False,
         ROW_EXACT=False,
+        **FP8_OFF,
     )
     # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
     # (and DeepSeek-V3's 192/128: q/k in two column blocks, as 576)
@@ -509,6 +512,7 @@ def cases(arch):
                 BLOCK_D=bd,
                 HEAD_DIM_V=head_dim_v,
                 BLOCK_DV=bdv,
+                **APPEND_FP8_OFF,
             )
             yield (
                 f"{arch}-append-{name_d}-{'paged' if paged else 'rotary'}",
@@ -537,6 +541,7 @@ def cases(arch):
             T(8, 8, 4, 1),
             {"x_strides": _i32(3), "shape": _i32(5)},
         )
+    yield from fp8_cache_cases(arch)
     # the ring's merge of partial results (flashattn2.parallel), first block and later ones, head dims to 512
     for first, head_dim in ((True, 128), (False, 512)):
         yield (
@@ -555,6 +560,64 @@ def cases(arch):
                 "blse_strides": _i32(2),
             },
         )
+
+
+FP8_OFF = dict(Q_E4M3=False, KV_E4M3=False, Q_DESCALE=False, K_DESCALE=False, V_DESCALE=False)
+APPEND_FP8_OFF = dict(ENCODE=False, K_DESCALE=False, V_DESCALE=False)
+
+
+def fp8_cache_cases(arch):
+    """The KV-cache kernels over an FP8 cache (e4m3 codes as uint8, decoded by integer arithmetic on every arch): the
+    decode kernel at the FP8 rows' tiles on each cache path, split or not, q in bf16 (and in e4m3 on the contiguous
+    path), descales on; the append quantizing bf16 k/v (rotated) and copying e4m3 ones. Head dims: the buckets and
+    MLA's 576/512 (v the keys' first block)."""
+    plain = dict(CAUSAL=False, LOCAL=False, SOFTCAP=False, ALIBI=False, SINK=False, BATCH_IDX=False, LEFTPAD=False,
+                 SEQLENS_TENSOR=True, VARLEN_Q=False, CHECK=False, PDL=False, V_FROM_K=False,
+                 ROW_BLOCKS_ADJACENT=False, KV_TMA=False, ROW_EXACT=False, UPCAST=False, DOT_PRECISION="tf32",
+                 KV_E4M3=True, K_DESCALE=True, V_DESCALE=True)  # fmt: skip
+    paths = {
+        "contiguous": dict(PAGED=False, PAGE_SIZE=1, CAUSAL=True),
+        "page-block": dict(PAGED=True, PAGE_SIZE=256),
+        "page-row": dict(PAGED=True, PAGE_SIZE=16, LEFTPAD=True, SOFTCAP=True, SINK=True),
+    }
+    for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (576, 512)):
+        name_d = f"d{head_dim}" if head_dim == head_dim_v else f"d{head_dim}-{head_dim_v}"
+        latent = head_dim != head_dim_v
+        for split in (False, True):
+            tile = planning.decode_tile(
+                next(r for r in planning.DECODE_ROWS if dict(r.when) == {"fp8": True, "split": split}),
+                64 if latent else 16, head_dim, head_dim_v, 2,
+            )  # fmt: skip
+            for path, chosen in paths.items():
+                for q_e4m3 in (False, True) if path == "contiguous" else (False,):
+                    flags = dict(
+                        plain, **chosen, SPLIT=split, PDL=split and arch == "sm90", Q_E4M3=q_e4m3,
+                        Q_DESCALE=q_e4m3, V_FROM_K=latent and path != "page-row", ROW_BLOCKS_ADJACENT=latent, HEAD_DIM=head_dim,
+                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=column_parts(head_dim)[0],
+                        BLOCK_D_LO=column_parts(head_dim)[1], HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v),
+                    )  # fmt: skip
+                    types = dict(KVCACHE_TYPES, Q="*u8" if q_e4m3 else "*bf16", K="*u8", V="*u8",
+                                 Out="*fp32" if split else "*bf16")  # fmt: skip
+                    q_name = "e4m3" if q_e4m3 else "bf16"
+                    name = f"{arch}-kvcache-{name_d}-fp8-q{q_name}-m{tile.block_m}-{path}{'-split' if split else ''}"
+                    yield name, decode.attn_kvcache_kernel, 2, _grouped(flags, KVCACHE_GROUPS), tile, types
+        for encode in (True, False):
+            flags = dict(
+                CHECK=True, PAGED=True, BATCH_IDX=False, LEFTPAD=True, SEQLENS_TENSOR=True, PAGE_SIZE=16,
+                ROTARY=encode, INTERLEAVED=False, HEAD_DIM=head_dim, BLOCK_B=256, BLOCK_T=16,
+                BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v), ENCODE=encode,
+                K_DESCALE=encode, V_DESCALE=encode,
+            )  # fmt: skip
+            new = "*bf16" if encode else "*u8"
+            types = dict(APPEND_TYPES, KNew=new, VNew=new, K="*u8", V="*u8", Cos="*bf16", Sin="*bf16")
+            yield (
+                f"{arch}-append-{name_d}-fp8-{'quantize-rotary' if encode else 'copy'}",
+                append.kvcache_append_kernel,
+                2,
+                _grouped(flags, APPEND_GROUPS),
+                T(16, 16, 4, 1),
+                types,
+            )
 
 
 def _i32(n: int) -> tuple:
@@ -577,6 +640,7 @@ KVCACHE_GROUPS = dict(
     PATH=decode.DecodePath,
     DOTS=decode.DecodeDots,
     TILE=decode.DecodeTile,
+    FP8=decode.DecodeFp8,
 )
 KVCACHE_TYPES = dict(
     q_strides=_i32(3),
@@ -586,8 +650,9 @@ KVCACHE_TYPES = dict(
     lse_strides=_i32(3),
     shape=_i32(10),
     score=("i32", "i32", "fp32", "fp32"),  # (window_left, window_right, sm_scale, softcap)
+    descale_strides=_i32(6),
 )
-APPEND_GROUPS = dict(CACHE=decode.CacheLayout, TILE=append.AppendTile)
+APPEND_GROUPS = dict(CACHE=decode.CacheLayout, TILE=append.AppendTile, FP8=append.AppendFp8)
 APPEND_TYPES = dict(
     knew_strides=_i32(3),
     vnew_strides=_i32(3),
@@ -595,6 +660,7 @@ APPEND_TYPES = dict(
     v_strides=_i32(3),
     shape=_i32(7),
     cos_shape=_i32(2),
+    descale_strides=_i32(4),
 )
 
 

@@ -184,7 +184,8 @@ def _bench_options(ap):
         default="contiguous,paged-16,paged-256,contiguous-unchecked",
         help="decode: flashattn2's cache layouts, contiguous and paged-<page size> (default "
         "contiguous,paged-16,paged-256,contiguous-unchecked); a suffix -unchecked times the step under "
-        "set_value_checks(False), eager only: flashattn2's default setting, told apart from a --baseline's",
+        "set_value_checks(False), eager only: flashattn2's default setting, told apart from a --baseline's; a "
+        "prefix fp8- (e.g. fp8-contiguous) reads a float8_e4m3fn cache with k_descale/v_descale",
     )
     ap.add_argument(
         "--timings", default="eager,graph", help="decode: eager and/or graph (CUDA graph replay; default both)"

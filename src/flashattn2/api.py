@@ -481,6 +481,9 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention over a KV cache, for decoding and chunked prefill (inference: no backward).
 
@@ -509,6 +512,13 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q), float32.
         learnable_sink (keyword-only): float32 (nheads,), as flash_attn_func's; with splits it joins once, when
             they are merged.
+        q_descale, k_descale, v_descale (keyword-only; FA3's FP8 arguments): float32 (batch, nheads_k) or None (1),
+            row b and kv head h scaling sequence b's q, k_cache and v_cache values of head h (the call's batch row,
+            not its cache_batch_idx row). An FP8 cache is k_cache and v_cache in float8_e4m3fn: the value meant is
+            code * descale. q is float8_e4m3fn with q_descale (the output bf16) or in 16 bits (the output in q's
+            dtype); new k/v in float8_e4m3fn are written as they are, in q's dtype (bf16 or fp16 for an FP8 q)
+            they are written as e4m3(k / k_descale), saturating at +-448, k after rotary. Rotary needs q and k in
+            16 bits. A descale given for a tensor that is not FP8 raises.
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
@@ -525,15 +535,16 @@ def flash_attn_with_kvcache(
     its kernels).
     """
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
+    descales = (q_descale, k_descale, v_descale)
     if torch.compiler.is_compiling():
         out, lse = _traced_kvcache(
             *args, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-            num_splits, learnable_sink,
+            num_splits, learnable_sink, descales,
         )  # fmt: skip
         return (out, lse) if return_softmax_lse else out
     call = calls.kvcache(
         *args, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        learnable_sink,
+        learnable_sink, *descales,
     )  # fmt: skip
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, seqlen_int = cache_seqlens, 0
@@ -544,7 +555,7 @@ def flash_attn_with_kvcache(
     ):
         out, lse = kvcache_forward(
             call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse, descales,
         )  # fmt: skip
         return (out, lse) if return_softmax_lse else out
     values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, call.q_positions)
@@ -554,10 +565,14 @@ def flash_attn_with_kvcache(
         check = None
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad)
     if check is None:
-        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse)
+        out, lse = kvcache_forward(
+            call, *tensors, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse, descales
+        )
         return (out, lse) if return_softmax_lse else out
     try:
-        out, lse = kvcache_forward(call, *tensors, block_table, alibi_slopes, learnable_sink, check, return_softmax_lse)
+        out, lse = kvcache_forward(
+            call, *tensors, block_table, alibi_slopes, learnable_sink, check, return_softmax_lse, descales
+        )
         bad = bool(check.err.item())
     except BaseException:
         _ERROR_FLAGS.pop(check.key, None)  # the flag may be set: drop it (the next call makes a new one)
@@ -571,12 +586,12 @@ def flash_attn_with_kvcache(
 
 def _traced_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, learnable_sink):  # fmt: skip
+                    num_splits, learnable_sink, descales):  # fmt: skip
     """While torch.compile traces: validated, then the op (flashattn2::fwd_kvcache), which declares that it writes
     k_cache and v_cache."""
     checks.check_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        num_splits, alibi_slopes,
+        num_splits, alibi_slopes, descales,
     )  # fmt: skip
     checks.check_sink(learnable_sink, q)
     checks.check_options(0.0, softmax_scale, window_size, softcap)
@@ -590,7 +605,7 @@ def _traced_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     return registry_fwd_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad,
         block_table, scale, bool(causal), left, right, float(softcap), bool(rotary_interleaved), alibi_slopes,
-        int(num_splits), learnable_sink,
+        int(num_splits), learnable_sink, *descales,
     )  # fmt: skip
 
 

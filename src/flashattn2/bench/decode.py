@@ -3,7 +3,9 @@ bf16, headdim 128, 32 query heads, MHA (32 K/V heads) or GQA (8); GB/s of K/V re
 (2 * batch * nheads_k * cache * headdim * 2 bytes over the median time) for flashattn2 with a
 contiguous cache and paged caches (pages of 16 and 256), SDPA's FLASH and CUDNN backends, and a
 2 GiB device-to-device copy (read + write) as the bandwidth yardstick. "contiguous-unchecked" is
-the contiguous cache with set_kvcache_checks(False), timed eager only. With a baseline (a package
+the contiguous cache with set_kvcache_checks(False), timed eager only. "fp8-<layout>" (not a default) is that layout
+over a float8_e4m3fn cache with FA3's k_descale/v_descale (q bf16): its GB/s count the bytes it reads, 1 per element,
+and its ms against the bf16 layout's is the FP8 cache's speedup. With a baseline (a package
 built by tools/baseline_pkg.py, an older commit), its layouts are timed beside flashattn2's at every
 point, the two alternating over the rounds (odd rounds in reverse order; the median reported).
 
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn2
-from ..reference import tolerance
+from ..reference import fp8, tolerance
 from ..reference.kvcache import kvcache_ref
 from .kernels import cuda_graph, run_metadata
 from .results import appending
@@ -72,6 +74,8 @@ def _flashattn2_case(batch, nheads_k, cache, layout, module=flashattn2):
     a baseline package."""
     unchecked = layout.endswith("-unchecked")
     layout = layout.removesuffix("-unchecked")
+    e4m3 = layout.startswith("fp8-")
+    layout = layout.removeprefix("fp8-")
     q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
     if layout == "contiguous":
@@ -83,9 +87,15 @@ def _flashattn2_case(batch, nheads_k, cache, layout, module=flashattn2):
         k_cache = torch.randn(batch * blocks, page, nheads_k, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         table = torch.randperm(batch * blocks, device="cuda").to(torch.int32).view(batch, blocks)
     v_cache = torch.randn_like(k_cache)
+    descales = {}
+    if e4m3:  # one descale for every (sequence, kv head): randn's values span about +-5, e4m3's +-448
+        descale = torch.full((batch, nheads_k), 1 / 64, device="cuda")
+        descales = dict(k_descale=descale, v_descale=descale)
+        rows = descale[:1].expand(k_cache.shape[0], -1)  # (quantize reads a descale per cache row or page)
+        k_cache, v_cache = fp8.quantize(k_cache, rows), fp8.quantize(v_cache, rows)
 
     def step():
-        return module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+        return module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **descales)
 
     def step_unchecked():
         previous = module.set_kvcache_checks(False)
@@ -103,6 +113,8 @@ def _check(step, tensors) -> str:
     the same math in bf16, on the first sequence (the others differ in data, not code path)."""
     q, k_cache, v_cache, seqlens, table = tensors
     out = step()
+    if k_cache.dtype == fp8.E4M3:  # the values the codes stand for (the bench's one descale): exact in bf16
+        k_cache, v_cache = (fp8.dequantize(t, dtype=torch.bfloat16) / 64 for t in (k_cache, v_cache))
     kw = dict(cache_seqlens=seqlens[:1], block_table=None if table is None else table[:1])
     caches = (k_cache, v_cache) if table is not None else (k_cache[:1], v_cache[:1])
     ref = kvcache_ref(q[:1], *caches, **kw)[0]
@@ -147,7 +159,7 @@ def run(
         for nheads_k in kv_heads:
             for batch in batches:
                 for cache in caches:
-                    kv_bytes = 2 * batch * nheads_k * cache * HEAD_DIM * 2
+                    kv_bytes = 2 * batch * nheads_k * cache * HEAD_DIM * 2  # bf16's; an FP8 layout reads half
                     if kv_bytes > MAX_BYTES:
                         continue
                     cases = [("flashattn2", layout) for layout in layouts]
@@ -187,9 +199,10 @@ def run(
                         case_timings = [t for t in timings if t == "eager" or not layout.endswith("-unchecked")]
                         note = notes[provider, layout]
                         times = {t: statistics.median(v) for t, v in samples.get((provider, layout), {}).items()}
+                        read = kv_bytes // 2 if layout.startswith("fp8-") else kv_bytes
                         for timing in case_timings:
                             ms = times.get(timing, float("nan"))
-                            gbs = kv_bytes / ms * 1e-6
+                            gbs = read / ms * 1e-6
                             row = dict(
                                 provider=provider,
                                 layout=layout,
@@ -210,7 +223,7 @@ def run(
                         torch.cuda.empty_cache()
                         print(
                             f"hk={nheads_k} b={batch} cache={cache} {provider} {layout}: "
-                            + ", ".join(f"{t} {kv_bytes / times[t] * 1e-6:.0f} GB/s" for t in times)
+                            + ", ".join(f"{t} {read / times[t] * 1e-6:.0f} GB/s ({times[t]:.4f} ms)" for t in times)
                             + (f" {note}" if note else ""),
                             flush=True,
                         )

@@ -1,10 +1,14 @@
 """Appending the new keys and values to a KV cache (flash_attn_with_kvcache's k and v; ops.kvcache.append_): one
-kernel for every cache layout (kernels/decode.py's CacheLayout), k rotated on the way."""
+kernel for every cache layout (kernels/decode.py's CacheLayout), k rotated on the way. An FP8 cache (AppendFp8) takes
+e4m3 codes as uint8: new k/v in e4m3 are copied as they are; in 16-bit types they are quantized here, k after its
+rotation (in fp32): e4m3(x / descale), kernels.fp8.e4m3_encode's exact rounding (torch's and FA3's)."""
 
 from typing import NamedTuple
 
 import triton
 import triton.language as tl
+
+from .fp8 import e4m3_encode
 
 
 class AppendTile(NamedTuple):
@@ -16,6 +20,24 @@ class AppendTile(NamedTuple):
     BLOCK_D: int  # k's columns, a power of two
     HEAD_DIM_V: int  # v's head dim
     BLOCK_DV: int  # v's columns, a power of two
+
+
+class AppendFp8(NamedTuple):
+    """kvcache_append_kernel over an FP8 cache (ops.kvcache.Append)."""
+
+    ENCODE: bool  # the new k/v are 16-bit, the cache e4m3 codes: quantized on the way
+    K_DESCALE: bool  # KDescale[b, h] divides the new k before it is rounded (else 1)
+    V_DESCALE: bool
+
+
+@triton.jit
+def _quantized(x, descale_ptr, DESCALE: tl.constexpr):
+    """x (any float type) as e4m3 codes of x / descale (descale_ptr's value, or 1): fp32's division, then e4m3's
+    rounding (reference.fp8.quantize's two roundings, in that order)."""
+    x = x.to(tl.float32)
+    if DESCALE:
+        x = x / tl.load(descale_ptr)
+    return e4m3_encode(x)
 
 
 @triton.jit
@@ -69,6 +91,8 @@ def kvcache_append_kernel(
     LeftPad,
     BlockTable,
     Err,
+    KDescale,
+    VDescale,
     knew_strides,  # (batch, token, head)
     vnew_strides,
     k_strides,  # (batch or page, position, head)
@@ -77,11 +101,13 @@ def kvcache_append_kernel(
     stride_cs,
     shape,  # (batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit)
     cos_shape,  # (seqlen_ro, half): the rotary table's rows and the rotated feature pairs
+    descale_strides,  # (batch, kv head) of KDescale and VDescale: four strides
     CHECK: tl.constexpr,
     CACHE: tl.constexpr,
     ROTARY: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     TILE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Write the new keys/values of sequence program_id(0), tokens [program_id(1) * BLOCK_T, ...),
     into the cache at positions cache_seqlens[b] + t; ROTARY rotates k first (GPT-NeoX halves or
@@ -92,13 +118,15 @@ def kvcache_append_kernel(
     out of range is dropped, never clamped onto memory another index names: a sequence whose
     cache row does not exist writes nothing, a token whose position falls outside [0, capacity)
     or on a page that does not exist is not written (the other tokens are). Left padding never
-    steers a write."""
+    steers a write. FP8.ENCODE: k (rotated) and v quantized to the cache's e4m3 codes with sequence b's descale of
+    each head."""
     stride_nb, stride_ns, stride_nh = knew_strides
     stride_wb, stride_ws, stride_wh = vnew_strides
     stride_kb, stride_ks, stride_kh = k_strides
     stride_vb, stride_vs, stride_vh = v_strides
     batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit = shape
     seqlen_ro, half = cos_shape
+    sk_b, sk_h, sv_b, sv_h = descale_strides
     PAGE_SIZE: tl.constexpr = CACHE.PAGE_SIZE
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
     BLOCK_T: tl.constexpr = TILE.BLOCK_T
@@ -160,15 +188,23 @@ def kvcache_append_kernel(
     src_v = VNew + off_b * stride_wb + t64[:, None] * stride_ws
     dst = k_rows[:, None]
     dst_v = v_rows[:, None]
+    k_descale = KDescale + off_b * sk_b
+    v_descale = VDescale + off_b * sv_b
     for _ in range(0, nheads_k):
         x = tl.load(src + cols[None, :], mask=mask, other=0.0)
         if ROTARY:
             x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) * c + x_partner * s).to(K.dtype.element_ty)
-        tl.store(dst + cols[None, :], x, mask=mask)
+            x = x.to(tl.float32) * c + x_partner * s
+        if FP8.ENCODE:
+            x = _quantized(x, k_descale, FP8.K_DESCALE)
+        tl.store(dst + cols[None, :], x.to(K.dtype.element_ty), mask=mask)
         val = tl.load(src_v + cols_v[None, :], mask=mask_v, other=0.0)
+        if FP8.ENCODE:
+            val = _quantized(val, v_descale, FP8.V_DESCALE)
         tl.store(dst_v + cols_v[None, :], val, mask=mask_v)
         src += stride_nh
         src_v += stride_wh
         dst += stride_kh
         dst_v += stride_vh
+        k_descale += sk_h
+        v_descale += sv_h

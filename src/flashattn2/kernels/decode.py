@@ -34,6 +34,13 @@ key tile's first column block is also the value tile: one load of the cache per 
 
 A learnable sink (SINK: a logit per query head in every row's denominator) joins once: in the program's
 final step without splits, in the combine with them (never in a split's partial logsumexp).
+
+FP8 (DecodeFp8): K and V (KV_E4M3), and q (Q_E4M3), may be float8_e4m3fn codes, passed as uint8 and decoded in
+registers by kernels.fp8.e4m3_decode (exact, integer arithmetic: every arch, sm_80/86 included) into the dots' dtype
+(q's, bf16 for an e4m3 q; fp32 with UPCAST): half the bytes of a 16-bit cache read. The descales (FA3's, float32
+(batch, nheads_k), absent = 1) are the program's (batch row, kv head)'s: q's and k's fold into the score scale (so
+softcap and ALiBi see the real scores), v's multiplies the normalized accumulator (a split's part too: the combine is
+linear).
 """
 
 from typing import NamedTuple
@@ -43,6 +50,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import LN2, LOG2E, alibi_bias, sink_join, tanh, visible
+from .fp8 import e4m3_decode
 
 
 class DecodeMods(NamedTuple):
@@ -85,6 +93,16 @@ class DecodeDots(NamedTuple):
     ROW_EXACT: bool  # _row_exact_dot instead of tl.dot (the batch-invariant mode in the interpreter)
 
 
+class DecodeFp8(NamedTuple):
+    """Which of attn_kvcache_kernel's inputs are float8_e4m3fn codes (uint8 views) and which descales it reads."""
+
+    Q_E4M3: bool  # q is e4m3 codes (its dots in bf16)
+    KV_E4M3: bool  # the K and V caches are e4m3 codes
+    Q_DESCALE: bool  # QDescale[b, h_k] multiplies q (else 1)
+    K_DESCALE: bool
+    V_DESCALE: bool
+
+
 class DecodeTile(NamedTuple):
     """attn_kvcache_kernel's head dims and tile (ops/planning/decoding.py)."""
 
@@ -112,6 +130,9 @@ def attn_kvcache_kernel(
     Sinks,
     CuSeqlensQ,
     Err,
+    QDescale,
+    KDescale,
+    VDescale,
     q_strides,  # (batch, query, head)
     k_strides,  # (batch or page, position, head)
     v_strides,
@@ -121,11 +142,13 @@ def attn_kvcache_kernel(
     stride_alibi_b,
     shape,  # (nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, row_blocks, seqlen_limit)
     score,  # (window_left, window_right, sm_scale, softcap)
+    descale_strides,  # (batch, kv head) of QDescale, KDescale, VDescale: six strides
     MODS: tl.constexpr,
     CACHE: tl.constexpr,
     PATH: tl.constexpr,
     DOTS: tl.constexpr,
     TILE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     stride_qb, stride_qs, stride_qh = q_strides
     stride_kb, stride_ks, stride_kh = k_strides
@@ -198,8 +221,7 @@ def attn_kvcache_kernel(
         mask=row_ok[:, None] & col_ok[None, :],
         other=0.0,
     )
-    if DOTS.UPCAST:
-        q = q.to(tl.float32)
+    q = _q_tile(q, DOTS, FP8)
     if BLOCK_D_LO > 0:  # q's second column block (HEAD_DIM = BLOCK_D + BLOCK_D_LO)
         cols_lo = BLOCK_D + tl.arange(0, BLOCK_D_LO)
         q_lo = tl.load(
@@ -211,8 +233,7 @@ def attn_kvcache_kernel(
             mask=row_ok[:, None],
             other=0.0,
         )
-        if DOTS.UPCAST:
-            q_lo = q_lo.to(tl.float32)
+        q_lo = _q_tile(q_lo, DOTS, FP8)
 
     # this split's keys, narrowed to what the block's rows can see
     n_lo = split * chunk
@@ -239,6 +260,12 @@ def attn_kvcache_kernel(
         k_base = K + cache_row * stride_kb + off_hk * stride_kh
         v_base = V + cache_row * stride_vb + off_hk * stride_vh
 
+    # FP8: the descales of q and k fold into the score scale, v's into the output (DecodeFp8)
+    sq_b, sq_h, sk_b, sk_h, sv_b, sv_h = descale_strides
+    if FP8.Q_DESCALE:
+        sm_scale *= tl.load(QDescale + off_b * sq_b + off_hk * sq_h)
+    if FP8.K_DESCALE:
+        sm_scale *= tl.load(KDescale + off_b * sk_b + off_hk * sk_h)
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
@@ -265,7 +292,8 @@ def attn_kvcache_kernel(
             block_shape=[BLOCK_N, BLOCK_D_LO],
         )  # fmt: skip
         tl.static_assert(
-            PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD, "KV_TMA: ops.kvcache.kv_tma's cache"
+            PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD and not FP8.KV_E4M3,
+            "KV_TMA: ops.kvcache.kv_tma's cache (16-bit)",
         )
         n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_lo, n_full, BLOCK_N):
@@ -306,8 +334,7 @@ def attn_kvcache_kernel(
             v_off = pos * stride_vs
         # [BLOCK_N, BLOCK_D]
         k = tl.load(k_base + k_off[:, None] + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if DOTS.UPCAST:
-            k = k.to(tl.float32)
+        k = _kv_tile(k, q.dtype, DOTS, FP8)
         # [BLOCK_M, BLOCK_N]
         if DOTS.ROW_EXACT:
             qk = _row_exact_dot(q, tl.trans(k))
@@ -315,8 +342,7 @@ def attn_kvcache_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=DOTS.DOT_PRECISION)
         if BLOCK_D_LO > 0:
             k_lo = tl.load(k_base + k_off[:, None] + cols_lo[None, :], mask=k_ok[:, None], other=0.0)
-            if DOTS.UPCAST:
-                k_lo = k_lo.to(tl.float32)
+            k_lo = _kv_tile(k_lo, q.dtype, DOTS, FP8)
             if DOTS.ROW_EXACT:
                 qk += _row_exact_dot(q_lo, tl.trans(k_lo))
             else:
@@ -326,8 +352,7 @@ def attn_kvcache_kernel(
             v = k
         else:  # [BLOCK_N, BLOCK_DV]
             v = tl.load(v_base + v_off[:, None] + cols_v[None, :], mask=k_ok[:, None] & col_v_ok[None, :], other=0.0)
-            if DOTS.UPCAST:
-                v = v.to(tl.float32)
+            v = _kv_tile(v, q.dtype, DOTS, FP8)
         acc = acc * alpha[:, None]
         if DOTS.ROW_EXACT:
             acc += _row_exact_dot(p.to(v.dtype), v)
@@ -343,6 +368,8 @@ def attn_kvcache_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if FP8.V_DESCALE:
+        acc = acc * tl.load(VDescale + off_b * sv_b + off_hk * sv_h)
     lse = (m_i + tl.math.log2(l_safe)) * LN2
     # a split (or a row) that saw no key: lse -inf for the combine, +inf in the final result
     lse = tl.where(empty, float("-inf") if PATH.SPLIT else float("inf"), lse)
@@ -356,6 +383,27 @@ def attn_kvcache_kernel(
     )
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_v_ok[None, :])
     tl.store(Lse + split * stride_ls + off_b * stride_lb + heads * stride_lh + q_start + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def _q_tile(q, DOTS: tl.constexpr, FP8: tl.constexpr):
+    """q's tile as the dots take it: e4m3 codes decoded (exact in bf16), fp32 with UPCAST."""
+    if FP8.Q_E4M3:
+        q = e4m3_decode(q).to(tl.bfloat16)
+    if DOTS.UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _kv_tile(x, dtype: tl.constexpr, DOTS: tl.constexpr, FP8: tl.constexpr):
+    """A key or value tile as the dots take it: e4m3 codes decoded into q's tile's dtype (exact in fp16 and bf16: e4m3's
+    values are theirs), fp32 with UPCAST."""
+    if FP8.KV_E4M3:
+        x = e4m3_decode(x).to(dtype)
+    elif DOTS.UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit

@@ -408,8 +408,11 @@ def kvcache(
     alibi_slopes,
     num_splits,
     learnable_sink,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ) -> KVCacheCall:
-    """The prepared call of a flash_attn_with_kvcache call's arguments."""
+    """The prepared call of a flash_attn_with_kvcache call's arguments (the descales: FP8's, FA3's)."""
     args = (
         q,
         k_cache,
@@ -430,6 +433,9 @@ def kvcache(
         alibi_slopes,
         num_splits,
         learnable_sink,
+        q_descale,
+        k_descale,
+        v_descale,
     )
     try:
         spec = specs.kvcache(*args)
@@ -452,6 +458,7 @@ def kvcache(
         block_table,
         num_splits,
         alibi_slopes,
+        (q_descale, k_descale, v_descale),
     )
     checks.check_sink(learnable_sink, q)
     checks.check_options(0.0, softmax_scale, window_size, softcap)

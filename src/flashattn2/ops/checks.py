@@ -12,10 +12,7 @@ from .seqlens import _capturing, in_range, known, remember
 from ..errors import ArgumentError, ArgumentTypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-E4M3 = torch.float8_e4m3fn  # the FP8 forward's inputs (FA3's): q, k, v with float32 descales
-_OTHER_FP8 = tuple(
-    getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
-)
+E4M3 = torch.float8_e4m3fn  # FA3's FP8 type: the forward's q, k, v and the KV cache's (with float32 descales)
 MAX_HEAD_DIM = 512  # q/k's and v's, each
 # flash_attn_with_kvcache: q/k up to the MLA decode shape, a 512-wide latent and its 64 rotary columns (v 512)
 MAX_HEAD_DIM_KVCACHE = 576
@@ -35,15 +32,21 @@ def check_positions(name: str, n: int) -> None:
 
 
 def _tensor(name: str, t, ndim: int, layout: str, fp8: bool = False) -> None:
+    """fp8: float8_e4m3fn is accepted too (FA3's FP8 inputs); another 8-bit float raises NotImplementedError naming
+    it."""
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ArgumentError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in DTYPES and not (fp8 and t.dtype == E4M3):
-        if fp8 and t.dtype in _OTHER_FP8:
-            raise NotImplementedError(f"{name} has dtype {t.dtype}: flashattn2's FP8 forward takes float8_e4m3fn")
-        also = ", float8_e4m3fn (the forward)" if fp8 else ""
-        raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16, float32{also}")
+    if t.dtype in DTYPES or (fp8 and t.dtype == E4M3):
+        return
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+        raise NotImplementedError(
+            f"{name} has dtype {t.dtype}: flashattn2's 8-bit float is float8_e4m3fn"
+            + (" (the forward's and KV caches')" if fp8 else ": this call takes float16, bfloat16 or float32")
+        )
+    also = ", float8_e4m3fn" if fp8 else ""
+    raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16, float32{also}")
 
 
 def check_qkv(q, k, v, varlen: bool = False, empty_ok: bool = False, fp8: bool = False) -> None:
@@ -364,18 +367,25 @@ def check_kvcache(
     block_table,
     num_splits,
     alibi_slopes,
+    descales=(None, None, None),
 ):
     """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments; the values that live on
-    the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check)."""
-    _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check).
+    descales: (q_descale, k_descale, v_descale), FP8's (check_kvcache_fp8)."""
+    _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)", fp8=True)
     paged = block_table is not None
     layout = "(num_blocks, page_size, nheads_k, " if paged else "(batch_cache, seqlen_cache, nheads_k, "
-    _tensor("k_cache", k_cache, 4, layout + "headdim)")
-    _tensor("v_cache", v_cache, 4, layout + "headdim_v)")
+    _tensor("k_cache", k_cache, 4, layout + "headdim)", fp8=True)
+    _tensor("v_cache", v_cache, 4, layout + "headdim_v)", fp8=True)
     batch, seqlen_q, nheads, head_dim = q.shape
+    fp8 = k_cache.dtype == E4M3 or v_cache.dtype == E4M3 or q.dtype == E4M3
+    if fp8:
+        check_kvcache_fp8(q, k_cache, v_cache, k, v, rotary_cos)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ArgumentTypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}: the cache must have q's dtype")
+        if t.dtype != q.dtype and not fp8:
+            raise ArgumentTypeError(
+                f"{name} has dtype {t.dtype}, q has {q.dtype}: the cache must have q's dtype (or be float8_e4m3fn)"
+            )
         if t.device != q.device:
             raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
         if t.stride(-1) != 1:
@@ -393,8 +403,8 @@ def check_kvcache(
         raise ArgumentError("k and v must be given together (or neither)")
     if k is not None:
         for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
-            _tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
-            if t.dtype != q.dtype or t.device != q.device:
+            _tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)", fp8=fp8)
+            if (t.dtype != q.dtype and not fp8) or t.device != q.device:
                 raise ArgumentTypeError(f"{name} must have q's dtype and device, got {t.dtype} on {t.device}")
             if t.shape[0] != batch or t.shape[2:] != cache.shape[2:]:
                 raise ArgumentError(
@@ -466,6 +476,48 @@ def check_kvcache(
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ArgumentError(f"num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
     check_alibi(alibi_slopes, q, batch)
+    q_descale, k_descale, v_descale = descales
+    if q_descale is not None and q.dtype != E4M3:
+        raise ArgumentError(f"q_descale is given but q is {q.dtype}: a descale goes with a float8_e4m3fn q")
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None and k_cache.dtype != E4M3:
+            raise ArgumentError(
+                f"{name} is given but the cache is {k_cache.dtype}: a descale goes with a float8_e4m3fn cache"
+            )
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
+        check_descale(name, t, batch, nheads_k, q.device)
+
+
+def compute_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV-cache kernel's dots take, and the output's: q's, bf16 for an e4m3 q (FA3's rule)."""
+    return torch.bfloat16 if q_dtype == E4M3 else q_dtype
+
+
+def check_kvcache_fp8(q, k_cache, v_cache, k, v, rotary_cos) -> None:
+    """flash_attn_with_kvcache's FP8 dtype rules: k_cache and v_cache both float8_e4m3fn; an e4m3 q over an e4m3 cache
+    only (the output bf16); the new k and v of one dtype, e4m3 (written as they are) or the dots' (compute_dtype:
+    quantized by the append); rotary only for 16-bit q and new k (rotating e4m3 codes would round twice: rotate,
+    then quantize)."""
+    if k_cache.dtype != E4M3 or v_cache.dtype != E4M3:
+        if q.dtype == E4M3 and k_cache.dtype == v_cache.dtype:
+            raise ArgumentTypeError(f"q is float8_e4m3fn, k_cache and v_cache are {k_cache.dtype}: an FP8 q needs an "
+                                    "FP8 cache")  # fmt: skip
+        raise ArgumentTypeError(
+            f"k_cache is {k_cache.dtype}, v_cache is {v_cache.dtype}: an FP8 cache is float8_e4m3fn in both"
+        )
+    compute = compute_dtype(q.dtype)
+    if k is not None and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        if k.dtype != v.dtype or k.dtype not in (E4M3, compute):
+            raise ArgumentTypeError(
+                f"k is {k.dtype}, v is {v.dtype}: the new keys and values over a float8_e4m3fn cache are both "
+                f"float8_e4m3fn (written as they are) or both {compute} (quantized with k_descale / v_descale)"
+            )
+    if rotary_cos is not None:
+        if q.dtype == E4M3 or (isinstance(k, torch.Tensor) and k.dtype == E4M3):
+            raise NotImplementedError(
+                "rotary_cos/rotary_sin with a float8_e4m3fn q or new k is not supported (rotating e4m3 values "
+                "rounds them again): pass q and k in 16 bits, the append quantizes k after rotating it"
+            )
 
 
 def check_kvcache_seqlen(
@@ -563,6 +615,12 @@ def check_varlen_paged(
 ):
     """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, dtypes and devices; returns
     (max_seqlen_q, max_seqlen_k) as ints. The values: paged_sequences, per call."""
+    for name, t in (("q", q), ("k", k_cache), ("v", v_cache)):
+        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            raise NotImplementedError(
+                f"flash_attn_varlen_func with block_table: {name} is {t.dtype}; a paged FP8 K/V is "
+                "flash_attn_with_kvcache's (block_table, k_descale, v_descale), not the paged prefill's"
+            )
     _tensor("q", q, 3, "(total_q, nheads, headdim)")
     _tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
     _tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim_v) with block_table")

@@ -16,9 +16,40 @@ from . import rotary as _rotary
 from . import spec as specs
 from .geometry import block_d, column_parts
 from .launch_triton import TailFill
+from .checks import E4M3, compute_dtype
 from .layout import contiguous_strides
 from .planning import Plan, window
 from .tables import INVARIANT_MAX_SPLITS
+
+
+class Fp8(NamedTuple):
+    """An FP8 call's facts for the KV-cache kernels (Shape.fp8): whether q is float8_e4m3fn codes, the dtype of the
+    dots and the output (checks.compute_dtype: q's, bf16 for an e4m3 q), the descales' specs (q's, k's, v's: FA3's
+    float32 (batch, nheads_k), None = 1). The cache is e4m3 when Shape.k's dtype is."""
+
+    q: bool
+    dtype: torch.dtype
+    descales: tuple
+
+
+NO_DESCALES = (None, None, None)
+
+
+def fp8_of(q_dtype: torch.dtype, cache_dtype: torch.dtype, descales: tuple) -> Fp8 | None:
+    """Shape.fp8 of a call whose q and cache have these dtypes, with these descales' specs (None: no FP8 input)."""
+    if q_dtype != E4M3 and cache_dtype != E4M3:
+        return None
+    return Fp8(q_dtype == E4M3, compute_dtype(q_dtype), descales)
+
+
+def codes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An e4m3 tensor as the kernels take it: its uint8 codes (a view: kernels/fp8.py decodes them on every arch)."""
+    return t.view(torch.uint8) if t is not None and t.dtype == E4M3 else t
+
+
+def _descale_strides(descales: tuple) -> tuple:
+    """The (batch, kv head) strides of each descale spec, (0, 0) for an absent one: the kernels' flat tuple."""
+    return tuple(x for d in descales for x in (d.stride if d is not None else (0, 0)))
 
 
 @dataclass(frozen=True)
@@ -40,7 +71,7 @@ class Append:
     dropped (kvcache_append_kernel), so that a bad value never writes what another index names."""
 
     __slots__ = ("shape", "launch", "grid", "ints", "rotary", "torch_rotary", "interleaved", "empty", "table_rows",
-                 "copy_k", "copy_v", "plain")  # fmt: skip
+                 "copy_k", "copy_v", "plain", "encode")  # fmt: skip
 
     def __init__(self, shape: Shape, k_new: specs.TensorSpec, v_new: specs.TensorSpec, rotary, interleaved: bool,
                  arch: str):  # fmt: skip
@@ -49,8 +80,13 @@ class Append:
         batch, seqlen_new, nheads_k, head_dim = k_new.shape
         head_dim_v = v_new.shape[-1]
         self.empty = batch == 0 or seqlen_new == 0
-        # the interpreter's fp32 -> 16-bit store truncates: it rotates in fp32 in torch, and rounds
-        self.torch_rotary = rotary is not None and arch == "interp" and k_new.dtype != torch.float32
+        # an FP8 cache from 16-bit k/v: quantized in the kernel (k after its rotation) with the call's descales
+        fp8 = shape.fp8
+        descales = fp8.descales[1:] if fp8 is not None else NO_DESCALES[1:]
+        self.encode = shape.k.dtype == E4M3 and k_new.dtype != E4M3
+        # the interpreter's fp32 -> 16-bit store truncates: it rotates in fp32 in torch, and rounds (an FP8 cache's
+        # codes are made by integer arithmetic, exact there too: the kernel rotates)
+        self.torch_rotary = rotary is not None and arch == "interp" and k_new.dtype != torch.float32 and not self.encode
         self.rotary = rotary is not None and not self.torch_rotary
         self.interleaved = interleaved
         block_t = min(16, 1 << (seqlen_new - 1).bit_length()) if seqlen_new else 1
@@ -65,10 +101,10 @@ class Append:
         self.table_rows = shape.k.shape[0]
         self.ints = (*strides, shape.k.stride[:3], shape.v.stride[:3], shape.table_stride, cos_stride,
                      (batch, nheads_k, seqlen_new, None, shape.capacity, shape.k.shape[0], shape.capacity - seqlen_new),
-                     cos_rows)  # fmt: skip
+                     cos_rows, _descale_strides(descales))  # fmt: skip
         # the integer arguments of a call with a tensor cache_seqlens and no Check (the usual one), made once
         sizes = self.ints[6]
-        self.plain = (*self.ints[:6], (*sizes[:3], 0, *sizes[4:]), cos_rows)
+        self.plain = (*self.ints[:6], (*sizes[:3], 0, *sizes[4:]), cos_rows, self.ints[8])
         kernels = _runtime.kernels()
         kwargs = dict(
             CACHE=kernels.decode.CacheLayout(
@@ -88,13 +124,17 @@ class Append:
                 HEAD_DIM_V=head_dim_v,
                 BLOCK_DV=block_d(head_dim_v),
             ),
+            FP8=kernels.append.AppendFp8(
+                ENCODE=self.encode, K_DESCALE=descales[0] is not None, V_DESCALE=descales[1] is not None
+            ),
             num_warps=4 if head_dim * block_t >= 1024 else 2,
         )
         kernel = kernels.append.kvcache_append_kernel
         self.launch = {check: launcher.Launch(kernel, CHECK=check, **kwargs) for check in (False, True)}
 
     def __call__(self, k_new, v_new, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table,
-                 check: Check | None = None) -> None:  # fmt: skip
+                 check: Check | None = None, descales: tuple = NO_DESCALES) -> None:  # fmt: skip
+        """descales: (q_descale, k_descale, v_descale), an FP8 call's (k's and v's quantize 16-bit k/v)."""
         if self.empty:
             return
         if self.copy_k:
@@ -114,18 +154,21 @@ class Append:
         if check is None and seqlen_int == 0:
             ints = self.plain
         else:
-            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows = self.ints
+            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows, descale_strides = self.ints
             limit = sizes[6] if check is None else check.seqlen_limit
             sizes = (*sizes[:3], seqlen_int, *sizes[4:6], limit)
-            ints = (k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows)
+            ints = (k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows, descale_strides)
         dummy = k_new
+        _, k_descale, v_descale = descales
         self.launch[check is not None](
-            self.grid, k_new, v_new, k_cache, v_cache, cos, sin,
+            self.grid, codes(k_new), codes(v_new), codes(k_cache), codes(v_cache), cos, sin,
             dummy if seqlens is None else seqlens,
             dummy if batch_idx is None else batch_idx,
             dummy if leftpad is None else leftpad,
             dummy if block_table is None else block_table,
             dummy if check is None else check.err,
+            dummy if k_descale is None else k_descale,
+            dummy if v_descale is None else v_descale,
             *ints,
         )  # fmt: skip
 
@@ -186,6 +229,7 @@ class Shape(NamedTuple):
     scale: float
     alibi: specs.TensorSpec | None
     sink: bool
+    fp8: Fp8 | None = None  # an e4m3 q or cache (fp8_of); None: q, k and v of one 16- or 32-bit dtype
 
 
 def _q_strides(q: specs.TensorSpec, copied: bool) -> tuple:
@@ -206,6 +250,7 @@ def kvcache_shape(call) -> Shape:
         s.k_cache.shape[1] if paged else 0, s.cache_batch_idx is not None, s.cache_leftpad is not None,
         isinstance(s.cache_seqlens, specs.TensorSpec), s.block_table.shape[1] if paged else 0, call.seqlen_new,
         bool(s.causal), call.left, call.right, float(s.softcap), call.scale, s.alibi, s.sink is not None,
+        fp8_of(s.q.dtype, s.k_cache.dtype, s.descales),
     )  # fmt: skip
 
 
@@ -221,10 +266,12 @@ def paged_shape(call) -> Shape:
     )  # fmt: skip
 
 
-def invariant_shape(call) -> Shape:
+def invariant_shape(call, descales: tuple = NO_DESCALES) -> Shape:
     """The batch-invariant mode's attention (ops.attention): k and v as a cache -- dense: a contiguous cache of seqlen_k
     keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from cu_seqlens_k[b] (its left
-    padding) to cu_seqlens_k[b + 1] (its cache_seqlens)."""
+    padding) to cu_seqlens_k[b + 1] (its cache_seqlens). descales: an FP8 call's (q_descale, k_descale, v_descale)
+    specs (specs.optional of each; (batch, nheads_k), varlen's batch the sequences), for e4m3 q, k and v: the Decode
+    made with this shape then takes the tensors (Decode.__call__'s descales)."""
     s, o = call.spec, call.options
     q = _q_strides(s.q, False)
     if s.varlen:
@@ -236,6 +283,7 @@ def invariant_shape(call) -> Shape:
     return Shape(
         s.q.shape, q_strides, k, v, s.varlen, batch, seqlen_q, capacity, 0, s.varlen, s.varlen, s.varlen, 0, 0,
         bool(s.causal), *s.window, float(s.softcap), o.softmax_scale, s.alibi, s.sink is not None,
+        fp8_of(s.q.dtype, s.k.dtype, descales),
     )  # fmt: skip
 
 
@@ -246,7 +294,7 @@ class Decode:
 
     __slots__ = ("shape", "plan", "out_shape", "lse_shape", "out_dtype", "empty", "grid", "kernel", "combine",
                  "combine_grid", "ints", "plain", "score", "strides", "combine_ints", "tail", "sink_only", "work",
-                 "dropped_lse")  # fmt: skip
+                 "dropped_lse", "result_dtype", "descale_strides")  # fmt: skip
 
     def __init__(self, plan: Plan, shape: Shape, arch: str):
         self.shape, self.plan = shape, plan
@@ -256,7 +304,12 @@ class Decode:
         self.out_shape = (*shape.q_shape[:-1], head_dim_v)
         self.lse_shape = (nheads, shape.q_shape[0]) if shape.varlen else (batch, nheads, seqlen_q)
         interp = arch == "interp"
-        self.out_dtype = torch.float32 if interp else shape.k.dtype
+        fp8 = shape.fp8
+        # the dots' dtype and the output's: k's, or with an FP8 input checks.compute_dtype's (q's; bf16 for an e4m3 q)
+        self.result_dtype = shape.k.dtype if fp8 is None else fp8.dtype
+        descales = NO_DESCALES if fp8 is None else fp8.descales
+        self.descale_strides = _descale_strides(descales)
+        self.out_dtype = torch.float32 if interp else self.result_dtype
         out_numel = math.prod(self.out_shape)
         self.empty = out_numel == 0 or batch == 0 or seqlen_q == 0 or shape.capacity == 0
         self.sink_only = shape.sink and shape.capacity == 0 and math.prod(self.lse_shape) > 0
@@ -304,7 +357,7 @@ class Decode:
         self.score = (min(w.left, far) if w.left >= 0 else far, min(w.right, far) if w.right >= 0 else far,
                       shape.scale, softcap if softcap > 0 else 1.0)  # fmt: skip
         kernels = _runtime.kernels().decode
-        upcast = interp or shape.k.dtype == torch.float32
+        upcast = interp or self.result_dtype == torch.float32
         kwargs = dict(
             MODS=kernels.DecodeMods(w.causal, w.local, softcap > 0, shape.alibi is not None, shape.sink),
             CACHE=kernels.CacheLayout(
@@ -327,6 +380,13 @@ class Decode:
                 HEAD_DIM_V=head_dim_v,
                 BLOCK_DV=block_d(head_dim_v),
                 BLOCK_D_LO=column_parts(head_dim)[1],
+            ),
+            FP8=kernels.DecodeFp8(
+                Q_E4M3=fp8 is not None and fp8.q,
+                KV_E4M3=shape.k.dtype == E4M3,
+                Q_DESCALE=descales[0] is not None,
+                K_DESCALE=descales[1] is not None,
+                V_DESCALE=descales[2] is not None,
             ),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
@@ -366,9 +426,12 @@ class Decode:
             )
 
     def __call__(self, q, k, v, seqlens, seqlen_int, batch_idx, leftpad, block_table, cu_q, alibi, sinks,
-                 check: Check | None = None, lse_wanted: bool = True):  # fmt: skip
-        """(out like q in q's dtype, lse fp32 (batch, nheads, seqlen_q), or (nheads, total_q) with a varlen q).
-        lse_wanted False: the caller drops the logsumexp (_runtime.output_lse)."""
+                 check: Check | None = None, lse_wanted: bool = True, descales: tuple = NO_DESCALES):  # fmt: skip
+        """(out like q in q's dtype -- bf16 for an e4m3 q --, lse fp32 (batch, nheads, seqlen_q), or (nheads,
+        total_q) with a varlen q). lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). q, k and
+        v may be float8_e4m3fn as Shape.fp8 says (passed as they are: the kernel gets their uint8 codes); descales:
+        (q_descale, k_descale, v_descale), float32 (batch, nheads_k) tensors or None, the ones Shape.fp8's specs
+        describe."""
         out = _runtime.empty(self.out_shape, self.out_dtype, q.device)
         if self.work is not None:
             total, dst, dst_lse, lse = self.work
@@ -383,7 +446,7 @@ class Decode:
                 lse.copy_(sinks[:, None].expand_as(lse))
                 if self.tail is not None:
                     self.tail((out, cu_q), (lse, cu_q))
-            return out.to(q.dtype), lse
+            return out.to(self.result_dtype), lse
         if self.plan.kv_tma and q.device.type == "cuda":
             _runtime.ensure_tma_allocator()
         if check is None and seqlen_int == 0:
@@ -391,8 +454,9 @@ class Decode:
         else:
             ints = self.ints
             ints = (*ints[:4], seqlen_int, *ints[5:9], ints[9] if check is None else check.seqlen_limit)
+        q_descale, k_descale, v_descale = descales
         self.kernel[check is not None](
-            self.grid, q, k, v, dst, dst_lse,
+            self.grid, codes(q), codes(k), codes(v), dst, dst_lse,
             lse if seqlens is None else seqlens,
             lse if batch_idx is None else batch_idx,
             lse if leftpad is None else leftpad,
@@ -401,10 +465,13 @@ class Decode:
             lse if sinks is None else sinks,
             lse if cu_q is None else cu_q,
             lse if check is None else check.err,
-            *self.strides, ints, self.score,
+            lse if q_descale is None else q_descale,
+            lse if k_descale is None else k_descale,
+            lse if v_descale is None else v_descale,
+            *self.strides, ints, self.score, self.descale_strides,
         )  # fmt: skip
         if self.combine is not None:
             self.combine(self.combine_grid, dst, dst_lse, out, lse, lse if sinks is None else sinks, *self.combine_ints)
         if self.tail is not None:
             self.tail((out, cu_q), (lse, cu_q))
-        return (out if out.dtype is q.dtype else out.to(q.dtype)), lse
+        return (out if out.dtype is self.result_dtype else out.to(self.result_dtype)), lse

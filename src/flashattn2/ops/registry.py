@@ -19,7 +19,7 @@ import typing
 
 import torch
 
-from . import _runtime, attention, call as calls, invariance, kvcache, planning
+from . import _runtime, attention, call as calls, checks, invariance, kvcache, planning
 from .options import N_OP_ARGS, Options
 
 
@@ -375,11 +375,13 @@ def _no_fp8_grad(*tensors) -> None:
 
 
 def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlen_int, batch_idx,
-                    leftpad, block_table, alibi_slopes, sink, check=None, lse_wanted=True):  # fmt: skip
-    """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated), rotate q, attend, as the prepared
-    call (ops.call.KVCacheCall) planned (ops.kvcache's Append and Decode, made at its first run). check: a
-    kvcache.Check (eager calls only), set when a cache tensor holds a value out of range. lse_wanted False (an eager
-    call without return_softmax_lse): the logsumexp returned is not the caller's to keep (kvcache.Decode)."""
+                    leftpad, block_table, alibi_slopes, sink, check=None, lse_wanted=True,
+                    descales=kvcache.NO_DESCALES):  # fmt: skip
+    """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated; quantized into an FP8 cache), rotate
+    q, attend, as the prepared call (ops.call.KVCacheCall) planned (ops.kvcache's Append and Decode, made at its first
+    run). check: a kvcache.Check (eager calls only), set when a cache tensor holds a value out of range. lse_wanted
+    False (an eager call without return_softmax_lse): the logsumexp returned is not the caller's to keep
+    (kvcache.Decode). descales: (q_descale, k_descale, v_descale), an FP8 call's (None: 1)."""
     spec = call.spec
     arch = spec.modes.arch
     decode = call.decode
@@ -399,7 +401,9 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
             cos = sin = None
             if rotary_cos is not None:
                 cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()
-            call.append(k, v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check)
+            call.append(
+                k, v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check, descales
+            )
             if cos is not None:
                 q = kvcache.rotate_q(q, seqlens, seqlen_int, (cos, sin, spec.rotary_interleaved), call.per_token)
             if call.seqlen_new and k.shape[0]:  # an append that ran checked every value the attention reads (pages too)
@@ -408,7 +412,7 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
             kvcache.check_pages(block_table, k_cache.shape[0], decode.shape, seqlens, seqlen_int, check)
         return decode(
             q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
-            block_table, None, alibi_slopes, sink, check, lse_wanted,
+            block_table, None, alibi_slopes, sink, check, lse_wanted, descales,
         )  # fmt: skip
 
 
@@ -418,6 +422,7 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _fwd_kvcache_impl(*args):
     a = dict(zip(_KVCACHE_PARAMS, args))
+    descales = (a.get("q_descale"), a.get("k_descale"), a.get("v_descale"))
     seqlens = a["cache_seqlen_int"] if a["cache_seqlens"] is None else a["cache_seqlens"]
     call = calls.kvcache(
         *(a[name] for name in _KVCACHE_PARAMS[:7]),
@@ -433,6 +438,7 @@ def _fwd_kvcache_impl(*args):
         a["alibi_slopes"],
         a["num_splits"],
         a.get("learnable_sink"),
+        *descales,
     )
     return kvcache_forward(
         call,
@@ -442,6 +448,7 @@ def _fwd_kvcache_impl(*args):
         a["block_table"],
         a["alibi_slopes"],
         a.get("learnable_sink"),
+        descales=descales,
     )
 
 
@@ -470,30 +477,36 @@ _KVCACHE_SIGNATURE = [
     ("alibi_slopes", OptTensor),
     ("num_splits", int),
     ("learnable_sink", OptTensor),
+    ("q_descale", OptTensor),  # FP8 (FA3's): float32 (batch, nheads_k), None = 1
+    ("k_descale", OptTensor),
+    ("v_descale", OptTensor),
 ]
 _KVCACHE_PARAMS = [name for name, _ in _KVCACHE_SIGNATURE]
 
 
-def _plain_signature(params, result) -> inspect.Signature:
+def _plain_signature(params, result, optional: int = 1) -> inspect.Signature:
+    """The op's signature; its last `optional` parameters (learnable_sink, the descales: added after the others)
+    default to None."""
     P = inspect.Parameter
-    last = len(params) - 1  # learnable_sink, added after the others: a default
+    first = len(params) - optional
     return inspect.Signature(
         [
-            P(n, P.POSITIONAL_OR_KEYWORD, annotation=t, default=None if i == last else EMPTY)
+            P(n, P.POSITIONAL_OR_KEYWORD, annotation=t, default=None if i >= first else EMPTY)
             for i, (n, t) in enumerate(params)
         ],
         return_annotation=result,
     )
 
 
-_fwd_kvcache_impl.__signature__ = _plain_signature(_KVCACHE_SIGNATURE, tuple[Tensor, Tensor])
+_fwd_kvcache_impl.__signature__ = _plain_signature(_KVCACHE_SIGNATURE, tuple[Tensor, Tensor], optional=4)
 fwd_kvcache = torch.library.custom_op("flashattn2::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
 
 
 @fwd_kvcache.register_fake
 def _(q, k_cache, v_cache, *_):
     batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty((*q.shape[:-1], v_cache.shape[-1])), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]), dtype=checks.compute_dtype(q.dtype))  # bf16 for FP8 q
+    return out, q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 def paged_forward(call, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sink):

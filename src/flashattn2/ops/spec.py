@@ -243,6 +243,7 @@ class KVCacheSpec(NamedTuple):
     alibi: TensorSpec | None
     num_splits: int
     sink: TensorSpec | None
+    descales: tuple[TensorSpec | None, TensorSpec | None, TensorSpec | None]  # q's, k's, v's (FP8: FA3's descales)
     aligned: bool
     modes: Modes
 
@@ -267,6 +268,9 @@ def kvcache(
     alibi_slopes,
     num_splits,
     learnable_sink,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ) -> KVCacheSpec:
     """The spec of a flash_attn_with_kvcache call from its arguments (raises NotCanonical)."""
     qs = tensor(q)
@@ -299,6 +303,7 @@ def kvcache(
             optional(alibi_slopes),
             num_splits,
             optional(learnable_sink),
+            (optional(q_descale), optional(k_descale), optional(v_descale)),
             aligned(
                 q,
                 k_cache,
@@ -313,6 +318,9 @@ def kvcache(
                 block_table,
                 alibi_slopes,
                 learnable_sink,
+                q_descale,
+                k_descale,
+                v_descale,
             ),
             modes(q),
         ),

@@ -300,6 +300,12 @@ DECODE_ROWS: tuple[DecodeRow, ...] = (
                   "64x64w8s2 110)"),
     DecodeRow((("latent", True), ("rows", 16)), T(16, 32, 4, 2), scaled=False,
               why="TMA: h16 64x16k 97 = 1.16x the copy's (s1 76-77; 16x64w8s2 84; without TMA 66; 16x32w8 57)"),
+    # FP8 caches (e4m3 codes decoded in registers, half a 16-bit cache's bytes): the generic rows' tiles until a GPU
+    # measures them, the key block as wide as a 16-bit cache's (its registers and shared memory after the decode)
+    DecodeRow((("fp8", True), ("split", True)), T(0, 128, 4, 2),
+              why="FP8 cache: not yet measured (the 16-bit contiguous split row's tile)"),
+    DecodeRow((("fp8", True), ("split", False)), T(0, 128, 4, 3),
+              why="FP8 cache: not yet measured (the 16-bit contiguous row's tile)"),
     DecodeRow((("path", "contiguous"), ("split", True), ("short", True)), T(0, 64, 4, 3),
               why="splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 GB/s (128/4/2: 2610), 1x8k 1444 (1389); MHA 1x8k "
                   "2769 (2685); longer splits keep 128/4/2: GQA 8x32k 4249 vs 4225, MHA 1x128k 4431 vs 4399"),

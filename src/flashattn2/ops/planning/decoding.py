@@ -11,6 +11,7 @@ import torch
 
 from .. import _runtime
 from .. import spec as specs
+from ..checks import E4M3, compute_dtype
 from ..geometry import block_d, column_parts
 from ..modes import Forced
 from ..tables import (
@@ -38,12 +39,13 @@ class Cache(NamedTuple):
     rows: int  # a program's packed rows: query heads per kv head x queries per sequence
     head_dim: int
     head_dim_v: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the dots' (an FP8 call's: checks.compute_dtype)
     v_from_k: bool  # the V cache is the K cache's first column block (v_from_k)
     pages_contiguous: bool  # a page's rows one matrix (kv_tma)
     max_keys: int | None  # the most keys a sequence has when below the capacity (a varlen pack as one cache row)
     k: specs.TensorSpec
     aligned: bool  # q's and the caches' bases 16-byte aligned (TMA)
+    fp8: bool = False  # the K/V cache is float8_e4m3fn codes (decoded in registers: kernels/decode.py, DecodeFp8)
 
 
 def v_from_k(k: specs.TensorSpec, v: specs.TensorSpec, same_memory: bool) -> bool:
@@ -153,8 +155,8 @@ def decode_tile(row: DecodeRow, rows: int, head_dim: int, head_dim_v: int, elem_
 
 
 def decode_facts(c: Cache, arch: str, invariant: bool, num_splits: int, sm_count: int) -> dict:
-    """The facts DECODE_ROWS' conditions name: interp, invariant, latent (MLA's latent cache on sm90 in 16-bit types),
-    rows (the packed rows' power of two), path, split (num_splits > 1, or 0 with the batch's programs fewer than the
+    """The facts DECODE_ROWS' conditions name: interp, invariant, fp8 (an FP8 cache), latent (MLA's latent cache on
+    sm90 in 16-bit types), rows (the packed rows' power of two), path, split (num_splits > 1, or 0 with the batch's programs fewer than the
     SMs), many (at least MANY_PROGRAMS programs), short (splits of at most SHORT_SPLIT keys with the contiguous split
     row's key block)."""
     elem_bytes = c.dtype.itemsize
@@ -168,7 +170,12 @@ def decode_facts(c: Cache, arch: str, invariant: bool, num_splits: int, sm_count
     return {
         "interp": arch == "interp",
         "invariant": invariant,
-        "latent": arch == "sm90" and elem_bytes == 2 and c.v_from_k and latent_dims(c.head_dim, c.head_dim_v),
+        "fp8": c.fp8,
+        "latent": arch == "sm90"
+        and elem_bytes == 2
+        and not c.fp8
+        and c.v_from_k
+        and latent_dims(c.head_dim, c.head_dim_v),
         "rows": rows_block(c.rows),
         "path": _path(c),
         "split": split,
@@ -225,6 +232,7 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
     kv_tma = (
         not invariant
         and latent
+        and not c.fp8  # (the TMA path reads 16-bit tiles straight into the dots)
         and (arch == "interp" or (arch == "sm90" and elem_bytes == 2))
         and bool(c.page_size)
         and not c.leftpad
@@ -258,6 +266,7 @@ def sm_count(device: torch.device, arch: str) -> int:
 
 
 def kvcache_cache(s: specs.KVCacheSpec) -> Cache:
+    """flash_attn_with_kvcache's (an FP8 cache: `fp8`, the dots in checks.compute_dtype)."""
     batch, seqlen_q, nheads, head_dim = s.q.shape
     nheads_k = s.k_cache.shape[2]
     page = s.k_cache.shape[1] if s.block_table is not None else 0
@@ -272,12 +281,13 @@ def kvcache_cache(s: specs.KVCacheSpec) -> Cache:
         nheads // nheads_k * seqlen_q,
         head_dim,
         v.shape[-1],
-        s.q.dtype,
+        compute_dtype(s.q.dtype),
         v_from_k(k, v, s.v_from_k),
         k.stride[0] == k.shape[1] * k.stride[1],
         None,
         k,
         specs.all_aligned(s.aligned, 3),
+        k.dtype == E4M3,
     )
 
 
@@ -328,6 +338,6 @@ def invariant_cache(s: specs.AttentionSpec) -> Cache:
     group = nheads // nheads_k
     rows = _varlen_rows(group, seqlen_q) if s.varlen else group * seqlen_q
     return Cache(
-        capacity, 0, s.varlen, batch, nheads_k, rows, head_dim, s.v.shape[-1], s.q.dtype, False, True,
-        max_keys, s.k, specs.all_aligned(s.aligned, 3),
+        capacity, 0, s.varlen, batch, nheads_k, rows, head_dim, s.v.shape[-1], compute_dtype(s.q.dtype), False, True,
+        max_keys, s.k, specs.all_aligned(s.aligned, 3), s.k.dtype == E4M3,
     )  # fmt: skip
