@@ -201,8 +201,19 @@ def test_errors_name_the_argument():
         table = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
         cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
         flashattn2.flash_attn_varlen_func(q[0], k, v, cu, cu, 4, 4, block_table=table)
-    with flashattn2.batch_invariant(), pytest.raises(NotImplementedError, match="batch-invariant"):
-        flashattn2.flash_attn_func(q, k, v)
+
+
+def test_batch_invariant_mode():
+    """In the batch-invariant mode the FP8 forward runs the KV-cache kernel's FP8 path: a sequence's rows are the same
+    bits alone and in a batch, and obey the accuracy rule (its P is not rounded to e4m3: the cache kernel decodes)."""
+    (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(3, 21, 45, 4, 2, 64)
+    with flashattn2.batch_invariant():
+        out = flashattn2.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+        one = flashattn2.flash_attn_func(
+            q[1:2], k[1:2], v[1:2], causal=True, q_descale=qd[1:2], k_descale=kd[1:2], v_descale=vd[1:2]
+        )
+    assert torch.equal(out[1:2], one)
+    _check(out, None, (q64, k64, v64), False, causal=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the device's own path (sm_89+: e4m3 dots; sm_80/86: decoded to bf16)")

@@ -51,12 +51,7 @@ def forward(
     (nheads, total_q) in varlen (lse_wanted False: the caller drops it, _runtime.output_lse). descale: an FP8 call's
     (q_descale, k_descale, v_descale)."""
     if call.plan.kernel == "decode":
-        if call.layout.descale_strides is not None:
-            raise NotImplementedError(
-                "float8_e4m3fn inputs in batch-invariant mode: the mode's kernel (the KV cache's) takes FP8 caches "
-                "through flash_attn_with_kvcache only"
-            )
-        return _invariant_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed)
+        return _invariant_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, descale)
     launch = call.launch
     if launch is None:
         launch = call.launch = _launch(call)
@@ -66,24 +61,28 @@ def forward(
     return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, lse_wanted)
 
 
-def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed):
+def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, descale=None):
     """The batch-invariant mode's forward (ops.invariance): the KV-cache kernel over k and v as a cache
     (kvcache.invariant_shape), with q's rows packed as that kernel packs a decode step's, so that a prefill row and
-    the decode step of the same token compute alike."""
+    the decode step of the same token compute alike. FP8 inputs: that kernel's FP8 path, descales as given."""
     if call.options.dropout_p > 0:
         raise NotImplementedError(
             "dropout_p > 0 in batch-invariant mode: the mode's kernel (the KV cache's) has no dropout; turn the mode "
             "off for training with dropout (flashattn2.batch_invariant(False))"
         )
     decode = call.launch
+    spec = call.spec
+    fp8 = call.layout.descale_strides is not None
     if decode is None:
-        decode = call.launch = kvcache.Decode(call.plan, kvcache.invariant_shape(call), call.spec.modes.arch)
+        specs_ = (spec.descales or (None, None, None))[:3] if fp8 else kvcache.NO_DESCALES
+        decode = call.launch = kvcache.Decode(call.plan, kvcache.invariant_shape(call, specs_), spec.modes.arch)
     alibi, sink = _contiguous(alibi), _contiguous(sink)
+    scales = {"descales": descale or (None, None, None)} if fp8 else {}
     if cu_seqlens_q is None:
-        return decode(q, k, v, None, k.shape[1], None, None, None, None, alibi, sink)
+        return decode(q, k, v, None, k.shape[1], None, None, None, None, alibi, sink, **scales)
     rows = torch.zeros(cu_seqlens_k.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_k.device)
     k, v = k.unsqueeze(0), v.unsqueeze(0)
-    return decode(q, k, v, cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, cu_seqlens_q, alibi, sink)
+    return decode(q, k, v, cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, cu_seqlens_q, alibi, sink, **scales)
 
 
 def backward(
