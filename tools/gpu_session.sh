@@ -49,8 +49,8 @@
 #              64(x2)x128 (measured 0.89x the 128(x2)x64 tile it was then compared with: why?) and cuDNN
 #   host-profile    where a 512-token forward + backward's host time goes (tools/host_profile.py, overhead.py --profile)
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
-#   fp8-tests  the FP8 forward's tests on the device's own path (sm_90: QGMMA; the accuracy rule at 2k) and their
-#              neighbours (signatures, errors, explain)
+#   fp8-tests  the FP8 forward's and FP8 KV cache's tests on the device's own path (sm_90: QGMMA; the accuracy rule
+#              at 2k), SDPA on flashattn2 (its .quantized ops too) and their neighbours (signatures, errors, explain)
 #   fp8        bench fp8: the FP8 forward's TFLOP/s beside our bf16 forward and cuDNN's, d64/128/256, causal both,
 #              1k-16k, 3 alternating rounds (the #46 goals: >= 1.0 PFLOP/s at d128/d256 non-causal 8k-16k, >= 1.3x bf16)
 #   fuzz       the fuzzer at realistic sizes for 420 s (tools/fuzz.py: random calls across the API against the reference);
@@ -109,8 +109,8 @@ for s in "$@"; do
       stage memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_owned_writes.py tests/test_nan.py -x ;;
     fp8-tests)
-      stage fp8-tests 240 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_fp8.py tests/test_signatures.py \
-        tests/test_errors.py tests/test_explain.py ;;
+      stage fp8-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kvcache.py \
+        tests/test_sdpa.py tests/test_signatures.py tests/test_errors.py tests/test_explain.py ;;
     fp8)
       stage fp8 420 python3 -m flashattn2 bench fp8 --csv "$OUT/fp8.csv" --rounds 3 ;;
     host-cli)
