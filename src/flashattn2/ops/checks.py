@@ -98,22 +98,13 @@ def check_fp8(q, descale, batch: int, nheads_k: int, dropout_p) -> None:
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 with float8_e4m3fn inputs: the FP8 forward has no dropout")
     for name, t in zip(names, descale):
-        check_descale(name, t, batch, nheads_k, q.device)
+        check_descale(name, t, batch, nheads_k, q)
 
 
-def check_descale(name: str, t, batch: int, nheads_k: int, device) -> None:
+def check_descale(name: str, t, batch: int, nheads_k: int, q) -> None:
     """An FP8 call's q_descale / k_descale / v_descale (FA3's): None (1), or float32 (batch, nheads_k) on q's device,
     any strides (an expanded scalar included); varlen's batch is the number of sequences."""
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise ArgumentTypeError(f"{name} must be float32, got {t.dtype}")
-    if tuple(t.shape) != (batch, nheads_k):
-        raise ArgumentError(f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ArgumentError(f"{name} must be on q's device {device}, got {t.device}")
+    _head_floats(name, t, q, {(batch, nheads_k): f"(batch, nheads_k) = ({batch}, {nheads_k})"})
 
 
 def check_heads(nheads, nheads_k, head_dim, device, kv_name, head_dim_v=None, limit=MAX_HEAD_DIM) -> None:
@@ -485,7 +476,7 @@ def check_kvcache(
                 f"{name} is given but the cache is {k_cache.dtype}: a descale goes with a float8_e4m3fn cache"
             )
     for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
-        check_descale(name, t, batch, nheads_k, q.device)
+        check_descale(name, t, batch, nheads_k, q)
 
 
 def compute_dtype(q_dtype: torch.dtype) -> torch.dtype:
