@@ -5,7 +5,7 @@ or `flashattn2.sdpa()` activates). This module imports neither torch nor triton:
 
 Where torch is already imported the name is registered at once; else a one-shot import hook registers it right
 after torch executes `torch.nn.attention` (which `import torch` does), so that a user who imports flashattn2 first
-finds the name there too. A torch without the registry (older than 2.10) is left alone: `import flashattn2` works,
+finds the name there too. A torch without the registry (before its FA4 provider) is left alone: `import flashattn2` works,
 and `flashattn2.sdpa()` says which torch it needs."""
 
 from __future__ import annotations
