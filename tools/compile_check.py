@@ -732,6 +732,28 @@ def length_one_cases(arch):
     pre_fn = bwd_preprocess.attn_bwd_preprocess_kernel
     types, pinned = _tuple_types(pre_fn, ("max_seqlen_q",))
     yield f"{arch}-preprocess-seqlen_q1", pre_fn, 2, {**pre, **pinned}, T(32, 32, 4, 1), types
+    if arch == "sm90":
+        yield from _gluon_length_one_cases()
+
+
+# the Gluon kernels' integer arguments that a call can make 1 (Triton then passes a constant, which their aggregates
+# must hold: kernels/pipeline.scalars); each kernel's first table configuration with all of them 1 at once
+GLUON_ONES = {
+    "attn_fwd_persist_kernel": ("batch", "nheads", "seqlen_q", "seqlen_k", "group_size"),
+    "attn_fwd_ws_kernel": ("batch", "nheads", "seqlen_q", "seqlen_k", "group_size"),
+    "attn_bwd_ws_kernel": ("seqlen_q", "seqlen_k", "nheads", "nheads_k"),
+}
+
+
+def _gluon_length_one_cases():
+    seen = set()
+    for row in planning.rows("sm90"):
+        if row.kernel in ("fwd", "bwd_dkdv") or row.kernel in seen:
+            continue
+        seen.add(row.kernel)
+        name, fn, elem_bytes, constexprs, cfg, types = next(_gluon_cases("sm90", row))
+        ones = {n: 1 for n in GLUON_ONES[fn.__name__] if n in fn.arg_names}
+        yield f"{name}-ones", fn, elem_bytes, {**constexprs, **ones}, cfg, types
 
 
 def case_id(name: str, cfg) -> str:

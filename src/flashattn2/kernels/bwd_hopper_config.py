@@ -6,7 +6,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from .pipeline import Ring, Scalar, aggregate, head_dim_parts, unwrap
+from .pipeline import Ring, Scalar, aggregate, head_dim_parts, scalars, unwrap
 
 MMA_WARPS = gl.constexpr(8)  # the MMA partition (the default one: the launch's num_warps), two warpgroups
 
@@ -127,8 +127,8 @@ class BwdArgs:
         self.Lse = Lse
         self.Delta = Delta
         self.sm_scale = sm_scale
-        self.seqlen_q, self.seqlen_k, self.nheads, self.nheads_k = sizes
-        self.stride_lb, self.stride_lh = lse_strides
+        self.seqlen_q, self.seqlen_k, self.nheads, self.nheads_k = scalars(sizes)
+        self.stride_lb, self.stride_lh = scalars(lse_strides)
 
 
 @aggregate

@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, tma_store, unwrap
+from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, tma_store, unwrap
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -166,8 +166,8 @@ class FwdArgs:
         self.Out = Out
         self.Lse = Lse
         self.Sinks = Sinks
-        self.stride_lse_b, self.stride_lse_h = lse_strides
-        self.batch, self.nheads, self.seqlen_q, self.seqlen_k, self.group_size = sizes
+        self.stride_lse_b, self.stride_lse_h = scalars(lse_strides)
+        self.batch, self.nheads, self.seqlen_q, self.seqlen_k, self.group_size = scalars(sizes)
         self.sm_scale = sm_scale
 
 

@@ -77,6 +77,14 @@ Scalar = gl.tensor | gl.constexpr
 
 
 @gluon.constexpr_function
+def scalars(values) -> tuple:
+    """Integer kernel arguments as an aggregate's Scalar fields hold them: Triton specializes an argument equal to 1
+    (a one-token sequence, batch 1, MHA's group size) into a constant, which reaches a constexpr_function as a plain
+    int; wrapped back into a constexpr (the aggregate refuses an int)."""
+    return tuple(x if isinstance(x, (gl.tensor, gl.constexpr)) else gl.constexpr(x) for x in values)
+
+
+@gluon.constexpr_function
 def unwrap(x):
     """A constexpr_function's argument as a plain value (arguments that went through a warp_specialize partition
     arrive wrapped in constexpr twice). (A constexpr_function itself: Triton's dependency scan refuses a plain
