@@ -45,13 +45,13 @@ def test_codec_is_exact():
             exact,
             halfway,
             -halfway,
-            torch.randn(1024) * 100,
-            torch.randn(512) * 1e-2,
-            torch.randn(512) * 1e-3,
-            (torch.rand(512) - 0.5) * 2000,
-            torch.tensor([float("inf"), -float("inf"), 1e-30, -1e-30, 449.0, 464.0, 465.0, 1e6]),
+            torch.randn(1024, device=DEVICE) * 100,
+            torch.randn(512, device=DEVICE) * 1e-2,
+            torch.randn(512, device=DEVICE) * 1e-3,
+            (torch.rand(512, device=DEVICE) - 0.5) * 2000,
+            torch.tensor([float("inf"), -float("inf"), 1e-30, -1e-30, 449.0, 464.0, 465.0, 1e6], device=DEVICE),
         ]
-    ).to(DEVICE)
+    )
     x = torch.cat([x, torch.zeros(4096 - x.numel(), device=DEVICE)])
     values = torch.empty(256, device=DEVICE)
     encoded = torch.empty(4096, dtype=torch.uint8, device=DEVICE)
@@ -77,7 +77,8 @@ def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dv=None, descales=Tr
 
 def _check(out, lse, deq, dots: bool, name="", **opts):
     """out (bf16) and lse against the fp64 reference on the dequantized inputs, with the emulation of the path's
-    rounding as the yardstick (the module docstring)."""
+    rounding as the yardstick (the module docstring). The lse within 2**-10 of its magnitude on the e4m3 dots (a
+    Hopper e4m3 MMA accumulates in less than fp32: 0.0023 at 16.7 measured on an H100), 1e-4 elsewhere."""
     (q, k, v) = deq
     ref, ref_lse = attention_ref(q, k, v, **opts)
     low, _ = attention_ref(q.float(), k.float(), v.float(), p_dtype=E4M3 if dots else torch.float32, **opts)
@@ -86,7 +87,8 @@ def _check(out, lse, deq, dots: bool, name="", **opts):
     if lse is not None:
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
-        assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-4 * max(1.0, ref_lse[finite].abs().max())
+        rel = 2**-10 if dots and ON_GPU else 1e-4
+        assert (lse[finite].double() - ref_lse[finite]).abs().max() < rel * max(1.0, ref_lse[finite].abs().max())
 
 
 @pytest.mark.parametrize("dots", [True, False], ids=["e4m3-dots", "decoded"])
@@ -117,7 +119,7 @@ def test_every_option(dots):
 def test_varlen_and_packed(dots):
     """flash_attn_varlen_func with a descale row per sequence (an empty one among them), and the packed forms,
     which give the unpacked call's output exactly."""
-    lengths_q, lengths_k = [30, 0, 65], [41, 7, 70]
+    lengths_q = [30, 0, 65]  # the keys: 41, 7, 70
     cu_q = torch.tensor([0, 30, 30, 95], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 41, 48, 118], dtype=torch.int32, device=DEVICE)
     q = quantize(torch.randn(95, 4, 64, device=DEVICE) * 2)
@@ -136,7 +138,6 @@ def test_varlen_and_packed(dots):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         deq = (q64[None, rows], k64[None, keys], v64[None, keys])
         _check(out[None, rows], None, deq, dots, name=f"sequence {b}", causal=True)
-    assert lengths_k  # (the key lengths are cu_k's)
     # dense packed forms: one descale row per batch entry
     (q, qd, _), (k, kd, _), (v, vd, _) = _inputs(2, 33, 33, 4, 4, 64)
     with force(fp8_dots=dots):

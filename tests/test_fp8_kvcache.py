@@ -224,7 +224,7 @@ def test_saturation_and_nan():
     and no other's."""
     q, k_cache, v_cache, kwargs = make(dict(q_fp8=True, seqlen_new=1, batch=1, group=2))
     k = kwargs["k"].float()
-    k[0, 0, 0, :4] = torch.tensor([1e4, -1e4, 449.0, -460.0]) * kwargs["k_descale"][0, 0]
+    k[0, 0, 0, :4] = torch.tensor([1e4, -1e4, 449.0, -460.0], device=k.device) * kwargs["k_descale"][0, 0]
     kwargs["k"] = k.to(torch.bfloat16)
     _codes(q)[0, 0, 1, 3] = 0x7F  # NaN: query 0, head 1
     out = flashattn2.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)

@@ -224,13 +224,15 @@ def test_fallback_rule():
     wide = torch.randn(1, 2, 3, 520, device=DEVICE, dtype=torch.float16)  # flashattn2's NotImplementedError
     assert kernel("keyset", wide, wide, wide) == "torch's result" and len(previous.calls) == 3
     quantized = S.serving(op + ".quantized", S.scaled_dot_product_flash_attention_quantized, previous)
-    assert quantized("keyset", q16, q16, q16, None, None, None) == "torch's result"
+    assert quantized("keyset", q16, q16, q16, None, None, None)[0].shape == q16.shape  # 16-bit: the plain op's
+    d = torch.ones(1, 2, device=DEVICE)
+    assert quantized("keyset", q16, q16, q16, d, None, None) == "torch's result"  # descales with 16-bit inputs
     counts = S.fallbacks(reset=True)
     assert counts == {
         f"{op}: dtype torch.float32 (torch's flash kernel takes float16 and bfloat16)": 1,
         f"{op}: return_debug_mask without dropout (torch's kernel refuses it)": 1,
         f"{op}: headdim 520 > 512 is not supported": 1,
-        f"{op}.quantized: FP8 inputs of ['torch.float16'] (flashattn2 takes float8_e4m3fn)": 1,
+        f"{op}.quantized: descales with torch.float16 inputs (flashattn2's FP8 forward takes float8_e4m3fn)": 1,
     }
     assert flashattn2.sdpa_fallbacks() == {}
     with pytest.raises(NotImplementedError, match=f"aten::{op}: flashattn2 leaves this call to torch .dtype"):

@@ -145,11 +145,11 @@ VARIANTS = {
 
 
 def _attn_constexprs(
-    kernel: str, flags: dict, use_tma: bool, host: bool, upcast: bool, tile: Tile, fp8: int = FP8_NONE
+    kernel: str, flags: dict, use_tma: bool, host: bool, upcast: bool, tile: Tile, fp8: str = FP8_NONE
 ) -> dict:
     """The constexprs of `kernel` (fwd, bwd_dkdv, bwd_dq) for a VARIANTS entry, a load path and a tile (the
     backward's kernels take no sink: a sink changes only lse there; their DSPLIT is added by the caller). The
-    forward's descale arguments are None (constexprs) but for FP8 (fp8: constexprs.FP8_*)."""
+    forward's descale arguments are None (constexprs) but for FP8 (fp8: one of constexprs.FP8_PATHS)."""
     mods = Mods(**{f: flags[f] and (f != "SINK" or kernel == "fwd") for f in Mods._fields})
     path = Path(USE_TMA=use_tma, HOST_DESC=host, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", FP8=fp8)
     found = dict(MODS=mods, IS_VARLEN=flags["IS_VARLEN"], SORTED=flags["SORTED"], PATH=path, TILE=tile)
@@ -288,7 +288,8 @@ def _gluon_cases(arch, row):
 
 def fp8_cases(arch):
     """The FP8 forward's rows (sm89: sm86's): e4m3 tiles into the dots on sm_90 and sm_89, uint8 codes decoded to
-    bf16 on sm_80/86; every load path the plan can choose, the plain causal case and every option but dropout."""
+    bf16 on sm_80/86; every load path the plan can choose, the plain causal case with the three descales and every
+    option but dropout without them (None: constexprs, which the launch passes for a descale not given)."""
     native = arch in ("sm90", "sm89")
     fp8, elem = (FP8_DOTS, "fp8e4nv") if native else (FP8_BF16, "u8")
     paths = [(True, False), (False, False), (True, True)] if arch == "sm90" else [(False, False)]
@@ -313,6 +314,8 @@ def fp8_cases(arch):
                         {n: f"tensordesc<{'bf16' if n == 'Out' else elem}[1,{r},{bucket}]>" for n, r in rows.items()}
                     )
                 constexprs = _attn_constexprs("fwd", flags, use_tma, host, False, tile, fp8)
+                if variant != "causal":
+                    constexprs.update(QDescale=None, KDescale=None, VDescale=None)
                 name = f"{arch}-d{bucket}-e4m3-fwd-{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}"
                 yield name, KERNELS["fwd"], 1, constexprs, cfg, types
 

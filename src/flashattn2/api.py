@@ -94,13 +94,13 @@ def _ready_call(q, k, v, packing: str | None, args):
 
 def _no_fp8(what: str, q, descale) -> None:
     """NotImplementedError for FP8 inputs (or descales) where `what` has no FP8 path."""
-    if getattr(q, "dtype", None) == torch.float8_e4m3fn or any(d is not None for d in descale):
+    if getattr(q, "dtype", None) == checks.E4M3 or any(d is not None for d in descale):
         raise NotImplementedError(f"FP8 inputs (float8_e4m3fn, q_descale/k_descale/v_descale) with {what}")
 
 
 def _fp8_packing(q, descale, packing):
     """An FP8 call's packed forms run as q, k, v views (no gradient to pack)."""
-    if q.dtype == torch.float8_e4m3fn or descale != (None, None, None):
+    if q.dtype == checks.E4M3 or descale != (None, None, None):
         return None
     return packing
 
@@ -184,8 +184,8 @@ def flash_attn_func(
         q_descale, k_descale, v_descale (keyword-only; FA3's FP8 forward): with float8_e4m3fn q, k, v, float32
             (batch, nheads_k) descales, None meaning 1: the scores are (q * q_descale)(k * k_descale)^T *
             softmax_scale and the values v * v_descale, query head h taking kv head h // (nheads // nheads_k)'s.
-            The output is bf16; P meets V rounded to e4m3 where the GPU's dots take e4m3 (sm_89 on), in bf16 on
-            sm_80/86 (README, "FP8"). Forward only (a gradient raises NotImplementedError), no dropout; every other
+            The output is bf16; P meets V rounded to e4m3 where the GPU's dots take e4m3 (sm_89 on; head dims from
+            32), in bf16 on sm_80/86 and in the batch-invariant mode (README, "FP8"). Forward only (a gradient raises NotImplementedError), no dropout; every other
             option composes. Given with other dtypes: ArgumentError.
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype (bf16 for FP8 inputs).

@@ -45,7 +45,7 @@ def _explain(q, k, v, kvcache: bool, arch: str | None, meta: bool, kwargs) -> st
         parts = [spec]
     if meta:
         parts = [_on(arch or "sm90", p) for p in parts]
-    fp8 = parts[0].q.dtype == torch.float8_e4m3fn  # the FP8 forward has no backward
+    fp8 = parts[0].q.dtype == checks.E4M3  # the FP8 forward has no backward
     if isinstance(parts[0], specs.AttentionSpec) and not parts[0].modes.invariant and not fp8:
         parts.append(_backward_spec(parts[0]))
     text = "\n".join(planning.explain(p) for p in parts)

@@ -1,9 +1,10 @@
 """The FP8 forward beside the bf16 one: TFLOP/s of flashattn2 on float8_e4m3fn q, k, v (FA3's descales, one per
 (batch, kv head): the amax over it / 448, as FA3's users quantize) and on the same values in bf16, and cuDNN's bf16
 forward, in one run, the providers alternated over rounds. The FLOPs counted are the bf16 forward's (4·b·h·n²·d,
-halved when causal). Each point's FP8 output is first checked against the fp64 reference on the dequantized inputs
-(README "FP8": at most 2x the error of PyTorch doing the same rounding, plus a bf16 ulp); a point that fails is
-written with its note and not timed."""
+halved when causal). Before each point is timed, the FP8 forward at its head dim and mask is checked on a small
+odd-sized problem (2 x 511 tokens) against the fp64 reference on the dequantized inputs (README "FP8": at most 2x the
+error of PyTorch doing the same rounding, plus a bf16 ulp); a point whose check fails is written with its note and not
+timed."""
 
 from __future__ import annotations
 

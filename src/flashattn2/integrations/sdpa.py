@@ -340,7 +340,8 @@ def scaled_dot_product_flash_attention_backward(
 def _check_fp8(*tensors: torch.Tensor) -> None:
     """The `.quantized` ops' rule: float8_e4m3fn inputs (FA3's) on a device flashattn2 runs."""
     if any(t.dtype != torch.float8_e4m3fn for t in tensors):
-        raise Unsupported(f"FP8 inputs of {sorted({str(t.dtype) for t in tensors})} (flashattn2 takes float8_e4m3fn)")
+        dtypes = ", ".join(sorted({str(t.dtype) for t in tensors}))
+        raise Unsupported(f"descales with {dtypes} inputs (flashattn2's FP8 forward takes float8_e4m3fn)")
     _check_device(tensors[0].device)
 
 
@@ -366,14 +367,21 @@ def flash_attention_forward_quantized(
     alibi_slopes=None,
 ):
     """aten::_flash_attention_forward.quantized: float8_e4m3fn inputs with FA3's descales ((batch, nheads_k) float32,
-    None meaning 1) on flashattn2's FP8 forward; the output bf16, as FA3's."""
+    None meaning 1) on flashattn2's FP8 forward, the output bf16 (FA3's); fp16/bf16 inputs without descales as the
+    plain op (torch's FA3 provider serves them too)."""
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if query.dtype in HALF and all(d is None for d in descales.values()):
+        return flash_attention_forward(
+            query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+            scale=scale, window_size_left=window_size_left, window_size_right=window_size_right, seqused_k=seqused_k,
+            alibi_slopes=alibi_slopes,
+        )  # fmt: skip
     _check_fp8(query, key, value)
     if float(dropout_p) != 0 or return_debug_mask:
         raise Unsupported("dropout or return_debug_mask with FP8 inputs (the FP8 forward has no dropout)")
     if seqused_k is not None:
         raise Unsupported("seqused_k with FP8 inputs")
     window = _window(window_size_left, window_size_right)
-    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     q, k, v = (_last_dim_contiguous(t) for t in (query, key, value))
     with torch.no_grad():
         if cum_seq_q is None:

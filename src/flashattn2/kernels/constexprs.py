@@ -23,7 +23,7 @@ class Path(NamedTuple):
     HOST_DESC: bool  # the descriptors built on the host (common.tile_src), not per program
     UPCAST: bool  # tiles converted to fp32 once loaded (fp32 inputs, and the interpreter's bf16)
     DOT_PRECISION: str  # tl.dot's input_precision: "ieee" where UPCAST, else "tf32"
-    FP8: int = 0  # float8_e4m3fn q, k, v (the forward): FP8_NONE, FP8_DOTS, ... below
+    FP8: str = ""  # float8_e4m3fn q, k, v (the forward): one of FP8_PATHS below ("": none)
 
 
 # Path.FP8: how e4m3 tiles meet the dots. FP8_DOTS: as they are (sm_89+: mma/wgmma e4m3; P rounded to e4m3 for the
@@ -32,7 +32,14 @@ class Path(NamedTuple):
 # arithmetic is wrong, TRITON-ON-CPU.md); FP8_DOTS_INTERP: the interpreter's run of FP8_DOTS, decoded to fp32 (exact:
 # e4m3 products are exact in fp32) with P rounded by kernels/fp8.e4m3_encode -- the interpreter's own e4m3 arithmetic
 # loses the carry into the exponent when it rounds (0.4948 -> 0.25) and reads the NaN code as 480
-FP8_NONE, FP8_DOTS, FP8_BF16, FP8_FP32, FP8_DOTS_INTERP = 0, 1, 2, 3, 4
+FP8_NONE, FP8_DOTS, FP8_BF16, FP8_FP32, FP8_DOTS_INTERP = "", "e4m3", "bf16", "fp32", "e4m3-interp"
+# each as flashattn2.explain says it
+FP8_PATHS = {
+    FP8_DOTS: "e4m3 tiles into the dots, P rounded to e4m3",
+    FP8_BF16: "e4m3 codes decoded to bf16 once loaded, P in bf16",
+    FP8_FP32: "e4m3 codes decoded to fp32 once loaded (the interpreter's run of the bf16 path)",
+    FP8_DOTS_INTERP: "e4m3 codes decoded to fp32, P rounded to e4m3 (the interpreter's run of the e4m3 dots)",
+}
 
 
 class Tile(NamedTuple):

@@ -32,9 +32,9 @@ from .fp8 import e4m3_decode, e4m3_encode
 @triton.jit
 def fp8_operand(x, PATH: tl.constexpr):
     """An e4m3 tile as the dots take it (constexprs.FP8_*): as loaded, or its uint8 codes decoded."""
-    if PATH.FP8 == 2:
+    if PATH.FP8 == "bf16":
         x = e4m3_decode(x).to(tl.bfloat16)
-    elif PATH.FP8 >= 3:
+    elif PATH.FP8 == "fp32" or PATH.FP8 == "e4m3-interp":
         x = e4m3_decode(x)
     return x
 
@@ -107,7 +107,7 @@ def _fwd_inner(
         v = fp8_operand(load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH), PATH)
         # [BLOCK_M, BLOCK_DV]; P in v's type (e4m3 on the FP8 dots: its rows' running max makes it <= 1)
         acc = acc * alpha[:, None]
-        if PATH.FP8 == 4:  # (the interpreter's run of the e4m3 dots: P rounded as they round it)
+        if PATH.FP8 == "e4m3-interp":  # (the interpreter's run of the e4m3 dots: P rounded as they round it)
             p = e4m3_decode(e4m3_encode(p))
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
         m_i = m_new
@@ -147,7 +147,8 @@ def attn_fwd_kernel(
 ):
     # (batch, row, head) strides per tensor, Lse's (batch, head); shape = (batch, nheads, max_seqlen_q,
     # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, softcap, dropout_p); FP8: the
-    # descales' (batch, kv head) strides, q's, k's and v's (None otherwise, as the descale pointers)
+    # descales' (batch, kv head) strides, q's, k's and v's ((0, 0) for one not given, whose pointer is None; None
+    # without FP8, as the descale pointers)
     batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
     window_left, window_right, sm_scale, softcap, dropout_p = score
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
@@ -162,12 +163,12 @@ def attn_fwd_kernel(
     )
     if start_m >= seqlen_q:
         return
-    v_descale = 1.0
-    if PATH.FP8 != 0:
+    if PATH.FP8 != "":  # each descale given: its (batch, kv head) value; None: 1
         qd_b, qd_h, kd_b, kd_h, vd_b, vd_h = descale_strides
-        sm_scale = sm_scale * tl.load(QDescale + off_b * qd_b + off_hk * qd_h)
-        sm_scale = sm_scale * tl.load(KDescale + off_b * kd_b + off_hk * kd_h)
-        v_descale = tl.load(VDescale + off_b * vd_b + off_hk * vd_h)
+        if QDescale is not None:
+            sm_scale = sm_scale * tl.load(QDescale + off_b * qd_b + off_hk * qd_h)
+        if KDescale is not None:
+            sm_scale = sm_scale * tl.load(KDescale + off_b * kd_b + off_hk * kd_h)
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
@@ -208,8 +209,8 @@ def attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     if MODS.DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
-    if PATH.FP8 != 0:
-        acc = acc * v_descale
+    if PATH.FP8 != "" and VDescale is not None:
+        acc = acc * tl.load(VDescale + off_b * vd_b + off_hk * vd_h)
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     store_tile(o_tile, acc, start_m, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)

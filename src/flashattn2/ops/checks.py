@@ -40,12 +40,9 @@ def _tensor(name: str, t, ndim: int, layout: str, fp8: bool = False) -> None:
         raise ArgumentError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
     if t.dtype in DTYPES or (fp8 and t.dtype == E4M3):
         return
-    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
-        raise NotImplementedError(
-            f"{name} has dtype {t.dtype}: flashattn2's 8-bit float is float8_e4m3fn"
-            + (" (the forward's and KV caches')" if fp8 else ": this call takes float16, bfloat16 or float32")
-        )
-    also = ", float8_e4m3fn" if fp8 else ""
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1 and t.dtype != E4M3:
+        raise NotImplementedError(f"{name} has dtype {t.dtype}: flashattn2's 8-bit float is float8_e4m3fn")
+    also = ", float8_e4m3fn" if fp8 else " here"
     raise ArgumentTypeError(f"{name} has dtype {t.dtype}; flashattn2 supports float16, bfloat16, float32{also}")
 
 

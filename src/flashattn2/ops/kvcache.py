@@ -47,11 +47,6 @@ def codes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8) if t is not None and t.dtype == E4M3 else t
 
 
-def _descale_strides(descales: tuple) -> tuple:
-    """The (batch, kv head) strides of each descale spec, (0, 0) for an absent one: the kernels' flat tuple."""
-    return tuple(x for d in descales for x in (d.stride if d is not None else (0, 0)))
-
-
 @dataclass(frozen=True)
 class Check:
     """Device-side checking of the cache tensors' values: err (int32 (1,), zero) is set by a
@@ -101,7 +96,7 @@ class Append:
         self.table_rows = shape.k.shape[0]
         self.ints = (*strides, shape.k.stride[:3], shape.v.stride[:3], shape.table_stride, cos_stride,
                      (batch, nheads_k, seqlen_new, None, shape.capacity, shape.k.shape[0], shape.capacity - seqlen_new),
-                     cos_rows, _descale_strides(descales))  # fmt: skip
+                     cos_rows, specs.descale_strides(descales))  # fmt: skip
         # the integer arguments of a call with a tensor cache_seqlens and no Check (the usual one), made once
         sizes = self.ints[6]
         self.plain = (*self.ints[:6], (*sizes[:3], 0, *sizes[4:]), cos_rows, self.ints[8])
@@ -308,7 +303,7 @@ class Decode:
         # the dots' dtype and the output's: k's, or with an FP8 input checks.compute_dtype's (q's; bf16 for an e4m3 q)
         self.result_dtype = shape.k.dtype if fp8 is None else fp8.dtype
         descales = NO_DESCALES if fp8 is None else fp8.descales
-        self.descale_strides = _descale_strides(descales)
+        self.descale_strides = specs.descale_strides(descales)
         self.out_dtype = torch.float32 if interp else self.result_dtype
         out_numel = math.prod(self.out_shape)
         self.empty = out_numel == 0 or batch == 0 or seqlen_q == 0 or shape.capacity == 0

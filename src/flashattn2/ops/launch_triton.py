@@ -69,7 +69,7 @@ class Forward:
     """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too), as one prepared call
     launches it."""
 
-    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows", "dropped_lse", "one")
+    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows", "dropped_lse")
 
     def __init__(self, layout: Layout, plan: Plan):
         self.layout, self.plan = layout, plan
@@ -79,7 +79,6 @@ class Forward:
         self.empty = torch.Size(layout.out_shape).numel() == 0
         self.no_rows = layout.batch == 0 or layout.max_seqlen_q == 0  # varlen with no query rows in any sequence
         self.dropped_lse = None
-        self.one = None  # FP8: the 1 a descale not given reads (made at the first launch, on the call's device)
         kw = dict(
             MODS=layout.mods,
             IS_VARLEN=layout.varlen,
@@ -157,14 +156,10 @@ class Forward:
 
     def _fp8(self, q, k, v, descale):
         """An FP8 call's q, k, v as its path reads them (the uint8 codes where they are decoded in the kernel: Triton
-        has no e4m3 type below sm_89) and its three descales, a kept 1 for each not given."""
+        has no e4m3 type below sm_89) and its three descales (None, a constexpr to the kernel: 1)."""
         if self.plan.fp8 != FP8_DOTS:
             q, k, v = q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-        one = self.one
-        if one is None:
-            one = self.one = torch.ones(1, dtype=torch.float32, device=q.device)
-        given = descale if descale is not None else (None, None, None)
-        return q, k, v, tuple(one if d is None else d for d in given)
+        return q, k, v, descale if descale is not None else (None, None, None)
 
 
 class SinkGrad:

@@ -11,7 +11,8 @@ import torch
 from ..kernels.constexprs import Mods
 from . import spec as specs
 from .geometry import Geometry, Varlen
-from .planning import out_dtype, result_dtype, window
+from .checks import E4M3, compute_dtype
+from .planning import out_dtype, window
 
 
 def rows_strides(t: specs.TensorSpec, varlen: bool) -> tuple[int, int, int]:
@@ -48,16 +49,15 @@ class Layout:
             self.lse_shape = (self.batch, self.nheads, q.shape[1])
         self.arch, self.dtype, self.device = spec.modes.arch, q.dtype, q.device
         self.out_dtype = out_dtype(q.dtype, self.arch)
-        self.result_dtype = result_dtype(q.dtype)  # the output's: q's, bf16 for FP8 inputs
+        self.result_dtype = compute_dtype(q.dtype)  # the output's: q's, bf16 for FP8 inputs
         # the interpreter's bf16 arithmetic is wrong (TRITON-ON-CPU.md): it computes in fp32 (FP8 tiles: as
         # Path.FP8 says)
-        fp8 = q.dtype == torch.float8_e4m3fn
+        fp8 = q.dtype == E4M3
         self.upcast = (self.arch == "interp" or q.dtype == torch.float32) and not fp8
         # FP8: the (batch, kv head) strides of q's, k's and v's descales (0, 0: none given, a 1 read in its place)
         self.descale_strides = None
         if fp8:
-            given = spec.descales[:3] if spec.descales is not None else (None, None, None)
-            self.descale_strides = tuple(x for d in given for x in ((0, 0) if d is None else d.stride))
+            self.descale_strides = specs.descale_strides(spec.descales[:3] if spec.descales else (None, None, None))
         self.q_strides, self.k_strides, self.v_strides = (rows_strides(t, varlen) for t in (q, k, v))
         self.out_shape = (*q.shape[:-1], self.head_dim_v)
         out = contiguous_strides(self.out_shape)

@@ -329,7 +329,7 @@ class EmptyAttention(torch.autograd.Function):
             lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device)
         else:
             lse = sink.detach().float()[:, None].expand(shape).contiguous()
-        dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 inputs: a bf16 output
+        dtype = checks.compute_dtype(q.dtype)  # FP8 inputs: a bf16 output
         return q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype), lse
 
     @staticmethod

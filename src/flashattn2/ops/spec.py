@@ -154,6 +154,11 @@ def descales(q_descale, k_descale, v_descale) -> tuple | None:
     )
 
 
+def descale_strides(descales: tuple) -> tuple:
+    """The (batch, kv head) strides of each descale's spec, (0, 0) for one not given: the kernels' flat tuple."""
+    return tuple(x for d in descales for x in (d.stride if d is not None else (0, 0)))
+
+
 def attention(
     q,
     k,

@@ -43,7 +43,8 @@ from ..tables import (  # noqa: F401  (TABLE and its types are read through this
     TileConfig,
     parse_tile,
 )
-from .common import Features, Plan, Window, head_dim_bucket, out_dtype, result_dtype, rows, tma_ok, window  # noqa: F401
+from ...kernels.constexprs import FP8_PATHS
+from .common import Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401
 from .decoding import (  # noqa: F401
     Cache,
     decode,
@@ -145,7 +146,7 @@ def explain(spec) -> str:
                 f"  load path: {'host-built TMA descriptors' if chosen.host_desc else 'TMA' if chosen.tma else 'pointers'}"
             )
         if chosen.fp8:
-            lines.append(f"  fp8: {_FP8_PATHS[chosen.fp8]}")
+            lines.append(f"  fp8: {FP8_PATHS[chosen.fp8]}")
         describe = lambda row: (
             f"{row.kernel} {row.tile}"
             + (  # noqa: E731
@@ -163,12 +164,3 @@ def explain(spec) -> str:
 
 def spec_arch(spec) -> str:
     return (spec.forward if isinstance(spec, specs.BackwardSpec) else spec).modes.arch
-
-
-# how a plan's FP8 tiles meet the dots (Plan.fp8, kernels/constexprs.FP8_*), as explain() says it
-_FP8_PATHS = {
-    1: "e4m3 tiles into the dots, P rounded to e4m3",
-    2: "e4m3 codes decoded to bf16 once loaded, P in bf16",
-    3: "e4m3 codes decoded to fp32 once loaded (the interpreter's run of the bf16 path)",
-    4: "e4m3 tiles into the dots, P rounded to e4m3 (the interpreter's run)",
-}

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from .. import spec as specs
+from ..checks import compute_dtype
 from ..geometry import block_d
 from ..modes import Forced
 from ..tables import GLUON_KERNELS, TABLE, TileConfig
@@ -58,7 +59,7 @@ class Plan:
     splits: int = 1
     chunk: int = 0
     combine: bool = False
-    fp8: int = 0  # float8_e4m3fn inputs: how their tiles meet the Triton forward's dots (constexprs.FP8_*)
+    fp8: str = ""  # float8_e4m3fn inputs: how their tiles meet the Triton forward's dots (constexprs.FP8_PATHS)
     pdl: bool = False
     kv_tma: bool = False
     v_from_k: bool = False
@@ -117,12 +118,7 @@ def tma_columns_ok(*tensors: specs.TensorSpec) -> bool:
     return all(t.shape[-2] * t.shape[-1] < 2**31 for t in tensors)
 
 
-def result_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The output's dtype for inputs of dtype: theirs, or bf16 for float8_e4m3fn (FA3's rule)."""
-    return torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
-
-
 def out_dtype(dtype: torch.dtype, arch: str) -> torch.dtype:
     """What the kernels write: the interpreter truncates fp32 -> 16-bit instead of rounding, so it writes fp32 and
     torch casts."""
-    return torch.float32 if arch == "interp" else result_dtype(dtype)
+    return torch.float32 if arch == "interp" else compute_dtype(dtype)

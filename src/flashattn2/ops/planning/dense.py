@@ -16,6 +16,7 @@ from .. import _runtime
 from .. import spec as specs
 from ..geometry import block_d
 from ...kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_DOTS_INTERP, FP8_FP32, FP8_NONE
+from ..checks import E4M3
 from ..modes import Forced, fp8_dots, forced, wgmma
 from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
 from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
@@ -209,7 +210,7 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     out = out_spec(s, out_dtype(s.q.dtype, arch))
     tensors = (s.q, s.k, s.v, out, *extra)
     gluon, gluon_why = False, "varlen: the Gluon kernels take dense inputs"
-    if s.q.dtype == torch.float8_e4m3fn:
+    if s.q.dtype == E4M3:
         gluon_why = "FP8: the Gluon kernels take fp16 and bf16"
     elif not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
         gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
@@ -221,12 +222,13 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     return args, tma, host
 
 
-def fp8_mode(s: specs.AttentionSpec) -> int:
-    """How an FP8 call's e4m3 tiles meet the Triton forward's dots (constexprs.FP8_*; FP8_NONE for other dtypes)."""
-    if s.q.dtype != torch.float8_e4m3fn:
+def fp8_mode(s: specs.AttentionSpec) -> str:
+    """How an FP8 call's e4m3 tiles meet the Triton forward's dots (constexprs.FP8_PATHS; FP8_NONE for other dtypes).
+    q/k head dims under 32 take the decoded path: 8-bit dots need K >= 32."""
+    if s.q.dtype != E4M3:
         return FP8_NONE
     interp = s.modes.arch == "interp"
-    if fp8_dots(s.q.device, s.modes.arch):
+    if fp8_dots(s.q.device, s.modes.arch) and s.q.shape[-1] >= 32:
         return FP8_DOTS_INTERP if interp else FP8_DOTS
     return FP8_FP32 if interp else FP8_BF16
 
