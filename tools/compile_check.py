@@ -565,19 +565,20 @@ def cases(arch):
         )
 
 
-FP8_OFF = dict(Q_E4M3=False, KV_E4M3=False, Q_DESCALE=False, K_DESCALE=False, V_DESCALE=False)
+FP8_OFF = dict(Q_E4M3=False, KV_E4M3=False, Q_DESCALE=False, K_DESCALE=False, V_DESCALE=False, NATIVE=False)
 APPEND_FP8_OFF = dict(ENCODE=False, K_DESCALE=False, V_DESCALE=False)
 
 
 def fp8_cache_cases(arch):
-    """The KV-cache kernels over an FP8 cache (e4m3 codes as uint8, decoded by integer arithmetic on every arch): the
+    """The KV-cache kernels over an FP8 cache (e4m3 codes as uint8, converted by the GPU on sm_89+, by integer arithmetic
+    on sm_80/86; the append encodes by integer arithmetic everywhere): the
     decode kernel at the FP8 rows' tiles on each cache path, split or not, q in bf16 (and in e4m3 on the contiguous
     path), descales on; the append quantizing bf16 k/v (rotated) and copying e4m3 ones. Head dims: the buckets and
     MLA's 576/512 (v the keys' first block)."""
     plain = dict(CAUSAL=False, LOCAL=False, SOFTCAP=False, ALIBI=False, SINK=False, BATCH_IDX=False, LEFTPAD=False,
                  SEQLENS_TENSOR=True, VARLEN_Q=False, CHECK=False, PDL=False, V_FROM_K=False,
                  ROW_BLOCKS_ADJACENT=False, KV_TMA=False, ROW_EXACT=False, UPCAST=False, DOT_PRECISION="tf32",
-                 KV_E4M3=True, K_DESCALE=True, V_DESCALE=True)  # fmt: skip
+                 KV_E4M3=True, K_DESCALE=True, V_DESCALE=True, NATIVE=arch in ("sm90", "sm89"))  # fmt: skip
     paths = {
         "contiguous": dict(PAGED=False, PAGE_SIZE=1, CAUSAL=True),
         "page-block": dict(PAGED=True, PAGE_SIZE=256),

@@ -35,8 +35,8 @@ key tile's first column block is also the value tile: one load of the cache per 
 A learnable sink (SINK: a logit per query head in every row's denominator) joins once: in the program's
 final step without splits, in the combine with them (never in a split's partial logsumexp).
 
-FP8 (DecodeFp8): K and V (KV_E4M3), and q (Q_E4M3), may be float8_e4m3fn codes, passed as uint8 and decoded in
-registers by kernels.fp8.e4m3_decode (exact, integer arithmetic: every arch, sm_80/86 included) into the dots' dtype
+FP8 (DecodeFp8): K and V (KV_E4M3), and q (Q_E4M3), may be float8_e4m3fn codes, passed as uint8 and converted in
+registers -- by the GPU on sm_89+ (NATIVE), else by kernels.fp8.e4m3_decode (exact, integer arithmetic) -- into the dots' dtype
 (q's, bf16 for an e4m3 q; fp32 with UPCAST): half the bytes of a 16-bit cache read. The descales (FA3's, float32
 (batch, nheads_k), absent = 1) are the program's (batch row, kv head)'s: q's and k's fold into the score scale (so
 softcap and ALiBi see the real scores), v's multiplies the normalized accumulator (a split's part too: the combine is
@@ -101,6 +101,9 @@ class DecodeFp8(NamedTuple):
     Q_DESCALE: bool  # QDescale[b, h_k] multiplies q (else 1)
     K_DESCALE: bool
     V_DESCALE: bool
+    # the codes converted by the GPU (sm_89+: cvt from e4m3x2, through the e4m3 type Triton has there), else by
+    # kernels.fp8.e4m3_decode's integer arithmetic (sm_80/86, the interpreter)
+    NATIVE: bool = False
 
 
 class DecodeTile(NamedTuple):
@@ -386,10 +389,18 @@ def attn_kvcache_kernel(
 
 
 @triton.jit
+def _e4m3(codes, dtype: tl.constexpr, FP8: tl.constexpr):
+    """uint8 e4m3 codes as dtype (exact: e4m3's values are fp16's and bf16's)."""
+    if FP8.NATIVE:
+        return codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    return e4m3_decode(codes).to(dtype)
+
+
+@triton.jit
 def _q_tile(q, DOTS: tl.constexpr, FP8: tl.constexpr):
     """q's tile as the dots take it: e4m3 codes decoded (exact in bf16), fp32 with UPCAST."""
     if FP8.Q_E4M3:
-        q = e4m3_decode(q).to(tl.bfloat16)
+        q = _e4m3(q, tl.bfloat16, FP8)
     if DOTS.UPCAST:
         q = q.to(tl.float32)
     return q
@@ -400,7 +411,7 @@ def _kv_tile(x, dtype: tl.constexpr, DOTS: tl.constexpr, FP8: tl.constexpr):
     """A key or value tile as the dots take it: e4m3 codes decoded into q's tile's dtype (exact in fp16 and bf16: e4m3's
     values are theirs), fp32 with UPCAST."""
     if FP8.KV_E4M3:
-        x = e4m3_decode(x).to(dtype)
+        x = _e4m3(x, dtype, FP8)
     elif DOTS.UPCAST:
         x = x.to(tl.float32)
     return x
