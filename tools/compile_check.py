@@ -292,7 +292,7 @@ def fp8_cases(arch):
     option but dropout without them (None: constexprs, which the launch passes for a descale not given)."""
     native = arch in ("sm90", "sm89")
     fp8, elem = (FP8_DOTS, "fp8e4nv") if native else (FP8_BF16, "u8")
-    paths = [(True, False), (False, False), (True, True)] if arch == "sm90" else [(False, False)]
+    paths = [(True, False), (False, False)] if arch == "sm90" else [(False, False)]  # (no host descriptors: FP8's V)
     for row in planning.rows("sm86" if arch == "sm89" else arch):
         if row.elem_bytes != 1:
             continue
@@ -314,6 +314,8 @@ def fp8_cases(arch):
                         {n: f"tensordesc<{'bf16' if n == 'Out' else elem}[1,{r},{bucket}]>" for n, r in rows.items()}
                     )
                 constexprs = _attn_constexprs("fwd", flags, use_tma, host, False, tile, fp8)
+                vt_tma = native and use_tma and not flags["IS_VARLEN"]  # (ops/launch_triton._path)
+                constexprs["PATH"] = constexprs["PATH"]._replace(VT_TMA=vt_tma)
                 if variant != "causal":
                     constexprs.update(QDescale=None, KDescale=None, VDescale=None)
                 name = f"{arch}-d{bucket}-e4m3-fwd-{'host-tma' if host else 'tma' if use_tma else 'ptr'}-{variant}"

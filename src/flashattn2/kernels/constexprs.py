@@ -24,6 +24,7 @@ class Path(NamedTuple):
     UPCAST: bool  # tiles converted to fp32 once loaded (fp32 inputs, and the interpreter's bf16)
     DOT_PRECISION: str  # tl.dot's input_precision: "ieee" where UPCAST, else "tf32"
     FP8: str = ""  # float8_e4m3fn q, k, v (the forward): one of FP8_PATHS below ("": none)
+    VT_TMA: bool = False  # the e4m3 dots' transposed V (kernels/fwd.vt_src) by TMA: dense, on the TMA path
 
 
 # Path.FP8: how e4m3 tiles meet the dots. FP8_DOTS: as they are (sm_89+: mma/wgmma e4m3; P rounded to e4m3 for the

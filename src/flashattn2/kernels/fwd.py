@@ -40,6 +40,39 @@ def fp8_operand(x, PATH: tl.constexpr):
 
 
 @triton.jit
+def vt_src(Vt, vt_strides, off_b, off_hk, k_start, seqlen_k, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """The e4m3 dots' V: a transposed copy (ops.launch_triton.Forward: each kv head's (HEAD_DIM_V, keys) rows, keys
+    contiguous), so that V meets wgmma K-major as its e4m3 operands must be, straight from shared memory (V itself
+    would be transposed through registers on every key block). (source, seqlen_k, row stride) for vt_load: a TMA
+    descriptor (dense: the rows' start is 16-byte aligned) or the rows' base pointer (varlen: a sequence starts at
+    any key)."""
+    stride_b, stride_d, stride_h = vt_strides
+    base = Vt + off_b * stride_b + off_hk * stride_h + k_start
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(
+            base, shape=[HEAD_DIM_V, tl.maximum(seqlen_k, 1)], strides=[stride_d, 1], block_shape=[BLOCK_DV, BLOCK_N]
+        )
+        return src, seqlen_k, stride_d
+    else:
+        return base, seqlen_k, stride_d
+
+
+@triton.jit
+def vt_load(vt, start_n, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+            USE_TMA: tl.constexpr):  # fmt: skip
+    """Keys [start_n, start_n + BLOCK_N) of a vt_src: [BLOCK_DV, BLOCK_N], zeros past either edge."""
+    src, seqlen_k, stride_d = vt
+    if USE_TMA:
+        return src.load([0, start_n])
+    else:
+        d = tl.arange(0, BLOCK_DV)
+        n = start_n + tl.arange(0, BLOCK_N)
+        mask = (d[:, None] < HEAD_DIM_V) & (n[None, :] < seqlen_k)
+        return tl.load(src + d.to(tl.int64)[:, None] * stride_d + n[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _fwd_inner(
     acc,
     l_i,
@@ -104,12 +137,18 @@ def _fwd_inner(
             # the normaliser keeps every score; only the values mixed into O are dropped
             keep = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
-        v = fp8_operand(load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH), PATH)
-        # [BLOCK_M, BLOCK_DV]; P in v's type (e4m3 on the FP8 dots: its rows' running max makes it <= 1)
         acc = acc * alpha[:, None]
-        if PATH.FP8 == "e4m3-interp":  # (the interpreter's run of the e4m3 dots: P rounded as they round it)
-            p = e4m3_decode(e4m3_encode(p))
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
+        if PATH.FP8 == "e4m3" or PATH.FP8 == "e4m3-interp":
+            # V transposed (vt_src); P rounded to e4m3 (its rows' running max makes it <= 1), as the GPU rounds it in
+            # the interpreter's run too
+            vt = fp8_operand(vt_load(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH.VT_TMA), PATH)
+            if PATH.FP8 == "e4m3-interp":
+                p = e4m3_decode(e4m3_encode(p))
+            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc, input_precision=PATH.DOT_PRECISION)
+        else:
+            v = fp8_operand(load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH), PATH)
+            # [BLOCK_M, BLOCK_DV]; P in v's type
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -179,7 +218,10 @@ def attn_fwd_kernel(
 
     q_tile = tile_src((Q, q_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
     k_tile = tile_src((K, k_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, PATH)
-    v_tile = tile_src((V, v_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PATH)
+    if PATH.FP8 == "e4m3" or PATH.FP8 == "e4m3-interp":  # V is its transposed copy (vt_src), v_strides its strides
+        v_tile = vt_src(V, v_strides, off_b, off_hk, k_start, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PATH.VT_TMA)
+    else:
+        v_tile = tile_src((V, v_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PATH)
     o_tile = tile_src((Out, out_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
 
     q = fp8_operand(load_tile(q_tile, start_m, HEAD_DIM, BLOCK_M, BLOCK_D, PATH), PATH)

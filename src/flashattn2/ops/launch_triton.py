@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.constexprs import FP8_DOTS, Path, Tile
+from ..kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
 from . import _runtime, launcher, seqlens
 from .geometry import block_d, cdiv
 from .layout import Layout, contiguous_strides, rows_strides
@@ -15,7 +15,8 @@ from .tma import host_desc
 
 
 def _path(layout: Layout, plan: Plan) -> Path:
-    return Path(plan.tma, plan.host_desc, layout.upcast, "ieee" if layout.upcast else "tf32", plan.fp8)
+    vt_tma = plan.fp8 == FP8_DOTS and plan.tma and not layout.varlen  # (kernels/fwd.vt_src)
+    return Path(plan.tma, plan.host_desc, layout.upcast, "ieee" if layout.upcast else "tf32", plan.fp8, vt_tma)
 
 
 def _tile(layout: Layout, cfg) -> Tile:
@@ -69,7 +70,19 @@ class Forward:
     """kernels/fwd.py into out and lse (varlen: the rows past cu_seqlens_q[-1] filled too), as one prepared call
     launches it."""
 
-    __slots__ = ("layout", "plan", "grid", "launches", "rows", "tail", "empty", "no_rows", "dropped_lse")
+    __slots__ = (
+        "layout",
+        "plan",
+        "grid",
+        "launches",
+        "rows",
+        "tail",
+        "empty",
+        "no_rows",
+        "dropped_lse",
+        "vt",
+        "v_strides",
+    )
 
     def __init__(self, layout: Layout, plan: Plan):
         self.layout, self.plan = layout, plan
@@ -79,6 +92,19 @@ class Forward:
         self.empty = torch.Size(layout.out_shape).numel() == 0
         self.no_rows = layout.batch == 0 or layout.max_seqlen_q == 0  # varlen with no query rows in any sequence
         self.dropped_lse = None
+        # the e4m3 dots read V transposed (kernels/fwd.vt_src): (the copy's shape, its keys padded to 16 (TMA's row
+        # alignment), v's permutation into it); v_strides: the kernel's V strides, (batch, row, head) or the copy's
+        # (batch, head-dim row, head)
+        self.vt, self.v_strides = None, layout.v_strides
+        if plan.fp8 in (FP8_DOTS, FP8_DOTS_INTERP):
+            keys, dv, hk = layout.v_keys, layout.head_dim_v, layout.nheads_k
+            padded = -(-keys // 16) * 16
+            if layout.varlen:
+                self.vt = ((hk, dv, padded), keys, (1, 2, 0))
+                self.v_strides = (0, padded, dv * padded)
+            else:
+                self.vt = ((layout.batch, hk, dv, padded), keys, (0, 2, 3, 1))
+                self.v_strides = (hk * dv * padded, padded, dv * padded)
         kw = dict(
             MODS=layout.mods,
             IS_VARLEN=layout.varlen,
@@ -142,7 +168,7 @@ class Forward:
             *descales,
             layout.q_strides,
             layout.k_strides,
-            layout.v_strides,
+            self.v_strides,
             layout.out_strides,
             layout.lse_strides,
             layout.alibi_stride,
@@ -159,6 +185,11 @@ class Forward:
         has no e4m3 type below sm_89) and its three descales (None, a constexpr to the kernel: 1)."""
         if self.plan.fp8 != FP8_DOTS:
             q, k, v = q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        if self.vt is not None:  # V transposed: one pass over V's bytes, a small part of the attention's time
+            shape, keys, order = self.vt
+            vt = torch.empty(shape, dtype=v.dtype, device=v.device)
+            vt[..., :keys].copy_(v.permute(*order))
+            v = vt
         return q, k, v, descale if descale is not None else (None, None, None)
 
 

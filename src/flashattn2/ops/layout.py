@@ -32,7 +32,7 @@ class Layout:
         "varlen", "batch", "nheads", "nheads_k", "head_dim", "head_dim_v", "max_seqlen_q", "max_seqlen_k", "arch",
         "dtype", "out_dtype", "device", "upcast", "q_strides", "k_strides", "v_strides", "out_shape", "out_strides",
         "lse_shape", "lse_strides", "shape", "score", "mods", "alibi_stride", "geometry", "out_spec", "grad_specs",
-        "grad_dtype", "result_dtype", "descale_strides",
+        "grad_dtype", "result_dtype", "descale_strides", "v_keys",
     )  # fmt: skip
 
     def __init__(self, spec: specs.AttentionSpec, softmax_scale: float):
@@ -59,6 +59,7 @@ class Layout:
         if fp8:
             self.descale_strides = specs.descale_strides(spec.descales[:3] if spec.descales else (None, None, None))
         self.q_strides, self.k_strides, self.v_strides = (rows_strides(t, varlen) for t in (q, k, v))
+        self.v_keys = v.shape[0] if varlen else v.shape[1]  # v's key rows (a varlen pack's total)
         self.out_shape = (*q.shape[:-1], self.head_dim_v)
         out = contiguous_strides(self.out_shape)
         self.out_strides = (0, out[0], out[1]) if varlen else out[:3]

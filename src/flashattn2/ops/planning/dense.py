@@ -236,7 +236,8 @@ def fp8_mode(s: specs.AttentionSpec) -> str:
 def forward(s: specs.AttentionSpec) -> Plan:
     args, tma, host = attention_plan(s, "fwd", True)
     plan = _lookup(*args)
-    return plan if plan.gluon else replace(plan, tma=tma, host_desc=host, fp8=fp8_mode(s))
+    fp8 = fp8_mode(s)  # (FP8: V goes transposed, not through host-built descriptors: kernels/fwd.vt_src)
+    return plan if plan.gluon else replace(plan, tma=tma, host_desc=host and not fp8, fp8=fp8)
 
 
 def backward(b: specs.BackwardSpec) -> Plan:
