@@ -15,7 +15,7 @@ from .tma import host_desc
 
 
 def _path(layout: Layout, plan: Plan) -> Path:
-    vt_tma = plan.fp8 == FP8_DOTS and plan.tma and not layout.varlen  # (kernels/fwd.vt_src)
+    vt_tma = plan.fp8 == FP8_DOTS and plan.tma  # (kernels/fwd.vt_src)
     return Path(plan.tma, plan.host_desc, layout.upcast, "ieee" if layout.upcast else "tf32", plan.fp8, vt_tma)
 
 
@@ -92,14 +92,15 @@ class Forward:
         self.empty = torch.Size(layout.out_shape).numel() == 0
         self.no_rows = layout.batch == 0 or layout.max_seqlen_q == 0  # varlen with no query rows in any sequence
         self.dropped_lse = None
-        # the e4m3 dots read V transposed (kernels/fwd.vt_src): (the copy's shape, its keys padded to 16 (TMA's row
-        # alignment), v's permutation into it); v_strides: the kernel's V strides, (batch, row, head) or the copy's
-        # (batch, head-dim row, head)
+        # the e4m3 dots read V transposed (kernels/fwd.vt_src): (the copy's shape, v's keys, v's permutation into
+        # it), its rows padded to 16 keys (TMA's alignment; varlen: each sequence's first key 16-aligned too,
+        # vt_columns); v_strides: the kernel's V strides, (batch, row, head) or the copy's (batch, head-dim row, head)
         self.vt, self.v_strides = None, layout.v_strides
         if plan.fp8 in (FP8_DOTS, FP8_DOTS_INTERP):
             keys, dv, hk = layout.v_keys, layout.head_dim_v, layout.nheads_k
             padded = -(-keys // 16) * 16
             if layout.varlen:
+                padded = -(-(keys + 16 * (layout.batch + 1)) // 16) * 16
                 self.vt = ((hk, dv, padded), keys, (1, 2, 0))
                 self.v_strides = (0, padded, dv * padded)
             else:
@@ -127,7 +128,7 @@ class Forward:
 
     def __call__(
         self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True, descale=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(out, lse); lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). descale: an FP8 call's
         (q_descale, k_descale, v_descale), each None for 1."""
         layout = self.layout
@@ -144,7 +145,7 @@ class Forward:
         order = None if seen is None else seen.order
         descales = (None, None, None)
         if layout.descale_strides is not None:
-            q, k, v, descales = self._fp8(q, k, v, descale)
+            q, k, v, descales = self._fp8(q, k, v, descale, cu_k)
         if self.plan.host_desc:
             bm, bn = self.rows
             q, k, v, dst = host_desc(q, bm), host_desc(k, bn), host_desc(v, bn), host_desc(out, bm)
@@ -180,7 +181,7 @@ class Forward:
             self.tail((out, cu_q), (lse, cu_q))
         return (out if out.dtype == dtype else out.to(dtype)), lse
 
-    def _fp8(self, q, k, v, descale):
+    def _fp8(self, q, k, v, descale, cu_k):
         """An FP8 call's q, k, v as its path reads them (the uint8 codes where they are decoded in the kernel: Triton
         has no e4m3 type below sm_89) and its three descales (None, a constexpr to the kernel: 1)."""
         if self.plan.fp8 != FP8_DOTS:
@@ -188,9 +189,23 @@ class Forward:
         if self.vt is not None:  # V transposed: one pass over V's bytes, a small part of the attention's time
             shape, keys, order = self.vt
             vt = torch.empty(shape, dtype=v.dtype, device=v.device)
-            vt[..., :keys].copy_(v.permute(*order))
+            if cu_k is None:
+                vt[..., :keys].copy_(v.permute(*order))
+            else:
+                vt[..., vt_columns(cu_k, keys)] = v.permute(*order)
             v = vt
         return q, k, v, descale if descale is not None else (None, None, None)
+
+
+def vt_columns(cu_k: torch.Tensor, keys: int) -> torch.Tensor:
+    """Each varlen key's column in the transposed V copy: sequence b's keys from round16(cu_k[b]) + 16 b on (kernels/fwd's
+    vt_col0), so each starts 16-aligned and none overlaps the next (the keys past cu_k[-1] follow the last); on the
+    device, nothing read back."""
+    j = torch.arange(keys, dtype=cu_k.dtype, device=cu_k.device)
+    seq = torch.searchsorted(cu_k[1:], j, right=True)
+    starts = cu_k.long()
+    shift = (starts + 15) // 16 * 16 - starts + 16 * torch.arange(starts.shape[0], device=starts.device)
+    return j + shift[seq]
 
 
 class SinkGrad:

@@ -217,21 +217,23 @@ _OTHER = [
                          dsplit=2 if d > 256 else 1)),  # (the split backward, tested on the CPU)
 ]
 # FP8 (float8_e4m3fn q, k, v with descales; the forward only, as FA3): the Triton forward on every arch, the Gluon
-# kernels being fp16/bf16. On sm_90 (and sm_89) the e4m3 tiles go straight into the dots (wgmma/mma e4m3, V transposed
-# on its way to shared memory by Triton: wgmma's e4m3 operands are K-major), bf16's Triton tiles with the key block
-# doubled where the halved bytes let it; sm_80/86 decode the codes to bf16 once loaded and keep their bf16 tiles
-# (shared memory holds e4m3: half of what those tiles were sized for). None measured yet: the compile check keeps
-# each within the target's shared memory; tools/sass_mix.py reads QGMMA (wgmma e4m3) in every sm_90 one and no more
-# spills than bf16's kernel of the same tile.
-_FP8_WHY = "FP8, not yet measured: "
+# kernels being fp16/bf16. On sm_90 (and sm_89) the e4m3 tiles go straight into the dots (wgmma/mma e4m3), V read
+# transposed (kernels/fwd.vt_src: wgmma's e4m3 operands are K-major); sm_80/86 decode the codes to bf16 once loaded and
+# keep their bf16 tiles (shared memory holds e4m3: half of what those tiles were sized for; not measured). sm_90 rows:
+# H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run. Rejected: V as it is
+# (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389 (bench/results/fp8-nvidia-h100.md).
+_FP8_WHY = "FP8: "
 _FP8 = [
-    Row("fwd", "sm90", 64, 1, "fwd", T(128, 128, 4, 3), why=_FP8_WHY + "e4m3 dots, bf16's Triton tile"),
-    Row("fwd", "sm90", 128, 1, "fwd", T(128, 128, 8, 3), why=_FP8_WHY + "e4m3 dots, bf16's 128x64 with 128 keys"),
-    Row("fwd", "sm90", 256, 1, "fwd", T(128, 64, 8, 2), why=_FP8_WHY + "e4m3 dots, bf16's Triton tile"),
+    Row("fwd", "sm90", 64, 1, "fwd", T(64, 128, 4, 3),
+        why=_FP8_WHY + "H100 sweep d64 8k: 506 (128x128w4s3 485, 128x64w4s3 432; bf16 Gluon 515)"),
+    Row("fwd", "sm90", 128, 1, "fwd", T(64, 128, 4, 3),
+        why=_FP8_WHY + "H100 sweep d128 8k: 710 (128x64w4s3 659, 128x256w8s2 585, 128x128w8s3 575; bf16 Gluon 700)"),
+    Row("fwd", "sm90", 256, 1, "fwd", T(128, 128, 8, 2),
+        why=_FP8_WHY + "H100 sweep d256 8k: 751 (128x64w8s3 720, 64x64w4s2 719; bf16 Gluon 709)"),
     Row("fwd", "sm90", 512, 1, "fwd", T(64, 32, 8, 1),
-        why=_FP8_WHY + "e4m3 dots; pointer-path spills 169 stores (bf16's 64x64 tile: 932; bf16 at 64x32: 362)"),
+        why=_FP8_WHY + "not yet measured; pointer-path spills 169 stores (64x64: 932; bf16 at 64x32: 362)"),
     *(
-        Row("fwd", row.arch, row.head_dim, 1, "fwd", row.tile, why=_FP8_WHY + "decoded to bf16, bf16's tile")
+        Row("fwd", row.arch, row.head_dim, 1, "fwd", row.tile, why=_FP8_WHY + "not yet measured; decoded to bf16, bf16's tile")
         for row in _OTHER
         if row.arch in ("sm80", "sm86") and row.direction == "fwd" and row.elem_bytes == 2
     ),
