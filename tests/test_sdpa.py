@@ -323,7 +323,8 @@ def test_torch_without_registry(monkeypatch):
     which torch it needs."""
     monkeypatch.delattr(torch.nn.attention, "register_flash_attention_impl")
     assert not sdpa_registration.register()
-    with pytest.raises(RuntimeError, match=r"register_flash_attention_impl.*torch 2\.13 and 2\.14.*this is torch"):
+    needs = r"register_flash_attention_impl.*torch 2\.11, 2\.13 and 2\.14.*this is torch"
+    with pytest.raises(RuntimeError, match=needs):
         with flashattn2.sdpa():
             pass
 

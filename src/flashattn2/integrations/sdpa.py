@@ -59,7 +59,7 @@ __all__ = ["sdpa", "fallbacks", "install", "Unsupported", "TORCH_NEEDED"]
 logger = logging.getLogger(__name__)
 
 # the registry (torch.nn.attention.register_flash_attention_impl and friends) came with FA4's provider (pytorch#167348)
-TORCH_NEEDED = "torch 2.13 and 2.14 have all of it"
+TORCH_NEEDED = "torch 2.11, 2.13 and 2.14 have all of it"
 REGISTRY_FUNCTIONS = (
     "register_flash_attention_impl",
     "activate_flash_attention_impl",

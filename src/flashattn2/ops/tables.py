@@ -221,7 +221,7 @@ _OTHER = [
 # transposed (kernels/fwd.vt_src: wgmma's e4m3 operands are K-major); sm_80/86 decode the codes to bf16 once loaded and
 # keep their bf16 tiles (shared memory holds e4m3: half of what those tiles were sized for; not measured). sm_90 rows:
 # H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run. Rejected: V as it is
-# (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389 (bench/results/fp8-nvidia-h100.md).
+# (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389 (bench/results/fp8-nvidia-h200.md, its H100 sweep).
 _FP8_WHY = "FP8: "
 _FP8 = [
     Row("fwd", "sm90", 64, 1, "fwd", T(64, 128, 4, 3),
@@ -302,12 +302,14 @@ DECODE_ROWS: tuple[DecodeRow, ...] = (
                   "64x64w8s2 110)"),
     DecodeRow((("latent", True), ("rows", 16)), T(16, 32, 4, 2), scaled=False,
               why="TMA: h16 64x16k 97 = 1.16x the copy's (s1 76-77; 16x64w8s2 84; without TMA 66; 16x32w8 57)"),
-    # FP8 caches (e4m3 codes decoded in registers, half a 16-bit cache's bytes): the generic rows' tiles until a GPU
-    # measures them, the key block as wide as a 16-bit cache's (its registers and shared memory after the decode)
+    # FP8 caches (e4m3 codes converted in registers, half a 16-bit cache's bytes): the 16-bit contiguous rows' tiles,
+    # the key block as wide as a 16-bit cache's (its registers and shared memory after the conversion); not swept.
+    # H200 (bench/results/fp8-decode-nvidia-h200.md): 2.1-2.4 TB/s of codes (bf16 4.2-4.5), 0.87x bf16's time at
+    # batch 64 x 64k keys; H100: 0.58-0.64x. The integer decode on sm_90 (before NATIVE): 1.47x on the H100
     DecodeRow((("fp8", True), ("split", True)), T(0, 128, 4, 2),
-              why="FP8 cache: not yet measured (the 16-bit contiguous split row's tile)"),
+              why="FP8 cache, the 16-bit split row's tile: not swept (H200 64x64k 0.87x bf16's step time)"),
     DecodeRow((("fp8", True), ("split", False)), T(0, 128, 4, 3),
-              why="FP8 cache: not yet measured (the 16-bit contiguous row's tile)"),
+              why="FP8 cache, the 16-bit row's tile: not swept (H200 64x64k 2434 GB/s of codes, 0.87x bf16's time)"),
     DecodeRow((("path", "contiguous"), ("split", True), ("short", True)), T(0, 64, 4, 3),
               why="splits of <= SHORT_SPLIT keys: GQA 1x32k 2670 GB/s (128/4/2: 2610), 1x8k 1444 (1389); MHA 1x8k "
                   "2769 (2685); longer splits keep 128/4/2: GQA 8x32k 4249 vs 4225, MHA 1x128k 4431 vs 4399"),
