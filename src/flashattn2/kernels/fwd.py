@@ -137,10 +137,10 @@ def _fwd_inner(
             # the normaliser keeps every score; only the values mixed into O are dropped
             keep = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
-        acc = acc * alpha[:, None]
         if PATH.FP8 == "e4m3" or PATH.FP8 == "e4m3-interp":
             # V transposed (vt_src); P rounded to e4m3 (its rows' running max makes it <= 1), as the GPU rounds it in
             # the interpreter's run too
+            acc = acc * alpha[:, None]
             vt = fp8_operand(vt_load(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH.VT_TMA), PATH)
             if PATH.FP8 == "e4m3-interp":
                 p = e4m3_decode(e4m3_encode(p))
@@ -148,6 +148,7 @@ def _fwd_inner(
         else:
             v = fp8_operand(load_tile(v_tile, start_n, TILE.HEAD_DIM_V, BLOCK_N, TILE.BLOCK_DV, PATH), PATH)
             # [BLOCK_M, BLOCK_DV]; P in v's type
+            acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PATH.DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
