@@ -173,12 +173,18 @@ def test_nan_stays_nan():
 
 
 def test_explain_names_the_fp8_rows():
-    meta = lambda *shape: torch.empty(*shape, dtype=E4M3, device="meta")  # noqa: E731
-    q = meta(2, 4096, 32, 128)
-    for arch in ("sm90", "sm80"):
-        text = flashattn2.explain(q, q, q, causal=True, arch=arch)
-        first = text.splitlines()[0]
-        assert "fwd" in first and "hopper" not in first and "why: FP8: " in text, text
+    """FP8 takes the Gluon forward on sm_90 exactly where a bf16 call of its shape does (a Triton release that runs
+    the Gluon kernels), the Triton forward elsewhere; each row says FP8 in its why."""
+    meta = lambda *shape, dtype=E4M3: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    for d in (64, 128, 256, 96):
+        q = meta(2, 4096, 32, d)
+        for arch in ("sm90", "sm80"):
+            text = flashattn2.explain(q, q, q, causal=True, arch=arch)
+            first = text.splitlines()[0]
+            bf16 = meta(2, 4096, 32, d, dtype=torch.bfloat16)
+            gluon = "hopper" in flashattn2.explain(bf16, bf16, bf16, causal=True, arch=arch).splitlines()[0]
+            assert ("hopper" in first) == (gluon and arch == "sm90" and d != 96), text
+            assert "why: FP8: " in text, text
 
 
 def test_errors_name_the_argument():
@@ -223,3 +229,26 @@ def test_device_path_at_size():
     out = flashattn2.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     dots = torch.cuda.get_device_capability() >= (8, 9)
     _check(out, None, (q64, k64, v64), dots, causal=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon forward's FP8 path: an sm_90 device")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("extra", ["descales", "no-descales", "sink", "ones"])
+def test_gluon_forward(d, causal, extra):
+    """The Gluon forward on e4m3 inputs (its persistent and warp-specialized kernels: FwdConfig's FP8) where the plan
+    picks it: odd lengths, GQA, seqlen_q != seqlen_k, with and without descales, a learnable sink, batch and lengths
+    of 1 (Triton's constants); out NaN-poisoned before the kernel runs (the conftest)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are sm_90's")
+    shape = (1, 1, 1, 2, 2) if extra == "ones" else (2, 333, 517, 8, 2)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(
+        batch, seqlen_q, seqlen_k, nheads, nheads_k, d, descales=extra != "no-descales"
+    )
+    assert "hopper" in flashattn2.explain(q, k, v, causal=causal).splitlines()[0]
+    sink = torch.randn(nheads, device=DEVICE) if extra == "sink" else None
+    out, lse, _ = flashattn2.flash_attn_func(
+        q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True, learnable_sink=sink
+    )
+    _check(out, lse, (q64, k64, v64), True, causal=causal, learnable_sink=sink)

@@ -30,14 +30,14 @@ from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill,
 from flashattn2.kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_NONE, Mods, Path, Tile  # noqa: E402
 from flashattn2.ops import _runtime, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
-from flashattn2.ops.tma import host_desc  # noqa: E402
+from flashattn2.ops.tma import gluon_layout, host_desc  # noqa: E402
 
 # bytes per block, opt-in maximum; sm89 (Ada: the sm86 rows, e4m3 dots) compiles the FP8 configurations only
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86, "sm89": 89}
 FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart", "QDescale", "KDescale",
                  "VDescale"}  # fmt: skip
-TYPE = {2: "fp16", 4: "fp32"}
+TYPE = {1: "fp8e4nv", 2: "fp16", 4: "fp32"}
 KERNELS = {"fwd": fwd.attn_fwd_kernel, "bwd_dkdv": bwd.attn_bwd_dkdv_kernel, "bwd_dq": bwd.attn_bwd_dq_kernel}
 T = planning.TileConfig
 
@@ -122,12 +122,20 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
         names = (*names, *(n + "Lo" for n in parted))
         cols.update({n + "Lo": lo for n in parted})
     types = {}
+    fp8 = elem_bytes == 1  # the FP8 forward: e4m3 Q and K, V^T's box [1, v's head dim, BLOCK_N], bf16 Out
     for name in names:
         base = name.removesuffix("Lo")
         width = head_dim_v or head_dim if base in _VALUE_SIDE else head_dim
-        t = torch.empty(2, 64, 2, width, dtype=torch.float32 if base == "DQ" else torch.float16)
+        dtype = torch.float32 if base == "DQ" else torch.float16
+        if fp8:
+            dtype = torch.bfloat16 if base == "Out" else torch.float8_e4m3fn
+        t = torch.empty(2, 64, 2, width, dtype=dtype)
         rows = cfg.block_n if base in _KEY_SIDE else cfg.block_m
-        (desc,) = launcher._for_triton((host_desc(t, rows, gluon=True, cols=cols.get(name)),))
+        desc = host_desc(t, rows, gluon=True, cols=cols.get(name))
+        if fp8 and base == "V":
+            box = (1, width, cfg.block_n)
+            desc = launcher.HostDesc((t, (2, 2 * width, 64), (2 * width * 64, 64, 1), box, gluon_layout(t.dtype, box)))
+        (desc,) = launcher._for_triton((desc,))
         types[name] = mangle_type(desc)
     return types
 
@@ -245,10 +253,11 @@ def _gluon_cases(arch, row):
     """A Gluon row's compiles: its causal setting(s) (the backward's causal one with GQA), the constexprs its plan
     derives (planning._derive)."""
     elem_bytes = row.elem_bytes
+    fp8 = elem_bytes == 1
     # the head-dim pair: the bucket's own, or for a row bounded by v's bucket the Gluon pair that reads it
     ((d, dv),) = [
         pair
-        for pair in planning.GLUON_HEAD_DIMS[row.direction]
+        for pair in (planning.GLUON_FP8_HEAD_DIMS if fp8 else planning.GLUON_HEAD_DIMS[row.direction])
         if planning.head_dim_bucket(pair[0]) == row.head_dim and (pair[0] == pair[1]) == (row.head_dim_v is None)
     ]
     causals = (False, True) if row.causal is None else (row.causal,)
@@ -281,6 +290,11 @@ def _gluon_cases(arch, row):
             # the forward's sink with the causal setting (the finish's other branch; no other shared memory)
             sink = constexprs["SINK"] = causal
             label = "causal" if causal else "full"
+            # FP8: the three descales with the causal setting, none without (None constexprs, as a 16-bit call's)
+            if fp8 and causal:
+                types["descale_strides"] = ("i32",) * 6
+            else:
+                constexprs.update(QDescale=None, KDescale=None, VDescale=None, descale_strides=None)
         label += "-sink" if sink else ""
         dims = f"d{d}" if d == dv else f"d{d}-dv{dv}"
         yield f"{arch}-{dims}-{TYPE[elem_bytes]}-{row.kernel}-{label}", fn, elem_bytes, constexprs, cfg, types
@@ -294,7 +308,7 @@ def fp8_cases(arch):
     fp8, elem = (FP8_DOTS, "fp8e4nv") if native else (FP8_BF16, "u8")
     paths = [(True, False), (False, False)] if arch == "sm90" else [(False, False)]  # (no host descriptors: FP8's V)
     for row in planning.rows("sm86" if arch == "sm89" else arch):
-        if row.elem_bytes != 1:
+        if row.elem_bytes != 1 or row.kernel != "fwd":  # (the Gluon rows: _gluon_cases)
             continue
         bucket = row.head_dim
         cfg = row.tile
@@ -329,9 +343,9 @@ def cases(arch):
         return
     yield from fp8_cases(arch)
     for row in planning.rows(arch):
-        if row.elem_bytes == 1:  # fp8_cases
+        if row.elem_bytes == 1 and row.kernel == "fwd":  # fp8_cases
             continue
-        if row.kernel not in ("fwd", "bwd_dkdv"):  # the Gluon kernels: sm_90, 2-byte types, dense, causal or not
+        if row.kernel not in ("fwd", "bwd_dkdv"):  # the Gluon kernels: sm_90, 16-bit or e4m3, dense, causal or not
             yield from _gluon_cases(arch, row)
             continue
         fp32 = row.elem_bytes == 4

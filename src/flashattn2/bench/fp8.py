@@ -1,6 +1,7 @@
 """The FP8 forward beside the bf16 one: TFLOP/s of flashattn2 on float8_e4m3fn q, k, v (FA3's descales, one per
 (batch, kv head): the amax over it / 448, as FA3's users quantize) and on the same values in bf16, and cuDNN's bf16
-forward, in one run, the providers alternated over rounds. The FLOPs counted are the bf16 forward's (4·b·h·n²·d,
+forward, in one run, the providers alternated over rounds; "flashattn2-fp8-triton" is the FP8 forward held to the Triton
+kernel (force(hopper=False)), where the plan picks the Gluon one: the same-run A/B behind the table's FP8 rows. The FLOPs counted are the bf16 forward's (4·b·h·n²·d,
 halved when causal). Before each point is timed, the FP8 forward at its head dim and mask is checked on a small
 odd-sized problem (2 x 511 tokens) against the fp64 reference on the dequantized inputs (README "FP8": at most 2x the
 error of PyTorch doing the same rounding, plus a bf16 ulp); a point whose check fails is written with its note and not
@@ -46,6 +47,17 @@ def check(headdim: int, causal: bool) -> str:
     return "" if ok else f"out error {err:.2e} > {bound:.2e}"
 
 
+def _held_to_triton(call):
+    """call with the Gluon kernels off (the Triton forward runs the FP8 point)."""
+    from ..ops.modes import force
+
+    def held():
+        with force(hopper=False):
+            return call()
+
+    return held
+
+
 def run(path, headdims, seqlens, causals, rounds=3, tokens=16384, hidden=2048) -> list[dict]:
     """The grid into path (appended); returns its rows."""
     import torch.nn.functional as F
@@ -64,10 +76,12 @@ def run(path, headdims, seqlens, causals, rounds=3, tokens=16384, hidden=2048) -
             (q8, qd), (k8, kd), (v8, vd) = (quantized(t, nheads) for t in x)
             q, k, v = x
             qt, kt, vt = (t.transpose(1, 2) for t in x)
+            fp8 = lambda: flashattn2.flash_attn_func(  # noqa: E731
+                q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd
+            )
             calls = {
-                "flashattn2-fp8": lambda: flashattn2.flash_attn_func(
-                    q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd
-                ),
+                "flashattn2-fp8": fp8,
+                "flashattn2-fp8-triton": _held_to_triton(fp8),
                 "flashattn2-bf16": lambda: flashattn2.flash_attn_func(q, k, v, causal=causal),
                 "sdpa_cudnn-bf16": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
             }
@@ -107,13 +121,16 @@ def markdown(path) -> str:
         "",
         "TFLOP/s counting the bf16 forward's FLOPs; the FP8 point is checked against the fp64 reference first.",
         "",
-        "| gpu | sha | d | causal | seqlen | fp8 | bf16 | cuDNN bf16 | fp8 / bf16 | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gpu | sha | d | causal | seqlen | fp8 | fp8 (Triton kernel) | bf16 | cuDNN bf16 | fp8 / bf16 | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (gpu, sha, d, causal, n), by in sorted(points.items()):
-        fp8, bf16, cudnn = (by.get(p, {}) for p in ("flashattn2-fp8", "flashattn2-bf16", "sdpa_cudnn-bf16"))
+        fp8, triton_fp8, bf16, cudnn = (
+            by.get(p, {}) for p in ("flashattn2-fp8", "flashattn2-fp8-triton", "flashattn2-bf16", "sdpa_cudnn-bf16")
+        )
         lines.append(
-            f"| {gpu} | {sha} | {d} | {causal} | {n} | {fp8.get('tflops', '')} | {bf16.get('tflops', '')} | "
-            f"{cudnn.get('tflops', '')} | {fp8.get('speedup_vs_bf16', '')} | {fp8.get('note', '')} |"
+            f"| {gpu} | {sha} | {d} | {causal} | {n} | {fp8.get('tflops', '')} | {triton_fp8.get('tflops', '')} | "
+            f"{bf16.get('tflops', '')} | {cudnn.get('tflops', '')} | {fp8.get('speedup_vs_bf16', '')} | "
+            f"{fp8.get('note', '')} |"
         )
     return "\n".join(lines) + "\n"

@@ -49,6 +49,7 @@ from .fwd_hopper_tile import (
     CONSUMER_WARPS,
     FwdArgs,
     FwdConfig,
+    Fp8Scales,
     OnlineSoftmax,
     _attn_tile,
     _epilogue,
@@ -64,15 +65,15 @@ from .pipeline import (
     parts_nbytes,
     ring_phase,
     thread_barrier,
-    tma_load,
 )
 
 
 @aggregate
 class PersistBuffers:
     """attn_fwd_persist_kernel's shared memory and barriers: QBUF * CONSUMERS Q buffers (head-dim part pairs:
-    kernels/pipeline.py's alloc_parts), each with a q_ready and a q_empty barrier, and the K/V ring of units (one
-    stage of the K and V buffers behind one ready and one empty barrier)."""
+    kernels/pipeline.py's alloc_parts), each with a q_ready and a q_empty barrier, the K/V ring of units (one
+    stage of the K and V buffers behind one ready and one empty barrier), and FP8's O buffers (one per consumer;
+    V's buffers, unused, for a 16-bit kernel)."""
 
     q_smem: gl.tuple
     k_smem: gl.tuple
@@ -80,15 +81,17 @@ class PersistBuffers:
     q_ready: gl.shared_memory_descriptor
     q_empty: gl.shared_memory_descriptor
     ring: Ring
+    o_smem: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_smem, v_smem, q_ready, q_empty, ring):
+    def __init__(self, q_smem, k_smem, v_smem, q_ready, q_empty, ring, o_smem):
         self.q_smem = q_smem
         self.k_smem = k_smem
         self.v_smem = v_smem
         self.q_ready = q_ready
         self.q_empty = q_empty
         self.ring = ring
+        self.o_smem = o_smem
 
 
 @gluon.jit
@@ -196,13 +199,19 @@ def _persist_consumer(args, bufs, cfg, ME: gl.constexpr):
             lse_row0 = off_b.to(gl.int64) * args.stride_lse_b + off_h.to(gl.int64) * args.stride_lse_h
             o_col = off_h * cfg.HEAD_DIM_V
             loads = _PersistLoads(bufs, g, prev_qi, it > 0, cfg)
-            sm = OnlineSoftmax(
-                qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, _sink2(args.Sinks, off_h, cfg.SINK), cfg
-            )
+            sink2 = _sink2(args.Sinks, off_h, cfg.SINK)
+            if cfg.FP8:  # the tile's (batch, kv head) descales
+                off_hk = off_h // args.group_size
+                tile_scale = _qk_scale(args.fp8.score_scale(args.sm_scale, off_b, off_hk))
+                v_scale = args.fp8.value_scale(off_b, off_hk)
+                sm = OnlineSoftmax(tile_scale, start_m, seqlen_k, seqlen_k - seqlen_q, sink2, cfg, v_scale)
+            else:
+                sm = OnlineSoftmax(qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, sink2, cfg)
             q_op = cfg.q_view(bufs.q_smem, qi)
             acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
-            # O through this tile's Q buffer, the store not waited for here
-            _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, q_op[0], bufs.q_smem[0].index(qi), False)
+            # O through this tile's Q buffer (FP8: the consumer's O buffer), the store not waited for here
+            o_op, o_buf = cfg.out_buffer(q_op[0], bufs.q_smem[0].index(qi), bufs.o_smem, ME)
+            _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, o_op, o_buf, False)
             if QBUF == 1:
                 _q_release(q_empty, qi, True)
         else:  # this part lies past seqlen_q or before row 0: nothing to compute, nothing stored
@@ -242,7 +251,7 @@ def _persist_produce(args, bufs, cfg, u, j, n_max, off_b, k_col, v_col):
         mbarrier.expect(bar, k_bytes, pred=j == 0)
         mbarrier.expect(bar, V.block_type.nbytes, pred=j == n_max)
     load_parts(K, off_b, j * BLOCK_N, k_col, bar, bufs.k_smem, stage, has_k, HEAD_DIM)
-    tma_load(V, [off_b, (j - 1) * BLOCK_N, v_col], bar, bufs.v_smem.index(stage), pred=has_v)
+    cfg.v_load(V, off_b, j - 1, v_col, bar, bufs.v_smem, stage, has_v)
 
 
 @gluon.jit
@@ -301,6 +310,10 @@ def attn_fwd_persist_kernel(
     seqlen_k,
     group_size,
     sm_scale,
+    QDescale,
+    KDescale,
+    VDescale,
+    descale_strides,
     CAUSAL: gl.constexpr,
     SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -316,7 +329,9 @@ def attn_fwd_persist_kernel(
     num_warps=4 (the default partition; the compiler adds the workers' warps). CONSUMERS 2 or 3
     consumer warpgroups (_CONSUMER_REGS registers each for 2, _CONSUMER3_REGS for 3), one producer warp. QLo,
     KLo: descriptors of q's and k's second head-dim part (FwdConfig), None for a power of two. (The integer
-    arguments stay apart, not tuples: do_not_specialize does not reach a tuple's elements.)"""
+    arguments stay apart, not tuples: do_not_specialize does not reach a tuple's elements.) FP8 (e4m3 Q, K, V;
+    FwdConfig): V is a descriptor of V^T (batch, kv heads * HEAD_DIM_V, keys), Out bf16; the descales and their
+    strides (Fp8Scales, a variant per stride of 1) None for 16-bit inputs."""
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS, "the default partition is a consumer warpgroup")
     dtype: gl.constexpr = V.dtype
     cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS, QBUF, SNAKE)
@@ -324,7 +339,12 @@ def attn_fwd_persist_kernel(
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NQ, BLOCK_M, HEAD_DIM)
     k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
+    if cfg.FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, HEAD_DIM_V, BLOCK_N], V.layout)
+        o_smem = gl.allocate_shared_memory(Out.dtype, [CONSUMERS, 1, BLOCK_M, HEAD_DIM_V], Out.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
+        o_smem = v_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     # one ready and one empty barrier per ring stage, for the stage's K and V buffers together
@@ -348,8 +368,9 @@ def attn_fwd_persist_kernel(
         (stride_lse_b, stride_lse_h),
         (batch, nheads, seqlen_q, seqlen_k, group_size),
         sm_scale,
+        Fp8Scales(QDescale, KDescale, VDescale, descale_strides),
     )
-    bufs = PersistBuffers(q_smem, k_smem, v_smem, q_ready, q_empty, Ring(ready, empty, STAGES))
+    bufs = PersistBuffers(q_smem, k_smem, v_smem, q_ready, q_empty, Ring(ready, empty, STAGES), o_smem)
     # (a list per count: a Gluon kernel cannot build one from CONSUMERS, nor hold a function in a tuple)
     if CONSUMERS == 2:
         gl.warp_specialize(

@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, tma_store, unwrap
+from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, tma_load, tma_store, unwrap
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -31,11 +31,11 @@ _PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.constexpr_function
-def _acc_layout(cols, num_warps):
+def _acc_layout(cols, num_warps, k=16):
     """wgmma accumulator layout of a [rows, cols] tile whose warps each own 16 rows (S: cols =
-    BLOCK_N, O: cols = HEAD_DIM)."""
+    BLOCK_N, O: cols = HEAD_DIM); k: the instruction's depth (16 for 16-bit operands, 32 for 8-bit)."""
     cols, num_warps = unwrap(cols), unwrap(num_warps)
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, k])
 
 
 @aggregate
@@ -47,7 +47,12 @@ class FwdConfig:
     that is not a power of two (DeepSeek-V3's 192: Gluon's tiles are powers of two) is two column parts,
     HEAD_DIM_HI (the largest power of two below it) and HEAD_DIM_LO (the rest, a power of two), each a tile and a
     TMA load of its own, S their two chained wgmmas; HEAD_DIM_LO is 0 otherwise. O leaves through the Q tile's
-    buffer (the first part's): HEAD_DIM_V is HEAD_DIM_HI."""
+    buffer (the first part's): HEAD_DIM_V is HEAD_DIM_HI.
+
+    FP8 (e4m3 q, k, v: FA3's forward): both products take e4m3 operands (wgmma k = 32), P is rounded to e4m3 in
+    registers (its rows' running max makes it <= 1), V arrives transposed (a V^T block [HEAD_DIM_V, BLOCK_N], keys
+    contiguous: wgmma's e4m3 operands are K-major) and O, bf16, leaves through a buffer of its own (o_tile): an e4m3
+    Q tile holds half of it."""
 
     CAUSAL: gl.constexpr
     SINK: gl.constexpr  # a learnable sink logit per head (OnlineSoftmax.sink2)
@@ -61,6 +66,7 @@ class FwdConfig:
     CTA_M: gl.constexpr  # a tile's query rows: CONSUMERS * BLOCK_M
     QBUF: gl.constexpr  # Q buffers per consumer (the persistent kernel; the warp-specialized one has 1)
     SNAKE: gl.constexpr  # the persistent kernel's odd rounds of tiles reversed (PersistSchedule)
+    FP8: gl.constexpr  # e4m3 operands (the class docstring)
     s_layout: gl.constexpr
     o_layout: gl.constexpr
     p_layout: gl.constexpr
@@ -71,6 +77,7 @@ class FwdConfig:
     q_lo_tile: gl.constexpr
     k_lo_tile: gl.constexpr
     v_tile: gl.constexpr
+    o_tile: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS, QBUF, SNAKE):
@@ -90,11 +97,15 @@ class FwdConfig:
         self.CTA_M = gl.constexpr(CONSUMERS * BLOCK_M)
         self.QBUF = gl.constexpr(unwrap(QBUF))
         self.SNAKE = gl.constexpr(unwrap(SNAKE))
-        s_layout = _acc_layout(BLOCK_N, CONSUMER_WARPS)
-        o_layout = _acc_layout(HEAD_DIM_V, CONSUMER_WARPS)
+        fp8 = dtype == gl.float8e4nv
+        self.FP8 = gl.constexpr(fp8)
+        k = 32 if fp8 else 16
+        s_layout = _acc_layout(BLOCK_N, CONSUMER_WARPS, k)
+        o_layout = _acc_layout(HEAD_DIM_V, CONSUMER_WARPS, k)
         self.s_layout = gl.constexpr(s_layout)
         self.o_layout = gl.constexpr(o_layout)
-        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        # P as the A operand from registers: 32 bits of consecutive k per register
+        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if fp8 else 2))
         self.row_s = gl.constexpr(gl.SliceLayout(1, s_layout))
         self.row_o = gl.constexpr(gl.SliceLayout(1, o_layout))
         self.q_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, hi], dtype))
@@ -102,7 +113,9 @@ class FwdConfig:
         lo = max(lo, 16)  # (no second part: unused)
         self.q_lo_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, lo], dtype))
         self.k_lo_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, lo], dtype))
-        self.v_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_V], dtype))
+        v_block = [HEAD_DIM_V, BLOCK_N] if fp8 else [BLOCK_N, HEAD_DIM_V]
+        self.v_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for(v_block, dtype))
+        self.o_tile = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_V], gl.bfloat16))
 
     @gluon.jit
     def q_view(self, smem, buf):
@@ -133,8 +146,74 @@ class FwdConfig:
 
     @gluon.jit
     def v_view(self, smem, stage):
-        """Stage `stage` of a V ring ([STAGES, 1, BLOCK_N, HEAD_DIM_V]) as a 2-D wgmma operand."""
-        return reinterpret(smem.index(stage), smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
+        """Stage `stage` of a V ring ([STAGES, 1, BLOCK_N, HEAD_DIM_V]; FP8: V^T, [STAGES, 1, HEAD_DIM_V, BLOCK_N])
+        as the 2-D [BLOCK_N, HEAD_DIM_V] wgmma operand."""
+        if self.FP8:
+            vt = reinterpret(smem.index(stage), smem.dtype, [self.HEAD_DIM_V, self.BLOCK_N], self.v_tile)
+            view = vt.permute((1, 0))
+        else:
+            view = reinterpret(smem.index(stage), smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
+        return view
+
+    @gluon.jit
+    def v_load(self, V, off_b, blk, v_col, bar, smem, buf, pred):
+        """TMA of value block blk (the head's columns from v_col) into buffer buf of a V ring, onto bar: rows
+        blk * BLOCK_N .. of V, or (FP8) of the head's V^T rows v_col .., its columns blk * BLOCK_N .."""
+        if self.FP8:
+            tma_load(V, [off_b, v_col, blk * self.BLOCK_N], bar, smem.index(buf), pred=pred)
+        else:
+            tma_load(V, [off_b, blk * self.BLOCK_N, v_col], bar, smem.index(buf), pred=pred)
+
+    @gluon.jit
+    def out_buffer(self, q_op, q_buf, o_smem, idx):
+        """Where a consumer's O leaves (the 2-D view _epilogue writes, the 3-D buffer its TMA store reads): the Q
+        tile's buffer (q_op, q_buf), or FP8's bf16 O buffer idx of o_smem ([n, 1, BLOCK_M, HEAD_DIM_V])."""
+        if self.FP8:
+            buf = o_smem.index(idx)
+            view = reinterpret(buf, buf.dtype, [self.BLOCK_M, self.HEAD_DIM_V], self.o_tile)
+        else:
+            view, buf = q_op, q_buf
+        return view, buf
+
+
+@aggregate
+class Fp8Scales:
+    """An FP8 call's descales (FA3's: float32 per (batch, kv head), each pointer None for 1, as are all of them for a
+    16-bit call) and their (batch, kv head) strides: q's and k's join the score scale, v's the output."""
+
+    q: gl.tensor | gl.constexpr
+    k: gl.tensor | gl.constexpr
+    v: gl.tensor | gl.constexpr
+    q_b: Scalar
+    q_h: Scalar
+    k_b: Scalar
+    k_h: Scalar
+    v_b: Scalar
+    v_h: Scalar
+
+    @gluon.constexpr_function
+    def __init__(self, q, k, v, strides):
+        self.q, self.k, self.v = (gl.constexpr(None) if unwrap(x) is None else x for x in (q, k, v))
+        if strides is None or isinstance(strides, gl.constexpr) and unwrap(strides) is None:  # (unwrap: no tuple)
+            strides = (0,) * 6
+        self.q_b, self.q_h, self.k_b, self.k_h, self.v_b, self.v_h = scalars(strides)
+
+    @gluon.jit
+    def score_scale(self, sm_scale, off_b, off_hk):
+        """sm_scale times q's and k's descales of (off_b, off_hk)."""
+        if self.q is not None:
+            sm_scale = sm_scale * gl.load(self.q + off_b * self.q_b + off_hk * self.q_h)
+        if self.k is not None:
+            sm_scale = sm_scale * gl.load(self.k + off_b * self.k_b + off_hk * self.k_h)
+        return sm_scale
+
+    @gluon.jit
+    def value_scale(self, off_b, off_hk):
+        """v's descale of (off_b, off_hk) (1.0 without one)."""
+        scale = 1.0
+        if self.v is not None:
+            scale = gl.load(self.v + off_b * self.v_b + off_hk * self.v_h)
+        return scale
 
 
 @aggregate
@@ -157,9 +236,10 @@ class FwdArgs:
     seqlen_k: Scalar
     group_size: Scalar  # query heads per kv head
     sm_scale: Scalar
+    fp8: Fp8Scales
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, V, Out, Lse, Sinks, lse_strides, sizes, sm_scale):
+    def __init__(self, q_desc, k_desc, V, Out, Lse, Sinks, lse_strides, sizes, sm_scale, fp8):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.V = V
@@ -169,6 +249,7 @@ class FwdArgs:
         self.stride_lse_b, self.stride_lse_h = scalars(lse_strides)
         self.batch, self.nheads, self.seqlen_q, self.seqlen_k, self.group_size = scalars(sizes)
         self.sm_scale = sm_scale
+        self.fp8 = fp8
 
 
 @gluon.jit
@@ -200,11 +281,13 @@ class OnlineSoftmax:
     seqlen_k: Scalar
     diag: Scalar  # seqlen_k - seqlen_q: row i sees keys j <= i + diag (causal, bottom-right aligned)
     sink2: Scalar  # cfg.SINK: the head's learnable sink logit in base 2 (in every row's denominator, no value row)
+    v_scale: Scalar  # cfg.FP8: v's descale, joined to O's factor in finish (1.0: none)
     cfg: FwdConfig
 
     @gluon.constexpr_function
-    def __init__(self, qk_scale, start_m, seqlen_k, diag, sink2, cfg):
+    def __init__(self, qk_scale, start_m, seqlen_k, diag, sink2, cfg, v_scale=1.0):
         self.qk_scale = qk_scale
+        self.v_scale = gl.constexpr(v_scale) if isinstance(v_scale, (int, float)) else v_scale
         self.start_m = gl.constexpr(start_m) if isinstance(start_m, int) else start_m
         self.seqlen_k = gl.constexpr(seqlen_k) if isinstance(seqlen_k, int) else seqlen_k
         self.diag = gl.constexpr(diag) if isinstance(diag, int) else diag
@@ -261,14 +344,17 @@ class OnlineSoftmax:
 @gluon.jit
 def _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, q_op, q_buf, WAIT: gl.constexpr):
     """The logsumexp and O = acc / l (OnlineSoftmax.finish), through the Q tile's (first part's) buffer, q_op its
-    2-D view (every wgmma that read Q has been waited for), and a TMA store that clips rows past seqlen_q, waited
-    for if WAIT (the persistent kernel hands the buffer back later)."""
+    2-D view (every wgmma that read Q has been waited for; FP8: the consumer's own O buffer, FwdConfig.out_buffer,
+    once its previous store has read it), and a TMA store that clips rows past seqlen_q, waited for if WAIT (the
+    persistent kernel hands the buffer back later)."""
     cfg = sm.cfg
     gl.static_assert(cfg.HEAD_DIM_V == cfg.HEAD_DIM_HI, "O leaves through Q's buffer: v's head dim q's first part's")
     lse, scale = sm.finish(m_i, l_i)
     offs_m = sm.start_m + gl.arange(0, cfg.BLOCK_M, layout=cfg.row_s)
     gl.store(args.Lse + lse_row0 + offs_m, lse, mask=offs_m < args.seqlen_q)
     o = acc * gl.convert_layout(scale, cfg.row_o)[:, None]
+    if cfg.FP8:
+        tma.store_wait(pendings=0)
     q_op.store(o.to(q_op.dtype))
     fence_async_shared()
     tma_store(args.Out, [off_b, sm.start_m, o_col], q_buf)

@@ -28,6 +28,7 @@ from .fwd_hopper_tile import (
     CONSUMER_WARPS,
     FwdArgs,
     FwdConfig,
+    Fp8Scales,
     OnlineSoftmax,
     _attn_tile,
     _epilogue,
@@ -42,7 +43,8 @@ NUM_CONSUMERS = gl.constexpr(2)
 @aggregate
 class WsBuffers:
     """attn_fwd_ws_kernel's shared memory and barriers: the two consumers' Q tiles (head-dim part pairs:
-    kernels/pipeline.py's alloc_parts) with one barrier each, and the K and V rings."""
+    kernels/pipeline.py's alloc_parts) with one barrier each, the K and V rings, and FP8's O buffers (one per
+    consumer; V's ring, unused, for a 16-bit kernel)."""
 
     q_smem: gl.tuple
     k_smem: gl.tuple
@@ -50,15 +52,17 @@ class WsBuffers:
     q_bars: gl.shared_memory_descriptor
     k_ring: Ring
     v_ring: Ring
+    o_smem: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_smem, v_smem, q_bars, k_ring, v_ring):
+    def __init__(self, q_smem, k_smem, v_smem, q_bars, k_ring, v_ring, o_smem):
         self.q_smem = q_smem
         self.k_smem = k_smem
         self.v_smem = v_smem
         self.q_bars = q_bars
         self.k_ring = k_ring
         self.v_ring = v_ring
+        self.o_smem = o_smem
 
 
 @aggregate
@@ -125,12 +129,19 @@ def _consumer(args, bufs, cfg, ME: gl.constexpr):
     if n_blocks > 0:
         o_col = off_h * cfg.HEAD_DIM_V
         sink2 = _sink2(args.Sinks, off_h, cfg.SINK)
-        sm = OnlineSoftmax(_qk_scale(args.sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, sink2, cfg)
+        if cfg.FP8:
+            off_hk = off_h // args.group_size
+            qk_scale = _qk_scale(args.fp8.score_scale(args.sm_scale, off_b, off_hk))
+            v_scale = args.fp8.value_scale(off_b, off_hk)
+            sm = OnlineSoftmax(qk_scale, start_m, seqlen_k, seqlen_k - seqlen_q, sink2, cfg, v_scale)
+        else:
+            sm = OnlineSoftmax(_qk_scale(args.sm_scale), start_m, seqlen_k, seqlen_k - seqlen_q, sink2, cfg)
         loads = _WsLoads(bufs, n_other, cfg)
         q_op = cfg.q_view(bufs.q_smem, ME)
         mbarrier.wait(bufs.q_bars.index(ME), 0)
         acc, m_i, l_i = _attn_tile(q_op, loads, sm, n_blocks, mask_from)
-        _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, q_op[0], bufs.q_smem[0].index(ME), True)
+        o_op, o_buf = cfg.out_buffer(q_op[0], bufs.q_smem[0].index(ME), bufs.o_smem, ME)
+        _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, o_op, o_buf, True)
 
 
 @gluon.jit
@@ -141,6 +152,15 @@ def _produce(desc, ring, smem, blk, off_b, col, BLOCK_N: gl.constexpr, HEAD_DIM:
     bar = ring.ready_bar(blk)
     mbarrier.expect(bar, parts_nbytes(desc, HEAD_DIM))
     load_parts(desc, off_b, blk * BLOCK_N, col, bar, smem, ring.slot(blk), True, HEAD_DIM)
+
+
+@gluon.jit
+def _produce_v(V, ring, smem, blk, off_b, v_col, cfg):
+    """Value block blk into the V ring (FwdConfig.v_load: V's rows, or FP8's V^T columns), as _produce."""
+    ring.wait_empty(blk)
+    bar = ring.ready_bar(blk)
+    mbarrier.expect(bar, V.block_type.nbytes)
+    cfg.v_load(V, off_b, blk, v_col, bar, smem, ring.slot(blk), True)
 
 
 @gluon.jit
@@ -174,8 +194,8 @@ def _producer(args, bufs, cfg):
     _produce(K, k_ring, k_smem, 0, off_b, k_col, BLOCK_N, HEAD_DIM)  # tile 0 is valid: n_max >= 1
     for j in range(1, n_max):
         _produce(K, k_ring, k_smem, j, off_b, k_col, BLOCK_N, HEAD_DIM)
-        _produce((V, V), v_ring, (v_smem, v_smem), j - 1, off_b, v_col, BLOCK_N, HEAD_DIM_V)
-    _produce((V, V), v_ring, (v_smem, v_smem), n_max - 1, off_b, v_col, BLOCK_N, HEAD_DIM_V)
+        _produce_v(V, v_ring, v_smem, j - 1, off_b, v_col, cfg)
+    _produce_v(V, v_ring, v_smem, n_max - 1, off_b, v_col, cfg)
 
 
 @gluon.jit
@@ -196,6 +216,10 @@ def attn_fwd_ws_kernel(
     seqlen_k,
     group_size,
     sm_scale,
+    QDescale,
+    KDescale,
+    VDescale,
+    descale_strides,
     CAUSAL: gl.constexpr,
     SINK: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -206,14 +230,21 @@ def attn_fwd_ws_kernel(
 ):
     """Grid: cdiv(seqlen_q, 2 * BLOCK_M) * batch * nheads programs; launched with num_warps=4 (the
     default partition; the compiler adds the workers' warps). QLo, KLo: descriptors of q's and k's second
-    head-dim part (FwdConfig), None for a power of two."""
+    head-dim part (FwdConfig), None for a power of two. FP8 (e4m3 Q, K, V; FwdConfig): V is a descriptor of V^T
+    (batch, kv heads * HEAD_DIM_V, keys), Out bf16; the descales and their strides (Fp8Scales) None for 16-bit
+    inputs."""
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS, "the default partition is a consumer warpgroup")
     dtype: gl.constexpr = V.dtype
     cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_CONSUMERS, 1, False)
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NUM_CONSUMERS, BLOCK_M, HEAD_DIM)
     k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
+    if cfg.FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, HEAD_DIM_V, BLOCK_N], V.layout)
+        o_smem = gl.allocate_shared_memory(Out.dtype, [NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM_V], Out.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
+        o_smem = v_smem
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -238,8 +269,10 @@ def attn_fwd_ws_kernel(
         (stride_lse_b, stride_lse_h),
         (batch, nheads, seqlen_q, seqlen_k, group_size),
         sm_scale,
+        Fp8Scales(QDescale, KDescale, VDescale, descale_strides),
     )
-    bufs = WsBuffers(q_smem, k_smem, v_smem, q_bars, Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES))
+    k_ring, v_ring = Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES)
+    bufs = WsBuffers(q_smem, k_smem, v_smem, q_bars, k_ring, v_ring, o_smem)
     gl.warp_specialize(
         [
             (_consumer, (args, bufs, cfg, _CONSUMER0)),

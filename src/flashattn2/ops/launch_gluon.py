@@ -14,16 +14,18 @@ from .geometry import cdiv, column_parts
 from .launch_triton import Preprocess, SinkGrad
 from .layout import Layout
 from .planning import Plan, tma_ok
-from .tma import host_desc
+from .tma import gluon_layout, host_desc
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2^31 - 1)
 
 
 class ForwardLaunch:
     """The Gluon forward (the plan's fwd_hopper_persist or fwd_hopper_ws) of one prepared call: kernel, tile rows,
-    grid size, integer arguments and constexprs made once (sink: whether the call has a learnable sink)."""
+    grid size, integer arguments and constexprs made once (sink: whether the call has a learnable sink). FP8 (e4m3
+    q, k, v): V goes to the kernel transposed, a copy per call (vt_shape: (batch, kv heads, v's head dim, keys
+    padded to 16), keys contiguous: wgmma's e4m3 operands are K-major), with the descales; O is bf16."""
 
-    __slots__ = ("launch", "rows", "layout", "tiles", "persist", "ints", "parts", "dropped_lse")
+    __slots__ = ("launch", "rows", "layout", "tiles", "persist", "ints", "parts", "dropped_lse", "vt_shape")
 
     def __init__(self, plan: Plan, layout: Layout, sink: bool):
         kernels = _runtime.hopper_kernels().fwd
@@ -36,6 +38,9 @@ class ForwardLaunch:
         # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper_tile.py's FwdConfig)
         self.parts = column_parts(layout.head_dim)
         self.ints = (*layout.lse_strides, *layout.shape, layout.score[2])
+        self.vt_shape = None
+        if layout.descale_strides is not None:
+            self.vt_shape = (layout.batch, layout.nheads_k, layout.head_dim_v, -(-layout.v_keys // 16) * 16)
         self.launch = launcher.Launch(
             kernel,
             CAUSAL=plan.causal,
@@ -49,26 +54,49 @@ class ForwardLaunch:
             num_warps=plan.num_warps,
         )
 
-    def __call__(self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True, descale=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(out, lse), as launch_triton.Forward's; descale: an FP8 call's (q_descale, k_descale, v_descale), each None
+        for 1."""
         layout = self.layout
-        out = _runtime.empty(layout.out_shape, q.dtype, q.device)
+        out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)
         lse = _runtime.output_lse(self, layout.lse_shape, q.device, lse_wanted)
         rows_m, rows_n = self.rows
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
         hi, lo = self.parts
+        if self.vt_shape is None:
+            v_desc, fp8 = host_desc(v, rows_n, gluon=True), (None, None, None, None)
+        else:
+            v_desc = self._vt_desc(v)
+            fp8 = (*(descale if descale is not None else (None, None, None)), layout.descale_strides)
         self.launch(
             grid,
             host_desc(q, rows_m, gluon=True, cols=hi),
             host_desc(k, rows_n, gluon=True, cols=hi),
-            host_desc(v, rows_n, gluon=True),
+            v_desc,
             host_desc(out, rows_m, gluon=True),
             host_desc(q, rows_m, gluon=True, cols=lo) if lo else None,
             host_desc(k, rows_n, gluon=True, cols=lo) if lo else None,
             lse,
             lse if sink is None else sink,
             *self.ints,
+            *fp8,
         )
         return out, lse
+
+    def _vt_desc(self, v: torch.Tensor) -> launcher.HostDesc:
+        """V transposed into a fresh (batch, kv heads, head dim, padded keys) copy -- one pass over V's bytes -- and
+        its descriptor over (batch, kv heads * head dim, keys) with a [1, head dim, BLOCK_N] box: the keys past v's
+        are outside it (TMA reads zeros there), not the copy's padding."""
+        b, hk, dv, padded = self.vt_shape
+        keys = v.shape[1]
+        vt = _runtime.empty(self.vt_shape, v.dtype, v.device)
+        vt[..., :keys].copy_(v.permute(0, 2, 3, 1))
+        box = (1, dv, self.rows[1])
+        return launcher.HostDesc(
+            (vt, (b, hk * dv, keys), (hk * dv * padded, padded, 1), box, gluon_layout(v.dtype, box))
+        )
 
 
 def _divisors(n: int) -> list[int]:

@@ -22,6 +22,8 @@ GLUON_HEAD_DIMS = {
     "fwd": ((64, 64), (128, 128), (256, 256), (192, 128)),
     "bwd": ((64, 64), (128, 128), (256, 256), (192, 128)),
 }
+# the (q/k, v) head dims the Gluon forward runs on e4m3 inputs (FP8; no backward)
+GLUON_FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 # The kernels a plan names (force() takes a tile for each):
 #   fwd, bwd_dkdv + bwd_dq: the Triton kernels (kernels/fwd.py, kernels/bwd.py), every arch and option;
 #   fwd_hopper_persist: the persistent warp-specialized Gluon forward (kernels/fwd_hopper.py; grid = #SMs;
@@ -216,14 +218,23 @@ _OTHER = [
       for row in _triton("interp", d, elem_bytes, INTERP, INTERP, INTERP, "the interpreter: few big steps",
                          dsplit=2 if d > 256 else 1)),  # (the split backward, tested on the CPU)
 ]
-# FP8 (float8_e4m3fn q, k, v with descales; the forward only, as FA3): the Triton forward on every arch, the Gluon
-# kernels being fp16/bf16. On sm_90 (and sm_89) the e4m3 tiles go straight into the dots (wgmma/mma e4m3), V read
+# FP8 (float8_e4m3fn q, k, v with descales; the forward only, as FA3). On sm_90 the Gluon forward at d64/128/256
+# (fwd_hopper_tile.FwdConfig's FP8: e4m3 wgmmas, V^T staged by the producer, O through a bf16 buffer of its own),
+# else the Triton forward. On sm_90 (and sm_89) the e4m3 tiles go straight into the dots (wgmma/mma e4m3), V read
 # transposed (kernels/fwd.vt_src: wgmma's e4m3 operands are K-major); sm_80/86 decode the codes to bf16 once loaded and
-# keep their bf16 tiles (shared memory holds e4m3: half of what those tiles were sized for; not measured). sm_90 rows:
-# H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run. Rejected: V as it is
-# (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389 (bench/results/fp8-nvidia-h200.md, its H100 sweep).
+# keep their bf16 tiles (shared memory holds e4m3: half of what those tiles were sized for; not measured). sm_90 Triton
+# rows: H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run. Rejected: V as
+# it is (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389
+# (bench/results/fp8-nvidia-h200.md, its H100 sweep).
 _FP8_WHY = "FP8: "
+_FP8_GLUON_WHY = _FP8_WHY + "the 16-bit Gluon row's kernel and tile (e4m3: half its shared memory); "
 _FP8 = [
+    Row("fwd", "sm90", 64, 1, "fwd_hopper_persist", T(64, 128, 12, 3, qbuf=2),
+        why=_FP8_GLUON_WHY + "not yet measured against the Triton row"),
+    Row("fwd", "sm90", 128, 1, "fwd_hopper_persist", T(64, 128, 8, 2, qbuf=2),
+        why=_FP8_GLUON_WHY + "not yet measured against the Triton row"),
+    Row("fwd", "sm90", 256, 1, "fwd_hopper_ws", T(64, 64, 4, 2),
+        why=_FP8_GLUON_WHY + "not yet measured against the Triton row"),
     Row("fwd", "sm90", 64, 1, "fwd", T(64, 128, 4, 3),
         why=_FP8_WHY + "H100 sweep d64 8k: 506 (128x128w4s3 485, 128x64w4s3 432; bf16 Gluon 515)"),
     Row("fwd", "sm90", 128, 1, "fwd", T(64, 128, 4, 3),

@@ -42,5 +42,10 @@ def gluon_layout(dtype: torch.dtype, box: tuple[int, ...]):
     swizzle for it (tools/compile_check.py compiles the Gluon kernels with the same)."""
     from triton.experimental.gluon import language as gl
 
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    gl_dtype = {
+        torch.float16: gl.float16,
+        torch.bfloat16: gl.bfloat16,
+        torch.float32: gl.float32,
+        torch.float8_e4m3fn: gl.float8e4nv,
+    }[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)

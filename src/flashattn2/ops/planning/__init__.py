@@ -24,6 +24,7 @@ from .. import spec as specs
 from ..modes import ARCHS, Forced, arch_of, entered, force, forced, native_arch, wgmma  # noqa: F401  (the API of plans)
 from ..tables import (  # noqa: F401  (TABLE and its types are read through this module)
     DECODE_ROWS,
+    GLUON_FP8_HEAD_DIMS,
     GLUON_HEAD_DIMS,
     GLUON_KERNELS,
     HEAD_DIM_BUCKETS,

@@ -18,18 +18,19 @@ from ..geometry import block_d
 from ...kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_DOTS_INTERP, FP8_FP32, FP8_NONE
 from ..checks import E4M3
 from ..modes import Forced, fp8_dots, forced, wgmma
-from ..tables import GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
+from ..tables import GLUON_FP8_HEAD_DIMS, GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
 from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
 from .decoding import sm_count
 
 
 def _gluon_requires(direction: str):
     """Why a call cannot run the Gluon kernels of `direction`, or None: they take dense fp16/bf16 inputs with a
-    (q/k, v) head-dim pair of GLUON_HEAD_DIMS, causal or not and no other score modification, keys present, on a
-    device and tensors they run on (Features.gluon)."""
-    pairs = GLUON_HEAD_DIMS[direction]
+    (q/k, v) head-dim pair of GLUON_HEAD_DIMS (the forward: e4m3 ones too, GLUON_FP8_HEAD_DIMS), causal or not and
+    no other score modification, keys present, on a device and tensors they run on (Features.gluon)."""
 
     def why_not(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
+        fp8 = dtype == E4M3 and direction == "fwd"
+        pairs = GLUON_FP8_HEAD_DIMS if fp8 else GLUON_HEAD_DIMS[direction]
         if features.varlen:
             return "varlen: the Gluon kernels take dense inputs"
         if features.score_mods:
@@ -37,9 +38,12 @@ def _gluon_requires(direction: str):
         if (head_dim, head_dim_v) not in pairs:
             return (
                 f"head dims {head_dim}/{head_dim_v}: the Gluon kernels take {', '.join(f'{a}/{b}' for a, b in pairs)}"
+                + (" on e4m3 inputs" if fp8 else "")
             )
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"{dtype}: the Gluon kernels take fp16 and bf16"
+        if dtype not in (torch.float16, torch.bfloat16) and not fp8:
+            return f"{dtype}: the Gluon kernels take fp16 and bf16" + (
+                " (the forward: e4m3 too)" if direction == "bwd" else ""
+            )
         if max_seqlen_k == 0:
             return "no keys"
         if not features.gluon:
@@ -210,9 +214,11 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     out = out_spec(s, out_dtype(s.q.dtype, arch))
     tensors = (s.q, s.k, s.v, out, *extra)
     gluon, gluon_why = False, "varlen: the Gluon kernels take dense inputs"
-    if s.q.dtype == E4M3:
-        gluon_why = "FP8: the Gluon kernels take fp16 and bf16"
-    elif not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in GLUON_HEAD_DIMS[direction]:
+    fp8 = s.q.dtype == E4M3
+    pairs = GLUON_FP8_HEAD_DIMS if fp8 else GLUON_HEAD_DIMS[direction]
+    if fp8 and (direction != "fwd" or fp8_mode(s) != FP8_DOTS):
+        gluon_why = "FP8: the Gluon forward takes e4m3 into its dots on an sm_90 device"
+    elif not s.varlen and (s.q.shape[-1], s.v.shape[-1]) in pairs:
         gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
     persist = not (gluon and direction == "fwd") or _persist_counter(s)
     features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why, persist)
@@ -237,7 +243,9 @@ def forward(s: specs.AttentionSpec) -> Plan:
     args, tma, host = attention_plan(s, "fwd", True)
     plan = _lookup(*args)
     fp8 = fp8_mode(s)  # (FP8: V goes transposed, not through host-built descriptors: kernels/fwd.vt_src)
-    return plan if plan.gluon else replace(plan, tma=tma, host_desc=host and not fp8, fp8=fp8)
+    if plan.gluon:
+        return replace(plan, fp8=fp8) if fp8 else plan
+    return replace(plan, tma=tma, host_desc=host and not fp8, fp8=fp8)
 
 
 def backward(b: specs.BackwardSpec) -> Plan:
