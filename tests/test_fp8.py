@@ -231,6 +231,26 @@ def test_device_path_at_size():
     _check(out, None, (q64, k64, v64), dots, causal=True)
 
 
+@pytest.mark.parametrize("keys", [5, 32, 77, 128])
+def test_gluon_key_order_keeps_pv(keys):
+    """The FP8 Gluon forward takes P's keys in a shuffle-free order in each group of 32 (FwdConfig.p_operand's
+    reshape and permute, written again here in torch) and V^T's copy (launch_gluon.fp8_vt) holds its keys in the same
+    order, so P V is unchanged; the copy's keys past v's are zeros (P is 0 there, and 0 * NaN would not be)."""
+    from flashattn2.ops.launch_gluon import FP8_GROUP, fp8_vt
+
+    padded = -(-keys // FP8_GROUP) * FP8_GROUP
+    v = torch.randn(2, keys, 3, 16, dtype=torch.float64)
+    vt = fp8_vt(v, torch.full((2, 3, 16, padded), float("nan"), dtype=torch.float64))
+    assert torch.isfinite(vt).all() and vt.eq(0).sum(-1).eq(padded - keys).all()  # every column written
+    p = torch.rand(2, 3, 8, padded, dtype=torch.float64)
+    p[..., keys:] = 0  # (the kernel's masked keys)
+    p_kernel = p.reshape(2, 3, 8, padded // 32, 2, 2, 4, 2).permute(0, 1, 2, 3, 4, 6, 5, 7).reshape(2, 3, 8, padded)
+    assert not torch.equal(p_kernel, p)  # (a test of the order, not of the identity)
+    got = p_kernel @ vt.transpose(-1, -2)
+    want = p[..., :keys] @ v.permute(0, 2, 1, 3)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward's FP8 path: an sm_90 device")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])

@@ -38,6 +38,25 @@ def _acc_layout(cols, num_warps, k=16):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, k])
 
 
+@gluon.jit
+def _e4m3x4(x):
+    """fp32 -> e4m3 (round to nearest even, saturating: as .to(float8e4nv)), four consecutive elements of a thread
+    into one register by two cvt.e4m3x2 (Triton's own cast packs them one byte at a time)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        }""",
+        "=r,r,r,r,r",
+        [x],
+        dtype=gl.float8e4nv,
+        is_pure=True,
+        pack=4,
+    )
+
+
 @aggregate
 class FwdConfig:
     """A forward kernel's constexprs, passed to every partition, and a consumer warpgroup's tile shape and layouts
@@ -154,6 +173,31 @@ class FwdConfig:
         else:
             view = reinterpret(smem.index(stage), smem.dtype, [self.BLOCK_N, self.HEAD_DIM_V], self.v_tile)
         return view
+
+    @gluon.jit
+    def p_operand(self, p, dtype: gl.constexpr):
+        """P (fp32, S's accumulator layout) as the next PV's register A operand, in the dots' type (dtype: Q's). FP8:
+        still fp32 (issue_pv converts it, where the packed registers go straight into the wgmma: converted here, the
+        loop would carry single bytes and repack them), its key columns in the order of each 32-key group in which a
+        thread's accumulator registers are the A operand's (no shuffle between threads); V^T's copy holds its keys
+        in the same order (ops.launch_gluon.fp8_vt), so P V is unchanged -- FA3's trick."""
+        if self.FP8:
+            # column c = 16 h + 8 g + 2 t + j of a 32-key group (the accumulator: thread t holds 2t, 2t + 1 of each
+            # 8) becomes k = 16 h + 4 t + 2 g + j (the e4m3 A operand: thread t holds 4t .. 4t + 3 of each 16)
+            p = p.reshape([self.BLOCK_M, self.BLOCK_N // 32, 2, 2, 4, 2])
+            p = p.permute((0, 1, 2, 4, 3, 5)).reshape([self.BLOCK_M, self.BLOCK_N])
+            op = gl.convert_layout(p, self.p_layout)
+        else:
+            op = gl.convert_layout(p.to(dtype), self.p_layout)
+        return op
+
+    @gluon.jit
+    def issue_pv(self, p_op, v_op, acc):
+        """O += P V as an asynchronous wgmma (p_op: p_operand's): the token to wait for. FP8: P rounded to e4m3 here,
+        four keys to a register (_e4m3x4)."""
+        if self.FP8:
+            p_op = _e4m3x4(p_op)
+        return warpgroup_mma(p_op, v_op, acc, is_async=True)
 
     @gluon.jit
     def v_load(self, V, off_b, blk, v_col, bar, smem, buf, pred):
@@ -380,11 +424,11 @@ def _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, MASKED: gl.const
     PV's operand, m, l)."""
     s_tok = sm.cfg.issue_qk(q_op, loads.k_wait(j), s_zero)
     v_op = loads.v_wait(j, True)
-    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)  # acc is in the scale of m_{j-1}
+    acc_tok = sm.cfg.issue_pv(p_op, v_op, acc)  # acc is in the scale of m_{j-1}
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_j done; PV_{j-1} may still run
     loads.k_done(j, False)
     p, alpha, m_i, l_i = sm.step(s, m_i, l_i, j * sm.cfg.BLOCK_N, MASKED)
-    p_next = gl.convert_layout(p.to(q_op[0].dtype), sm.cfg.p_layout)
+    p_next = sm.cfg.p_operand(p, q_op[0].dtype)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     loads.v_done(j)
     acc = acc * gl.convert_layout(alpha, sm.cfg.row_o)[:, None]
@@ -407,7 +451,7 @@ def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     loads.k_done(0, True)
     p, alpha, m_i, l_i = sm.step(s, m_i, l_i, 0, mask_from == 0)
-    p_op = gl.convert_layout(p.to(q_op[0].dtype), cfg.p_layout)
+    p_op = cfg.p_operand(p, q_op[0].dtype)
 
     for j in range(1, gl.maximum(mask_from, 1)):
         acc, p_op, m_i, l_i = _attn_step(acc, p_op, m_i, l_i, q_op, s_zero, loads, sm, j, False)
@@ -416,7 +460,7 @@ def _attn_tile(q_op, loads, sm, n_blocks, mask_from):
 
     # the last block's PV
     v_op = loads.v_wait(n_blocks, False)
-    acc_tok = warpgroup_mma(p_op, v_op, acc, is_async=True)
+    acc_tok = cfg.issue_pv(p_op, v_op, acc)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     loads.v_done(n_blocks)
     return acc, m_i, l_i

@@ -40,7 +40,8 @@ class ForwardLaunch:
         self.ints = (*layout.lse_strides, *layout.shape, layout.score[2])
         self.vt_shape = None
         if layout.descale_strides is not None:
-            self.vt_shape = (layout.batch, layout.nheads_k, layout.head_dim_v, -(-layout.v_keys // 16) * 16)
+            keys = -(-layout.v_keys // FP8_GROUP) * FP8_GROUP
+            self.vt_shape = (layout.batch, layout.nheads_k, layout.head_dim_v, keys)
         self.launch = launcher.Launch(
             kernel,
             CAUSAL=plan.causal,
@@ -86,17 +87,40 @@ class ForwardLaunch:
         return out, lse
 
     def _vt_desc(self, v: torch.Tensor) -> launcher.HostDesc:
-        """V transposed into a fresh (batch, kv heads, head dim, padded keys) copy -- one pass over V's bytes -- and
-        its descriptor over (batch, kv heads * head dim, keys) with a [1, head dim, BLOCK_N] box: the keys past v's
-        are outside it (TMA reads zeros there), not the copy's padding."""
+        """V transposed into a fresh (batch, kv heads, head dim, keys padded to 32) copy in FP8_KEY_ORDER (fp8_vt),
+        and its descriptor over (batch, kv heads * head dim, padded keys) with a [1, head dim, BLOCK_N] box."""
         b, hk, dv, padded = self.vt_shape
-        keys = v.shape[1]
-        vt = _runtime.empty(self.vt_shape, v.dtype, v.device)
-        vt[..., :keys].copy_(v.permute(0, 2, 3, 1))
+        vt = fp8_vt(v, _runtime.empty(self.vt_shape, v.dtype, v.device))
         box = (1, dv, self.rows[1])
         return launcher.HostDesc(
-            (vt, (b, hk * dv, keys), (hk * dv * padded, padded, 1), box, gluon_layout(v.dtype, box))
+            (vt, (b, hk * dv, padded), (hk * dv * padded, padded, 1), box, gluon_layout(v.dtype, box))
         )
+
+
+# The FP8 Gluon forward's keys in each group of 32 (kernels/fwd_hopper_tile.FwdConfig.p_operand): position
+# k = 16 h + 4 t + 2 g + j holds key 16 h + 8 g + 2 t + j. As dims (h, t, g, j) of a group: the keys' (h, g, t, j)
+# with g and t swapped.
+FP8_GROUP = 32
+_KEYS_AS_DIMS, _KEY_ORDER = (2, 2, 4, 2), (0, 2, 1, 3)  # a group's keys as (h, g, t, j); the copy's dims from them
+
+
+def fp8_vt(v: torch.Tensor, vt: torch.Tensor) -> torch.Tensor:
+    """vt (batch, kv heads, head dim, padded keys, a multiple of 32, contiguous) filled with v (batch, keys, kv heads,
+    head dim) transposed, each group of 32 keys in the FP8 Gluon forward's order (FP8_GROUP: no shuffle of P between
+    threads), zeros for the keys past v's (vt holds ceil(keys / 32) groups): one strided copy of the whole groups,
+    and the last group's through a zero-padded 32-key staging tensor where the keys do not fill it."""
+    b, keys, hk, dv = v.shape
+    whole, rest = divmod(keys, FP8_GROUP)
+    dst = vt.unflatten(3, (vt.shape[3] // FP8_GROUP, *(_KEYS_AS_DIMS[i] for i in _KEY_ORDER)))
+    order = (0, 6, 7, 1, *(2 + i for i in _KEY_ORDER))  # (batch, kv head, head dim, group, its key dims)
+    if whole:
+        src = v[:, : whole * FP8_GROUP].unflatten(1, (whole, *_KEYS_AS_DIMS))
+        dst[:, :, :, :whole].copy_(src.permute(order))
+    if rest:
+        tail = v.new_zeros((b, FP8_GROUP, hk, dv))
+        tail[:, :rest] = v[:, whole * FP8_GROUP :]
+        dst[:, :, :, whole : whole + 1].copy_(tail.unflatten(1, (1, *_KEYS_AS_DIMS)).permute(order))
+    return vt
 
 
 def _divisors(n: int) -> list[int]:
