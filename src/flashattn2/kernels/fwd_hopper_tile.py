@@ -254,9 +254,10 @@ class Fp8Scales:
     @gluon.jit
     def value_scale(self, off_b, off_hk):
         """v's descale of (off_b, off_hk) (1.0 without one)."""
-        scale = 1.0
         if self.v is not None:
             scale = gl.load(self.v + off_b * self.v_b + off_hk * self.v_h)
+        else:
+            scale = gl.constexpr(1.0)
         return scale
 
 
@@ -373,16 +374,22 @@ class OnlineSoftmax:
         logsumexp +inf and factor 1, so O = 0 (flash-attn 2's convention). SINK: the sink joins the denominator
         here, once (m = max(m_i, sink2), l = l_i * alpha + exp2(sink2 - m), factor alpha / l with
         alpha = exp2(m_i - m)); a row that saw no key then has O = 0 and logsumexp the sink's logit, as
-        kernels/common.py's sink_join."""
+        kernels/common.py's sink_join. FP8: the factor carries v's descale too."""
         if self.cfg.SINK:
             m = gl.maximum(m_i, self.sink2)
             alpha = gl.exp2(m_i - m)
             l_all = l_i * alpha + gl.exp2(self.sink2 - m)
+            if self.cfg.FP8:
+                alpha = alpha * self.v_scale
             return (m + gl.log2(l_all)) * LN2, alpha / l_all
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-        return lse, 1.0 / l_safe
+        if self.cfg.FP8:
+            factor = self.v_scale / l_safe
+        else:
+            factor = 1.0 / l_safe
+        return lse, factor
 
 
 @gluon.jit
