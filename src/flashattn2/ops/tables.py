@@ -223,19 +223,20 @@ _OTHER = [
 # else the Triton forward. On sm_90 (and sm_89) the e4m3 tiles go straight into the dots (wgmma/mma e4m3), V read
 # transposed (kernels/fwd.vt_src: wgmma's e4m3 operands are K-major); sm_80/86 decode the codes to bf16 once loaded and
 # keep their bf16 tiles (shared memory holds e4m3: half of what those tiles were sized for; not measured). sm_90 Triton
-# rows: H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run. Rejected: V as
+# rows: H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run; the Gluon rows'
+# numbers: bench fp8 on an H100 (bench/results/fp8-nvidia-h100.md), 16k tokens, hidden 2048. Rejected: V as
 # it is (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389
 # (bench/results/fp8-nvidia-h200.md, its H100 sweep).
 _FP8_WHY = "FP8: "
-_FP8_GLUON_WHY = _FP8_WHY + "the 16-bit Gluon row's kernel and tile (e4m3: half its shared memory); "
+_FP8_GLUON_WHY = _FP8_WHY + "the 16-bit Gluon row's kernel and tile (not swept for FP8); "
 _FP8 = [
     Row("fwd", "sm90", 64, 1, "fwd_hopper_persist", T(64, 128, 12, 3, qbuf=2),
-        why=_FP8_GLUON_WHY + "not yet measured against the Triton row"),
+        why=_FP8_GLUON_WHY + "H100 16k 625, causal 568 TFLOP/s (the Triton row 540/416; bf16 502/471)"),
     Row("fwd", "sm90", 128, 1, "fwd_hopper_persist", T(64, 128, 8, 3, qbuf=2),
         why=_FP8_WHY + "H100 d128 8k: 768, causal 654, 2k 502 (s2 740/603/484; 64x256 691/576/465; 3 consumers s2 "
             "702/618/459; the Triton row 704/551/436; bf16 Gluon 661/614/625)"),
     Row("fwd", "sm90", 256, 1, "fwd_hopper_ws", T(64, 64, 4, 2),
-        why=_FP8_GLUON_WHY + "not yet measured against the Triton row"),
+        why=_FP8_GLUON_WHY + "H100 16k 905, causal 871 TFLOP/s (the Triton row 791/689; bf16 700/655)"),
     Row("fwd", "sm90", 64, 1, "fwd", T(64, 128, 4, 3),
         why=_FP8_WHY + "H100 sweep d64 8k: 506 (128x128w4s3 485, 128x64w4s3 432; bf16 Gluon 515)"),
     Row("fwd", "sm90", 128, 1, "fwd", T(64, 128, 4, 3),
