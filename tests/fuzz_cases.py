@@ -1122,11 +1122,13 @@ def _run_bad_kvcache(p, gen, device):
         name = {"cache_seqlens": "cache_seqlens", "cache_leftpad": "cache_leftpad"}.get(which, which)
         kwargs[name] = kwargs[name].clone()
         kwargs[name][b] = value
-    if p["checks"] or which == "cache_seqlens_int":
+    # a paged call past its pages: flash_attn's own check (one read of max(cache_seqlens)) raises, value checks or not
+    past_pages = p["page"] and which == "cache_seqlens" and value + p["seqlen_new"] > p["capacity"]
+    if p["checks"] or which == "cache_seqlens_int" or past_pages:
         lay = p["layouts"]
         kc, vc = _like(k_cache, lay["k_cache"]), _like(v_cache, lay["v_cache"])
         call = lambda: flashattn2.flash_attn_with_kvcache(q, kc, vc, **kwargs, num_splits=p["num_splits"])  # noqa: E731
-        _raises(p, call, BAD_KVCACHE_MATCH[which])
+        _raises(p, call, "block_table" if past_pages and not p["checks"] else BAD_KVCACHE_MATCH[which])
         assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache), "a cache was written before the error"
         return
     out, lse, _, _ = _our_kvcache(p, q, k_cache, v_cache, kwargs)  # no error, whatever the bad sequence gets

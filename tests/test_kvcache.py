@@ -730,3 +730,30 @@ def test_decode_plan():
         capacity = -(-capacity // page) * page if page else capacity  # whole pages
         assert chunk % block_n == 0 and (splits - 1) * chunk < capacity <= splits * chunk, (capacity, splits, chunk)
         assert 1 <= splits <= planning.MAX_SPLITS
+
+
+@pytest.mark.parametrize("seqlen_new", [0, 3])
+def test_paged_call_past_its_pages_raises(seqlen_new):
+    """flash_attn's one check of a paged call: max(cache_seqlens) + seqlen_new past block_table's capacity
+    (max_num_blocks_per_seq * page_size) raises RuntimeError naming block_table, before anything is written; at the
+    capacity exactly, the call runs."""
+    page, pages_per_seq, batch = 4, 3, 2
+    capacity = page * pages_per_seq
+    k_cache = torch.randn(batch * pages_per_seq, page, 2, 16, device=DEVICE, dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.arange(batch * pages_per_seq, dtype=torch.int32, device=DEVICE).view(batch, pages_per_seq)
+    q = torch.randn(batch, 1, 2, 16, device=DEVICE, dtype=torch.float16)
+    new = {} if not seqlen_new else {"k": torch.randn(batch, seqlen_new, 2, 16, device=DEVICE, dtype=torch.float16)}
+    if new:
+        new["v"] = torch.randn_like(new["k"])
+    k_before = k_cache.clone()
+    for end, raises in ((capacity + 1, True), (capacity, False)):
+        seqlens = torch.tensor([1, end - seqlen_new], dtype=torch.int32, device=DEVICE)
+        kc = k_before.clone()
+        if raises:
+            with pytest.raises(RuntimeError, match="block_table"):
+                flashattn2.flash_attn_with_kvcache(q, kc, v_cache, cache_seqlens=seqlens, block_table=table, **new)
+            assert torch.equal(kc, k_before)
+        else:
+            out = flashattn2.flash_attn_with_kvcache(q, kc, v_cache, cache_seqlens=seqlens, block_table=table, **new)
+            assert out.isfinite().all()

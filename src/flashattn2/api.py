@@ -522,8 +522,12 @@ def flash_attn_with_kvcache(
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse).
 
-    The values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are not read
-    back (the call never waits for the GPU), and flash_attn does not check them either; a value
+    With block_table, the largest cache_seqlens plus the new tokens must fit the pages
+    (max_num_blocks_per_seq * page_size), or the call raises RuntimeError naming block_table:
+    flash_attn's one check of a paged call, one read of cache_seqlens' maximum (a host sync; not
+    made while torch.compile traces or a CUDA graph is captured, where the kernels' guard below
+    holds). The other values of cache_seqlens, cache_batch_idx, cache_leftpad and block_table
+    are not read back, and flash_attn does not check them either; a value
     out of range writes nothing that another index names: the append drops a write whose
     target is out of range (all of a sequence's tokens when its cache_batch_idx is; a token whose
     position cache_seqlens + i lies outside [0, capacity), or whose block_table entry does not
@@ -548,6 +552,8 @@ def flash_attn_with_kvcache(
     )  # fmt: skip
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, seqlen_int = cache_seqlens, 0
+        if block_table is not None and not checks.value_checks():  # (with them, the kernels' check says more)
+            checks.check_block_table_capacity(cache_seqlens, call.capacity, 0 if k is None else k.shape[1])
     else:  # an int is checked here (no device read); the tensors' values by the kernels
         seqlens, seqlen_int = None, call.seqlen(cache_seqlens, rotary_cos)
     if not checks.value_checks() or (

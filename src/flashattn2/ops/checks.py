@@ -525,6 +525,28 @@ def check_kvcache_seqlen(
         raise ArgumentError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs {rotary_end}")
 
 
+def host_reads_allowed() -> bool:
+    """Whether a check may read device values back: not while torch.compile traces, nor while a CUDA graph is
+    captured."""
+    return not (
+        torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
+
+
+def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqlen_new: int) -> None:
+    """flash_attn's check of a paged KV-cache call (its one .max().item(), on the paged path alone): the largest
+    cache_seqlens plus the new tokens within block_table's capacity, max_num_blocks_per_seq * page_size. Not made
+    where host_reads_allowed() says no (the kernels drop the writes past the pages there)."""
+    if cache_seqlens.numel() == 0 or not host_reads_allowed():
+        return
+    end = int(cache_seqlens.max()) + seqlen_new
+    if end > capacity:
+        raise ArgumentError(
+            f"block_table: max(cache_seqlens) + seqlen_new reaches {end} positions, past its capacity of {capacity} "
+            f"(max_num_blocks_per_seq * page_size)"
+        )
+
+
 def check_kvcache_values(
     k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, q_positions=1
 ):
@@ -534,7 +556,7 @@ def check_kvcache_values(
     KV-cache call runs it for its message once the kernels' own check found a bad value.
     Skipped while torch.compile traces and while a CUDA graph is captured (a host read is not
     allowed there)."""
-    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not host_reads_allowed():
         return
     seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
