@@ -366,14 +366,53 @@ def test_varlen_forward_with_block_table_matches_flash_attn_varlen_func():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and s_dmask.numel() == 0
 
 
-@pytest.mark.parametrize("arg", ["leftpad_k", "seqused_k"])
-def test_unsupported_varlen_arguments_raise_not_implemented(arg):
+def test_unsupported_varlen_arguments_raise_not_implemented():
     q, k, v = (t.flatten(0, 1) for t in qkv((1, 8, 8, 2, 2, 16)))
     cu = cu_seqlens([8])
-    with pytest.raises(NotImplementedError, match=arg):
-        fai._flash_attn_varlen_forward(
-            q, k, v, cu, cu, 8, 8, 0.0, None, False, **{arg: torch.tensor([8], device=DEVICE, dtype=torch.int32)}
+    used = torch.tensor([8], device=DEVICE, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="leftpad_k"):
+        fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False, leftpad_k=used)
+    with pytest.raises(NotImplementedError, match="seqused_k"):
+        fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.1, None, False, seqused_k=used)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_forward_seqused_k(paged):
+    """seqused_k (flash_attn's: sequence b uses its first seqused_k[b] keys), on packed keys and on pages: each
+    sequence against the reference over those keys; bad seqused_k raises naming it."""
+    lengths_q, lengths_k, used = [3, 1, 5], [20, 9, 16], [11, 9, 1]
+    h, hk, d, page = 4, 2, 32, 8
+    q = torch.randn(sum(lengths_q), h, d, device=DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(sum(lengths_k), hk, d, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    seqused = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    keys, values, table = k, v, None
+    if paged:  # each sequence's keys on its own pages, a page of another sequence between them
+        pages_per_seq = 3
+        keys, values = (
+            torch.randn(len(used) * pages_per_seq, page, hk, d, device=DEVICE, dtype=torch.float16) for _ in range(2)
         )
+        table = torch.arange(len(used) * pages_per_seq, dtype=torch.int32, device=DEVICE).view(pages_per_seq, -1).T
+        table = table.contiguous()
+    out, lse, _, _ = fai._flash_attn_varlen_forward(
+        q, keys, values, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.0, None, True, block_table=table,
+        seqused_k=seqused,
+    )  # fmt: skip
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for b, n in enumerate(used):
+        rq = slice(starts_q[b], starts_q[b + 1])
+        if paged:
+            kb, vb = (t[table[b].long()].flatten(0, 1)[:n] for t in (keys, values))
+        else:
+            kb, vb = k[starts_k[b] : starts_k[b] + n], v[starts_k[b] : starts_k[b] + n]
+        ref, ref_lse = attention_ref(q[None, rq], kb[None], vb[None], causal=True)
+        low, _ = attention_ref(q[None, rq], kb[None], vb[None], causal=True, upcast=False)
+        assert_close(f"sequence {b}", out[None, rq], ref, low, FWD_FACTOR)
+        torch.testing.assert_close(lse[:, rq], ref_lse[0].float(), atol=1e-3, rtol=0)  # (+inf: rows seeing no key)
+    with pytest.raises(ArgumentTypeError, match="seqused_k"):
+        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 5, 20, 0.0, None, True, seqused_k=seqused.long())
+    with pytest.raises(ArgumentError, match="seqused_k"):
+        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 5, 20, 0.0, None, True, seqused_k=seqused[:2])
 
 
 def test_varlen_forward_num_splits():
@@ -385,6 +424,10 @@ def test_varlen_forward_num_splits():
     assert torch.equal(out, split) and torch.equal(lse, split_lse)
     with pytest.raises(ArgumentError, match="num_splits"):
         fai._flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, 0.0, None, False, num_splits=-1)
+    # flash_attn's paged path takes no split count
+    pages, table = k.unflatten(0, (2, 4)), torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
+        fai._flash_attn_varlen_forward(q, pages, pages, cu, cu, 8, 8, 0.0, None, False, block_table=table, num_splits=2)
 
 
 def test_bad_arguments():

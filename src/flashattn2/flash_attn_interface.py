@@ -33,7 +33,7 @@ and the autograd classes' `.apply` with 2.8's positional arguments. Where flasha
   function, whose autograd.Function is flashattn2's.
 
 Valid arguments flashattn2 cannot serve raise NotImplementedError naming the argument
-(leftpad_k, seqused_k); bad ones raise flashattn2.errors.ArgumentError / ArgumentTypeError.
+(leftpad_k; dropout with seqused_k); bad ones raise flashattn2.errors.ArgumentError / ArgumentTypeError.
 """
 
 from __future__ import annotations
@@ -267,11 +267,15 @@ def _flash_attn_varlen_forward(
             pages (num_blocks, page_size, nheads_k, headdim) (forward only, no dropout).
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table: as
             flash_attn_varlen_func.
-        leftpad_k, seqused_k: not supported (NotImplementedError unless None).
+        seqused_k: int32 (batch,): sequence b uses only its first seqused_k[b] keys (of its
+            packed keys from cu_seqlens_k[b], or of its pages); forward only, no dropout
+            (NotImplementedError), as flash_attn's paged path. Its values are not read back.
+        leftpad_k: not supported (NotImplementedError unless None).
         zero_tensors: True makes softmax_lse -inf (flash_attn's fill) in rows past
             cu_seqlens_q[-1]; out is 0 there either way.
         num_splits: accepted as flash_attn's later 2.8 builds take it (a non-negative int; a
-            speed knob there, the result is the same, so flashattn2 ignores its value).
+            speed knob there, the result is the same, so flashattn2 ignores its value); with
+            block_table more than 1 raises, as flash_attn's "not supported for varlen paged KV".
         Other arguments as _flash_attn_forward.
     Returns:
         (out (total_q, nheads, headdim), softmax_lse (nheads, total_q) float32, S_dmask,
@@ -280,9 +284,13 @@ def _flash_attn_varlen_forward(
     _half_only(q)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ArgumentError(f"_flash_attn_varlen_forward: num_splits must be an int >= 0, got {num_splits!r}")
-    for name, value in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
-        if value is not None:
-            raise NotImplementedError(f"_flash_attn_varlen_forward: {name} is not supported by flashattn2 (pass None)")
+    if leftpad_k is not None:
+        raise NotImplementedError("_flash_attn_varlen_forward: leftpad_k is not supported by flashattn2 (pass None)")
+    if block_table is not None and num_splits > 1:
+        raise ArgumentError(f"num_splits > 1 is not supported for varlen paged KV (block_table), got {num_splits}")
+    if seqused_k is not None:
+        checks.check_seqused_k(seqused_k, cu_seqlens_q, dropout_p, "_flash_attn_varlen_forward")
+        k, v, block_table, cu_seqlens_k = seqused_pages(seqused_k, cu_seqlens_k, max_seqlen_k, k, v, block_table)
     if block_table is not None:
         return _varlen_paged_forward(
             q,
@@ -319,6 +327,22 @@ def _flash_attn_varlen_forward(
     if zero_tensors:
         _fill_lse_tail(lse, cu_q)
     return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
+
+
+def key_pages(cu_seqlens_k: torch.Tensor, max_seqlen_k: int, total_k: int) -> torch.Tensor:
+    """block_table (batch, max_seqlen_k) int32 over pages of one key: sequence b's j-th key is key cu_seqlens_k[b] + j
+    (the entries past a sequence's keys are never read; clamped to stay in range)."""
+    positions = cu_seqlens_k[:-1, None].long() + torch.arange(max_seqlen_k, device=cu_seqlens_k.device)
+    return positions.clamp_(max=max(total_k - 1, 0)).to(torch.int32)
+
+
+def seqused_pages(seqused_k, cu_seqlens_k, max_seqlen_k, k, v, block_table):
+    """flash_attn's seqused_k (sequence b uses its first seqused_k[b] keys) as the paged varlen call takes it: (k, v,
+    block_table, cu_seqlens_k): packed keys become pages of one key (key_pages) unless block_table pages them already,
+    and the key counts are cu_seqlens_k's steps. No host read."""
+    if block_table is None:
+        k, v, block_table = k.unsqueeze(1), v.unsqueeze(1), key_pages(cu_seqlens_k, max_seqlen_k, k.shape[0])
+    return k, v, block_table, torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):

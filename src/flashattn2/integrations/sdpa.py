@@ -42,7 +42,6 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ..errors import ArgumentTypeError
@@ -51,6 +50,7 @@ from ..flash_attn_interface import (
     _flash_attn_forward,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
+    seqused_pages,
 )
 from .sdpa_registration import NAME, register
 
@@ -147,13 +147,6 @@ def _seed_state(rng_state: torch.Tensor | None, dropout_p: float) -> torch.Tenso
     return state
 
 
-def _key_pages(cum_seq_k: torch.Tensor, max_k: int, total_k: int) -> torch.Tensor:
-    """block_table (batch, max_k) int32 over pages of one key: sequence b's j-th key is key cum_seq_k[b] + j (the
-    entries past a sequence's keys are never read; clamped to stay in range)."""
-    positions = cum_seq_k[:-1, None].long() + torch.arange(max_k, device=cum_seq_k.device)
-    return positions.clamp_(max=max(total_k - 1, 0)).to(torch.int32)
-
-
 def flash_attention_forward(
     query,
     key,
@@ -198,10 +191,9 @@ def flash_attention_forward(
             )
             debug_mask = dmask if return_debug_mask else debug_mask
         elif paged:
-            if block_table is None:  # packed keys of which each sequence uses a prefix: pages of one key
-                k, v, block_table = k.unsqueeze(1), v.unsqueeze(1), _key_pages(cum_seq_k, max_k, k.shape[0])
-            # seqused_k gives each sequence's key count; the paged varlen call reads them as cu_seqlens_k's steps
-            cu_k = cum_seq_k if seqused_k is None else F.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+            cu_k = cum_seq_k
+            if seqused_k is not None:  # each sequence's first seqused_k[b] keys, as the paged varlen call reads them
+                k, v, block_table, cu_k = seqused_pages(seqused_k, cum_seq_k, max_k, k, v, block_table)
             o, lse, _ = flash_attn_varlen_func(
                 q, k, v, cum_seq_q, cu_k, max_q, max_k, 0.0, scale, bool(is_causal), (left, right), 0.0, alibi_slopes,
                 False, True, block_table,

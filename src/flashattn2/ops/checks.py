@@ -525,6 +525,25 @@ def check_kvcache_seqlen(
         raise ArgumentError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions, the cache needs {rotary_end}")
 
 
+def check_seqused_k(seqused_k, cu_seqlens_q, dropout_p: float, fn: str) -> None:
+    """flash_attn's seqused_k: an int32 tensor of one count per sequence, on the queries' device; the keys it limits
+    are read through the paged varlen path, which has no dropout (NotImplementedError)."""
+    if not isinstance(seqused_k, torch.Tensor):
+        raise ArgumentTypeError(f"{fn}: seqused_k must be an int32 tensor, got {type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32:
+        raise ArgumentTypeError(f"{fn}: seqused_k must be int32, got {seqused_k.dtype}")
+    if seqused_k.device != cu_seqlens_q.device:
+        raise ArgumentError(f"{fn}: seqused_k must be on {cu_seqlens_q.device}, got {seqused_k.device}")
+    if seqused_k.shape != (cu_seqlens_q.shape[0] - 1,):
+        raise ArgumentError(
+            f"{fn}: seqused_k must have shape (batch,) = ({cu_seqlens_q.shape[0] - 1},), got {tuple(seqused_k.shape)}"
+        )
+    if dropout_p > 0:
+        raise NotImplementedError(
+            f"{fn}: dropout_p > 0 with seqused_k (flashattn2 reads its keys as pages: no dropout)"
+        )
+
+
 def host_reads_allowed() -> bool:
     """Whether a check may read device values back: not while torch.compile traces, nor while a CUDA graph is
     captured."""
