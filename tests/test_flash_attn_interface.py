@@ -538,7 +538,10 @@ def test_install_as_flash_attn_stands_in_for_every_module():
         from flash_attn.layers.rotary import apply_rotary_emb
         from flash_attn.modules.mha import MHA
         from flash_attn.utils.generation import InferenceParams
+        from flash_attn.flash_attn_interface import flash_attn_gpu
+        import flash_attn_2_cuda
         import flashattn2.flash_attn_interface as fai
+        assert flash_attn_gpu is flash_attn_2_cuda is flashattn2.flash_attn_gpu
         assert flash_attn.__version__ == flashattn2.FLASH_ATTN_VERSION == "2.8.3"
         assert flash_attn_func is flashattn2.flash_attn_func and _flash_attn_forward is fai._flash_attn_forward
         assert flash_attn.flash_attn_interface is fai and MHA is flashattn2.modules.mha.MHA
@@ -555,3 +558,52 @@ def test_install_as_flash_attn_stands_in_for_every_module():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_flash_attn_gpu_entry_points():
+    """flash_attn_gpu (flash_attn's extension module as its interface calls it): each entry point with the C++
+    positional arguments returns what the private function (or flash_attn_with_kvcache) returns, writes a given
+    out / dq, dk, dv, and refuses a generator (RuntimeError with flash_attn's message)."""
+    from flashattn2.flash_attn_interface import flash_attn_gpu as gpu
+
+    q, k, v = qkv((2, 12, 12, 4, 2, 32))
+    scale = 32**-0.5
+    out, lse, _, rng = gpu.fwd(q, k, v, None, None, 0.0, scale, True, -1, -1, 0.0, False, None)
+    want = fai._flash_attn_forward(q, k, v, 0.0, scale, True, -1, -1, 0.0, None, False)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    given = torch.empty_like(q)
+    assert gpu.fwd(q, k, v, given, None, 0.0, scale, True, -1, -1, 0.0, False, None)[0] is given
+    assert torch.equal(given, out)
+    dout = torch.randn_like(out)
+    dq, dk, dv, softmax_d = gpu.bwd(dout, q, k, v, out, lse, None, None, None, None, 0.0, scale, True, -1, -1, 0.0,
+                                    True, None, rng)  # fmt: skip (deterministic: bitwise comparable on a GPU)
+    wq, wk, wv = (torch.empty_like(t) for t in (q, k, v))
+    want_d = fai._flash_attn_backward(dout, q, k, v, out, lse, wq, wk, wv, 0.0, scale, True, -1, -1, 0.0, None, True)
+    assert all(torch.equal(a, b) for a, b in ((dq, wq), (dk, wk), (dv, wv), (softmax_d, want_d)))
+    flat = lambda t: t.flatten(0, 1)  # noqa: E731
+    cu = cu_seqlens([12, 12])
+    vout, vlse, _, _ = gpu.varlen_fwd(flat(q), flat(k), flat(v), None, cu, cu, None, None, None, None, 12, 12, 0.0,
+                                      scale, False, True, -1, -1, 0.0, False, None, 0)  # fmt: skip
+    assert torch.equal(vout, flat(out))
+    vdq = gpu.varlen_bwd(flat(dout), flat(q), flat(k), flat(v), vout, vlse, None, None, None, cu, cu, None, 12, 12,
+                         0.0, scale, False, True, -1, -1, 0.0, True, None, None)[0]  # fmt: skip
+    assert torch.equal(vdq, flat(wq))
+    seqlens = torch.tensor([12, 7], dtype=torch.int32, device=DEVICE)
+    kv_out, kv_lse = gpu.fwd_kvcache(q[:, :1], k, v, None, None, seqlens, None, None, None, None, None, None, None,
+                                     scale, True, -1, -1, 0.0, True, 0)  # fmt: skip
+    want_out, want_lse = flashattn2.flash_attn_with_kvcache(
+        q[:, :1], k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=True, return_softmax_lse=True
+    )
+    assert torch.equal(kv_out, want_out) and torch.equal(kv_lse, want_lse)
+    bad = torch.empty(1, device=DEVICE)
+    match = r"generator` argument is no longer supported"
+    with pytest.raises(RuntimeError, match=match):
+        gpu.fwd(q, k, v, None, None, 0.0, scale, True, -1, -1, 0.0, False, bad)
+    with pytest.raises(RuntimeError, match=match):
+        gpu.bwd(q, q, k, v, q, lse, None, None, None, None, 0.0, scale, True, -1, -1, 0.0, False, bad, None)
+    with pytest.raises(RuntimeError, match=match):
+        gpu.varlen_fwd(flat(q), flat(k), flat(v), None, cu, cu, None, None, None, None, 12, 12, 0.0, scale, False,
+                       True, -1, -1, 0.0, False, bad, 0)  # fmt: skip
+    with pytest.raises(RuntimeError, match=match):
+        gpu.varlen_bwd(flat(q), flat(q), flat(k), flat(v), flat(q), vlse, None, None, None, cu, cu, None, 12, 12,
+                       0.0, scale, False, True, -1, -1, 0.0, False, bad, None)  # fmt: skip

@@ -14,7 +14,8 @@ FLASH_ATTN_VERSION = "2.8.3"
 
 def install_as_flash_attn() -> None:
     """Make `import flash_attn` and its modules (`flash_attn.flash_attn_interface`, `.bert_padding`,
-    `.layers.rotary`, `.modules.mha`, `.utils.generation`) give flashattn2's. Call it before importing a library
+    `.layers.rotary`, `.modules.mha`, `.utils.generation`, and the extension `flash_attn_2_cuda` unless one is
+    imported) give flashattn2's. Call it before importing a library
     that imports flash_attn. `flash_attn` is a stand-in package holding flashattn2's public names with
     `__version__` FLASH_ATTN_VERSION; the submodules are flashattn2's own. Calling it again does nothing; a
     flash_attn imported before (the real one) raises RuntimeError: its users would keep it."""
@@ -55,3 +56,5 @@ def install_as_flash_attn() -> None:
         if "." not in name:
             setattr(top, name, module)
     sys.modules["flash_attn"] = top
+    # the raw extension module, which some libraries import by its own name
+    sys.modules.setdefault("flash_attn_2_cuda", flash_attn_interface.flash_attn_gpu)

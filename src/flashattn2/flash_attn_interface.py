@@ -32,6 +32,9 @@ and the autograd classes' `.apply` with 2.8's positional arguments. Where flasha
 - The autograd classes are not torch.autograd.Function subclasses: `.apply` calls the public
   function, whose autograd.Function is flashattn2's.
 
+flash_attn_gpu, the extension module flash_attn's interface calls (`fwd`, `varlen_fwd`, `bwd`, `varlen_bwd`,
+`fwd_kvcache` with the C++ functions' positional arguments), is flashattn2.flash_attn_gpu, loaded on first use.
+
 Valid arguments flashattn2 cannot serve raise NotImplementedError naming the argument
 (leftpad_k; dropout with seqused_k); bad ones raise flashattn2.errors.ArgumentError / ArgumentTypeError.
 """
@@ -495,3 +498,12 @@ def _flash_attn_varlen_backward(
     )
     verify()
     return _softmax_d(dout, out, dropout_p, varlen=True)
+
+
+def __getattr__(name: str):
+    """flash_attn_gpu on first use (PEP 562): that module imports this one's private functions."""
+    if name == "flash_attn_gpu":
+        from . import flash_attn_gpu
+
+        return flash_attn_gpu
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
