@@ -575,8 +575,9 @@ def test_flash_attn_gpu_entry_points():
     assert gpu.fwd(q, k, v, given, None, 0.0, scale, True, -1, -1, 0.0, False, None)[0] is given
     assert torch.equal(given, out)
     dout = torch.randn_like(out)
-    dq, dk, dv, softmax_d = gpu.bwd(dout, q, k, v, out, lse, None, None, None, None, 0.0, scale, True, -1, -1, 0.0,
-                                    True, None, rng)  # fmt: skip (deterministic: bitwise comparable on a GPU)
+    dq, dk, dv, softmax_d = gpu.bwd(
+        dout, q, k, v, out, lse, None, None, None, None, 0.0, scale, True, -1, -1, 0.0, True, None, rng
+    )  # fmt: skip (deterministic: bitwise comparable on a GPU)
     wq, wk, wv = (torch.empty_like(t) for t in (q, k, v))
     want_d = fai._flash_attn_backward(dout, q, k, v, out, lse, wq, wk, wv, 0.0, scale, True, -1, -1, 0.0, None, True)
     assert all(torch.equal(a, b) for a, b in ((dq, wq), (dk, wk), (dv, wv), (softmax_d, want_d)))
