@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 import torch.nn.functional as F
 
 import flashattn2
@@ -314,6 +315,31 @@ def test_registry_round_trip():
             assert attention.current_flash_attention_impl() == "flashattn2"
         assert attention.current_flash_attention_impl() is None
     finally:
+        if previous is not None:
+            attention.activate_flash_attention_impl(previous)
+
+
+def test_activation_puts_flash_first_and_restores_the_order():
+    """Activating flashattn2 (torch's activate_flash_attention_impl, or flashattn2.sdpa()) puts SDPA's flash backend
+    first in torch's priority order -- torch tries cuDNN's first on Hopper, so a plain scaled_dot_product_attention
+    call would not reach flashattn2 -- and restoring puts the order back as it was."""
+    attention = S.torch_attention()
+    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    original = list(torch._C._get_sdp_priority_order())
+    cudnn_first = [cudnn, *(b for b in original if b != cudnn)]  # (Hopper's order)
+    torch._C._set_sdp_priority_order(cudnn_first)
+    previous = attention.current_flash_attention_impl()
+    try:
+        with flashattn2.sdpa():
+            order = list(torch._C._get_sdp_priority_order())
+            assert order[0] == flash and sorted(order) == sorted(cudnn_first), order
+        assert list(torch._C._get_sdp_priority_order()) == cudnn_first
+        attention.activate_flash_attention_impl("flashattn2")
+        assert list(torch._C._get_sdp_priority_order())[0] == flash
+        attention.restore_flash_attention_impl()
+        assert list(torch._C._get_sdp_priority_order()) == cudnn_first
+    finally:
+        torch._C._set_sdp_priority_order(original)
         if previous is not None:
             attention.activate_flash_attention_impl(previous)
 

@@ -43,6 +43,8 @@ import os
 
 import torch
 
+from torch.nn.attention import SDPBackend
+
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from ..errors import ArgumentTypeError
 from ..flash_attn_interface import (
@@ -451,25 +453,47 @@ def _previous(op: str, dispatch_key: str):
 
 @dataclasses.dataclass
 class Handle:
-    """What torch's registry keeps while flashattn2 is active; remove() gives torch its kernels back."""
+    """What torch's registry keeps while flashattn2 is active; remove() gives torch its kernels back, and SDPA's
+    backend priority order as it was (priority: None where install left it alone)."""
 
     library: torch.library.Library | None
+    priority: list | None = None
 
     def remove(self) -> None:
         if self.library is not None:
             self.library._destroy()
             self.library = None
+        if self.priority is not None:
+            torch._C._set_sdp_priority_order(self.priority)
+            self.priority = None
+
+
+def flash_first() -> list | None:
+    """Put SDPA's flash backend first in torch's backend priority order (torch tries cuDNN's first on Hopper: a plain
+    F.scaled_dot_product_attention call would not reach flashattn2's kernels), where the calls flash can take run
+    flashattn2's; returns the order before (None on a torch without the setting, or where flash is first already)."""
+    get_order = getattr(torch._C, "_get_sdp_priority_order", None)
+    set_order = getattr(torch._C, "_set_sdp_priority_order", None)
+    if get_order is None or set_order is None:
+        return None
+    before = list(get_order())
+    flash = int(SDPBackend.FLASH_ATTENTION)
+    if not before or before[0] == flash:
+        return None
+    set_order([flash, *(b for b in before if b != flash)])
+    return before
 
 
 def install(dispatch_key: str = "CUDA") -> Handle:
     """flashattn2's kernels for torch's flash ops at dispatch_key (torch's register_fn: CUDA; the tests install them
-    for CPU tensors to run them through the dispatcher). Ops this torch lacks are skipped."""
+    for CPU tensors to run them through the dispatcher), and SDPA's flash backend first in torch's priority order
+    (flash_first). Ops this torch lacks are skipped."""
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     for op, function in OVERRIDES.items():
         if _exists(op):
             kernel = serving(op, function, _previous(op, dispatch_key))
             library.impl(op, kernel, dispatch_key, with_keyset=True)
-    return Handle(library)
+    return Handle(library, flash_first())
 
 
 def torch_attention():
