@@ -156,11 +156,10 @@ def test_forward_kernel_choice(case, monkeypatch):
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an H100/H200 only")
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_gluon_backward_many_heads(causal, monkeypatch):
+def test_gluon_backward_many_heads(causal, monkeypatch, fresh_plans):
     """batch * nheads_k past 65535 (CUDA's limit on a grid's second and third axes; the Gluon backward had (batch,
     kv head) on one of them until its grid grouped the heads) runs the Gluon backward on a grid whose groups of
     heads bring the third axis under it, and its gradients are right."""
-    monkeypatch.setattr(launch_gluon, "BWD_PLANS", {})
     launched = spy_launches(monkeypatch)
     grids = spy_launches(monkeypatch, "attn_bwd_ws_kernel", "grid")
     q, k, v = make_qkv((16385, 2, 3, 4, 4, 128), torch.float16)

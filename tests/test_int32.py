@@ -18,6 +18,9 @@ from flashattn2.ops import spec as specs
 from flashattn2.ops.options import Options
 from flashattn2.reference import attention_ref
 
+# on a GPU each test allocates up to 8 GiB (huge): the GPU suite runs them apart, serially
+pytestmark = pytest.mark.big_memory
+
 L = checks.MAX_POSITIONS
 
 

@@ -202,6 +202,7 @@ def test_kvcache_product(config):
     check(q, k_cache, v_cache, kwargs, c["splits"])
 
 
+@pytest.mark.big_memory
 @pytest.mark.skipif(not ON_GPU, reason="128k-token caches are for the GPU")
 @pytest.mark.parametrize("paged", [None, 16, 256], ids=["contiguous", "page16", "page256"])
 @pytest.mark.parametrize("group", [1, 4], ids=["mha", "gqa4"])

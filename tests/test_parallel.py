@@ -25,6 +25,9 @@ from flashattn2.parallel import plan
 from flashattn2.parallel.layout import chunks_of, num_chunks
 from tolerance import check_against_reference
 
+# at GPU sizes each test takes GiBs (every simulated rank's sequence on one GPU): the GPU suite runs them apart, serially
+pytestmark = pytest.mark.big_memory
+
 FUNCS = {
     "ring": (parallel.ring_flash_attn_func, "contiguous"),
     "zigzag": (parallel.zigzag_ring_flash_attn_func, "zigzag"),

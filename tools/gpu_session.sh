@@ -6,17 +6,21 @@
 # them here). From the source tree: no install needed (PYTHONPATH=src).
 #
 #   env        GPU, clocks, versions
+#   smoke      the first stage of every session with a GPU (limit 180 s): the dense and FP8 forward/backward, the
+#              KV cache, sinks, the private functions and flash_attn_gpu, SDPA, on the device's own kernels
+#   tests      the whole suite but the big_memory tests (-n 14); tests-big: those, one at a time (GiBs each)
 #   turn-tests the call path's and nothing-lost's tests at GPU sizes: threads, launches (direct relaunches checked
 #              against Triton's choice), host descriptors, window edges, the private functions' dtypes, owned writes,
 #              NaN propagation, the KV cache, the checkpointed MHA, and the fuzzer's CI mode
-#   memcheck   compute-sanitizer memcheck over the owned-writes tests (the dropped appends) and the NaN tests
+#   memcheck   compute-sanitizer memcheck over the kernel families: the owned-writes tests (dropped out-of-range
+#              appends), NaN propagation, FP8 (the Gluon and Triton forwards, the FP8 cache), paged and split-KV decoding
 #   host-cli   python -m flashattn2 bench host with real launches beside SDPA (flash, cuDNN) and an empty custom op
 #   ab-turn    bench ab against the build before the call-path turn (.devout/base: tools/baseline_pkg.py 7bad312),
 #              bf16, d64/128/256, causal both, 1k/4k/16k, forward and backward, 2 rounds
 #   new-tests  the GPU tests written since the last GPU run, and the paths they touch
-#   tests      the whole suite on the GPU (-n 14): ~160 s on a machine that has compiled the kernels, over 600 s on
-#              a fresh one (it compiles them all): give it a call that follows another within the machine's idle
-#              release (30 s), or a call of its own
+#              (tests: ~160 s on a machine that has compiled the kernels, over 600 s on a fresh one, which compiles
+#              them all: give it a call that follows another within the machine's idle release (30 s), or its own;
+#              the counts go to bench/results/gpu-suite-<gpu>.md)
 #   order-tests  the tests of the Gluon backward's grouped grid and of the paths it touches
 #   ab-order   bench ab: the Gluon backward's grouped grid against the head-major one (bwd_order=head-major), causal,
 #              fp16, every head dim and length, with cuDNN
@@ -108,9 +112,14 @@ for s in "$@"; do
         tests/test_owned_writes.py tests/test_nan.py tests/test_fuzz.py tests/test_kvcache.py tests/test_mha.py \
         tests/test_flash_attn_interface.py tests/test_features.py tests/test_transformers.py \
         tests/test_attention.py::test_host_descriptor_rule ;;
+    smoke)
+      stage smoke 180 python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" tests/test_attention.py \
+        tests/test_fp8.py tests/test_kvcache.py tests/test_sinks.py tests/test_flash_attn_interface.py \
+        tests/test_sdpa.py tests/test_references.py -k "not many_heads" ;;
     memcheck)
-      stage memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_owned_writes.py tests/test_nan.py -x ;;
+      stage memcheck 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_owned_writes.py tests/test_nan.py tests/test_fp8.py tests/test_fp8_kvcache.py \
+        "tests/test_kvcache.py::test_paged_call_past_its_pages_raises" -k "not long_cache" -x ;;
     fp8-tests)
       stage fp8-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kvcache.py \
         tests/test_sdpa.py tests/test_signatures.py tests/test_errors.py tests/test_explain.py ;;
@@ -134,7 +143,10 @@ for s in "$@"; do
         --setting default --setting bwd_order=head-major --dtypes fp16 --headdims 256,128,64 \
         --seqlens 512,1024,2048,4096,8192,16384 --causal 1 ;;
     tests)
-      stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -x --deselect tests/test_compile_targets.py ;;
+      stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" \
+        --deselect tests/test_compile_targets.py ;;
+    tests-big)
+      stage tests-big 540 python3 -m pytest -q -p no:cacheprovider -m big_memory ;;
     ab-base-fp16|ab-base-bf16)
       stage "$s" 590 python3 -m flashattn2 bench ab --csv "$OUT/ab-base.csv" --modes fwd,bwd --rounds 4 --no-progress \
         --no-cudnn --setting default --setting pkg:flashattn2_base --dtypes "${s#ab-base-}" --headdims 64,128,256 \
