@@ -228,15 +228,15 @@ _OTHER = [
 # it is (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389
 # (bench/results/fp8-nvidia-h200.md, its H100 sweep).
 _FP8_WHY = "FP8: "
-_FP8_GLUON_WHY = _FP8_WHY + "the 16-bit Gluon row's kernel and tile (not swept for FP8); "
+_FP8_GLUON_WHY = _FP8_WHY + "the 16-bit row's tile, "
 _FP8 = [
     Row("fwd", "sm90", 64, 1, "fwd_hopper_persist", T(64, 128, 12, 3, qbuf=2),
-        why=_FP8_GLUON_WHY + "H100 16k 625, causal 568 TFLOP/s (the Triton row 540/416; bf16 502/471)"),
+        why=_FP8_GLUON_WHY + "H100 16k 625, causal 568 TFLOP/s (Triton row 540/416; bf16 502/471)"),
+    # d128 also swept: 3 consumers s2 702/618/459, s3 692/620/461; bf16 Gluon 661/614/625 in the same run
     Row("fwd", "sm90", 128, 1, "fwd_hopper_persist", T(64, 128, 8, 3, qbuf=2),
-        why=_FP8_WHY + "H100 d128 8k: 768, causal 654, 2k 502 (s2 740/603/484; 64x256 691/576/465; 3 consumers s2 "
-            "702/618/459; the Triton row 704/551/436; bf16 Gluon 661/614/625)"),
+        why=_FP8_WHY + "H100 8k 768, causal 654, 2k 502 (s2 740/603/484; 64x256 691/576/465; Triton 704/551/436)"),
     Row("fwd", "sm90", 256, 1, "fwd_hopper_ws", T(64, 64, 4, 2),
-        why=_FP8_GLUON_WHY + "H100 16k 905, causal 871 TFLOP/s (the Triton row 791/689; bf16 700/655)"),
+        why=_FP8_GLUON_WHY + "H100 16k 905, causal 871 TFLOP/s (Triton row 791/689; bf16 700/655)"),
     Row("fwd", "sm90", 64, 1, "fwd", T(64, 128, 4, 3),
         why=_FP8_WHY + "H100 sweep d64 8k: 506 (128x128w4s3 485, 128x64w4s3 432; bf16 Gluon 515)"),
     Row("fwd", "sm90", 128, 1, "fwd", T(64, 128, 4, 3),
