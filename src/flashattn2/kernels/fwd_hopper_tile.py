@@ -220,6 +220,19 @@ class FwdConfig:
         return view, buf
 
 
+@gluon.jit
+def alloc_v_and_o(V, Out, cfg, STAGES: gl.constexpr):
+    """A forward kernel's V ring ([STAGES, 1, BLOCK_N, HEAD_DIM_V]; FP8: V^T's, [STAGES, 1, HEAD_DIM_V, BLOCK_N]) and
+    FP8's bf16 O buffers, one per consumer (a 16-bit kernel's O leaves through Q's buffer: the V ring stands in)."""
+    if cfg.FP8:
+        v_smem = gl.allocate_shared_memory(V.dtype, [STAGES, 1, cfg.HEAD_DIM_V, cfg.BLOCK_N], V.layout)
+        o_smem = gl.allocate_shared_memory(Out.dtype, [cfg.CONSUMERS, 1, cfg.BLOCK_M, cfg.HEAD_DIM_V], Out.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(V.dtype, [STAGES, 1, cfg.BLOCK_N, cfg.HEAD_DIM_V], V.layout)
+        o_smem = v_smem
+    return v_smem, o_smem
+
+
 @aggregate
 class Fp8Scales:
     """An FP8 call's descales (FA3's: float32 per (batch, kv head), each pointer None for 1, as are all of them for a

@@ -33,6 +33,7 @@ from .fwd_hopper_tile import (
     _attn_tile,
     _epilogue,
     _qk_scale,
+    alloc_v_and_o,
     _sink2,
 )
 from .pipeline import Ring, Scalar, aggregate, alloc_parts, load_parts, part_descs, parts_nbytes
@@ -239,12 +240,7 @@ def attn_fwd_ws_kernel(
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NUM_CONSUMERS, BLOCK_M, HEAD_DIM)
     k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
-    if cfg.FP8:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, HEAD_DIM_V, BLOCK_N], V.layout)
-        o_smem = gl.allocate_shared_memory(Out.dtype, [NUM_CONSUMERS, 1, BLOCK_M, HEAD_DIM_V], Out.layout)
-    else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_DIM_V], V.layout)
-        o_smem = v_smem
+    v_smem, o_smem = alloc_v_and_o(V, Out, cfg, STAGES)
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
