@@ -233,18 +233,20 @@ def test_device_path_at_size():
 
 @pytest.mark.parametrize("keys", [5, 32, 77, 128])
 def test_gluon_key_order_keeps_pv(keys):
-    """The FP8 Gluon forward takes P's keys in a shuffle-free order in each group of 32 (FwdConfig.p_operand's
-    reshape and permute, written again here in torch) and V^T's copy (launch_gluon.fp8_vt) holds its keys in the same
-    order, so P V is unchanged; the copy's keys past v's are zeros (P is 0 there, and 0 * NaN would not be)."""
-    from flashattn2.ops.launch_gluon import FP8_GROUP, fp8_vt
+    """The FP8 Gluon forward takes P's keys in constexprs.FP8_KEY_ORDER (FwdConfig.p_operand's reshape and permute,
+    done here in torch with the same constants) and V^T's copy (launch_gluon.fp8_vt) holds its keys in the same order,
+    so P V is unchanged; the copy's keys past v's are zeros (P is 0 there, and 0 * NaN would not be)."""
+    from flashattn2.kernels.constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
+    from flashattn2.ops.launch_gluon import fp8_vt
 
-    padded = -(-keys // FP8_GROUP) * FP8_GROUP
+    padded = -(-keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
     v = torch.randn(2, keys, 3, 16, dtype=torch.float64)
     vt = fp8_vt(v, torch.full((2, 3, 16, padded), float("nan"), dtype=torch.float64))
     assert torch.isfinite(vt).all() and vt.eq(0).sum(-1).eq(padded - keys).all()  # every column written
     p = torch.rand(2, 3, 8, padded, dtype=torch.float64)
     p[..., keys:] = 0  # (the kernel's masked keys)
-    p_kernel = p.reshape(2, 3, 8, padded // 32, 2, 2, 4, 2).permute(0, 1, 2, 3, 4, 6, 5, 7).reshape(2, 3, 8, padded)
+    permutation = (0, 1, 2, 3, *(4 + i for i in FP8_KEY_ORDER))  # the kernel's, after (batch, head) here
+    p_kernel = p.reshape(2, 3, 8, padded // FP8_KEY_GROUP, *FP8_KEY_DIMS).permute(permutation).reshape(p.shape)
     assert not torch.equal(p_kernel, p)  # (a test of the order, not of the identity)
     got = p_kernel @ vt.transpose(-1, -2)
     want = p[..., :keys] @ v.permute(0, 2, 1, 3)
@@ -254,14 +256,15 @@ def test_gluon_key_order_keeps_pv(keys):
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon forward's FP8 path: an sm_90 device")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("extra", ["descales", "no-descales", "sink", "ones"])
+@pytest.mark.parametrize("extra", ["descales", "no-descales", "sink", "ones", "many-tiles"])
 def test_gluon_forward(d, causal, extra):
     """The Gluon forward on e4m3 inputs (its persistent and warp-specialized kernels: FwdConfig's FP8) where the plan
     picks it: odd lengths, GQA, seqlen_q != seqlen_k, with and without descales, a learnable sink, batch and lengths
-    of 1 (Triton's constants); out NaN-poisoned before the kernel runs (the conftest)."""
+    of 1 (Triton's constants), more tiles than SMs; out NaN-poisoned before the kernel runs (the conftest)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are sm_90's")
-    shape = (1, 1, 1, 2, 2) if extra == "ones" else (2, 333, 517, 8, 2)
+    # many-tiles: more tiles than SMs, so a persistent CTA runs several (its O buffers reused, stores in flight)
+    shape = {"ones": (1, 1, 1, 2, 2), "many-tiles": (4, 1000, 1000, 16, 4)}.get(extra, (2, 333, 517, 8, 2))
     batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
     (q, qd, q64), (k, kd, k64), (v, vd, v64) = _inputs(
         batch, seqlen_q, seqlen_k, nheads, nheads_k, d, descales=extra != "no-descales"

@@ -25,7 +25,7 @@ from flashattn2.parallel import plan
 from flashattn2.parallel.layout import chunks_of, num_chunks
 from tolerance import check_against_reference
 
-# at GPU sizes each test takes GiBs (every simulated rank's sequence on one GPU): the GPU suite runs them apart, serially
+# at GPU sizes each test takes GiBs (every simulated rank's sequence on one GPU): the GPU suite runs them apart
 pytestmark = pytest.mark.big_memory
 
 FUNCS = {

@@ -1,8 +1,9 @@
 """GPU-only tests rot unseen on a CPU: they are collected here (every test module imports on the CPU), but their bodies
 never run. So every attribute a test module reads from a flashattn2 module (`launch_gluon.NAME`,
-`flashattn2.ops.planning.dense._GRID_YZ`) or patches by name (`monkeypatch.setattr(module, "NAME", ...)`) must exist:
-a rename then fails CI here, not the next session that has a GPU. Attributes of other objects (a call's fields) are not
-checked: only a run sees them."""
+`flashattn2.ops.planning.dense._GRID_YZ`), imports from one (`from flashattn2.x import NAME`, in a test's body too) or
+patches by name (`monkeypatch.setattr(module, "NAME", ...)`, `monkeypatch.setattr("flashattn2.x.NAME", ...)`) must
+exist: a rename then fails CI here, not the next session that has a GPU. Attributes of other objects (a call's
+fields) are not checked: only a run sees them."""
 
 import ast
 import importlib
@@ -15,11 +16,12 @@ TESTS = pathlib.Path(__file__).parent
 FILES = sorted(p for p in TESTS.glob("*.py") if p.name != "conftest.py")
 
 
-def _imported_modules(tree: ast.Module) -> dict[str, types.ModuleType]:
-    """The names a file binds to flashattn2 modules at its top level (`import flashattn2`, `from flashattn2.ops import
-    launch_gluon`, `import flashattn2.flash_attn_interface as fai`)."""
+def _imported_modules(tree: ast.Module, missing: list[str]) -> dict[str, types.ModuleType]:
+    """The names a file binds to flashattn2 modules (`import flashattn2`, `from flashattn2.ops import launch_gluon`,
+    `import flashattn2.flash_attn_interface as fai`), at its top level or in a test's body; a name `from flashattn2...
+    import NAME` asks of a module that lacks it goes to `missing`."""
     names = {}
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "flashattn2":
@@ -30,10 +32,15 @@ def _imported_modules(tree: ast.Module) -> dict[str, types.ModuleType]:
                 try:  # a submodule (imported by the statement, an attribute of its package only then)
                     value = importlib.import_module(f"{node.module}.{alias.name}")
                 except ModuleNotFoundError:
-                    value = getattr(importlib.import_module(node.module), alias.name, None)
-                if isinstance(value, types.ModuleType):
+                    value = getattr(importlib.import_module(node.module), alias.name, _MISSING)
+                if value is _MISSING:
+                    missing.append(f"{node.lineno}: {node.module}.{alias.name}")
+                elif isinstance(value, types.ModuleType):
                     names[alias.asname or alias.name] = value
     return names
+
+
+_MISSING = object()
 
 
 def _resolve(node: ast.AST, modules: dict[str, types.ModuleType]):
@@ -51,8 +58,8 @@ def missing_references(source: str) -> list[str]:
     """'line: module.attr' for each attribute the source reads from, or patches by name on, a flashattn2 module that
     the module does not have."""
     tree = ast.parse(source)
-    modules = _imported_modules(tree)
     missing = []
+    modules = _imported_modules(tree, missing)
     for node in ast.walk(tree):
         target = None
         if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
@@ -66,6 +73,18 @@ def missing_references(source: str) -> list[str]:
             and isinstance(node.args[1].value, str)
         ):
             target = (node.args[0], node.args[1].value)
+        elif (  # monkeypatch.setattr("flashattn2.module.NAME", value)
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("setattr", "delattr")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and node.args[0].value.startswith("flashattn2.")
+        ):
+            path, _, name = node.args[0].value.rpartition(".")
+            if not hasattr(importlib.import_module(path), name):
+                missing.append(f"{node.lineno}: {node.args[0].value}")
         if target is None:
             continue
         module = _resolve(target[0], modules)
@@ -87,8 +106,12 @@ def test_the_check_finds_a_renamed_attribute():
         "    monkeypatch.setattr(launch_gluon, 'BWD_PLANS', {})\n"
         "    flashattn2.ops.planning.dense.NO_SUCH\n"
         "    launch_gluon.ForwardLaunch\n"
+        "    from flashattn2.ops.launch_gluon import GONE\n"
+        "    monkeypatch.setattr('flashattn2.ops.checks.NOT_THERE', 1)\n"
     )
-    assert missing_references(source) == [
+    assert sorted(missing_references(source)) == [
         "4: flashattn2.ops.launch_gluon.BWD_PLANS",
         "5: flashattn2.ops.planning.dense.NO_SUCH",
+        "7: flashattn2.ops.launch_gluon.GONE",
+        "8: flashattn2.ops.checks.NOT_THERE",
     ]

@@ -325,10 +325,12 @@ def test_activation_puts_flash_first_and_restores_the_order():
     call would not reach flashattn2 -- and restoring puts the order back as it was."""
     attention = S.torch_attention()
     flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    previous = attention.current_flash_attention_impl()
+    if previous is not None:  # (the test starts from torch's own kernels)
+        attention.restore_flash_attention_impl()
     original = list(torch._C._get_sdp_priority_order())
     cudnn_first = [cudnn, *(b for b in original if b != cudnn)]  # (Hopper's order)
     torch._C._set_sdp_priority_order(cudnn_first)
-    previous = attention.current_flash_attention_impl()
     try:
         with flashattn2.sdpa():
             order = list(torch._C._get_sdp_priority_order())
@@ -338,10 +340,15 @@ def test_activation_puts_flash_first_and_restores_the_order():
         assert list(torch._C._get_sdp_priority_order())[0] == flash
         attention.restore_flash_attention_impl()
         assert list(torch._C._get_sdp_priority_order()) == cudnn_first
-    finally:
+        # an order changed while flashattn2 was active stays (the handle does not put back a stale one)
+        attention.activate_flash_attention_impl("flashattn2")
         torch._C._set_sdp_priority_order(original)
+        attention.restore_flash_attention_impl()
+        assert list(torch._C._get_sdp_priority_order()) == original
+    finally:
         if previous is not None:
             attention.activate_flash_attention_impl(previous)
+        torch._C._set_sdp_priority_order(original)
 
 
 def test_torch_without_registry(monkeypatch):

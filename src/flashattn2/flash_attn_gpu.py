@@ -1,5 +1,5 @@
-"""flash_attn's raw extension entry points (flash_attn 2.8's `flash_attn_2_cuda`, imported by flash_attn.flash_attn_interface
-as `flash_attn_gpu`) on flashattn2: `from flash_attn.flash_attn_interface import flash_attn_gpu` then
+"""flash_attn's raw extension entry points (flash_attn 2.8's `flash_attn_2_cuda`, imported by its interface as
+`flash_attn_gpu`) on flashattn2: `from flash_attn.flash_attn_interface import flash_attn_gpu` then
 `flash_attn_gpu.fwd(...)` as libraries that call the extension directly do. Each takes the C++ functions' positional
 arguments in their order and returns their list, through flashattn2's private functions (flash_attn_interface) and
 flash_attn_with_kvcache:
@@ -18,8 +18,11 @@ flash_attn_with_kvcache:
         block_table, alibi_slopes, out, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
         is_rotary_interleaved, num_splits)                               -> [out, softmax_lse]
 
-`out` (and the backward's dq, dk, dv), given, receive the result and are returned; None allocates. `generator` is
-the slot flash_attn keeps for its old RNG argument: anything but None raises RuntimeError, as flash_attn's check.
+`out` (and the backward's dq, dk, dv), given, receive the result and are returned (checked: the result's shape, dtype
+and device); None allocates. `generator` is the slot flash_attn keeps for its old RNG argument: anything but None
+raises RuntimeError, as flash_attn's check. softmax_lse and softmax_d are the private functions' (module
+flash_attn_interface): (batch, nheads, seqlen_q), or (nheads, total_q), where flash_attn's C++ pads the rows (to 128
+per sequence); the values callers read are the same.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from .flash_attn_interface import (
     _flash_attn_forward,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
+    _grad_buffers,
+    _like,
 )
 
 
@@ -45,9 +50,11 @@ def _no_generator(generator) -> None:
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
-    """The result in the caller's preallocated `out` (returned), or as it is."""
+    """The result in the caller's preallocated `out` (returned; its shape, dtype and device the result's), or as it
+    is."""
     if out is None:
         return result
+    _like("out", out, result.shape, result.dtype, result.device)
     out.copy_(result)
     return out
 
@@ -74,15 +81,10 @@ def varlen_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, b
     return [_into(out, o), lse, s_dmask, rng_state]
 
 
-def _grads(q, k, v, dq, dk, dv):
-    """The gradient buffers: the caller's, or new ones like q, k, v (returned to the caller, as flash_attn's)."""
-    return tuple(torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
-
-
 def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, p_dropout, softmax_scale, is_causal,
         window_size_left, window_size_right, softcap, deterministic, generator, rng_state):  # fmt: skip
     _no_generator(generator)
-    dq, dk, dv = _grads(q, k, v, dq, dk, dv)
+    dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)  # (the caller's, or new ones returned)
     softmax_d = _flash_attn_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, p_dropout, softmax_scale, is_causal, window_size_left,
         window_size_right, softcap, alibi_slopes, deterministic, rng_state,
@@ -94,7 +96,7 @@ def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seq
                max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left, window_size_right,
                softcap, deterministic, generator, rng_state):  # fmt: skip
     _no_generator(generator)
-    dq, dk, dv = _grads(q, k, v, dq, dk, dv)
+    dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)  # (the caller's, or new ones returned)
     softmax_d = _flash_attn_varlen_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         p_dropout, softmax_scale, is_causal, window_size_left, window_size_right, softcap, alibi_slopes,

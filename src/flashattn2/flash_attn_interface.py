@@ -292,6 +292,9 @@ def _flash_attn_varlen_forward(
     if block_table is not None and num_splits > 1:
         raise ArgumentError(f"num_splits > 1 is not supported for varlen paged KV (block_table), got {num_splits}")
     if seqused_k is not None:
+        if block_table is None:  # (packed keys: checked as a varlen call's before they become pages)
+            checks.check_qkv(q, k, v, varlen=True)
+            checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
         checks.check_seqused_k(seqused_k, cu_seqlens_q, dropout_p, "_flash_attn_varlen_forward")
         k, v, block_table, cu_seqlens_k = seqused_pages(seqused_k, cu_seqlens_k, max_seqlen_k, k, v, block_table)
     if block_table is not None:

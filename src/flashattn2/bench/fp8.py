@@ -1,7 +1,8 @@
 """The FP8 forward beside the bf16 one: TFLOP/s of flashattn2 on float8_e4m3fn q, k, v (FA3's descales, one per
 (batch, kv head): the amax over it / 448, as FA3's users quantize) and on the same values in bf16, and cuDNN's bf16
-forward, in one run, the providers alternated over rounds; "flashattn2-fp8-triton" is the FP8 forward held to the Triton
-kernel (force(hopper=False)), where the plan picks the Gluon one: the same-run A/B behind the table's FP8 rows. The FLOPs counted are the bf16 forward's (4·b·h·n²·d,
+forward, in one run, the providers alternated over rounds; "flashattn2-fp8-triton" is the FP8 forward held to the
+Triton kernel (force(hopper=False)), where the plan picks the Gluon one: the same-run A/B behind the table's FP8
+rows. The FLOPs counted are the bf16 forward's (4·b·h·n²·d,
 halved when causal). Before each point is timed, the FP8 forward at its head dim and mask is checked on a small
 odd-sized problem (2 x 511 tokens) against the fp64 reference on the dequantized inputs (README "FP8": at most 2x the
 error of PyTorch doing the same rounding, plus a bf16 ulp); a point whose check fails is written with its note and not
@@ -76,7 +77,7 @@ def run(path, headdims, seqlens, causals, rounds=3, tokens=16384, hidden=2048) -
             (q8, qd), (k8, kd), (v8, vd) = (quantized(t, nheads) for t in x)
             q, k, v = x
             qt, kt, vt = (t.transpose(1, 2) for t in x)
-            fp8 = lambda: flashattn2.flash_attn_func(  # noqa: E731
+            fp8 = lambda: flashattn2.flash_attn_func(
                 q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd
             )
             calls = {

@@ -42,7 +42,6 @@ import logging
 import os
 
 import torch
-
 from torch.nn.attention import SDPBackend
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
@@ -454,24 +453,28 @@ def _previous(op: str, dispatch_key: str):
 @dataclasses.dataclass
 class Handle:
     """What torch's registry keeps while flashattn2 is active; remove() gives torch its kernels back, and SDPA's
-    backend priority order as it was (priority: None where install left it alone)."""
+    backend priority order as it was (priority: (the order before, the order flash_first set), or None where it
+    left the order alone) -- unless something changed the order since, which then stays."""
 
     library: torch.library.Library | None
-    priority: list | None = None
+    priority: tuple | None = None
 
     def remove(self) -> None:
         if self.library is not None:
             self.library._destroy()
             self.library = None
         if self.priority is not None:
-            torch._C._set_sdp_priority_order(self.priority)
+            before, made = self.priority
             self.priority = None
+            if list(torch._C._get_sdp_priority_order()) == made:
+                torch._C._set_sdp_priority_order(before)
 
 
-def flash_first() -> list | None:
-    """Put SDPA's flash backend first in torch's backend priority order (torch tries cuDNN's first on Hopper: a plain
-    F.scaled_dot_product_attention call would not reach flashattn2's kernels), where the calls flash can take run
-    flashattn2's; returns the order before (None on a torch without the setting, or where flash is first already)."""
+def flash_first() -> tuple | None:
+    """Put SDPA's flash backend first in torch's backend priority order, a process-wide setting (torch tries cuDNN's
+    first on Hopper: a plain F.scaled_dot_product_attention call would not reach flashattn2's kernels), so that the
+    calls flash can take run flashattn2's; returns (the order before, the order set), or None on a torch without
+    the setting or where flash is first already."""
     get_order = getattr(torch._C, "_get_sdp_priority_order", None)
     set_order = getattr(torch._C, "_set_sdp_priority_order", None)
     if get_order is None or set_order is None:
@@ -480,8 +483,9 @@ def flash_first() -> list | None:
     flash = int(SDPBackend.FLASH_ATTENTION)
     if not before or before[0] == flash:
         return None
-    set_order([flash, *(b for b in before if b != flash)])
-    return before
+    made = [flash, *(b for b in before if b != flash)]
+    set_order(made)
+    return before, made
 
 
 def install(dispatch_key: str = "CUDA") -> Handle:

@@ -34,6 +34,13 @@ class Path(NamedTuple):
 # e4m3 products are exact in fp32) with P rounded by kernels/fp8.e4m3_encode -- the interpreter's own e4m3 arithmetic
 # loses the carry into the exponent when it rounds (0.4948 -> 0.25) and reads the NaN code as 480
 FP8_NONE, FP8_DOTS, FP8_BF16, FP8_FP32, FP8_DOTS_INTERP = "", "e4m3", "bf16", "fp32", "e4m3-interp"
+
+# The FP8 Gluon forward's key order in each group of FP8_KEY_GROUP keys (kernels/fwd_hopper_tile.FwdConfig.p_operand
+# takes P's columns in it, ops.launch_gluon.fp8_vt writes V^T's keys in it): a group's keys as dims FP8_KEY_DIMS
+# (h, g, t, j: key 16 h + 8 g + 2 t + j, a thread t of the accumulator holding 2t, 2t + 1 of each 8), taken in the
+# order FP8_KEY_ORDER (h, t, g, j: position 16 h + 4 t + 2 g + j, the e4m3 A operand's thread t holding 4t .. 4t + 3
+# of each 16), so that P's registers are the A operand's as they stand
+FP8_KEY_GROUP, FP8_KEY_DIMS, FP8_KEY_ORDER = 32, (2, 2, 4, 2), (0, 2, 1, 3)
 # each as flashattn2.explain says it
 FP8_PATHS = {
     FP8_DOTS: "e4m3 tiles into the dots, P rounded to e4m3",

@@ -13,6 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
 from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, tma_load, tma_store, unwrap
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -28,6 +29,15 @@ _CONSUMER_REGS = gl.constexpr(240)
 # the persistent kernel with three consumer warpgroups: 3 * 128 * 160 + 24 * 128 <= 64K registers
 _CONSUMER3_REGS = gl.constexpr(160)
 _PRODUCER_REGS = gl.constexpr(24)
+# FP8's key order (constexprs.FP8_KEY_ORDER) on P viewed [BLOCK_M, key groups, *FP8_KEY_DIMS] (_key_view): the
+# permute takes literal dims, so a change of the order must change it too
+_KEY_ORDER_IS_THIS = gl.constexpr(tuple(FP8_KEY_ORDER) == (0, 2, 1, 3))
+
+
+@gluon.constexpr_function
+def _key_view(block_m, block_n):
+    """P's shape [BLOCK_M, BLOCK_N] seen as [BLOCK_M, key groups, *FP8_KEY_DIMS] (FwdConfig.p_operand)."""
+    return [unwrap(block_m), unwrap(block_n) // FP8_KEY_GROUP, *FP8_KEY_DIMS]
 
 
 @gluon.constexpr_function
@@ -178,13 +188,12 @@ class FwdConfig:
     def p_operand(self, p, dtype: gl.constexpr):
         """P (fp32, S's accumulator layout) as the next PV's register A operand, in the dots' type (dtype: Q's). FP8:
         still fp32 (issue_pv converts it, where the packed registers go straight into the wgmma: converted here, the
-        loop would carry single bytes and repack them), its key columns in the order of each 32-key group in which a
+        loop would carry single bytes and repack them), its key columns in constexprs.FP8_KEY_ORDER, in which a
         thread's accumulator registers are the A operand's (no shuffle between threads); V^T's copy holds its keys
         in the same order (ops.launch_gluon.fp8_vt), so P V is unchanged -- FA3's trick."""
-        if self.FP8:
-            # column c = 16 h + 8 g + 2 t + j of a 32-key group (the accumulator: thread t holds 2t, 2t + 1 of each
-            # 8) becomes k = 16 h + 4 t + 2 g + j (the e4m3 A operand: thread t holds 4t .. 4t + 3 of each 16)
-            p = p.reshape([self.BLOCK_M, self.BLOCK_N // 32, 2, 2, 4, 2])
+        if self.FP8:  # (constexprs.FP8_KEY_ORDER: the order and why)
+            gl.static_assert(_KEY_ORDER_IS_THIS, "p_operand's permute spells constexprs.FP8_KEY_ORDER out")
+            p = p.reshape(_key_view(self.BLOCK_M, self.BLOCK_N))
             p = p.permute((0, 1, 2, 4, 3, 5)).reshape([self.BLOCK_M, self.BLOCK_N])
             op = gl.convert_layout(p, self.p_layout)
         else:
@@ -412,7 +421,9 @@ def _epilogue(acc, m_i, l_i, sm, args, lse_row0, off_b, o_col, q_op, q_buf, WAIT
     once its previous store has read it), and a TMA store that clips rows past seqlen_q, waited for if WAIT (the
     persistent kernel hands the buffer back later)."""
     cfg = sm.cfg
-    gl.static_assert(cfg.HEAD_DIM_V == cfg.HEAD_DIM_HI, "O leaves through Q's buffer: v's head dim q's first part's")
+    gl.static_assert(
+        cfg.FP8 or cfg.HEAD_DIM_V == cfg.HEAD_DIM_HI, "O leaves through Q's buffer: v's head dim q's first part's"
+    )
     lse, scale = sm.finish(m_i, l_i)
     offs_m = sm.start_m + gl.arange(0, cfg.BLOCK_M, layout=cfg.row_s)
     gl.store(args.Lse + lse_row0 + offs_m, lse, mask=offs_m < args.seqlen_q)

@@ -519,6 +519,7 @@ def check_kvcache_seqlen(
         raise ArgumentError(
             f"cache_seqlens + seqlen_new reaches {seqlen + seqlen_new}, past the cache's "
             f"{'block_table' if paged else 'seqlen'} capacity of {capacity} positions"
+            + (" (max_num_blocks_per_seq * page_size)" if paged else "")
         )
     rotary_end = seqlen + max(seqlen_new, q_positions)
     if rotary_cos is not None and rotary_end > rotary_cos.shape[0]:
@@ -558,12 +559,7 @@ def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqle
     where host_reads_allowed() says no (the kernels drop the writes past the pages there)."""
     if cache_seqlens.numel() == 0 or not host_reads_allowed():
         return
-    end = int(cache_seqlens.max()) + seqlen_new
-    if end > capacity:
-        raise ArgumentError(
-            f"block_table: max(cache_seqlens) + seqlen_new reaches {end} positions, past its capacity of {capacity} "
-            f"(max_num_blocks_per_seq * page_size)"
-        )
+    check_kvcache_seqlen(int(cache_seqlens.max()), capacity, seqlen_new, None, 1, True)
 
 
 def check_kvcache_values(

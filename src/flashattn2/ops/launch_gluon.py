@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
 from . import _runtime, launcher
 from . import spec as specs
 from .geometry import cdiv, column_parts
@@ -23,7 +24,7 @@ class ForwardLaunch:
     """The Gluon forward (the plan's fwd_hopper_persist or fwd_hopper_ws) of one prepared call: kernel, tile rows,
     grid size, integer arguments and constexprs made once (sink: whether the call has a learnable sink). FP8 (e4m3
     q, k, v): V goes to the kernel transposed, a copy per call (vt_shape: (batch, kv heads, v's head dim, keys
-    padded to 16), keys contiguous: wgmma's e4m3 operands are K-major), with the descales; O is bf16."""
+    padded to 32), keys contiguous: wgmma's e4m3 operands are K-major; fp8_vt), with the descales; O is bf16."""
 
     __slots__ = ("launch", "rows", "layout", "tiles", "persist", "ints", "parts", "dropped_lse", "vt_shape")
 
@@ -40,7 +41,7 @@ class ForwardLaunch:
         self.ints = (*layout.lse_strides, *layout.shape, layout.score[2])
         self.vt_shape = None
         if layout.descale_strides is not None:
-            keys = -(-layout.v_keys // FP8_GROUP) * FP8_GROUP
+            keys = -(-layout.v_keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
             self.vt_shape = (layout.batch, layout.nheads_k, layout.head_dim_v, keys)
         self.launch = launcher.Launch(
             kernel,
@@ -97,29 +98,23 @@ class ForwardLaunch:
         )
 
 
-# The FP8 Gluon forward's keys in each group of 32 (kernels/fwd_hopper_tile.FwdConfig.p_operand): position
-# k = 16 h + 4 t + 2 g + j holds key 16 h + 8 g + 2 t + j. As dims (h, t, g, j) of a group: the keys' (h, g, t, j)
-# with g and t swapped.
-FP8_GROUP = 32
-_KEYS_AS_DIMS, _KEY_ORDER = (2, 2, 4, 2), (0, 2, 1, 3)  # a group's keys as (h, g, t, j); the copy's dims from them
-
-
 def fp8_vt(v: torch.Tensor, vt: torch.Tensor) -> torch.Tensor:
     """vt (batch, kv heads, head dim, padded keys, a multiple of 32, contiguous) filled with v (batch, keys, kv heads,
-    head dim) transposed, each group of 32 keys in the FP8 Gluon forward's order (FP8_GROUP: no shuffle of P between
-    threads), zeros for the keys past v's (vt holds ceil(keys / 32) groups): one strided copy of the whole groups,
-    and the last group's through a zero-padded 32-key staging tensor where the keys do not fill it."""
+    head dim) transposed, each group of FP8_KEY_GROUP keys in the FP8 Gluon forward's order (constexprs.FP8_KEY_ORDER:
+    no shuffle of P between threads), zeros for the keys past v's (vt holds ceil(keys / 32) groups): one strided copy
+    of the whole groups, and the last group's through a zero-padded 32-key staging tensor where the keys do not fill
+    it."""
     b, keys, hk, dv = v.shape
-    whole, rest = divmod(keys, FP8_GROUP)
-    dst = vt.unflatten(3, (vt.shape[3] // FP8_GROUP, *(_KEYS_AS_DIMS[i] for i in _KEY_ORDER)))
-    order = (0, 6, 7, 1, *(2 + i for i in _KEY_ORDER))  # (batch, kv head, head dim, group, its key dims)
+    whole, rest = divmod(keys, FP8_KEY_GROUP)
+    dst = vt.unflatten(3, (vt.shape[3] // FP8_KEY_GROUP, *(FP8_KEY_DIMS[i] for i in FP8_KEY_ORDER)))
+    order = (0, 6, 7, 1, *(2 + i for i in FP8_KEY_ORDER))  # (batch, kv head, head dim, group, its key dims)
     if whole:
-        src = v[:, : whole * FP8_GROUP].unflatten(1, (whole, *_KEYS_AS_DIMS))
+        src = v[:, : whole * FP8_KEY_GROUP].unflatten(1, (whole, *FP8_KEY_DIMS))
         dst[:, :, :, :whole].copy_(src.permute(order))
     if rest:
-        tail = v.new_zeros((b, FP8_GROUP, hk, dv))
-        tail[:, :rest] = v[:, whole * FP8_GROUP :]
-        dst[:, :, :, whole : whole + 1].copy_(tail.unflatten(1, (1, *_KEYS_AS_DIMS)).permute(order))
+        tail = v.new_zeros((b, FP8_KEY_GROUP, hk, dv))
+        tail[:, :rest] = v[:, whole * FP8_KEY_GROUP :]
+        dst[:, :, :, whole : whole + 1].copy_(tail.unflatten(1, (1, *FP8_KEY_DIMS)).permute(order))
     return vt
 
 

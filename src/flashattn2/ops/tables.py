@@ -224,7 +224,8 @@ _OTHER = [
 # transposed (kernels/fwd.vt_src: wgmma's e4m3 operands are K-major); sm_80/86 decode the codes to bf16 once loaded and
 # keep their bf16 tiles (shared memory holds e4m3: half of what those tiles were sized for; not measured). sm_90 Triton
 # rows: H100 sweep, non-causal 8k, hidden 2048, TFLOP/s beside our bf16 forward (Gluon) in the same run; the Gluon rows'
-# numbers: bench fp8 on an H100 (bench/results/fp8-nvidia-h100.md), 16k tokens, hidden 2048. Rejected: V as
+# numbers: an H100 (bench/results/fp8-nvidia-h100.md), hidden 2048 -- d64/d256 bench fp8 at 16k tokens, d128 the tile
+# sweep at 8k and 2k there. Rejected: V as
 # it is (Triton transposing each tile through registers): d128 262-299, d256 173-187, d64 389
 # (bench/results/fp8-nvidia-h200.md, its H100 sweep).
 _FP8_WHY = "FP8: "

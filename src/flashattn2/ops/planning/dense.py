@@ -242,7 +242,7 @@ def fp8_mode(s: specs.AttentionSpec) -> str:
 def forward(s: specs.AttentionSpec) -> Plan:
     args, tma, host = attention_plan(s, "fwd", True)
     plan = _lookup(*args)
-    fp8 = fp8_mode(s)  # (FP8: V goes transposed, not through host-built descriptors: kernels/fwd.vt_src)
+    fp8 = fp8_mode(s)  # (FP8 on the Triton path: V goes transposed, not by host-built descriptors: kernels/fwd.vt_src)
     if plan.gluon:
         return replace(plan, fp8=fp8) if fp8 else plan
     return replace(plan, tma=tma, host_desc=host and not fp8, fp8=fp8)
