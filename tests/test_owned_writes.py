@@ -123,7 +123,7 @@ def test_bad_index_writes_only_what_valid_indices_name(name, layout, rotary, inv
         with flashattn2.batch_invariant(invariant), pytest.raises(RuntimeError, match="block_table"):
             flashattn2.flash_attn_with_kvcache(q, k_after, v_after, causal=True, **kwargs)
         assert torch.equal(k_after, k_cache) and torch.equal(v_after, v_cache)
-        monkeypatch.setattr(checks, "host_reads_allowed", lambda: False)
+        monkeypatch.setattr(checks, "host_reads_allowed", lambda t: False)
     with flashattn2.batch_invariant(invariant):
         out = flashattn2.flash_attn_with_kvcache(q, k_after, v_after, causal=True, **kwargs)
     for what, after, before, want in (("k", k_after, k_cache, k_want), ("v", v_after, v_cache, v_want)):

@@ -28,9 +28,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_NONE, Mods, Path, Tile  # noqa: E402
-from flashattn2.ops import _runtime, launcher, planning  # noqa: E402
+from flashattn2.ops import _runtime, launch_gluon, launcher, planning  # noqa: E402
 from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
-from flashattn2.ops.tma import gluon_layout, host_desc  # noqa: E402
+from flashattn2.ops.tma import host_desc  # noqa: E402
 
 # bytes per block, opt-in maximum; sm89 (Ada: the sm86 rows, e4m3 dots) compiles the FP8 configurations only
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}
@@ -132,9 +132,8 @@ def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Ou
         t = torch.empty(2, 64, 2, width, dtype=dtype)
         rows = cfg.block_n if base in _KEY_SIDE else cfg.block_m
         desc = host_desc(t, rows, gluon=True, cols=cols.get(name))
-        if fp8 and base == "V":
-            box = (1, width, cfg.block_n)
-            desc = launcher.HostDesc((t, (2, 2 * width, 64), (2 * width * 64, 64, 1), box, gluon_layout(t.dtype, box)))
+        if fp8 and base == "V":  # V^T's copy, as the launch makes it
+            desc = launch_gluon.vt_desc(torch.empty(2, 2, width, 64, dtype=dtype), cfg.block_n)
         (desc,) = launcher._for_triton((desc,))
         types[name] = mangle_type(desc)
     return types

@@ -619,12 +619,8 @@ def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
     """The device-side check of the cache tensors' values (ops.kvcache.Check), or None while
     torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
     kernels then only clamp the values into range."""
-    # is_compiling first: Dynamo would otherwise guard on the switch and recompile when it flips
-    if (
-        torch.compiler.is_compiling()
-        or not checks.value_checks()
-        or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    ):
+    # is_compiling first (host_reads_allowed's): Dynamo would otherwise guard on the switch and recompile when it flips
+    if not checks.host_reads_allowed(q) or not checks.value_checks():
         return None
     seqlen_new = 0 if k is None else k.shape[1]
     limit = capacity - seqlen_new

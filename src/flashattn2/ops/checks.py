@@ -164,7 +164,7 @@ def cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_se
         clamped = (clamped_q, clamped_q)
     else:
         clamped = (clamped_q, in_range(cu_seqlens_k, totals[1]))
-    if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
+    if not _VALUE_CHECKS or not host_reads_allowed(q):
         return *clamped, _nothing
     maxes = (max_seqlen_q, max_seqlen_k)
     cus = (cu_seqlens_q, cu_seqlens_k)
@@ -529,35 +529,26 @@ def check_kvcache_seqlen(
 def check_seqused_k(seqused_k, cu_seqlens_q, dropout_p: float, fn: str) -> None:
     """flash_attn's seqused_k: an int32 tensor of one count per sequence, on the queries' device; the keys it limits
     are read through the paged varlen path, which has no dropout (NotImplementedError)."""
-    if not isinstance(seqused_k, torch.Tensor):
-        raise ArgumentTypeError(f"{fn}: seqused_k must be an int32 tensor, got {type(seqused_k).__name__}")
-    if seqused_k.dtype != torch.int32:
-        raise ArgumentTypeError(f"{fn}: seqused_k must be int32, got {seqused_k.dtype}")
+    _index_tensor("seqused_k", seqused_k, (cu_seqlens_q.shape[0] - 1,))
     if seqused_k.device != cu_seqlens_q.device:
-        raise ArgumentError(f"{fn}: seqused_k must be on {cu_seqlens_q.device}, got {seqused_k.device}")
-    if seqused_k.shape != (cu_seqlens_q.shape[0] - 1,):
-        raise ArgumentError(
-            f"{fn}: seqused_k must have shape (batch,) = ({cu_seqlens_q.shape[0] - 1},), got {tuple(seqused_k.shape)}"
-        )
+        raise ArgumentError(f"seqused_k is on {seqused_k.device}, cu_seqlens_q on {cu_seqlens_q.device}")
     if dropout_p > 0:
         raise NotImplementedError(
             f"{fn}: dropout_p > 0 with seqused_k (flashattn2 reads its keys as pages: no dropout)"
         )
 
 
-def host_reads_allowed() -> bool:
-    """Whether a check may read device values back: not while torch.compile traces, nor while a CUDA graph is
-    captured."""
-    return not (
-        torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    )
+def host_reads_allowed(t: torch.Tensor) -> bool:
+    """Whether a check may read device values back (t: a tensor of the call's): not while torch.compile traces, nor
+    while a CUDA graph is captured."""
+    return not (torch.compiler.is_compiling() or _capturing(t))
 
 
 def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqlen_new: int) -> None:
     """flash_attn's check of a paged KV-cache call (its one .max().item(), on the paged path alone): the largest
     cache_seqlens plus the new tokens within block_table's capacity, max_num_blocks_per_seq * page_size. Not made
     where host_reads_allowed() says no (the kernels drop the writes past the pages there)."""
-    if cache_seqlens.numel() == 0 or not host_reads_allowed():
+    if cache_seqlens.numel() == 0 or not host_reads_allowed(cache_seqlens):
         return
     check_kvcache_seqlen(int(cache_seqlens.max()), capacity, seqlen_new, None, 1, True)
 
@@ -571,7 +562,7 @@ def check_kvcache_values(
     KV-cache call runs it for its message once the kernels' own check found a bad value.
     Skipped while torch.compile traces and while a CUDA graph is captured (a host read is not
     allowed there)."""
-    if not host_reads_allowed():
+    if not host_reads_allowed(k_cache):
         return
     seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
@@ -683,7 +674,7 @@ def paged_sequences(q, k_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
     rows on the device (the kernels clamp the keys' lengths and the table's entries themselves); with value checks
     on (set_value_checks) and outside torch.compile, the values of cu_seqlens and block_table, in one host read."""
     clamped = in_range(cu_seqlens_q, q.shape[0])
-    if not _VALUE_CHECKS or torch.compiler.is_compiling() or _capturing(q):
+    if not _VALUE_CHECKS or not host_reads_allowed(q):
         return clamped
     maxes = (max_seqlen_q, max_seqlen_k)
     batch = cu_seqlens_q.shape[0] - 1

@@ -68,9 +68,9 @@ class ForwardLaunch:
         grid = (min(self.tiles, _runtime.sm_count(q.device)) if self.persist else self.tiles,)
         hi, lo = self.parts
         if self.vt_shape is None:
-            v_desc, fp8 = host_desc(v, rows_n, gluon=True), (None, None, None, None)
+            v_desc, fp8 = host_desc(v, rows_n, gluon=True), _NO_FP8
         else:
-            v_desc = self._vt_desc(v)
+            v_desc = vt_desc(fp8_vt(v, _runtime.empty(self.vt_shape, v.dtype, v.device)), rows_n)
             fp8 = (*(descale if descale is not None else (None, None, None)), layout.descale_strides)
         self.launch(
             grid,
@@ -87,15 +87,19 @@ class ForwardLaunch:
         )
         return out, lse
 
-    def _vt_desc(self, v: torch.Tensor) -> launcher.HostDesc:
-        """V transposed into a fresh (batch, kv heads, head dim, keys padded to 32) copy in FP8_KEY_ORDER (fp8_vt),
-        and its descriptor over (batch, kv heads * head dim, padded keys) with a [1, head dim, BLOCK_N] box."""
-        b, hk, dv, padded = self.vt_shape
-        vt = fp8_vt(v, _runtime.empty(self.vt_shape, v.dtype, v.device))
-        box = (1, dv, self.rows[1])
-        return launcher.HostDesc(
-            (vt, (b, hk * dv, padded), (hk * dv * padded, padded, 1), box, gluon_layout(v.dtype, box))
-        )
+
+# a 16-bit call's FP8 arguments: the descales and their strides, None (constexprs)
+_NO_FP8 = (None, None, None, None)
+
+
+def vt_desc(vt: torch.Tensor, rows_n: int) -> launcher.HostDesc:
+    """The FP8 Gluon forward's V descriptor: over fp8_vt's copy (batch, kv heads, head dim, padded keys) seen as
+    (batch, kv heads * head dim, padded keys), a [1, head dim, BLOCK_N] box."""
+    b, hk, dv, padded = vt.shape
+    box = (1, dv, rows_n)
+    return launcher.HostDesc(
+        (vt, (b, hk * dv, padded), (hk * dv * padded, padded, 1), box, gluon_layout(vt.dtype, box))
+    )
 
 
 def fp8_vt(v: torch.Tensor, vt: torch.Tensor) -> torch.Tensor:
