@@ -241,6 +241,26 @@ def test_backward_into_views_of_one_packed_gradient():
     assert torch.equal(dqkv, torch.stack(apart, dim=2))
 
 
+def test_s_dmask_renormalized_by_its_key_block_is_the_softmax():
+    """flash_attn's tests turn S_dmask into probabilities block by block (_get_block_size_n's width, each block's
+    values exp(score - the running max)); flashattn2's one block spanning the row must give the softmax."""
+    q, k, v = qkv()
+    d, (sq, sk) = q.shape[-1], (q.shape[1], k.shape[1])
+    _, lse, s_dmask, _ = fai._flash_attn_forward(q, k, v, 0.2, None, False, -1, -1, 0.0, None, True)
+    width = fai._get_block_size_n(q.device, d, True, False)
+    assert width >= 2**16 and fai.USE_TRITON_ROCM is False
+    kv = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), kv.float()) * d**-0.5
+    blocks = scores.split(width, dim=-1)
+    assert len(blocks) == 1
+    running = torch.stack([b.amax(-1) for b in blocks], -1).flip(-1).cummax(-1).values.flip(-1).unbind(-1)
+    unnorm = s_dmask[:, :, :sq, :sk].abs().float().split(width, dim=-1)
+    probs = torch.cat([a * torch.exp(m - lse)[..., None] for a, m in zip(unnorm, running)], dim=-1)
+    torch.testing.assert_close(probs, scores.softmax(-1), atol=2e-3, rtol=1e-2)
+    with pytest.raises(ArgumentError, match="head_dim"):
+        fai._get_block_size_n(q.device, 288, False, False)
+
+
 def test_dropout_rng_state_replays_the_mask():
     p = 0.2
     q, k, v = qkv()

@@ -299,3 +299,37 @@ def test_static_cache_decode_step_compiles_fullgraph():
                 step = torch.compile(step, fullgraph=True, backend="aot_eager" if not ON_GPU else "inductor")
             logits.append(step(token, torch.tensor([SEQLEN], device=DEVICE)))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="SDPA's flash backend runs on CUDA tensors only (torch's CPU kernel on a CPU)")
+def test_sdpa_model_runs_flashattn2_kernels():
+    """An unmodified attn_implementation="sdpa" model: once flashattn2 is activated, its forward and backward run
+    flashattn2's kernels (the profiler's kernel names), not cuDNN's or torch's flash kernels -- torch tries cuDNN first
+    on Hopper, so activation has to put the flash backend first -- and after restoring, not flashattn2's."""
+    attention = torch.nn.attention
+    model = tiny_llama(2, torch.bfloat16, "sdpa")
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), device=DEVICE)  # no padding: SDPA gets is_causal, no mask
+
+    def kernels():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model.zero_grad()
+            model(ids).logits.float().square().mean().backward()
+            torch.cuda.synchronize()
+        return [e.key for e in prof.key_averages()]
+
+    ours = lambda names, step: [n for n in names if n.startswith(f"attn_{step}")]  # noqa: E731
+    theirs = lambda names: [
+        n for n in names if any(s in n.lower() for s in ("cudnn", "flash_fwd", "flash_bwd", "fmha"))
+    ]  # noqa: E731
+    previous = attention.current_flash_attention_impl()
+    attention.activate_flash_attention_impl("flashattn2")
+    try:
+        names = kernels()
+    finally:
+        attention.restore_flash_attention_impl()
+        if previous is not None:
+            attention.activate_flash_attention_impl(previous)
+    assert ours(names, "fwd") and ours(names, "bwd") and not theirs(names), names
+    if previous is None:
+        names = kernels()
+        assert not ours(names, "fwd") and not ours(names, "bwd") and theirs(names), names

@@ -87,6 +87,22 @@ __all__ = [
 ]
 
 
+USE_TRITON_ROCM = False
+"""flash_attn's switch to its ROCm Triton backend: flashattn2 has one path, its own kernels, on every device."""
+
+S_DMASK_KEY_BLOCK = 2**31 - 1
+
+
+def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
+    """flash_attn's key block width of S_dmask (return_attn_probs with dropout): each block's values there are
+    exp(score - the row's running max up to that block). flashattn2's S_dmask subtracts the whole row's max, as one
+    block spanning every key, so the answer is a width no row reaches; code that renormalizes S_dmask block by block
+    (flash_attn's tests) then gets the right probabilities. The arguments are flash_attn's, kept for its callers."""
+    if head_dim > 256:
+        raise ArgumentError(f"_get_block_size_n: head_dim must be at most 256 (flash_attn's limit), got {head_dim}")
+    return S_DMASK_KEY_BLOCK
+
+
 def _options(q, batch, seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes):
     """(dropout_p, scale, left, right, softcap) validated as the public API validates them; the window's edges by
     flash_attn's rule (ops.call.window_edges: seqlen_k, or max_seqlen_k in varlen)."""
