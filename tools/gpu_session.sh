@@ -8,7 +8,10 @@
 #   env        GPU, clocks, versions
 #   smoke      the first stage of every session with a GPU (limit 180 s): the dense and FP8 forward/backward, the
 #              KV cache, sinks, the private functions and flash_attn_gpu, SDPA, on the device's own kernels
-#   tests      the whole suite but the big_memory tests (-n 14); tests-big: those, one at a time (GiBs each)
+#   tests      the whole suite but the big_memory tests (-n 14; TESTS_LIMIT seconds, 540 unless set); tests-big:
+#              those, one at a time (GiBs each)
+#   peer       flash_attn's own tests/test_flash_attn.py on flashattn2, sampled, seeds 0 and 1 (tools/peer; the file
+#              copied from flash-attention to .devout/peer/test_flash_attn.py, einops carried as a wheel)
 #   turn-tests the call path's and nothing-lost's tests at GPU sizes: threads, launches (direct relaunches checked
 #              against Triton's choice), host descriptors, window edges, the private functions' dtypes, owned writes,
 #              NaN propagation, the KV cache, the checkpointed MHA, and the fuzzer's CI mode
@@ -69,7 +72,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src:$PWD/.devout/base PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/.devout/base${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # (carried wheels after)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 # the sha the results record: pass FLASHATTN2_GIT_SHA (the device tool's copy of the checkout can carry
 # a stale .git, which has reported an older commit)
@@ -143,8 +146,10 @@ for s in "$@"; do
         --setting default --setting bwd_order=head-major --dtypes fp16 --headdims 256,128,64 \
         --seqlens 512,1024,2048,4096,8192,16384 --causal 1 ;;
     tests)
-      stage tests 540 python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" \
+      stage tests "${TESTS_LIMIT:-540}" python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" \
         --deselect tests/test_compile_targets.py ;;
+    peer)
+      stage peer 420 env SEEDS="${SEEDS:-0 1}" PEER_LIMIT=200 bash tools/peer/run.sh .devout/peer/test_flash_attn.py ;;
     tests-big)
       stage tests-big 540 python3 -m pytest -q -p no:cacheprovider -m big_memory ;;
     ab-base-fp16|ab-base-bf16)
