@@ -15,6 +15,7 @@ from flashattn2.ops import _runtime
 from flashattn2 import flash_attn_interface
 from flashattn2.errors import ArgumentError
 from flashattn2.ops import planning, registry, spec
+from flashattn2.ops.request import KVCacheRequest
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from flashattn2.reference.kvcache import kvcache_ref
 from tolerance import assert_close, check_against_reference
@@ -503,8 +504,7 @@ def test_latent_tiles():
 
     def plan(k, v, rows, arch="sm90", dtype=torch.bfloat16):
         q = torch.empty(1, 1, rows, k.shape[-1], dtype=dtype)
-        s = spec.kvcache(q, k.to(dtype), v.to(dtype) if dtype != k.dtype else v, *(None,) * 7, table, None, False,
-                         (-1, -1), 0.0, True, None, 0, None)  # fmt: skip
+        s = spec.kvcache(KVCacheRequest(q, k.to(dtype), v.to(dtype) if dtype != k.dtype else v, block_table=table))
         p = planning.decode(planning.kvcache_cache(s), arch, planning.Forced(), False, 0, 132)
         return (*astuple(p.tile)[:4], p.splits, p.chunk)
 

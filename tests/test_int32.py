@@ -16,6 +16,7 @@ from flashattn2.layers.rotary import apply_rotary_emb, apply_rotary_emb_torch
 from flashattn2.ops import checks, planning, registry
 from flashattn2.ops import spec as specs
 from flashattn2.ops.options import Options
+from flashattn2.ops.request import KVCacheRequest
 from flashattn2.reference import attention_ref
 
 # on a GPU each test allocates up to 8 GiB (huge): the GPU suite runs them apart, serially
@@ -285,7 +286,7 @@ def test_kv_tma_rows_within_int32():
         v = k[..., :512]
         q = _meta(1, 1, 16, 576)
         table = _meta(1, 4, dtype=torch.int32)
-        s = specs.kvcache(q, k, v, *(None,) * 7, table, None, False, (-1, -1), 0.0, True, None, 1, None)
+        s = specs.kvcache(KVCacheRequest(q, k, v, block_table=table, num_splits=1))
         plan = planning.decode(planning.kvcache_cache(s), "sm90", planning.Forced(), False, 1, 132)
         assert plan.kv_tma is ok, pages
 

@@ -689,9 +689,10 @@ def decode_plan(q, k_cache, v_cache, block_table=None, num_splits=0, arch="sm90"
     """ops.planning's KV-cache plan of a flash_attn_with_kvcache call on (meta) tensors, on an H200-sized `arch`
     (132 SMs)."""
     from flashattn2.ops import planning, spec
+    from flashattn2.ops.request import KVCacheRequest
 
-    s = spec.kvcache(q, k_cache, v_cache, *(None,) * 6, leftpad, block_table, None, False, (-1, -1), 0.0, True, None,
-                     num_splits, None)  # fmt: skip
+    r = KVCacheRequest(q, k_cache, v_cache, cache_leftpad=leftpad, block_table=block_table, num_splits=num_splits)
+    s = spec.kvcache(r)
     return planning.decode(planning.kvcache_cache(s), arch, planning.Forced(), False, num_splits, 132)
 
 

@@ -17,6 +17,7 @@ import flashattn2
 from conftest import DEVICE, ON_GPU
 from flashattn2.ops import call as calls
 from flashattn2.ops import launcher, spec
+from flashattn2.ops.request import KVCacheRequest
 
 
 def _kernel(A, B, n, m, x, C: tl.constexpr):
@@ -116,10 +117,9 @@ def _random_call(rng: random.Random):
         batch, seqlen_q, cache = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([16, 17, 32])
         q, kc, vc = tensor(batch, seqlen_q, h, d), tensor(batch, cache, hk, d), tensor(batch, cache, hk, d)
         seqlens = rng.choice([rng.choice([1, 3, 16]), torch.tensor([3] * batch, dtype=torch.int32, device=DEVICE)])
-        args = (q, kc, vc, None, None, None, None, seqlens, None, None, None, None, causal, window, 0.0, True, None,
-                rng.choice([0, 1, 2]), None)  # fmt: skip
-        return spec.kvcache(*args), lambda: flashattn2.flash_attn_with_kvcache(
-            q, kc, vc, cache_seqlens=seqlens, causal=causal, window_size=window, num_splits=args[17]
+        options = dict(cache_seqlens=seqlens, causal=causal, window_size=window, num_splits=rng.choice([0, 1, 2]))
+        return spec.kvcache(KVCacheRequest(q, kc, vc, **options)), lambda: flashattn2.flash_attn_with_kvcache(
+            q, kc, vc, **options
         )
     if kind == "varlen":
         total = rng.choice([16, 17, 33])

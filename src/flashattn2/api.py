@@ -18,13 +18,18 @@ from .errors import ArgumentError
 from .ops import call as calls
 from .ops import checks
 from .ops.kvcache import Check
+from .ops import request
 from .ops.options import Options
+from .ops.request import KVCacheRequest
 from .ops.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
 from .ops.registry import fwd_kvcache as registry_fwd_kvcache
 from .ops.registry import dropout_probs as _dropout_probs_op
 from .ops.registry import forward as _forward
 from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 from .ops.registry import run as _run
+
+
+_new = tuple.__new__  # a request from the arguments in its fields' order (tests/test_signatures.py)
 
 
 def _seed(call, q) -> torch.Tensor | None:
@@ -538,81 +543,54 @@ def flash_attn_with_kvcache(
     then raises ValueError (the host reads one flag after the launches, so the call waits for
     its kernels).
     """
-    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
-    descales = (q_descale, k_descale, v_descale)
-    if torch.compiler.is_compiling():
-        out, lse = _traced_kvcache(
-            *args, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-            num_splits, learnable_sink, descales,
-        )  # fmt: skip
-        return (out, lse) if return_softmax_lse else out
-    call = calls.kvcache(
-        *args, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        learnable_sink, *descales,
+    r = _new(
+        KVCacheRequest,
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+         softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+         learnable_sink, q_descale, k_descale, v_descale),
     )  # fmt: skip
+    if torch.compiler.is_compiling():
+        out, lse = _traced_kvcache(r)
+        return (out, lse) if return_softmax_lse else out
+    call = calls.kvcache(r)
     if isinstance(cache_seqlens, torch.Tensor):
-        seqlens, seqlen_int = cache_seqlens, 0
         if block_table is not None and not checks.value_checks():  # (with them, the kernels' check says more)
             checks.check_block_table_capacity(cache_seqlens, call.capacity, 0 if k is None else k.shape[1])
     else:  # an int is checked here (no device read); the tensors' values by the kernels
-        seqlens, seqlen_int = None, call.seqlen(cache_seqlens, rotary_cos)
-    if not checks.value_checks() or (
-        seqlens is None and cache_batch_idx is None and cache_leftpad is None and block_table is None
-    ):
-        out, lse = kvcache_forward(
-            call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse, descales,
-        )  # fmt: skip
+        call.seqlen(cache_seqlens, rotary_cos)
+        if cache_batch_idx is None and cache_leftpad is None and block_table is None:
+            out, lse = kvcache_forward(call, r)
+            return (out, lse) if return_softmax_lse else out
+    if not checks.value_checks():
+        out, lse = kvcache_forward(call, r)
         return (out, lse) if return_softmax_lse else out
-    values = (k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, call.q_positions)
     check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
     if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
-        checks.check_kvcache_values(*values)  # no kernel will run to check them
+        checks.check_kvcache_values(r, call.q_positions)  # no kernel will run to check them
         check = None
-    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad)
     if check is None:
-        out, lse = kvcache_forward(
-            call, *tensors, block_table, alibi_slopes, learnable_sink, None, return_softmax_lse, descales
-        )
+        out, lse = kvcache_forward(call, r)
         return (out, lse) if return_softmax_lse else out
     try:
-        out, lse = kvcache_forward(
-            call, *tensors, block_table, alibi_slopes, learnable_sink, check, return_softmax_lse, descales
-        )
+        out, lse = kvcache_forward(call, r, check)
         bad = bool(check.err.item())
     except BaseException:
         _ERROR_FLAGS.pop(check.key, None)  # the flag may be set: drop it (the next call makes a new one)
         raise
     if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
-        checks.check_kvcache_values(*values)  # raises with the details
+        checks.check_kvcache_values(r, call.q_positions)  # raises with the details
         raise ArgumentError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
 
 
-def _traced_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, learnable_sink, descales):  # fmt: skip
+def _traced_kvcache(r: KVCacheRequest):
     """While torch.compile traces: validated, then the op (flashattn2::fwd_kvcache), which declares that it writes
     k_cache and v_cache."""
-    checks.check_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        num_splits, alibi_slopes, descales,
-    )  # fmt: skip
-    checks.check_sink(learnable_sink, q)
-    checks.check_options(0.0, softmax_scale, window_size, softcap)
-    if isinstance(cache_seqlens, torch.Tensor):
-        seqlens, seqlen_int = cache_seqlens, 0
-    else:
-        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-        seqlens, seqlen_int = None, capacity if cache_seqlens is None else int(cache_seqlens)
-    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    left, right = (int(w) for w in window_size)
-    return registry_fwd_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen_int, cache_batch_idx, cache_leftpad,
-        block_table, scale, bool(causal), left, right, float(softcap), bool(rotary_interleaved), alibi_slopes,
-        int(num_splits), learnable_sink, *descales,
-    )  # fmt: skip
+    checks.check_kvcache(r)
+    checks.check_sink(r.learnable_sink, r.q)
+    checks.check_options(0.0, r.softmax_scale, r.window_size, r.softcap)
+    return registry_fwd_kvcache(*request.op_args(r))
 
 
 def _kvcache_check(q, capacity, k, rotary_cos, q_positions):

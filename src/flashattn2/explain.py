@@ -17,6 +17,7 @@ import torch
 from .ops import call as calls
 from .ops import checks, planning
 from .ops import spec as specs
+from .ops.request import KVCacheRequest
 
 
 def explain(q, k, v, /, *, kvcache: bool = False, arch: str | None = None, **kwargs) -> str:
@@ -85,17 +86,10 @@ def _backward_spec(s: specs.AttentionSpec) -> specs.BackwardSpec:
 
 
 def _kvcache_spec(q, k_cache, v_cache, kwargs):
-    names = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
-    options = ("softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits")
-    unknown = set(kwargs) - {*names, *options, "learnable_sink", "return_softmax_lse"}
+    unknown = set(kwargs) - set(KVCacheRequest._fields)
     if unknown:
         raise checks.ArgumentError(f"explain: unknown arguments {sorted(unknown)}")
-    defaults = dict(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                    alibi_slopes=None, num_splits=0)  # fmt: skip
-    a = {name: kwargs.get(name) for name in names}
-    a.update({key: kwargs.get(key, default) for key, default in defaults.items()})
-    args = (q, k_cache, v_cache, *a.values(), kwargs.get("learnable_sink"))
-    spec = calls.kvcache(*args).spec
+    spec = calls.kvcache(KVCacheRequest(q, k_cache, v_cache, **kwargs)).spec
     if q.device.type == "meta":  # every meta tensor's data_ptr() is 0: the same memory only where v views k
         spec = spec._replace(v_from_k=spec.v_from_k and (v_cache is k_cache or v_cache._base is k_cache))
     return spec

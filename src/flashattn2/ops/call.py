@@ -350,6 +350,8 @@ class KVCacheCall:
         "append",
         "q_ready",
         "indices_ready",
+        "seqlens_int",
+        "descaled",
     )
 
     def __init__(self, spec: specs.KVCacheSpec, plan: planning.Plan):
@@ -369,6 +371,9 @@ class KVCacheCall:
         self.q_ready = rotated or _kernel_ready(spec.q)
         # cache_seqlens (a tensor or none) and no other index tensor, alibi_slopes or sink: nothing to make contiguous
         seqlens = spec.cache_seqlens
+        # cache_seqlens an int (or none): the kernels take it as an int; descales given: FP8's to pass on
+        self.seqlens_int = not isinstance(seqlens, specs.TensorSpec)
+        self.descaled = spec.descales != (None, None, None)
         self.indices_ready = (
             (not isinstance(seqlens, specs.TensorSpec) or seqlens.shape[0] <= 1 or seqlens.stride == (1,))
             and spec.cache_batch_idx is None
@@ -388,84 +393,27 @@ class KVCacheCall:
         return seqlen
 
 
-def kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    rotary_cos,
-    rotary_sin,
-    cache_seqlens,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    rotary_interleaved,
-    alibi_slopes,
-    num_splits,
-    learnable_sink,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-) -> KVCacheCall:
-    """The prepared call of a flash_attn_with_kvcache call's arguments (the descales: FP8's, FA3's)."""
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary_cos,
-        rotary_sin,
-        cache_seqlens,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        rotary_interleaved,
-        alibi_slopes,
-        num_splits,
-        learnable_sink,
-        q_descale,
-        k_descale,
-        v_descale,
-    )
+def kvcache(request) -> KVCacheCall:
+    """The prepared call of a flash_attn_with_kvcache request (ops.request.KVCacheRequest)."""
     try:
-        spec = specs.kvcache(*args)
+        spec = specs.kvcache(request)
         found = CALLS.get(spec)
     except (specs.NotCanonical, AttributeError, TypeError):
         spec = found = None
     if found is not None:
         return found
-    checks.check_kvcache(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary_cos,
-        rotary_sin,
-        cache_seqlens,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        num_splits,
-        alibi_slopes,
-        (q_descale, k_descale, v_descale),
-    )
-    checks.check_sink(learnable_sink, q)
-    checks.check_options(0.0, softmax_scale, window_size, softcap)
-    window = tuple(int(w) for w in window_size)
-    scale = None if softmax_scale is None else float(softmax_scale)
+    checks.check_kvcache(request)
+    r = request
+    checks.check_sink(r.learnable_sink, r.q)
+    checks.check_options(0.0, r.softmax_scale, r.window_size, r.softcap)
     canonical = specs.kvcache(
-        *args[:11], scale, bool(causal), window, float(softcap), bool(rotary_interleaved), *args[16:]
+        r._replace(
+            softmax_scale=None if r.softmax_scale is None else float(r.softmax_scale),
+            causal=bool(r.causal),
+            window_size=tuple(int(w) for w in r.window_size),
+            softcap=float(r.softcap),
+            rotary_interleaved=bool(r.rotary_interleaved),
+        )
     )
     found = CALLS.get(canonical)
     if found is None:

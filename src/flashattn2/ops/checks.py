@@ -341,25 +341,20 @@ def _index_tensor(name, t, shape, dtypes=(torch.int32,)):
         raise ArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def check_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    rotary_cos,
-    rotary_sin,
-    cache_seqlens,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    num_splits,
-    alibi_slopes,
-    descales=(None, None, None),
-):
-    """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments; the values that live on
-    the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check).
-    descales: (q_descale, k_descale, v_descale), FP8's (check_kvcache_fp8)."""
+def check_kvcache(r) -> None:
+    """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments (ops.request.KVCacheRequest); the values that
+    live on the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check). The
+    descales: FP8's (check_kvcache_fp8)."""
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table = (
+        r.q, r.k_cache, r.v_cache, r.k, r.v, r.cache_seqlens, r.block_table
+    )  # fmt: skip
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad = (
+        r.rotary_cos,
+        r.rotary_sin,
+        r.cache_batch_idx,
+        r.cache_leftpad,
+    )
+    num_splits, descales = r.num_splits, r.descales
     _tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)", fp8=True)
     paged = block_table is not None
     layout = "(num_blocks, page_size, nheads_k, " if paged else "(batch_cache, seqlen_cache, nheads_k, "
@@ -463,7 +458,7 @@ def check_kvcache(
             raise ArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ArgumentError(f"num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
-    check_alibi(alibi_slopes, q, batch)
+    check_alibi(r.alibi_slopes, q, batch)
     q_descale, k_descale, v_descale = descales
     if q_descale is not None and q.dtype != E4M3:
         raise ArgumentError(f"q_descale is given but q is {q.dtype}: a descale goes with a float8_e4m3fn q")
@@ -553,15 +548,14 @@ def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqle
     check_kvcache_seqlen(int(cache_seqlens.max()), capacity, seqlen_new, None, 1, True)
 
 
-def check_kvcache_values(
-    k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, q_positions=1
-):
-    """The checks that read device values, in one host sync: appends stay inside the cache, the
-    pages a sequence uses exist, left padding and batch indices are in range, rotary tables
-    cover every position (the new keys', and q_positions queries from cache_seqlens on). The
-    KV-cache call runs it for its message once the kernels' own check found a bad value.
-    Skipped while torch.compile traces and while a CUDA graph is captured (a host read is not
-    allowed there)."""
+def check_kvcache_values(r, q_positions: int = 1) -> None:
+    """The checks that read device values of a KV-cache request (ops.request.KVCacheRequest), in one host sync:
+    appends stay inside the cache, the pages a sequence uses exist, left padding and batch indices are in range,
+    rotary tables cover every position (the new keys', and q_positions queries from cache_seqlens on). The KV-cache
+    call runs it for its message once the kernels' own check found a bad value. Skipped while torch.compile traces
+    and while a CUDA graph is captured (a host read is not allowed there)."""
+    k_cache, k, rotary_cos, cache_seqlens, block_table = r.k_cache, r.k, r.rotary_cos, r.cache_seqlens, r.block_table
+    cache_batch_idx, cache_leftpad = r.cache_batch_idx, r.cache_leftpad
     if not host_reads_allowed(k_cache):
         return
     seqlen_new = 0 if k is None else k.shape[1]

@@ -19,7 +19,7 @@ import typing
 
 import torch
 
-from . import _runtime, attention, call as calls, checks, invariance, kvcache, planning
+from . import _runtime, attention, call as calls, checks, invariance, kvcache, planning, request
 from .options import N_OP_ARGS, Options
 
 
@@ -374,14 +374,12 @@ def _no_fp8_grad(*tensors) -> None:
 # ---- the KV cache --------------------------------------------------------------------------------------------------
 
 
-def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlen_int, batch_idx,
-                    leftpad, block_table, alibi_slopes, sink, check=None, lse_wanted=True,
-                    descales=kvcache.NO_DESCALES):  # fmt: skip
+def kvcache_forward(call, r, check=None):
     """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated; quantized into an FP8 cache), rotate
     q, attend, as the prepared call (ops.call.KVCacheCall) planned (ops.kvcache's Append and Decode, made at its first
-    run). check: a kvcache.Check (eager calls only), set when a cache tensor holds a value out of range. lse_wanted
-    False (an eager call without return_softmax_lse): the logsumexp returned is not the caller's to keep
-    (kvcache.Decode). descales: (q_descale, k_descale, v_descale), an FP8 call's (None: 1)."""
+    run). r: the request (ops.request.KVCacheRequest; an int or absent cache_seqlens checked already:
+    KVCacheCall.seqlen). check: a kvcache.Check (eager calls only), set when a cache tensor holds a value out of
+    range. Without return_softmax_lse the logsumexp returned is not the caller's to keep (kvcache.Decode)."""
     spec = call.spec
     arch = spec.modes.arch
     decode = call.decode
@@ -390,20 +388,25 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
         if spec.k is not None:
             call.append = kvcache.Append(shape, spec.k, spec.v, spec.rotary_cos, bool(spec.rotary_interleaved), arch)
         decode = call.decode = kvcache.Decode(call.plan, shape, arch)
-    if call.indices_ready:
-        seqlens = cache_seqlens
+    q, k, k_cache, v_cache, seqlens, seqlen_int = r.q, r.k, r.k_cache, r.v_cache, r.cache_seqlens, 0
+    if call.seqlens_int:  # an int the kernels take as it is (None: the whole cache)
+        seqlens, seqlen_int = None, call.capacity if seqlens is None else seqlens
+    if call.indices_ready:  # none of these given
+        batch_idx = leftpad = block_table = alibi_slopes = sink = None
     else:
-        seqlens = _contiguous(cache_seqlens)
-        batch_idx, leftpad, block_table = _contiguous(batch_idx), _contiguous(leftpad), _contiguous(block_table)
-        alibi_slopes, sink = _contiguous(alibi_slopes), _contiguous(sink)
+        seqlens, block_table = _contiguous(seqlens), _contiguous(r.block_table)
+        batch_idx, leftpad = _contiguous(r.cache_batch_idx), _contiguous(r.cache_leftpad)
+        alibi_slopes, sink = _contiguous(r.alibi_slopes), _contiguous(r.learnable_sink)
+    descales = r.descales if call.descaled else kvcache.NO_DESCALES
     with _runtime.device_of(q):
         if k is not None:
             cos = sin = None
-            if rotary_cos is not None:
-                cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+            if r.rotary_cos is not None:
+                cos, sin = r.rotary_cos.contiguous(), r.rotary_sin.contiguous()
             call.append(
-                k, v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check, descales
-            )
+                k, r.v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check,
+                descales,
+            )  # fmt: skip
             if cos is not None:
                 q = kvcache.rotate_q(q, seqlens, seqlen_int, (cos, sin, spec.rotary_interleaved), call.per_token)
             if call.seqlen_new and k.shape[0]:  # an append that ran checked every value the attention reads (pages too)
@@ -412,7 +415,7 @@ def kvcache_forward(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
             kvcache.check_pages(block_table, k_cache.shape[0], decode.shape, seqlens, seqlen_int, check)
         return decode(
             q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
-            block_table, None, alibi_slopes, sink, check, lse_wanted, descales,
+            block_table, None, alibi_slopes, sink, check, r.return_softmax_lse, descales,
         )  # fmt: skip
 
 
@@ -421,72 +424,22 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _fwd_kvcache_impl(*args):
-    a = dict(zip(_KVCACHE_PARAMS, args))
-    descales = (a.get("q_descale"), a.get("k_descale"), a.get("v_descale"))
-    seqlens = a["cache_seqlen_int"] if a["cache_seqlens"] is None else a["cache_seqlens"]
-    call = calls.kvcache(
-        *(a[name] for name in _KVCACHE_PARAMS[:7]),
-        seqlens,
-        a["cache_batch_idx"],
-        a["cache_leftpad"],
-        a["block_table"],
-        a["softmax_scale"],
-        a["causal"],
-        (a["window_left"], a["window_right"]),
-        a["softcap"],
-        a["rotary_interleaved"],
-        a["alibi_slopes"],
-        a["num_splits"],
-        a.get("learnable_sink"),
-        *descales,
-    )
-    return kvcache_forward(
-        call,
-        *(a[name] for name in _KVCACHE_PARAMS[:9]),
-        a["cache_batch_idx"],
-        a["cache_leftpad"],
-        a["block_table"],
-        a["alibi_slopes"],
-        a.get("learnable_sink"),
-        descales=descales,
-    )
+    r = request.from_op_args(request.KVCacheRequest, args)
+    return kvcache_forward(calls.kvcache(r), r)
 
 
 # flashattn2::fwd_kvcache: append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over the
-# cache: (out, lse). Arguments as flash_attn_with_kvcache, validated by the API; an int cache_seqlens travels as
-# cache_seqlen_int with cache_seqlens None. torch.compile's path; eager calls run kvcache_forward.
-_KVCACHE_SIGNATURE = [
-    ("q", Tensor),
-    ("k_cache", Tensor),
-    ("v_cache", Tensor),
-    ("k", OptTensor),
-    ("v", OptTensor),
-    ("rotary_cos", OptTensor),
-    ("rotary_sin", OptTensor),
-    ("cache_seqlens", OptTensor),
-    ("cache_seqlen_int", int),
-    ("cache_batch_idx", OptTensor),
-    ("cache_leftpad", OptTensor),
-    ("block_table", OptTensor),
-    ("softmax_scale", float),
-    ("causal", bool),
-    ("window_left", int),
-    ("window_right", int),
-    ("softcap", float),
-    ("rotary_interleaved", bool),
-    ("alibi_slopes", OptTensor),
-    ("num_splits", int),
-    ("learnable_sink", OptTensor),
-    ("q_descale", OptTensor),  # FP8 (FA3's): float32 (batch, nheads_k), None = 1
-    ("k_descale", OptTensor),
-    ("v_descale", OptTensor),
-]
-_KVCACHE_PARAMS = [name for name, _ in _KVCACHE_SIGNATURE]
+# cache: (out, lse). Its parameters are flash_attn_with_kvcache's request's (ops.request: an int cache_seqlens travels
+# as cache_seqlen_int with cache_seqlens None), validated by the API; the four added last (the sink, FP8's descales)
+# default to None. torch.compile's path; eager calls run kvcache_forward.
+_fwd_kvcache_impl.__signature__ = request.op_schema(
+    request.KVCacheRequest, tuple[Tensor, Tensor], optional=("learnable_sink", "q_descale", "k_descale", "v_descale")
+)
+fwd_kvcache = torch.library.custom_op("flashattn2::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
 
 
 def _plain_signature(params, result, optional: int = 1) -> inspect.Signature:
-    """The op's signature; its last `optional` parameters (learnable_sink, the descales: added after the others)
-    default to None."""
+    """The op's signature; its last `optional` parameters (learnable_sink: added after the others) default to None."""
     P = inspect.Parameter
     first = len(params) - optional
     return inspect.Signature(
@@ -496,10 +449,6 @@ def _plain_signature(params, result, optional: int = 1) -> inspect.Signature:
         ],
         return_annotation=result,
     )
-
-
-_fwd_kvcache_impl.__signature__ = _plain_signature(_KVCACHE_SIGNATURE, tuple[Tensor, Tensor], optional=4)
-fwd_kvcache = torch.library.custom_op("flashattn2::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
 
 
 @fwd_kvcache.register_fake

@@ -82,8 +82,11 @@ def int_class(n: int) -> int:
     return 1 if n == 1 else 16 if n % 16 == 0 else 2
 
 
+_NUMBERS = frozenset((int, float, bool))
+
+
 def _number(x):
-    if type(x) not in (int, float, bool):
+    if type(x) not in _NUMBERS:
         raise NotCanonical
     return x
 
@@ -253,38 +256,29 @@ class KVCacheSpec(NamedTuple):
     modes: Modes
 
 
-def kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    rotary_cos,
-    rotary_sin,
-    cache_seqlens,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    rotary_interleaved,
-    alibi_slopes,
-    num_splits,
-    learnable_sink,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-) -> KVCacheSpec:
-    """The spec of a flash_attn_with_kvcache call from its arguments (raises NotCanonical)."""
+def kvcache(r) -> KVCacheSpec:
+    """The spec of a flash_attn_with_kvcache call from its request (ops.request.KVCacheRequest; raises
+    NotCanonical)."""
+    q, k_cache, v_cache, cache_seqlens = r.q, r.k_cache, r.v_cache, r.cache_seqlens
     qs = tensor(q)
     if type(cache_seqlens) is int:
-        seqlens = int_class(cache_seqlens)
+        seqlens, cache_seqlens = int_class(cache_seqlens), None
     else:
         seqlens = optional(cache_seqlens)
-    if type(num_splits) is not int:
+    scale, causal, softcap, interleaved = r.softmax_scale, r.causal, r.softcap, r.rotary_interleaved
+    if (
+        type(r.num_splits) is not int
+        or (scale is not None and type(scale) not in _NUMBERS)
+        or type(causal) not in _NUMBERS
+        or type(softcap) not in _NUMBERS
+        or type(interleaved) not in _NUMBERS
+    ):
         raise NotCanonical
+    k, v, cos, sin, batch_idx, leftpad, table, alibi, sink = (
+        r.k, r.v, r.rotary_cos, r.rotary_sin, r.cache_batch_idx, r.cache_leftpad, r.block_table, r.alibi_slopes,
+        r.learnable_sink,
+    )  # fmt: skip
+    q_descale, k_descale, v_descale = r.q_descale, r.k_descale, r.v_descale
     return _new(
         KVCacheSpec,
         (
@@ -292,41 +286,45 @@ def kvcache(
             tensor(k_cache),
             tensor(v_cache),
             v_cache.data_ptr() == k_cache.data_ptr(),
-            optional(k),
-            optional(v),
-            optional(rotary_cos),
-            optional(rotary_sin),
+            None if k is None else optional(k),
+            None if v is None else optional(v),
+            None if cos is None else optional(cos),
+            None if sin is None else optional(sin),
             seqlens,
-            optional(cache_batch_idx),
-            optional(cache_leftpad),
-            optional(block_table),
-            None if softmax_scale is None else _number(softmax_scale),
-            _number(causal),
-            _window(window_size),
-            _number(softcap),
-            _number(rotary_interleaved),
-            optional(alibi_slopes),
-            num_splits,
-            optional(learnable_sink),
-            (optional(q_descale), optional(k_descale), optional(v_descale)),
+            None if batch_idx is None else optional(batch_idx),
+            None if leftpad is None else optional(leftpad),
+            None if table is None else optional(table),
+            scale,
+            causal,
+            _window(r.window_size),
+            softcap,
+            interleaved,
+            None if alibi is None else optional(alibi),
+            r.num_splits,
+            None if sink is None else optional(sink),
+            (
+                None if q_descale is None else optional(q_descale),
+                None if k_descale is None else optional(k_descale),
+                None if v_descale is None else optional(v_descale),
+            ),
             aligned(
                 q,
                 k_cache,
                 v_cache,
                 k,
                 v,
-                rotary_cos,
-                rotary_sin,
-                cache_seqlens if type(cache_seqlens) is not int else None,
-                cache_batch_idx,
-                cache_leftpad,
-                block_table,
-                alibi_slopes,
-                learnable_sink,
+                cos,
+                sin,
+                cache_seqlens,
+                batch_idx,
+                leftpad,
+                table,
+                alibi,
+                sink,
                 q_descale,
                 k_descale,
                 v_descale,
-            ),
+            ),  # fmt: skip
             modes(q),
         ),
     )
