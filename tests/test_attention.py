@@ -10,6 +10,7 @@ from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn, shape_id
 from conftest import DEVICE, ON_GPU
 from flashattn2.ops import _runtime, launch_gluon, launcher, modes, planning, spec, tables
 from flashattn2.ops import call as calls
+from flashattn2.ops.request import AttentionRequest
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close, check_against_reference
 
@@ -480,28 +481,27 @@ def test_spec_keys():
     batch-invariant mode, the dtype, the strides, the alignment and every option, and equal arguments give equal
     specs (new tensors of the same layout included)."""
     q, k, v = make_qkv((2, 64, 64, 4, 2, 64), torch.float16, requires_grad=False)
-    args = (None, None, 0, 0, 0.0, None, True, (-1, -1), 0.0, None, None, False)
-    key = spec.attention(q, k, v, *args)
-    assert key == spec.attention(q.clone(), k.clone(), v.clone(), *args) and hash(key) == hash(
-        spec.attention(q.clone(), k.clone(), v.clone(), *args)
-    )
+    r = AttentionRequest(q, k, v, causal=True)
+    key = spec.attention(r)
+    same = r._replace(q=q.clone(), k=k.clone(), v=v.clone())
+    assert key == spec.attention(same) and hash(key) == hash(spec.attention(same))
     with force(fwd_hopper_persist=T(64, 64, 8, 2)):
-        assert spec.attention(q, k, v, *args) != key
+        assert spec.attention(r) != key
     with force(hopper=False):
-        assert spec.attention(q, k, v, *args) != key
+        assert spec.attention(r) != key
     with flashattn2.batch_invariant():
-        assert spec.attention(q, k, v, *args) != key
-    assert spec.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *args) != key
-    assert spec.attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, *args) != key
+        assert spec.attention(r) != key
+    assert spec.attention(r._replace(q=q.bfloat16(), k=k.bfloat16(), v=v.bfloat16())) != key
+    assert spec.attention(r._replace(q=q.transpose(1, 2).contiguous().transpose(1, 2))) != key
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
-    assert spec.attention(unaligned, k, v, *args) != key
+    assert spec.attention(r._replace(q=unaligned)) != key
     alibi = torch.rand(4, device=q.device)
-    for i, other in ((6, False), (7, (3, -1)), (8, 1.5), (9, alibi), (10, alibi[:4]), (11, True), (5, 0.5), (4, 0.1)):
-        changed = list(args)
-        changed[i] = other
-        assert spec.attention(q, k, v, *changed) != key, i
+    changes = dict(causal=False, window_size=(3, -1), softcap=1.5, alibi_slopes=alibi, learnable_sink=alibi[:4],
+                   deterministic=True, softmax_scale=0.5, dropout_p=0.1)  # fmt: skip
+    for name, other in changes.items():
+        assert spec.attention(r._replace(**{name: other})) != key, name
     with pytest.raises(spec.NotCanonical):  # a list: validated and normalized first (ops.call)
-        spec.attention(q, k, v, *args[:7], [-1, -1], *args[8:])
+        spec.attention(r._replace(window_size=[-1, -1]))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon paths (whose launches are kept) run on an H100/H200 only")
@@ -678,9 +678,7 @@ def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
     out, dout = (randn(b, seqlen_q, h, d, dtype=torch.float16) for _ in range(2))
     lse = randn(b, h, seqlen_q, dtype=torch.float32)
     dlse = randn(b, h, seqlen_q, dtype=torch.float32) if with_dlse else None
-    layout = Layout(
-        spec.attention(out, out, out, None, None, 0, 0, 0.0, None, False, (-1, -1), 0.0, None, None, 0), 1.0
-    )
+    layout = Layout(spec.attention(AttentionRequest(out, out, out)), 1.0)
     delta, lse_pad = (_runtime.empty((b, h, seqlen_pad), torch.float32, out.device) for _ in range(2))
     acc = _runtime.empty((b, seqlen_pad, h, d), torch.float32, out.device)
     pre = launch_triton.Preprocess(layout, spec.tensor(out), spec.tensor(dout), with_dlse, False, seqlen_pad, copy_lse)

@@ -17,6 +17,7 @@ from flashattn2.errors import ArgumentError, ArgumentTypeError
 from flashattn2.reference import fp8 as rf
 from flashattn2.reference import tolerance
 from flashattn2.reference.kvcache import kvcache_ref
+from flashattn2.ops.request import AttentionRequest
 from flashattn2.reference.rotary import rotary_ref
 
 E4M3 = rf.E4M3
@@ -312,7 +313,7 @@ def test_decode_takes_fp8_for_the_invariant_mode(varlen):
     args = (q8, k8, v8) if not varlen else tuple(t.flatten(0, 1) for t in (q8, k8, v8))
     maxes = (seqlen, seqlen) if varlen else (0, 0)
     with flashattn2.batch_invariant():
-        spec = specs.attention(*args, cu, cu, *maxes, 0.0, None, True, (-1, -1), 0.0, None, None, False)
+        spec = specs.attention(AttentionRequest(*args, cu, cu, *maxes, causal=True))
         options = Options(cu, cu, *maxes, 0.0, None, HEAD_DIM**-0.5, True, -1, -1, 0.0)
         call = calls.AttentionCall(spec, options, planning.plan(spec))
     descales = (qd, kd, vd)

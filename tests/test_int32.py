@@ -16,7 +16,7 @@ from flashattn2.layers.rotary import apply_rotary_emb, apply_rotary_emb_torch
 from flashattn2.ops import checks, planning, registry
 from flashattn2.ops import spec as specs
 from flashattn2.ops.options import Options
-from flashattn2.ops.request import KVCacheRequest
+from flashattn2.ops.request import AttentionRequest, KVCacheRequest
 from flashattn2.reference import attention_ref
 
 # on a GPU each test allocates up to 8 GiB (huge): the GPU suite runs them apart, serially
@@ -228,8 +228,8 @@ def test_varlen_packed_rows_past_int32_are_refused():
     table = _meta(2, 4, dtype=torch.int32)
     q = _meta(8, 4, 64)
     for max_q, ok in ((L, False), (L - 1, True)):
-        paged = specs.paged(q, k, k, cu, cu, max_q, 64, table, 0.0, None, False, (-1, -1), 0.0, None, None)
-        attention = specs.attention(q, k[0], k[0], cu, cu, max_q, 16, 0.0, None, False, (-1, -1), 0.0, None, None, True)
+        paged = specs.paged(AttentionRequest(q, k, k, cu, cu, max_q, 64, block_table=table))
+        attention = specs.attention(AttentionRequest(q, k[0], k[0], cu, cu, max_q, 16, deterministic=True))
         invariant = attention._replace(modes=attention.modes._replace(invariant=True, arch="sm90"))
         for spec in (paged._replace(modes=paged.modes._replace(arch="sm90")), invariant):
             if ok:

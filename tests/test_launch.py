@@ -17,7 +17,7 @@ import flashattn2
 from conftest import DEVICE, ON_GPU
 from flashattn2.ops import call as calls
 from flashattn2.ops import launcher, spec
-from flashattn2.ops.request import KVCacheRequest
+from flashattn2.ops.request import AttentionRequest, KVCacheRequest
 
 
 def _kernel(A, B, n, m, x, C: tl.constexpr):
@@ -126,11 +126,11 @@ def _random_call(rng: random.Random):
         q, k, v = tensor(total, h, d), tensor(total, hk, d), tensor(total, hk, d)
         cu = torch.tensor([0, total // 2, total], dtype=torch.int32, device=DEVICE)
         m = total - total // 2
-        s = spec.attention(q, k, v, cu, cu, m, m, 0.0, None, causal, window, 0.0, None, None, False)
+        s = spec.attention(AttentionRequest(q, k, v, cu, cu, m, m, causal=causal, window_size=window))
         return s, lambda: flashattn2.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=causal, window_size=window)
     batch, sq, sk = rng.choice([1, 2]), rng.choice([1, 16, 17]), rng.choice([1, 16, 19])
     q, k, v = tensor(batch, sq, h, d), tensor(batch, sk, hk, d), tensor(batch, sk, hk, d)
-    s = spec.attention(q, k, v, None, None, 0, 0, 0.0, None, causal, window, 0.0, None, None, False)
+    s = spec.attention(AttentionRequest(q, k, v, causal=causal, window_size=window))
     return s, lambda: flashattn2.flash_attn_func(q, k, v, causal=causal, window_size=window)
 
 

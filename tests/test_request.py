@@ -8,9 +8,20 @@ import torch
 
 import flashattn2
 from flashattn2.ops import registry, request
-from flashattn2.ops.request import KVCacheRequest
+from flashattn2.ops.request import AttentionRequest, KVCacheRequest
 
-DOORS = [pytest.param(flashattn2.flash_attn_with_kvcache, KVCacheRequest, id="flash_attn_with_kvcache")]
+DOORS = [
+    pytest.param(flashattn2.flash_attn_with_kvcache, KVCacheRequest, (), id="flash_attn_with_kvcache"),
+    pytest.param(flashattn2.flash_attn_varlen_func, AttentionRequest, (), id="flash_attn_varlen_func"),
+    pytest.param(flashattn2.flash_attn_func, AttentionRequest, request.VARLEN_ONLY, id="flash_attn_func"),
+]
+# the packed doors: their parameters from dropout_p on are the request's, less those it lacks
+PACKED = [
+    pytest.param(flashattn2.flash_attn_qkvpacked_func, request.VARLEN_ONLY, id="qkvpacked"),
+    pytest.param(flashattn2.flash_attn_kvpacked_func, request.VARLEN_ONLY, id="kvpacked"),
+    pytest.param(flashattn2.flash_attn_varlen_qkvpacked_func, ("block_table",), id="varlen_qkvpacked"),
+    pytest.param(flashattn2.flash_attn_varlen_kvpacked_func, ("block_table",), id="varlen_kvpacked"),
+]
 
 # flashattn2::fwd_kvcache's parameters, as torch.export'ed graphs and opcheck'ed calls name them
 FWD_KVCACHE_OP = [
@@ -31,13 +42,23 @@ FWD_KVCACHE_SCHEMA = (
 )
 
 
-@pytest.mark.parametrize("door, request_type", DOORS)
-def test_request_fields_are_the_door_parameters(door, request_type):
+@pytest.mark.parametrize("door, request_type, lacks", DOORS)
+def test_request_fields_are_the_door_parameters(door, request_type, lacks):
+    """A door makes its request positionally from its parameters: they are the request's fields, in order."""
     params = inspect.signature(door).parameters
-    assert list(params) == list(request_type._fields)
+    assert list(params) == [f for f in request_type._fields if f not in lacks]
     defaults = request_type._field_defaults
-    for name, p in params.items():
-        assert p.default == defaults.get(name, inspect.Parameter.empty), name
+    for name, p in params.items():  # (a request's default stands for a field its dense door lacks)
+        if p.default is not inspect.Parameter.empty or name not in defaults:
+            assert p.default == defaults.get(name, inspect.Parameter.empty), name
+
+
+@pytest.mark.parametrize("door, lacks", PACKED)
+def test_packed_doors_options_are_the_request_fields(door, lacks):
+    params = list(inspect.signature(door).parameters)
+    fields = list(AttentionRequest._fields)
+    first = fields.index("dropout_p")
+    assert params[params.index("dropout_p") :] == [f for f in fields[first:] if f not in lacks]
 
 
 def test_fwd_kvcache_schema_is_the_request_op_form():

@@ -20,7 +20,7 @@ from .ops import checks
 from .ops.kvcache import Check
 from .ops import request
 from .ops.options import Options
-from .ops.request import KVCacheRequest
+from .ops.request import AttentionRequest, KVCacheRequest
 from .ops.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
 from .ops.registry import fwd_kvcache as registry_fwd_kvcache
 from .ops.registry import dropout_probs as _dropout_probs_op
@@ -40,31 +40,38 @@ def _seed(call, q) -> torch.Tensor | None:
     return None
 
 
-def _traced(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi, sink):
-    """While torch.compile traces: the arguments validated and the op (flashattn2::fwd) called, with its registered
+def _traced(r: AttentionRequest):
+    """While torch.compile traces: the request validated and the op (flashattn2::fwd) called, with its registered
     backward (no caches: dynamo would trace them)."""
-    max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap = calls.validate_attention(
-        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi, sink
-    )
-    seed = torch.randint(2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    options = Options(cu_q, cu_k, max_q, max_k, dropout_p, seed, scale, causal, *window_size, softcap)
-    return _forward(q, k, v, options, alibi, sink), options
+    r = calls.validate_attention(r)
+    seed = torch.randint(2**62, (1,), dtype=torch.int64, device=r.q.device) if r.dropout_p > 0 else None
+    scale = float(r.q.shape[-1] ** -0.5 if r.softmax_scale is None else r.softmax_scale)
+    options = Options(
+        r.cu_seqlens_q, r.cu_seqlens_k, r.max_seqlen_q, r.max_seqlen_k, r.dropout_p, seed, scale, r.causal,
+        *r.window_size, r.softcap,
+    )  # fmt: skip
+    return _forward(r.q, r.k, r.v, options, r.alibi_slopes, r.learnable_sink), options
 
 
-def _result(out, lse, return_attn_probs, q=None, k=None, call=None, alibi_slopes=None, cu=(None, None), seed=None):
-    if not return_attn_probs:
+def _empty_s_dmask(out):
+    return torch.empty(0, dtype=out.dtype, device=out.device)
+
+
+def _result(r: AttentionRequest, out, lse, call=None, cu=(None, None), seed=None):
+    """What the call returns: out, or with return_attn_probs (out, lse, S_dmask)."""
+    if not r.return_attn_probs:
         return out
     if call is None or call.options.dropout_p == 0:
         # S_dmask is only materialised with dropout (flash_attn's rule); without it, an empty tensor
-        return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+        return out, lse, _empty_s_dmask(out)
+    q, k = r.q, r.k
     if call.empty:
         rounded = lambda n: -(-n // 128) * 128
         shape = (q.shape[0], q.shape[2], rounded(q.shape[1]), rounded(k.shape[1]))
         return out, lse, torch.zeros(shape, dtype=out.dtype, device=out.device)
     options = call.options.with_tensors(*cu, seed)
     with torch.no_grad():
-        s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options.op_args(), alibi_slopes)
+        s_dmask = _dropout_probs_op(q.detach(), k.detach(), *options.op_args(), r.alibi_slopes)
     return out, lse, s_dmask
 
 
@@ -86,13 +93,13 @@ def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
     return (q if packing == "qkv" else for_kernels(q)), k, v, ready
 
 
-def _ready_call(q, k, v, packing: str | None, args):
-    """The prepared call of unpacked q, k, v as given, which proves them as the kernels take them (ops.call.NotReady);
-    None where they are packed or must be made so first (_for_kernels)."""
+def _ready_call(r: AttentionRequest, packing: str | None):
+    """The prepared call of a request's unpacked q, k, v as given, which proves them as the kernels take them
+    (ops.call.NotReady); None where they are packed or must be made so first (_for_kernels)."""
     if packing is not None:
         return None
     try:
-        return calls.attention(q, k, v, *args)
+        return calls.attention(r)
     except calls.NotReady:
         return None
 
@@ -110,34 +117,32 @@ def _fp8_packing(q, descale, packing):
     return packing
 
 
-def _dense(q, k, v, packed, packing, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           deterministic, return_attn_probs, sink, descale):  # fmt: skip
-    """flash_attn_func and its packed forms: q, k, v (views of `packed` when packing is "qkv" or "kv"); descale: FA3's
-    (q_descale, k_descale, v_descale) of an FP8 call."""
+def _dense(r: AttentionRequest, packed=None, packing: str | None = None):
+    """flash_attn_func and its packed forms: the request's q, k, v (views of `packed` when packing is "qkv" or
+    "kv")."""
+    q, descale = r.q, (r.q_descale, r.k_descale, r.v_descale)
     packing = _fp8_packing(q, descale, packing) if packing is not None else None
     if torch.compiler.is_compiling():
         _no_fp8("torch.compile", q, descale)
-        (out, lse), _ = _traced(
-            q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink
-        )
-        return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
-    args = (None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sink, deterministic,
-            False, descale)  # fmt: skip
-    call = _ready_call(q, k, v, packing, args)
+        (out, lse), _ = _traced(r)
+        return out if not r.return_attn_probs else (out, lse, _empty_s_dmask(out))
+    call = _ready_call(r, packing)
     if call is None:
-        q, k, v, packed = _for_kernels(q, k, v, packed, packing, 2)
-        call = calls.attention(q, k, v, *args)
+        q, k, v, packed = _for_kernels(q, r.k, r.v, packed, packing, 2)
+        r = r._replace(q=q, k=k, v=v)
+        call = calls.attention(r)
     seed = _seed(call, q)
+    alibi_slopes, sink, lse_wanted = r.alibi_slopes, r.learnable_sink, r.return_attn_probs
     if call.empty:
-        out, lse = EmptyAttention.apply(q, k, v, sink)
+        out, lse = EmptyAttention.apply(q, r.k, r.v, sink)
     elif packing is None:
-        out, lse = _run(call, q, k, v, alibi_slopes, sink, seed=seed, lse_wanted=return_attn_probs, descale=descale)
+        out, lse = _run(call, q, r.k, r.v, alibi_slopes, sink, seed=seed, lse_wanted=lse_wanted, descale=descale)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, None, None, seed)
-    if not return_attn_probs:
+    if not lse_wanted:
         return out
-    return _result(out, lse, return_attn_probs, q, k, call, alibi_slopes, seed=seed)
+    return _result(r, out, lse, call, seed=seed)
 
 
 def flash_attn_func(
@@ -203,8 +208,11 @@ def flash_attn_func(
             visible region), a testing aid computed by a second pass.
     """
     return _dense(
-        q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, learnable_sink, (q_descale, k_descale, v_descale),
+        _new(
+            AttentionRequest,
+            (q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+             deterministic, return_attn_probs, None, learnable_sink, q_descale, k_descale, v_descale),
+        )
     )  # fmt: skip
 
 
@@ -230,10 +238,12 @@ def flash_attn_qkvpacked_func(
     """
     checks.check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(dim=2)
-    return _dense(
-        q, k, v, qkv, "qkv", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, learnable_sink, (q_descale, k_descale, v_descale),
+    r = _new(
+        AttentionRequest,
+        (q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+         return_attn_probs, None, learnable_sink, q_descale, k_descale, v_descale),
     )  # fmt: skip
+    return _dense(r, qkv, "qkv")
 
 
 def flash_attn_kvpacked_func(
@@ -257,10 +267,12 @@ def flash_attn_kvpacked_func(
     nheads_k, headdim); the backward writes one dkv. Other arguments as flash_attn_func."""
     checks.check_packed("kv", kv, 2)
     k, v = kv.unbind(dim=2)
-    return _dense(
-        q, k, v, kv, "kv", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, learnable_sink, (q_descale, k_descale, v_descale),
+    r = _new(
+        AttentionRequest,
+        (q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+         return_attn_probs, None, learnable_sink, q_descale, k_descale, v_descale),
     )  # fmt: skip
+    return _dense(r, kv, "kv")
 
 
 def flash_attn_varlen_func(
@@ -308,100 +320,78 @@ def flash_attn_varlen_func(
     The cu_seqlens values are checked on the host after the kernels are queued, from a copy that
     does not wait for them (outside torch.compile).
     """
-    if block_table is not None:
-        _no_fp8("block_table (a paged K/V in flash_attn_varlen_func)", q, (q_descale, k_descale, v_descale))
-        return _varlen_paged(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, return_attn_probs, block_table, learnable_sink,
-        )  # fmt: skip
-    return _varlen(
-        q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
-        (q_descale, k_descale, v_descale),
+    r = _new(
+        AttentionRequest,
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, learnable_sink, q_descale,
+         k_descale, v_descale),
     )  # fmt: skip
+    if block_table is not None:
+        _no_fp8("block_table (a paged K/V in flash_attn_varlen_func)", q, r.descales)
+        return _varlen_paged(r)
+    return _varlen(r)
 
 
-def _varlen(q, k, v, packed, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, sink,
-            descale):  # fmt: skip
+def _varlen(r: AttentionRequest, packed=None, packing: str | None = None):
     """flash_attn_varlen_func and its packed forms. The cu_seqlens values are checked on the host (value checks on)
-    after the kernels are queued, from a copy that does not wait for them. descale: as _dense's."""
+    after the kernels are queued, from a copy that does not wait for them."""
+    descale = r.descales
+    q, k, v, cu_seqlens_q, cu_seqlens_k = r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k
     packing = _fp8_packing(q, descale, packing) if packing is not None else None
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal)
     if torch.compiler.is_compiling():
         _no_fp8("torch.compile", q, descale)
         checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
-        max_q, max_k = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
+        max_q, max_k = checks.max_seqlens(r.max_seqlen_q, r.max_seqlen_k)
         cu_q, cu_k, _ = calls.sequences(cu_seqlens_q, cu_seqlens_k, max_q, max_k, q, k)  # clamped, nothing read
-        traced = (q, k, v, cu_q, cu_k, max_q, max_k, *args[7:])
-        (out, lse), _ = _traced(*traced, window_size, softcap, alibi_slopes, sink)
-        return out if not return_attn_probs else (out, lse, torch.empty(0, dtype=out.dtype, device=out.device))
-    args = (*args[3:], window_size, softcap, alibi_slopes, sink, deterministic, False, descale)
-    call = _ready_call(q, k, v, packing, args)
+        (out, lse), _ = _traced(
+            r._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        )
+        return out if not r.return_attn_probs else (out, lse, _empty_s_dmask(out))
+    call = _ready_call(r, packing)
     if call is None:
         q, k, v, packed = _for_kernels(q, k, v, packed, packing, 1)
-        call = calls.attention(q, k, v, *args)
+        r = r._replace(q=q, k=k, v=v)
+        call = calls.attention(r)
     o = call.options
     cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)
     seed = _seed(call, q)
+    alibi_slopes, sink, lse_wanted = r.alibi_slopes, r.learnable_sink, r.return_attn_probs
     if packing is None:
-        out, lse = _run(
-            call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed, lse_wanted=return_attn_probs, descale=descale
-        )
+        out, lse = _run(call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed, lse_wanted=lse_wanted, descale=descale)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, cu_q, cu_k, seed)
     verify()
-    if not return_attn_probs:
+    if not lse_wanted:
         return out
-    return _result(out, lse, return_attn_probs, q, k, call, alibi_slopes, (cu_q, cu_k), seed)
+    return _result(r, out, lse, call, (cu_q, cu_k), seed)
 
 
-def _varlen_paged(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    return_attn_probs,
-    block_table,
-    learnable_sink,
-):
+def _varlen_paged(r: AttentionRequest):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, block_table = r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.block_table
+    alibi_slopes, learnable_sink = r.alibi_slopes, r.learnable_sink
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
     if grad or torch.compiler.is_compiling():  # the custom op: torch.compile's path; autograd's (its backward raises)
-        checks.check_options(dropout_p, softmax_scale, window_size, softcap)
+        checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
         checks.check_sink(learnable_sink, q)
-        max_q, max_k = checks.check_varlen_paged(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, alibi_slopes
-        )
-        left, right = (int(w) for w in window_size)
-        scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+        max_q, max_k = checks.check_varlen_paged(r)
+        left, right = (int(w) for w in r.window_size)
+        scale = float(q.shape[-1] ** -0.5 if r.softmax_scale is None else r.softmax_scale)
         out, lse = _fwd_varlen_paged_op(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, scale, bool(causal), left, right,
-            float(softcap), alibi_slopes, learnable_sink,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, scale, bool(r.causal), left, right,
+            float(r.softcap), alibi_slopes, learnable_sink,
         )  # fmt: skip
     else:
-        call = calls.paged(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, softmax_scale,
-            causal, window_size, softcap, alibi_slopes, learnable_sink,
-        )  # fmt: skip
+        call = calls.paged(r)
         spec = call.spec
         cu_q = checks.paged_sequences(
             q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
         )
         out, lse = paged_forward(call, q, k, v, cu_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink)
-    if not return_attn_probs:
+    if not r.return_attn_probs:
         return out
-    return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
+    return out, lse, _empty_s_dmask(out)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -425,11 +415,13 @@ def flash_attn_varlen_qkvpacked_func(
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); the backward writes one dqkv."""
     checks.check_packed("qkv", qkv, 3, varlen=True)
     q, k, v = qkv.unbind(dim=1)
-    return _varlen(
-        q, k, v, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
-        (q_descale, k_descale, v_descale),
+    r = _new(
+        AttentionRequest,
+        (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+         softcap, alibi_slopes, deterministic, return_attn_probs, None, learnable_sink, q_descale, k_descale,
+         v_descale),
     )  # fmt: skip
+    return _varlen(r, qkv, "qkv")
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -457,11 +449,13 @@ def flash_attn_varlen_kvpacked_func(
     headdim); the backward writes one dkv."""
     checks.check_packed("kv", kv, 2, varlen=True)
     k, v = kv.unbind(dim=1)
-    return _varlen(
-        q, k, v, kv, "kv", cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
-        (q_descale, k_descale, v_descale),
+    r = _new(
+        AttentionRequest,
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None, learnable_sink, q_descale,
+         k_descale, v_descale),
     )  # fmt: skip
+    return _varlen(r, kv, "kv")
 
 
 def flash_attn_with_kvcache(

@@ -17,7 +17,7 @@ import torch
 from .ops import call as calls
 from .ops import checks, planning
 from .ops import spec as specs
-from .ops.request import KVCacheRequest
+from .ops.request import AttentionRequest, KVCacheRequest
 
 
 def explain(q, k, v, /, *, kvcache: bool = False, arch: str | None = None, **kwargs) -> str:
@@ -60,24 +60,15 @@ def _on(arch: str, spec):
     return spec._replace(modes=spec.modes._replace(arch=arch))
 
 
-_ATTENTION = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic")
+def _known(kwargs, fields) -> None:
+    unknown = set(kwargs) - set(fields)
+    if unknown:
+        raise checks.ArgumentError(f"explain: unknown arguments {sorted(unknown)}")
 
 
 def _attention_spec(q, k, v, kwargs):
-    unknown = set(kwargs) - {*_ATTENTION, "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                             "learnable_sink", "return_attn_probs", "q_descale", "k_descale", "v_descale"}  # fmt: skip
-    if unknown:
-        raise checks.ArgumentError(f"explain: unknown arguments {sorted(unknown)}")
-    a = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
-    a.update((key, kwargs[key]) for key in _ATTENTION[:-1] if key in kwargs)
-    cu_q, cu_k = kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_k")
-    max_q, max_k = kwargs.get("max_seqlen_q", 0), kwargs.get("max_seqlen_k", 0)
-    sink = kwargs.get("learnable_sink")
-    descale = tuple(kwargs.get(name) for name in ("q_descale", "k_descale", "v_descale"))
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, *a.values(), sink)
-    normal = calls.validate_attention(*args, descale=descale)
-    deterministic = bool(kwargs.get("deterministic"))
-    return specs.attention(q, k, v, cu_q, cu_k, *normal, a["alibi_slopes"], sink, deterministic, descale)
+    _known(kwargs, set(AttentionRequest._fields) - {"block_table"})
+    return specs.attention(calls.validate_attention(AttentionRequest(q, k, v, **kwargs)))
 
 
 def _backward_spec(s: specs.AttentionSpec) -> specs.BackwardSpec:
@@ -86,9 +77,7 @@ def _backward_spec(s: specs.AttentionSpec) -> specs.BackwardSpec:
 
 
 def _kvcache_spec(q, k_cache, v_cache, kwargs):
-    unknown = set(kwargs) - set(KVCacheRequest._fields)
-    if unknown:
-        raise checks.ArgumentError(f"explain: unknown arguments {sorted(unknown)}")
+    _known(kwargs, KVCacheRequest._fields)
     spec = calls.kvcache(KVCacheRequest(q, k_cache, v_cache, **kwargs)).spec
     if q.device.type == "meta":  # every meta tensor's data_ptr() is 0: the same memory only where v views k
         spec = spec._replace(v_from_k=spec.v_from_k and (v_cache is k_cache or v_cache._base is k_cache))
@@ -96,11 +85,8 @@ def _kvcache_spec(q, k_cache, v_cache, kwargs):
 
 
 def _paged_spec(q, k, v, kwargs):
-    keys = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_table")
-    a = [kwargs[key] for key in keys]
-    options = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0)
-    options.update((key, kwargs[key]) for key in options if key in kwargs)
-    return calls.paged(q, k, v, *a, *options.values(), kwargs.get("alibi_slopes"), kwargs.get("learnable_sink")).spec
+    _known(kwargs, AttentionRequest._fields)
+    return calls.paged(AttentionRequest(q, k, v, **kwargs)).spec
 
 
 def main(argv) -> int:

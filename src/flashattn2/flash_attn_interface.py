@@ -65,6 +65,9 @@ from .functions import (
 from .ops import _runtime, checks, registry
 from .ops import call as calls
 from .ops.options import Options
+from .ops.request import AttentionRequest
+
+_new = tuple.__new__  # a request from its fields in their order
 
 __all__ = [
     "flash_attn_func",
@@ -244,8 +247,12 @@ def _flash_attn_forward(
     except AttributeError:  # a non-tensor: the checks name it
         checks.check_qkv(q, k, v, varlen=False)
         raise
-    call = calls.attention(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-                           None, False)  # fmt: skip
+    request = _new(
+        AttentionRequest,
+        (q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, False, False, None,
+         None, None, None, None),
+    )  # fmt: skip
+    call = calls.attention(request)
     if call.empty:  # (flash_attn_func accepts seqlen 0; flash_attn's private op does not)
         checks.check_qkv(q, k, v, varlen=False)
     dropout_p = call.options.dropout_p
@@ -398,8 +405,10 @@ def _varlen_paged_forward(
     _check_return_softmax(return_softmax, dropout_p)
     checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
     call = calls.paged(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p, softmax_scale, causal,
-        (int(window_size_left), int(window_size_right)), softcap, alibi_slopes, None,
+        AttentionRequest(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            (int(window_size_left), int(window_size_right)), softcap, alibi_slopes, block_table=block_table,
+        )
     )  # fmt: skip
     spec = call.spec
     cu_seqlens_q = checks.paged_sequences(

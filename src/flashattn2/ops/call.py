@@ -160,90 +160,44 @@ def _options(q, spec: specs.AttentionSpec, cu_seqlens_q=None, cu_seqlens_k=None)
     )
 
 
-def validate_attention(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    learnable_sink,
-    literal: bool = False,
-    descale=None,
-):
-    """Validate an attention call's arguments (each error names the argument); returns them normalized as a spec
-    takes them: (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap). The window's
-    edges by flash_attn's rule (window_edges), or as given (literal). descale: an FP8 call's (q_descale, k_descale,
-    v_descale)."""
+def validate_attention(r, literal: bool = False):
+    """Validate an attention request's arguments (each error names the argument); returns the request normalized as
+    a spec takes it (max_seqlens ints, the options' plain types, the window's edges by flash_attn's rule
+    (window_edges), or as given (literal))."""
+    q, k, v, cu_seqlens_q = r.q, r.k, r.v, r.cu_seqlens_q
     varlen = cu_seqlens_q is not None
     checks.check_qkv(q, k, v, varlen=varlen, empty_ok=not varlen, fp8=True)
-    checks.check_sink(learnable_sink, q)
+    checks.check_sink(r.learnable_sink, q)
     maxes = (0, 0)
     batch = q.shape[0]
     if varlen:
-        checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
-        maxes = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
+        checks.check_cu_tensors(cu_seqlens_q, r.cu_seqlens_k, q)
+        maxes = checks.max_seqlens(r.max_seqlen_q, r.max_seqlen_k)
         batch = cu_seqlens_q.shape[0] - 1
-    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    checks.check_alibi(alibi_slopes, q, batch)
-    checks.check_fp8(q, descale or (None, None, None), batch, k.shape[-2], dropout_p)
-    left, right = (
-        (int(w) for w in window_size) if literal else window_edges(window_size, maxes[1] if varlen else k.shape[1])
+    checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
+    checks.check_alibi(r.alibi_slopes, q, batch)
+    checks.check_fp8(q, r.descales, batch, k.shape[-2], r.dropout_p)
+    window = r.window_size
+    left, right = (int(w) for w in window) if literal else window_edges(window, maxes[1] if varlen else k.shape[1])
+    return r._replace(
+        max_seqlen_q=maxes[0],
+        max_seqlen_k=maxes[1],
+        dropout_p=float(r.dropout_p),
+        softmax_scale=None if r.softmax_scale is None else float(r.softmax_scale),
+        causal=bool(r.causal),
+        window_size=(left, right),
+        softcap=float(r.softcap),
+        deterministic=bool(r.deterministic),
     )
-    scale = None if softmax_scale is None else float(softmax_scale)
-    return (*maxes, float(dropout_p), scale, bool(causal), (left, right), float(softcap))
 
 
-def attention(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    learnable_sink,
-    deterministic,
-    literal: bool = False,
-    descale=None,
-) -> AttentionCall:
-    """The prepared call of an attention call's arguments: found by its spec, or validated, planned and kept. literal:
-    the window's edges as given (from_options), else by flash_attn's rule (window_edges). descale: an FP8 call's
-    (q_descale, k_descale, v_descale). Raises NotReady (after the validation) where q, k or v is not as the kernels
-    take it."""
+def attention(r, literal: bool = False) -> AttentionCall:
+    """The prepared call of an attention request (ops.request.AttentionRequest): found by its spec, or validated,
+    planned and kept. literal: the window's edges as given (from_options), else by flash_attn's rule
+    (window_edges). Raises NotReady (after the validation) where q, k or v is not as the kernels take it."""
     cache = LITERAL if literal else CALLS
     try:
-        spec = specs.attention(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-            alibi_slopes,
-            learnable_sink,
-            deterministic,
-            descale,
-        )
+        spec = specs.attention(r)
         found = cache.get(spec)
     except (specs.NotCanonical, AttributeError, TypeError):  # a list, a tensor max_seqlen, a non-tensor
         spec = found = None
@@ -251,46 +205,11 @@ def attention(
         if found is _NOT_READY:
             raise NotReady
         return found
-    max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap = validate_attention(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        learnable_sink,
-        literal,
-        descale,
-    )
-    canonical = specs.attention(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_q,
-        max_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        learnable_sink,
-        bool(deterministic),
-        descale,
-    )
+    canonical = specs.attention(validate_attention(r, literal))
     found = cache.get(canonical)
     if found is None:
         if _ready(canonical):
-            call = AttentionCall(canonical, _options(q, canonical), None)
+            call = AttentionCall(canonical, _options(r.q, canonical), None)
             if not call.empty:
                 call.plan = planning.plan(canonical)
         else:
@@ -306,24 +225,7 @@ def attention(
 def from_options(q, k, v, options: Options, alibi_slopes, learnable_sink, deterministic: bool = False):
     """The prepared call of an op's arguments (flashattn2::fwd's and ::bwd's: Options, already normalized; the ring's
     blocks, the private _flash_attn_* functions)."""
-    return attention(
-        q,
-        k,
-        v,
-        options.cu_seqlens_q,
-        options.cu_seqlens_k,
-        options.max_seqlen_q,
-        options.max_seqlen_k,
-        options.dropout_p,
-        options.softmax_scale,
-        options.causal,
-        (options.window_left, options.window_right),
-        options.softcap,
-        alibi_slopes,
-        learnable_sink,
-        deterministic,
-        literal=True,
-    )
+    return attention(options.request(q, k, v, alibi_slopes, learnable_sink, deterministic), literal=True)
 
 
 def sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, q, k):
@@ -434,63 +336,30 @@ class PagedCall:
         self.decode = None  # ops.kvcache.Decode, made at the first run
 
 
-def paged(
-    q,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    block_table,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    learnable_sink,
-) -> PagedCall:
-    """The prepared call of a paged prefill's arguments (shapes, dtypes and options validated; the values of
-    cu_seqlens and block_table per call, with the value checks on: checks.check_paged_values)."""
-    args = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, dropout_p)
+def paged(r) -> PagedCall:
+    """The prepared call of a paged prefill's request (ops.request.AttentionRequest with block_table: shapes, dtypes
+    and options validated; the values of cu_seqlens and block_table per call, with the value checks on:
+    checks.check_paged_values)."""
     try:
-        spec = specs.paged(*args, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+        spec = specs.paged(r)
         found = CALLS.get(spec)
     except (specs.NotCanonical, AttributeError, TypeError):
         spec = found = None
     if found is not None:
         return found
-    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    checks.check_sink(learnable_sink, q)
-    max_q, max_k = checks.check_varlen_paged(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        block_table,
-        dropout_p,
-        alibi_slopes,
-    )
+    checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
+    checks.check_sink(r.learnable_sink, r.q)
+    max_q, max_k = checks.check_varlen_paged(r)
     canonical = specs.paged(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_q,
-        max_k,
-        block_table,
-        float(dropout_p),
-        None if softmax_scale is None else float(softmax_scale),
-        bool(causal),
-        window_edges(window_size, max_k),
-        float(softcap),
-        alibi_slopes,
-        learnable_sink,
+        r._replace(
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            dropout_p=float(r.dropout_p),
+            softmax_scale=None if r.softmax_scale is None else float(r.softmax_scale),
+            causal=bool(r.causal),
+            window_size=window_edges(r.window_size, max_k),
+            softcap=float(r.softcap),
+        )
     )
     found = CALLS.get(canonical)
     if found is None:

@@ -611,20 +611,13 @@ def _to_host(*tensors):
     return out
 
 
-def check_varlen_paged(
-    q,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    block_table,
-    dropout_p,
-    alibi_slopes=None,
-):
-    """flash_attn_varlen_func with block_table (paged K/V, forward only): shapes, dtypes and devices; returns
-    (max_seqlen_q, max_seqlen_k) as ints. The values: paged_sequences, per call."""
+def check_varlen_paged(r) -> tuple[int, int]:
+    """flash_attn_varlen_func with block_table (paged K/V, forward only; ops.request.AttentionRequest): shapes, dtypes
+    and devices; returns (max_seqlen_q, max_seqlen_k) as ints. The values: paged_sequences, per call."""
+    q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table = (
+        r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.block_table
+    )  # fmt: skip
+    max_seqlen_q, max_seqlen_k, dropout_p, alibi_slopes = r.max_seqlen_q, r.max_seqlen_k, r.dropout_p, r.alibi_slopes
     for name, t in (("q", q), ("k", k_cache), ("v", v_cache)):
         if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.dtype.itemsize == 1:
             raise NotImplementedError(

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .request import AttentionRequest
+
+_new = tuple.__new__
+
 
 @dataclass(frozen=True)
 class Options:
@@ -44,6 +48,15 @@ class Options:
             self.window_right,
             self.softcap,
         )
+
+    def request(self, q, k, v, alibi_slopes, learnable_sink, deterministic: bool = False) -> AttentionRequest:
+        """The attention request these options stand for (their window's edges as they are: ops.call.from_options)."""
+        return _new(  # (in the request's fields' order: keywords would cost a microsecond a ring block)
+            AttentionRequest,
+            (q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, self.dropout_p,
+             self.softmax_scale, self.causal, (self.window_left, self.window_right), self.softcap, alibi_slopes,
+             deterministic, False, None, learnable_sink, None, None, None),
+        )  # fmt: skip
 
     def tensors(self) -> tuple:
         """The tensors among the options (what autograd saves): cu_seqlens_q, cu_seqlens_k, seed."""

@@ -478,16 +478,16 @@ def _fwd_varlen_paged_impl(*args):
     a = dict(zip(_PAGED_PARAMS, args))
     window = (a["window_left"], a["window_right"])
     call = calls.paged(
-        *(a[name] for name in _PAGED_PARAMS[:6]),
-        a["max_seqlen_k"],
-        a["block_table"],
-        0.0,
-        a["softmax_scale"],
-        a["causal"],
-        window,
-        a["softcap"],
-        a["alibi_slopes"],
-        a.get("learnable_sink"),
+        request.AttentionRequest(
+            *(a[name] for name in _PAGED_PARAMS[:7]),
+            softmax_scale=a["softmax_scale"],
+            causal=a["causal"],
+            window_size=window,
+            softcap=a["softcap"],
+            alibi_slopes=a["alibi_slopes"],
+            block_table=a["block_table"],
+            learnable_sink=a.get("learnable_sink"),
+        )
     )
     return paged_forward(call, *(a[n] for n in ("q", "k_cache", "v_cache", "cu_seqlens_q", "cu_seqlens_k",
                                                 "block_table", "alibi_slopes")), a.get("learnable_sink"))  # fmt: skip

@@ -63,6 +63,43 @@ class KVCacheRequest(NamedTuple):
         return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
+class AttentionRequest(NamedTuple):
+    """flash_attn_varlen_func's arguments (api.flash_attn_varlen_func says what each means); flash_attn_func's and
+    the packed forms' (q, k and v views of the packed tensor) are the same without the sequences (cu_seqlens None,
+    the max_seqlens 0) and block_table. The ops and the private functions make one from their Options (from_options:
+    the window's edges as given)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    cu_seqlens_q: OptTensor = None
+    cu_seqlens_k: OptTensor = None
+    max_seqlen_q: Union[int, torch.Tensor] = 0
+    max_seqlen_k: Union[int, torch.Tensor] = 0
+    dropout_p: float = 0.0
+    softmax_scale: Optional[float] = None
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: OptTensor = None
+    deterministic: bool = False
+    return_attn_probs: bool = False
+    block_table: OptTensor = None
+    learnable_sink: OptTensor = None
+    q_descale: OptTensor = None
+    k_descale: OptTensor = None
+    v_descale: OptTensor = None
+
+    @property
+    def descales(self) -> tuple:
+        """(q_descale, k_descale, v_descale): an FP8 call's, FA3's (None: 1)."""
+        return (self.q_descale, self.k_descale, self.v_descale)
+
+
+# the fields a dense door (flash_attn_func and its packed forms) does not have: it makes its request without them
+VARLEN_ONLY = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_table")
+
+
 # ---- the custom ops' form of a request -----------------------------------------------------------------------------
 
 

@@ -162,32 +162,35 @@ def descale_strides(descales: tuple) -> tuple:
     return tuple(x for d in descales for x in (d.stride if d is not None else (0, 0)))
 
 
-def attention(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    learnable_sink,
-    deterministic,
-    descale=None,
-) -> AttentionSpec:
-    """The spec of an attention call from its arguments (raises NotCanonical, see the module docstring); descale: an
-    FP8 call's (q_descale, k_descale, v_descale)."""
+def attention(r) -> AttentionSpec:
+    """The spec of an attention call from its request (ops.request.AttentionRequest; raises NotCanonical, see the
+    module docstring)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink = (
+        r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.alibi_slopes, r.learnable_sink
+    )  # fmt: skip
     qs = tensor(q)
     varlen = cu_seqlens_q is not None
-    if varlen and (type(max_seqlen_q) is not int or type(max_seqlen_k) is not int):
+    max_q, max_k = (r.max_seqlen_q, r.max_seqlen_k) if varlen else (0, 0)
+    if varlen and (type(max_q) is not int or type(max_k) is not int):
         raise NotCanonical
-    cu_q = optional(cu_seqlens_q)
-    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else optional(cu_seqlens_k)  # self-attention's one tensor
+    if varlen:
+        cu_q = optional(cu_seqlens_q)
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else optional(cu_seqlens_k)  # self-attention's one tensor
+    else:
+        cu_q, cu_k = None, optional(cu_seqlens_k)
+    q_descale, k_descale, v_descale = r.q_descale, r.k_descale, r.v_descale
+    fp8 = q_descale is not None or k_descale is not None or v_descale is not None
+    dropout_p, scale, causal, softcap, deterministic = (
+        r.dropout_p, r.softmax_scale, r.causal, r.softcap, r.deterministic
+    )  # fmt: skip
+    if (
+        type(dropout_p) not in _NUMBERS
+        or (scale is not None and type(scale) not in _NUMBERS)
+        or type(causal) not in _NUMBERS
+        or type(softcap) not in _NUMBERS
+        or type(deterministic) not in _NUMBERS
+    ):
+        raise NotCanonical
     return _new(
         AttentionSpec,
         (
@@ -197,19 +200,19 @@ def attention(
             tensor(v),
             cu_q,
             cu_k,
-            max_seqlen_q if varlen else 0,
-            max_seqlen_k if varlen else 0,
-            _number(dropout_p),
-            None if softmax_scale is None else _number(softmax_scale),
-            _number(causal),
-            _window(window_size),
-            _number(softcap),
-            optional(alibi_slopes),
-            optional(learnable_sink),
-            _number(deterministic),
-            aligned(q, k, v, alibi_slopes, learnable_sink),
+            max_q,
+            max_k,
+            dropout_p,
+            scale,
+            causal,
+            _window(r.window_size),
+            softcap,
+            None if alibi is None else optional(alibi),
+            None if sink is None else optional(sink),
+            deterministic,
+            aligned(q, k, v, alibi, sink),
             modes(q),
-            None if descale is None else descales(*descale),
+            descales(q_descale, k_descale, v_descale) if fp8 else None,
         ),
     )
 
@@ -352,24 +355,18 @@ class PagedSpec(NamedTuple):
     modes: Modes
 
 
-def paged(
-    q,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    block_table,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    learnable_sink,
-) -> PagedSpec:
-    """The spec of a paged varlen call from its arguments (raises NotCanonical)."""
+def paged(r) -> PagedSpec:
+    """The spec of a paged varlen call from its request (ops.request.AttentionRequest with block_table; raises
+    NotCanonical)."""
+    q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table = (
+        r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.block_table
+    )  # fmt: skip
+    alibi_slopes, learnable_sink, max_seqlen_q, max_seqlen_k = (
+        r.alibi_slopes,
+        r.learnable_sink,
+        r.max_seqlen_q,
+        r.max_seqlen_k,
+    )
     qs = tensor(q)
     if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
         raise NotCanonical
@@ -384,11 +381,11 @@ def paged(
             max_seqlen_q,
             max_seqlen_k,
             tensor(block_table),
-            _number(dropout_p),
-            None if softmax_scale is None else _number(softmax_scale),
-            _number(causal),
-            _window(window_size),
-            _number(softcap),
+            _number(r.dropout_p),
+            None if r.softmax_scale is None else _number(r.softmax_scale),
+            _number(r.causal),
+            _window(r.window_size),
+            _number(r.softcap),
             optional(alibi_slopes),
             optional(learnable_sink),
             aligned(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
