@@ -759,3 +759,6 @@ def test_paged_call_past_its_pages_raises(seqlen_new):
         else:
             out = flashattn2.flash_attn_with_kvcache(q, kc, v_cache, cache_seqlens=seqlens, block_table=table, **new)
             assert out.isfinite().all()
+    # a negative cache_seqlens is no capacity error: without the value checks the kernels clamp it (flash_attn's too)
+    seqlens = torch.tensor([-2, -3], dtype=torch.int32, device=DEVICE)
+    flashattn2.flash_attn_with_kvcache(q, k_before.clone(), v_cache, cache_seqlens=seqlens, block_table=table, **new)

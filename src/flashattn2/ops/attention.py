@@ -12,6 +12,7 @@ import torch
 
 from . import kvcache, launch_gluon, launch_triton
 from .call import AttentionCall, BackwardCall
+from .layout import BackwardTensors
 from .options import ScoreMods
 
 
@@ -85,36 +86,18 @@ def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k,
     return decode(q, k, v, cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, cu_seqlens_q, alibi, sink, **scales)
 
 
-def backward(
-    bcall: BackwardCall,
-    call: AttentionCall,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    alibi=None,
-    sink=None,
-    seed=None,
-    dsink: torch.Tensor | None = None,
-) -> None:
-    """Writes dq, dk, dv (any strides with a contiguous last dim; views of one packed tensor are fine), and with a
-    sink its gradient into dsink. `dlse` is the gradient flowing into the returned logsumexp, or None. The plan
+def backward(bcall: BackwardCall, call: AttentionCall, t: BackwardTensors) -> None:
+    """Writes t.dq, t.dk, t.dv (any strides with a contiguous last dim; views of one packed tensor are fine), and with
+    a sink its gradient into t.dsink. t.dlse is the gradient flowing into the returned logsumexp, or None. The plan
     (bcall) says which backward runs: the Gluon one only for deterministic=False (dQ added in any order: its last
     bits may move run to run)."""
     # the kernels read lse, dlse and delta with one set of strides, lse's: all contiguous
+    lse, dlse, sink, dsink = t.lse, t.dlse, t.sink, t.dsink
     lse = lse if lse.is_contiguous() else lse.contiguous()
     dlse = dlse if dlse is None or dlse.is_contiguous() else dlse.contiguous()
     layout = call.layout
-    if q.numel() == 0 or k.numel() == 0 or layout.batch == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
+    if t.q.numel() == 0 or t.k.numel() == 0 or layout.batch == 0:
+        t.dq.zero_(), t.dk.zero_(), t.dv.zero_()
         if dsink is not None:  # no key: O = 0, so delta = -dlse
             launch_triton.sink_grad_(dsink, sink, lse, torch.zeros_like(lse) if dlse is None else -dlse)
         return
@@ -127,8 +110,7 @@ def backward(
             b = bcall.spec
             launch = launch_triton.Backward(layout, plan, b.out, b.dout, b.grads, b.dlse, sink is not None)
         bcall.launch = launch
-    alibi, sink = _contiguous(alibi), _contiguous(sink)
-    launch(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, dsink)
+    launch(t._replace(lse=lse, dlse=dlse, alibi=_contiguous(t.alibi), sink=_contiguous(sink)))
 
 
 def dropout_probs(call: AttentionCall, q, k, cu_seqlens_q, cu_seqlens_k, alibi, seed) -> torch.Tensor:

@@ -542,10 +542,11 @@ def host_reads_allowed(t: torch.Tensor) -> bool:
 def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqlen_new: int) -> None:
     """flash_attn's check of a paged KV-cache call (its one .max().item(), on the paged path alone): the largest
     cache_seqlens plus the new tokens within block_table's capacity, max_num_blocks_per_seq * page_size. Not made
-    where host_reads_allowed() says no (the kernels drop the writes past the pages there)."""
+    where host_reads_allowed() says no (the kernels drop the writes past the pages there). Only the capacity: a
+    negative value is the kernels' to clamp, as flash_attn's (and the value checks' to name)."""
     if cache_seqlens.numel() == 0 or not host_reads_allowed(cache_seqlens):
         return
-    check_kvcache_seqlen(int(cache_seqlens.max()), capacity, seqlen_new, None, 1, True)
+    check_kvcache_seqlen(max(int(cache_seqlens.max()), 0), capacity, seqlen_new, None, 1, True)
 
 
 def check_kvcache_values(r, q_positions: int = 1) -> None:

@@ -13,7 +13,7 @@ from . import _runtime, launcher
 from . import spec as specs
 from .geometry import cdiv, column_parts
 from .launch_triton import Preprocess, SinkGrad
-from .layout import Layout
+from .layout import BackwardTensors, Layout
 from .planning import Plan, tma_ok
 from .tma import gluon_layout, host_desc
 
@@ -202,8 +202,12 @@ class BackwardLaunch:
             num_warps=plan.num_warps,
         )
 
-    def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi, sinks, seed, dsink) -> None:
+    def __call__(self, t: BackwardTensors) -> None:
+        """dq, dk, dv (and dsink) of the call's tensors (its sequences, ALiBi and dropout are not the Gluon backward's:
+        the plan sends those calls to the Triton one)."""
         layout, plan = self.layout, self.plan
+        dout, q, k, v, out, lse, dlse, dq, dk, dv = t.dout, t.q, t.k, t.v, t.out, t.lse, t.dlse, t.dq, t.dk, t.dv
+        sinks, dsink = t.sink, t.dsink
         cfg = plan.tile
         seqlen_q, pad = layout.max_seqlen_q, self.seqlen_q_pad
         delta = _runtime.empty((layout.batch, layout.nheads, pad), torch.float32, q.device)

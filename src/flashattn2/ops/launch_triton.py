@@ -9,7 +9,7 @@ import torch
 from ..kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
 from . import _runtime, launcher, seqlens
 from .geometry import block_d, cdiv
-from .layout import Layout, contiguous_strides, rows_strides
+from .layout import BackwardTensors, Layout, contiguous_strides, rows_strides
 from .planning import Plan
 from .tma import host_desc
 
@@ -344,8 +344,10 @@ class Backward:
                 *((g.shape, g.stride, 0.0, 0) for g in grads),
             )
 
-    def __call__(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi, sinks, seed, dsink) -> None:
+    def __call__(self, t: BackwardTensors) -> None:
         layout, plan = self.layout, self.plan
+        dout, q, k, v, out, lse, dlse, dq, dk, dv = t.dout, t.q, t.k, t.v, t.out, t.lse, t.dlse, t.dq, t.dk, t.dv
+        cu_q, cu_k, alibi, sinks, seed, dsink = t.cu_seqlens_q, t.cu_seqlens_k, t.alibi, t.sink, t.seed, t.dsink
         # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
         delta = _runtime.empty(layout.lse_shape, torch.float32, q.device)
         sink = SinkGrad(sinks, dsink, layout.batch) if self.sink else None

@@ -5,6 +5,7 @@ Every call of the spec launches with these; only its tensors are its own."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +14,30 @@ from . import spec as specs
 from .geometry import Geometry, Varlen
 from .checks import E4M3, compute_dtype
 from .planning import out_dtype, window
+
+
+class BackwardTensors(NamedTuple):
+    """A backward's tensors by name, from the autograd Function or the op down to a backward launch: the output's
+    gradient and the lse's (None: none), the forward's inputs and outputs, where dq, dk, dv (and the sink's gradient)
+    go, and a varlen call's sequences, ALiBi's slopes, the sink and dropout's seed (each None where the call has
+    none)."""
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    dlse: torch.Tensor | None
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    alibi: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    seed: torch.Tensor | None = None
+    dsink: torch.Tensor | None = None
 
 
 def rows_strides(t: specs.TensorSpec, varlen: bool) -> tuple[int, int, int]:

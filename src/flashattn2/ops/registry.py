@@ -20,6 +20,7 @@ import typing
 import torch
 
 from . import _runtime, attention, call as calls, checks, invariance, kvcache, planning, request
+from .layout import BackwardTensors
 from .options import N_OP_ARGS, Options
 
 
@@ -114,27 +115,12 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slo
         dlse = dlse.contiguous()
     call = calls.from_options(q, k, v, options, alibi_slopes, sink)
     bcall = call.backward(out, dout, dlse, (dq, dk, dv), bool(deterministic))
+    tensors = BackwardTensors(
+        dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q=options.cu_seqlens_q,
+        cu_seqlens_k=options.cu_seqlens_k, alibi=alibi_slopes, sink=sink, seed=options.seed, dsink=dsink,
+    )  # fmt: skip
     with _runtime.device_of(q):
-        attention.backward(
-            bcall,
-            call,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dlse,
-            dq,
-            dk,
-            dv,
-            options.cu_seqlens_q,
-            options.cu_seqlens_k,
-            alibi_slopes,
-            sink,
-            options.seed,
-            dsink,
-        )
+        attention.backward(bcall, call, tensors)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, *rest) -> None:
@@ -249,10 +235,12 @@ def _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own: bool = True):
     dsink = _dsink(sink)
     call = ctx.call
     bcall = call.backward(None, dout, dlse, None if own else (dq, dk, dv), ctx.deterministic)
+    tensors = BackwardTensors(
+        dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi=alibi_slopes,
+        sink=sink, seed=seed, dsink=dsink,
+    )  # fmt: skip
     with planning.entered(ctx.forced), _runtime.device_of(q):
-        attention.backward(
-            bcall, call, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink
-        )
+        attention.backward(bcall, call, tensors)
     return dsink
 
 
