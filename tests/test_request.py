@@ -89,3 +89,11 @@ def test_op_args_round_trip(seqlens):
     assert back.q is q and back.learnable_sink is None and back.descales == (None, None, None)
     short = request.from_op_args(KVCacheRequest, args[:-4])  # the optional trailing parameters left out
     assert short.learnable_sink is None and short.v_descale is None
+
+
+def test_with_qkv_keeps_the_other_fields():
+    assert AttentionRequest._fields[:3] == ("q", "k", "v")
+    r = AttentionRequest(*(torch.zeros(1) for _ in range(3)), softcap=2.5, learnable_sink=torch.ones(1))
+    q, k, v = (torch.ones(2) for _ in range(3))
+    swapped = request.with_qkv(r, q, k, v)
+    assert type(swapped) is AttentionRequest and swapped[:3] == (q, k, v) and swapped[3:] == r[3:]

@@ -129,7 +129,8 @@ def _dense(r: AttentionRequest, packed=None, packing: str | None = None):
     call = _ready_call(r, packing)
     if call is None:
         q, k, v, packed = _for_kernels(q, r.k, r.v, packed, packing, 2)
-        r = r._replace(q=q, k=k, v=v)
+        if q is not r.q or k is not r.k or v is not r.v:
+            r = request.with_qkv(r, q, k, v)
         call = calls.attention(r)
     seed = _seed(call, q)
     alibi_slopes, sink, lse_wanted = r.alibi_slopes, r.learnable_sink, r.return_attn_probs
@@ -350,7 +351,8 @@ def _varlen(r: AttentionRequest, packed=None, packing: str | None = None):
     call = _ready_call(r, packing)
     if call is None:
         q, k, v, packed = _for_kernels(q, k, v, packed, packing, 1)
-        r = r._replace(q=q, k=k, v=v)
+        if q is not r.q or k is not r.k or v is not r.v:
+            r = request.with_qkv(r, q, k, v)
         call = calls.attention(r)
     o = call.options
     cu_q, cu_k, verify = calls.sequences(cu_seqlens_q, cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k, q, k)

@@ -110,7 +110,10 @@ def backward(bcall: BackwardCall, call: AttentionCall, t: BackwardTensors) -> No
             b = bcall.spec
             launch = launch_triton.Backward(layout, plan, b.out, b.dout, b.grads, b.dlse, sink is not None)
         bcall.launch = launch
-    launch(t._replace(lse=lse, dlse=dlse, alibi=_contiguous(t.alibi), sink=_contiguous(sink)))
+    alibi, sink_ = _contiguous(t.alibi), _contiguous(sink)
+    if lse is not t.lse or dlse is not t.dlse or alibi is not t.alibi or sink_ is not sink:  # (_replace costs us)
+        t = t._replace(lse=lse, dlse=dlse, alibi=alibi, sink=sink_)
+    launch(t)
 
 
 def dropout_probs(call: AttentionCall, q, k, cu_seqlens_q, cu_seqlens_k, alibi, seed) -> torch.Tensor:

@@ -49,6 +49,7 @@ def _custom_op(name: str, impl, signature: inspect.Signature, result, mutates_ar
 
 
 Tensor, OptTensor, EMPTY = torch.Tensor, typing.Optional[torch.Tensor], inspect.Parameter.empty
+_new = tuple.__new__
 
 
 def _split(rest: tuple, tail: int) -> tuple:
@@ -115,10 +116,11 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slo
         dlse = dlse.contiguous()
     call = calls.from_options(q, k, v, options, alibi_slopes, sink)
     bcall = call.backward(out, dout, dlse, (dq, dk, dv), bool(deterministic))
-    tensors = BackwardTensors(
-        dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q=options.cu_seqlens_q,
-        cu_seqlens_k=options.cu_seqlens_k, alibi=alibi_slopes, sink=sink, seed=options.seed, dsink=dsink,
-    )  # fmt: skip
+    cu_q, cu_k, seed = options.cu_seqlens_q, options.cu_seqlens_k, options.seed
+    # (positional, in the fields' order: a keyword NamedTuple costs a microsecond more)
+    tensors = _new(
+        BackwardTensors, (dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink)
+    )
     with _runtime.device_of(q):
         attention.backward(bcall, call, tensors)
 
@@ -235,10 +237,9 @@ def _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own: bool = True):
     dsink = _dsink(sink)
     call = ctx.call
     bcall = call.backward(None, dout, dlse, None if own else (dq, dk, dv), ctx.deterministic)
-    tensors = BackwardTensors(
-        dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi=alibi_slopes,
-        sink=sink, seed=seed, dsink=dsink,
-    )  # fmt: skip
+    tensors = _new(
+        BackwardTensors, (dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink)
+    )
     with planning.entered(ctx.forced), _runtime.device_of(q):
         attention.backward(bcall, call, tensors)
     return dsink

@@ -96,6 +96,14 @@ class AttentionRequest(NamedTuple):
         return (self.q_descale, self.k_descale, self.v_descale)
 
 
+def with_qkv(r: AttentionRequest, q, k, v) -> AttentionRequest:
+    """The attention request with other q, k, v (its first three fields: tests/test_request.py), what a copy for the
+    kernels makes (NamedTuple._replace costs microseconds)."""
+    return _new(AttentionRequest, (q, k, v, *r[3:]))
+
+
+_new = tuple.__new__
+
 # the fields a dense door (flash_attn_func and its packed forms) does not have: it makes its request without them
 VARLEN_ONLY = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_table")
 
