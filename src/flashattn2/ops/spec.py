@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import invariance, planning
+from . import invariance
 from . import modes as modes_
 
 
@@ -105,13 +105,13 @@ class Modes(NamedTuple):
     mode; and the device's arch the plan table is read for."""
 
     arch: str
-    forced: planning.Forced
+    forced: modes_.Forced
     invariant: bool
 
 
 def modes(t: torch.Tensor) -> Modes:
     """The modes of a call on t's device (is_cuda: torch.device.type costs more than the rest)."""
-    arch = planning.arch_of(t.device) if t.is_cuda else "interp"
+    arch = modes_.arch_of(t.device) if t.is_cuda else "interp"
     state = _INVARIANT.get()
     return _new(Modes, (arch, FORCED.get(), invariance._DEFAULT[0] if state is None else state))
 
