@@ -1,5 +1,6 @@
 """flash_attn's own tests/test_flash_attn.py on flashattn2 (install_as_flash_attn), sampled: PEER_PER_FUNC cases of
 each test function (all of those with fewer), chosen by PEER_SEED."""
+
 import collections
 import os
 import random
