@@ -29,7 +29,7 @@ from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 from .ops.registry import run as _run
 
 
-_new = tuple.__new__  # a request from the arguments in its fields' order (tests/test_signatures.py)
+_new = tuple.__new__  # a request from the arguments in its fields' order (tests/test_request.py)
 
 
 def _seed(call, q) -> torch.Tensor | None:
