@@ -15,6 +15,7 @@ from conftest import DEVICE, ON_GPU
 from flashattn2.layers.rotary import apply_rotary_emb, apply_rotary_emb_torch
 from flashattn2.ops import checks, planning, registry
 from flashattn2.ops import spec as specs
+from flashattn2.ops.layout import BackwardTensors
 from flashattn2.ops.options import Options
 from flashattn2.ops.request import AttentionRequest, KVCacheRequest
 from flashattn2.reference import attention_ref
@@ -117,7 +118,7 @@ def test_attention_heads_far_apart(tmp_path):
     out, lse = registry.forward(q, k, v, options)
     torch.testing.assert_close(out, want.to(out.dtype))
     grads = [torch.empty(1, seqlen, nheads, d, device=DEVICE) for _ in range(3)]
-    registry.backward(do, q, k, v, out, lse, None, *grads, options, None, None, None, True)
+    registry.backward(BackwardTensors(do, q, k, v, out, lse, None, *grads), options, True)
     for got, ref in zip(grads, want_grads):
         torch.testing.assert_close(got, ref.to(got.dtype))
     with flashattn2.batch_invariant():
@@ -145,7 +146,7 @@ def test_literal_window_edges_near_int32(path):
         if path == "invariant":
             return out, lse
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        registry.backward(do, q, k, v, out, lse, None, *grads, options, None, None, None, True)
+        registry.backward(BackwardTensors(do, q, k, v, out, lse, None, *grads), options, True)
         return out, lse, *grads
 
     far = sq + sk

@@ -64,6 +64,7 @@ from .functions import (
 )
 from .ops import _runtime, checks, registry
 from .ops import call as calls
+from .ops.layout import BackwardTensors
 from .ops.options import Options
 from .ops.request import AttentionRequest
 
@@ -473,9 +474,8 @@ def _flash_attn_backward(
     options = Options(None, None, 0, 0, dropout_p, seed, scale, bool(causal), left, right, softcap)
     # the batch-invariant mode's backward is the deterministic one
     deterministic = bool(deterministic) or registry.invariant()
-    registry.backward(
-        dout, q, k, v, out, softmax_lse, None, dq, dk, dv, options, alibi_slopes, None, None, deterministic
-    )
+    tensors = BackwardTensors(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, alibi=alibi_slopes)
+    registry.backward(tensors, options, deterministic)
     return _softmax_d(dout, out, dropout_p, varlen=False)
 
 
@@ -521,9 +521,8 @@ def _flash_attn_varlen_backward(
     options = Options(cu_q, cu_k, max_q, max_k, dropout_p, seed, scale, bool(causal), left, right, softcap)
     # the batch-invariant mode's backward is the deterministic one
     deterministic = bool(deterministic) or registry.invariant()
-    registry.backward(
-        dout, q, k, v, out, softmax_lse, None, dq, dk, dv, options, alibi_slopes, None, None, deterministic
-    )
+    tensors = BackwardTensors(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, alibi=alibi_slopes)
+    registry.backward(tensors, options, deterministic)
     verify()
     return _softmax_d(dout, out, dropout_p, varlen=True)
 

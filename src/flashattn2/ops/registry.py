@@ -96,22 +96,22 @@ def _(q, k, v, cu_seqlens_q, *_):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def backward(
-    dout, q, k, v, out, lse, dlse, dq, dk, dv, options: Options, alibi_slopes, learnable_sink, dsink, deterministic
-) -> None:
-    """One attention backward without autograd, into dq, dk, dv (and dsink): the op while torch.compile traces, the
-    prepared call's launches otherwise. deterministic=False lets a Hopper GPU take the Gluon backward (dQ added in
-    any order)."""
-    args = (dout, q, k, v, out, lse, dlse, dq, dk, dv)
+def backward(t: BackwardTensors, options: Options, deterministic: bool) -> None:
+    """One attention backward without autograd, into t.dq, t.dk, t.dv (and t.dsink); the sequences and the seed are
+    the options' (t's are not read): the op while torch.compile traces, the prepared call's launches otherwise.
+    deterministic=False lets a Hopper GPU take the Gluon backward (dQ added in any order)."""
     if torch.compiler.is_compiling():
-        bwd(*args, *options.op_args(), alibi_slopes, learnable_sink, dsink, deterministic)
+        bwd(
+            t.dout, t.q, t.k, t.v, t.out, t.lse, t.dlse, t.dq, t.dk, t.dv, *options.op_args(), t.alibi, t.sink,
+            t.dsink, deterministic,
+        )  # fmt: skip
     else:
-        _backward_impl(*args, options, alibi_slopes, learnable_sink, dsink, deterministic)
+        _backward_impl(t, options, deterministic)
 
 
-def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slopes, sink, dsink, deterministic):
-    dout, q, k, v, out = (for_kernels(t) for t in (dout, q, k, v, out))
-    lse = lse.contiguous()
+def _backward_impl(t: BackwardTensors, options: Options, deterministic: bool) -> None:
+    dout, q, k, v, out = (for_kernels(x) for x in (t.dout, t.q, t.k, t.v, t.out))
+    lse, dlse, dq, dk, dv, alibi_slopes, sink = t.lse.contiguous(), t.dlse, t.dq, t.dk, t.dv, t.alibi, t.sink
     if dlse is not None:
         dlse = dlse.contiguous()
     call = calls.from_options(q, k, v, options, alibi_slopes, sink)
@@ -119,7 +119,7 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slo
     cu_q, cu_k, seed = options.cu_seqlens_q, options.cu_seqlens_k, options.seed
     # (positional, in the fields' order: a keyword NamedTuple costs a microsecond more)
     tensors = _new(
-        BackwardTensors, (dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, dsink)
+        BackwardTensors, (dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_q, cu_k, alibi_slopes, sink, seed, t.dsink)
     )
     with _runtime.device_of(q):
         attention.backward(bcall, call, tensors)
@@ -127,7 +127,8 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slo
 
 def _bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, *rest) -> None:
     options, alibi_slopes, sink, dsink, deterministic = _split(rest, 4)
-    _backward_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, options, alibi_slopes, sink, dsink, bool(deterministic))
+    t = BackwardTensors(dout, q, k, v, out, lse, dlse, dq, dk, dv, alibi=alibi_slopes, sink=sink, dsink=dsink)
+    _backward_impl(t, options, bool(deterministic))
 
 
 # (dsink, a mutated argument, has no default: the dispatcher drops trailing arguments equal to their defaults, and a

@@ -24,6 +24,12 @@ Tensor = torch.Tensor
 OptTensor = Optional[torch.Tensor]
 
 
+# (a property both requests share: a NamedTuple takes no mixin)
+_DESCALES = property(
+    lambda r: (r.q_descale, r.k_descale, r.v_descale), doc="(q_descale, k_descale, v_descale): FP8's, FA3's (None: 1)"
+)
+
+
 class KVCacheRequest(NamedTuple):
     """flash_attn_with_kvcache's arguments (api.flash_attn_with_kvcache says what each means)."""
 
@@ -51,10 +57,7 @@ class KVCacheRequest(NamedTuple):
     k_descale: OptTensor = None
     v_descale: OptTensor = None
 
-    @property
-    def descales(self) -> tuple:
-        """(q_descale, k_descale, v_descale): FP8's, FA3's (None: 1)."""
-        return (self.q_descale, self.k_descale, self.v_descale)
+    descales = _DESCALES
 
     @property
     def capacity(self) -> int:
@@ -90,10 +93,7 @@ class AttentionRequest(NamedTuple):
     k_descale: OptTensor = None
     v_descale: OptTensor = None
 
-    @property
-    def descales(self) -> tuple:
-        """(q_descale, k_descale, v_descale): an FP8 call's, FA3's (None: 1)."""
-        return (self.q_descale, self.k_descale, self.v_descale)
+    descales = _DESCALES
 
 
 def with_qkv(r: AttentionRequest, q, k, v) -> AttentionRequest:

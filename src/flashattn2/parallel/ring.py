@@ -20,6 +20,7 @@ import torch
 
 from ..ops import _runtime, registry
 from ..ops.merge import merge_
+from ..ops.layout import BackwardTensors
 from ..ops.options import Options
 from . import plan
 from .plan import Block, Sharding
@@ -109,7 +110,7 @@ def backward(comm, dout, dlse, q, k, v, out, lse, sharding: Sharding, o: RingOpt
             for blk in plan.blocks(sharding, rank, (rank - step) % comm.world, o.causal, o.window):
                 qb, kb, vb = _rows(q[i], blk.q_rows, seq), _rows(k[i], blk.k_rows, seq), _rows(v[i], blk.k_rows, seq)
                 dqb, dkb, dvb = (_runtime.empty(t.shape, t.dtype, t.device) for t in (qb, kb, vb))
-                registry.backward(
+                tensors = BackwardTensors(
                     _rows(dout[i], blk.q_rows, seq),
                     qb,
                     kb,
@@ -120,12 +121,8 @@ def backward(comm, dout, dlse, q, k, v, out, lse, sharding: Sharding, o: RingOpt
                     dqb,
                     dkb,
                     dvb,
-                    _options(blk, o, q.device),
-                    None,
-                    None,
-                    None,
-                    o.deterministic,
                 )
+                registry.backward(tensors, _options(blk, o, q.device), o.deterministic)
                 _rows(dq[i], blk.q_rows, seq).add_(dqb)
                 _rows(dk[i], blk.k_rows, seq).add_(dkb)
                 _rows(dv[i], blk.k_rows, seq).add_(dvb)
