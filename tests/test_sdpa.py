@@ -351,6 +351,59 @@ def test_activation_puts_flash_first_and_restores_the_order():
         torch._C._set_sdp_priority_order(original)
 
 
+def test_flash_stays_first_past_torchs_first_backend_choice(monkeypatch):
+    """torch sets its default priority order (cuDNN first on Hopper) lazily, at the process's first SDPA backend
+    choice, over any order set before: activation makes that choice before it puts flash first, so that the first
+    scaled_dot_product_attention call in the scope keeps flash first. torch's lazy default emulated here (the GPU's
+    case: test_a_fresh_process_reaches_flashattn2_kernels)."""
+    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    original = list(torch._C._get_sdp_priority_order())
+    chosen = []
+
+    def first_choice():  # torch's priority_order(): its default set on the first choice only
+        if not chosen:
+            torch._C._set_sdp_priority_order([cudnn, *(b for b in original if b != cudnn)])
+        chosen.append(True)
+
+    monkeypatch.setattr(S, "first_backend_choice", first_choice)
+    try:
+        with flashattn2.sdpa():
+            first_choice()  # the scope's first F.scaled_dot_product_attention
+            assert list(torch._C._get_sdp_priority_order())[0] == flash
+        assert list(torch._C._get_sdp_priority_order())[0] == cudnn  # torch's default back, not the unsettled one
+    finally:
+        torch._C._set_sdp_priority_order(original)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="SDPA's CUDA backend choice")
+def test_a_fresh_process_reaches_flashattn2_kernels():
+    """In a process that has not called SDPA yet (so torch's lazy default order is not set), activation and then a
+    plain F.scaled_dot_product_attention(q, k, v, is_causal=True) run flashattn2's kernels (the profiler's names), not
+    cuDNN's or torch's flash kernels; restoring gives torch's choice back."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "import flashattn2\n"
+        "q, k, v = (torch.randn(2, 4, 256, 64, device='cuda', dtype=torch.bfloat16) for _ in range(3))\n"
+        "def kernels():\n"
+        "    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:\n"
+        "        F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "        torch.cuda.synchronize()\n"
+        "    return ','.join(e.key.replace(',', ' ') for e in prof.key_averages())\n"
+        "torch.nn.attention.activate_flash_attention_impl('flashattn2')\n"
+        "print(kernels())\n"
+        "torch.nn.attention.restore_flash_attention_impl()\n"
+        "print(kernels())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    active, restored = (line.split(",") for line in run.stdout.splitlines()[-2:])
+    theirs = ("cudnn", "flash_fwd", "fmha")
+    assert any(n.startswith("attn_fwd") for n in active), active
+    assert not any(s in n.lower() for n in active for s in theirs), active
+    assert not any(n.startswith("attn_fwd") for n in restored), restored
+
+
 def test_torch_without_registry(monkeypatch):
     """On a torch whose torch.nn.attention lacks the registry, registering is a no-op and flashattn2.sdpa() says
     which torch it needs."""

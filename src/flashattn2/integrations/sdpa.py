@@ -470,15 +470,29 @@ class Handle:
                 torch._C._set_sdp_priority_order(before)
 
 
+def first_backend_choice() -> None:
+    """Make the process's first SDPA backend choice on CUDA now, if none was made yet: torch sets its default priority
+    order (cuDNN first on Hopper and Blackwell with a recent cuDNN) lazily, on that first choice, over whatever order
+    was set before it -- so an order set before any scaled_dot_product_attention call would be lost at the first one.
+    One choice over tiny CUDA tensors (torch._fused_sdp_choice: no kernel runs); nothing without CUDA."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None or not torch.cuda.is_available():
+        return
+    t = torch.empty((1, 1, 1, 8), dtype=torch.float16, device="cuda")
+    with contextlib.suppress(RuntimeError):  # every backend disabled (torch.backends.cuda): no order to settle
+        choose(t, t, t)
+
+
 def flash_first() -> tuple | None:
     """Put SDPA's flash backend first in torch's backend priority order, a process-wide setting (torch tries cuDNN's
     first on Hopper: a plain F.scaled_dot_product_attention call would not reach flashattn2's kernels), so that the
     calls flash can take run flashattn2's; returns (the order before, the order set), or None on a torch without
-    the setting or where flash is first already."""
+    the setting or where flash is first already. torch's lazy default is settled first (first_backend_choice)."""
     get_order = getattr(torch._C, "_get_sdp_priority_order", None)
     set_order = getattr(torch._C, "_set_sdp_priority_order", None)
     if get_order is None or set_order is None:
         return None
+    first_backend_choice()
     before = list(get_order())
     flash = int(SDPBackend.FLASH_ATTENTION)
     if not before or before[0] == flash:
