@@ -296,7 +296,7 @@ def test_errors_name_the_argument(name):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_decode_takes_fp8_for_the_invariant_mode(varlen):
     """kvcache.Decode over e4m3 q, k and v with descales, as the batch-invariant mode's dense FP8 forward makes it
-    (kvcache.invariant_shape(call, descale specs), then decode(..., descales=...)): the output bf16, within the bound
+    (kvcache.invariant_shape(call, descale specs), then decode(q, kvcache.Cache(..., descales))): the output bf16, within the bound
     of the fp64 attention of the dequantized inputs."""
     from flashattn2.ops import call as calls
     from flashattn2.ops import kvcache, planning
@@ -322,10 +322,10 @@ def test_decode_takes_fp8_for_the_invariant_mode(varlen):
     q_, k_, v_ = args
     if varlen:
         rows = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
-        out, _ = decode(q_, k_[None], v_[None], cu[1:], 0, rows, cu[:-1], None, cu, None, None, descales=descales)
+        out, _ = decode(q_, kvcache.Cache(k_[None], v_[None], cu[1:], 0, rows, cu[:-1], None, descales), cu)
         out = out.view(batch, seqlen, *out.shape[1:])
     else:
-        out, _ = decode(q_, k_, v_, None, seqlen, None, None, None, None, None, None, descales=descales)
+        out, _ = decode(q_, kvcache.Cache(k_, v_, None, seqlen, descales=descales))
     assert out.dtype == torch.bfloat16
     deq = [rf.dequantize(t.view(batch, seqlen, nheads_k, -1), d).view(t.shape) for t, d in zip((q8, k8, v8), descales)]
     ref = attention_ref(*deq, causal=True)[0]

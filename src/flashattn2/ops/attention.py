@@ -78,12 +78,13 @@ def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k,
         specs_ = (spec.descales or (None, None, None))[:3] if fp8 else kvcache.NO_DESCALES
         decode = call.launch = kvcache.Decode(call.plan, kvcache.invariant_shape(call, specs_), spec.modes.arch)
     alibi, sink = _contiguous(alibi), _contiguous(sink)
-    scales = {"descales": descale or (None, None, None)} if fp8 else {}
-    if cu_seqlens_q is None:
-        return decode(q, k, v, None, k.shape[1], None, None, None, None, alibi, sink, **scales)
+    descales = (descale or kvcache.NO_DESCALES) if fp8 else kvcache.NO_DESCALES
+    if cu_seqlens_q is None:  # the keys as a cache of k.shape[1] positions a sequence
+        return decode(q, kvcache.Cache(k, v, None, k.shape[1], descales=descales), None, alibi, sink)
+    # packed keys as one cache row: sequence b's at its cu_seqlens_k[b] (leftpad), cu_seqlens_k[b + 1] the end
     rows = torch.zeros(cu_seqlens_k.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_k.device)
-    k, v = k.unsqueeze(0), v.unsqueeze(0)
-    return decode(q, k, v, cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, cu_seqlens_q, alibi, sink, **scales)
+    cache = kvcache.Cache(k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_k[1:], 0, rows, cu_seqlens_k[:-1], None, descales)
+    return decode(q, cache, cu_seqlens_q, alibi, sink)
 
 
 def backward(bcall: BackwardCall, call: AttentionCall, t: BackwardTensors) -> None:

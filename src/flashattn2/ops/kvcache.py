@@ -36,6 +36,23 @@ class Fp8(NamedTuple):
 NO_DESCALES = (None, None, None)
 
 
+class Cache(NamedTuple):
+    """The keys and values one call of Append and Decode reads and writes, and where: k and v (batch or cache rows,
+    positions, nheads_k, head dim; pages with a block_table; Decode also takes plain keys, seqlen_int of them per
+    sequence), the positions (seqlens int32 (batch,), or None and seqlen_int the one count), cache_batch_idx's rows,
+    cache_leftpad, the block table, and the call's descales ((q, k, v), each None for 1: k's and v's quantize the
+    16-bit k_new/v_new an FP8 cache takes, all three scale Decode's dots)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seqlens: torch.Tensor | None
+    seqlen_int: int
+    batch_idx: torch.Tensor | None = None
+    leftpad: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    descales: tuple = NO_DESCALES
+
+
 def fp8_of(q_dtype: torch.dtype, cache_dtype: torch.dtype, descales: tuple) -> Fp8 | None:
     """Shape.fp8 of a call whose q and cache have these dtypes, with these descales' specs (None: no FP8 input)."""
     if q_dtype != E4M3 and cache_dtype != E4M3:
@@ -128,11 +145,11 @@ class Append:
         kernel = kernels.append.kvcache_append_kernel
         self.launch = {check: launcher.Launch(kernel, CHECK=check, **kwargs) for check in (False, True)}
 
-    def __call__(self, k_new, v_new, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table,
-                 check: Check | None = None, descales: tuple = NO_DESCALES) -> None:  # fmt: skip
-        """descales: (q_descale, k_descale, v_descale), an FP8 call's (k's and v's quantize 16-bit k/v)."""
+    def __call__(self, k_new, v_new, cos, sin, cache: Cache, check: Check | None = None) -> None:
+        """k_new and v_new written into cache.k and cache.v (cos/sin: the rotary tables, or None)."""
         if self.empty:
             return
+        k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad, block_table, descales = cache
         if self.copy_k:
             k_new = k_new.contiguous()
         if self.copy_v:
@@ -422,13 +439,13 @@ class Decode:
                 (self.lse_shape, contiguous_strides(self.lse_shape), float("inf"), 1),
             )
 
-    def __call__(self, q, k, v, seqlens, seqlen_int, batch_idx, leftpad, block_table, cu_q, alibi, sinks,
-                 check: Check | None = None, lse_wanted: bool = True, descales: tuple = NO_DESCALES):  # fmt: skip
+    def __call__(self, q, cache: Cache, cu_q=None, alibi=None, sinks=None, check: Check | None = None,
+                 lse_wanted: bool = True):  # fmt: skip
         """(out like q in q's dtype -- bf16 for an e4m3 q --, lse fp32 (batch, nheads, seqlen_q), or (nheads,
-        total_q) with a varlen q). lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). q, k and
-        v may be float8_e4m3fn as Shape.fp8 says (passed as they are: the kernel gets their uint8 codes); descales:
-        (q_descale, k_descale, v_descale), float32 (batch, nheads_k) tensors or None, the ones Shape.fp8's specs
-        describe."""
+        total_q) with a varlen q (cu_q)). lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). q
+        and the cache's k and v may be float8_e4m3fn as Shape.fp8 says (passed as they are: the kernel gets their uint8
+        codes); cache.descales: float32 (batch, nheads_k) tensors or None, the ones Shape.fp8's specs describe."""
+        k, v, seqlens, seqlen_int, batch_idx, leftpad, block_table, descales = cache
         out = _runtime.empty(self.out_shape, self.out_dtype, q.device)
         if self.work is not None:
             total, dst, dst_lse, lse = self.work

@@ -370,15 +370,15 @@ def kvcache_forward(call, r, check=None):
     run). r: the request (ops.request.KVCacheRequest; an int or absent cache_seqlens checked already:
     KVCacheCall.seqlen). check: a kvcache.Check (eager calls only), set when a cache tensor holds a value out of
     range. Without return_softmax_lse the logsumexp returned is not the caller's to keep (kvcache.Decode)."""
-    spec = call.spec
-    arch = spec.modes.arch
     decode = call.decode
     if decode is None:  # the append first: another thread takes a call whose decode is set as ready
+        spec = call.spec
+        arch = spec.modes.arch
         shape = kvcache.kvcache_shape(call)
         if spec.k is not None:
             call.append = kvcache.Append(shape, spec.k, spec.v, spec.rotary_cos, bool(spec.rotary_interleaved), arch)
         decode = call.decode = kvcache.Decode(call.plan, shape, arch)
-    q, k, k_cache, v_cache, seqlens, seqlen_int = r.q, r.k, r.k_cache, r.v_cache, r.cache_seqlens, 0
+    q, k, seqlens, seqlen_int = r.q, r.k, r.cache_seqlens, 0
     if call.seqlens_int:  # an int the kernels take as it is (None: the whole cache)
         seqlens, seqlen_int = None, call.capacity if seqlens is None else seqlens
     if call.indices_ready:  # none of these given
@@ -388,25 +388,23 @@ def kvcache_forward(call, r, check=None):
         batch_idx, leftpad = _contiguous(r.cache_batch_idx), _contiguous(r.cache_leftpad)
         alibi_slopes, sink = _contiguous(r.alibi_slopes), _contiguous(r.learnable_sink)
     descales = r.descales if call.descaled else kvcache.NO_DESCALES
+    cache = _new(kvcache.Cache, (r.k_cache, r.v_cache, seqlens, seqlen_int, batch_idx, leftpad, block_table, descales))
     with _runtime.device_of(q):
         if k is not None:
             cos = sin = None
             if r.rotary_cos is not None:
                 cos, sin = r.rotary_cos.contiguous(), r.rotary_sin.contiguous()
-            call.append(
-                k, r.v, k_cache, v_cache, cos, sin, seqlens, seqlen_int, batch_idx, leftpad, block_table, check,
-                descales,
-            )  # fmt: skip
+            call.append(k, r.v, cos, sin, cache, check)
             if cos is not None:
-                q = kvcache.rotate_q(q, seqlens, seqlen_int, (cos, sin, spec.rotary_interleaved), call.per_token)
+                rotary = (cos, sin, call.spec.rotary_interleaved)
+                q = kvcache.rotate_q(q, seqlens, seqlen_int, rotary, call.per_token)
             if call.seqlen_new and k.shape[0]:  # an append that ran checked every value the attention reads (pages too)
                 check = None
         if check is not None and block_table is not None:  # the pages a window or left padding leaves unread too
-            kvcache.check_pages(block_table, k_cache.shape[0], decode.shape, seqlens, seqlen_int, check)
+            kvcache.check_pages(block_table, cache.k.shape[0], decode.shape, seqlens, seqlen_int, check)
         return decode(
-            q if call.q_ready else for_kernels(q), k_cache, v_cache, seqlens, seqlen_int, batch_idx, leftpad,
-            block_table, None, alibi_slopes, sink, check, r.return_softmax_lse, descales,
-        )  # fmt: skip
+            q if call.q_ready else for_kernels(q), cache, None, alibi_slopes, sink, check, r.return_softmax_lse
+        )
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -458,10 +456,8 @@ def paged_forward(call, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_t
     with _runtime.device_of(q):
         cu_k = cu_seqlens_k.contiguous()
         seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-        return decode(
-            for_kernels(q), k_cache, v_cache, seqlens_k, 0, None, None, _contiguous(block_table),
-            _contiguous(cu_seqlens_q), _contiguous(alibi_slopes), _contiguous(sink),
-        )  # fmt: skip
+        cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, block_table=_contiguous(block_table))
+        return decode(for_kernels(q), cache, _contiguous(cu_seqlens_q), _contiguous(alibi_slopes), _contiguous(sink))
 
 
 def _fwd_varlen_paged_impl(*args):
