@@ -129,6 +129,21 @@ def _gluon_bwd(d: int, dv: int) -> Case:
     return Case(f"attn_bwd_ws_kernel (Gluon, {described} host descriptors)", *call)
 
 
+def _gluon_fwd(fp8: bool) -> Case:
+    """The Gluon forward, causal: fp16 at d128 (the persistent kernel), or e4m3 with FA3's descales at d256 (the
+    warp-specialized kernel, V through the transposed FP8 copy's descriptor)."""
+    b, n, h, d = (1, 64, 2, 256) if fp8 else (1, 256, 4, 128)
+    q, k, v = (_randn(b, n, h, d) for _ in range(3))
+    descales = {}
+    if fp8:
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+        descales = {f"{x}_descale": torch.rand(b, h, device=DEVICE) + 0.5 for x in "qkv"}
+    name = "attn_fwd_ws_kernel" if fp8 else "attn_fwd_persist_kernel"
+    call = _captured(name, lambda: flashattn2.flash_attn_func(q, k, v, causal=True, **descales))
+    described = sum(type(a) is launcher.HostDesc for a in call[2])
+    return Case(f"{name} (Gluon{', FP8' * fp8}, {described} host descriptors)", *call)
+
+
 def _fill_tail() -> Case:
     """A varlen forward whose rows past cu_seqlens[-1] (30 of 40) get out 0 and lse +inf."""
     q, k, v = (_randn(40, 4, 64) for _ in range(3))
@@ -147,6 +162,8 @@ BUILDERS = {
     "gluon-bwd": lambda: _gluon_bwd(128, 128),
     "gluon-bwd-192": lambda: _gluon_bwd(192, 128),
     "fill-tail": _fill_tail,
+    "gluon-fwd": lambda: _gluon_fwd(fp8=False),
+    "gluon-fwd-fp8": lambda: _gluon_fwd(fp8=True),
 }
 
 

@@ -1,7 +1,8 @@
 """What the CUDA driver receives, checked on the CPU (the fake driver, tests/fake_cuda.py, in a process without
 TRITON_INTERPRET: tests/launch_cases.py), for flashattn2's representative launches: the Triton forward on pointers
 and on host-built descriptors, the KV-cache decode, the Gluon backward (7 and 11 host-built descriptors), the
-varlen tail fill, each captured from flashattn2's public API. On every release a launcher.Launch's direct call hands
+Gluon forward (16-bit, persistent; FP8 with descales, warp-specialized, over the transposed V copy), the varlen tail
+fill, each captured from flashattn2's public API. On every release a launcher.Launch's direct call hands
 Triton's C launcher exactly what Triton's own path hands it, descriptors encoded alike, the kept kernel the one Triton
 chooses; and the compiled kernel's run reaches the driver as Triton's own launch does. The test runs under whichever
 Triton the suite runs (its subprocess without TRITON_INTERPRET)."""
@@ -15,8 +16,15 @@ import sys
 from flashattn2.ops import launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT = 600  # seconds: six kernels compiled for sm_90 (about 20 s with a cold cache on two busy cores)
-DESCRIPTORS = {"attn_fwd_kernel (HOST_DESC": 4, "attn_bwd_ws_kernel (Gluon, 7": 7, "attn_bwd_ws_kernel (Gluon, 11": 11}
+TIMEOUT = 600  # seconds: eight kernels compiled for sm_90 (about 30 s with a cold cache on two busy cores)
+CASES = 8
+DESCRIPTORS = {
+    "attn_fwd_kernel (HOST_DESC": 4,
+    "attn_bwd_ws_kernel (Gluon, 7": 7,
+    "attn_bwd_ws_kernel (Gluon, 11": 11,
+    "attn_fwd_persist_kernel (Gluon, 4": 4,
+    "attn_fwd_ws_kernel (Gluon, FP8, 4": 4,
+}
 
 
 def _rows(*flags: str) -> list[dict]:
@@ -43,7 +51,7 @@ def test_compiled_run_hands_the_driver_what_triton_does():
     the compiled kernel's run, called with the bound arguments and no hooks, reaches the driver identically (what a
     caller that remembers the compiled kernel relies on)."""
     rows = _rows("--triton-only")
-    assert len(rows) == 6, rows
+    assert len(rows) == CASES, rows
     for row in rows:
         assert row["launches"] == 1 and row["tma_fills"] == _descriptors(row["case"]), row
         assert row["run_same"], row
@@ -54,7 +62,7 @@ def test_launch_hands_the_driver_what_triton_does():
     its later calls (the last under VERIFY_LAUNCH) call it directly, and each reaches the driver exactly as Triton's
     own launch of the same arguments does -- again on copies of the tensors (a later call's addresses)."""
     rows = _rows("--check")
-    assert len(rows) == 6, rows
+    assert len(rows) == CASES, rows
     for row in rows:
         assert "error" not in row, row
         assert row["triton_paths"] == [1, 1, 0, 0] and row["kept"], row  # the later calls were direct
