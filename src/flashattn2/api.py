@@ -19,6 +19,7 @@ from .ops import call as calls
 from .ops import checks
 from .ops.kvcache import Check
 from .ops import request
+from .ops.layout import ForwardTensors
 from .ops.options import Options
 from .ops.request import AttentionRequest, KVCacheRequest
 from .ops.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
@@ -29,7 +30,7 @@ from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
 from .ops.registry import run as _run
 
 
-_new = tuple.__new__  # a request from the arguments in its fields' order (tests/test_request.py)
+_new = tuple.__new__  # a request (tests/test_request.py) or the forward's tensors in their fields' order
 
 
 def _seed(call, q) -> torch.Tensor | None:
@@ -137,7 +138,8 @@ def _dense(r: AttentionRequest, packed=None, packing: str | None = None):
     if call.empty:
         out, lse = EmptyAttention.apply(q, r.k, r.v, sink)
     elif packing is None:
-        out, lse = _run(call, q, r.k, r.v, alibi_slopes, sink, seed=seed, lse_wanted=lse_wanted, descale=descale)
+        t = _new(ForwardTensors, (q, r.k, r.v, None, None, alibi_slopes, sink, seed, descale))
+        out, lse = _run(call, t, lse_wanted=lse_wanted)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, None, None, seed)
@@ -359,7 +361,8 @@ def _varlen(r: AttentionRequest, packed=None, packing: str | None = None):
     seed = _seed(call, q)
     alibi_slopes, sink, lse_wanted = r.alibi_slopes, r.learnable_sink, r.return_attn_probs
     if packing is None:
-        out, lse = _run(call, q, k, v, alibi_slopes, sink, cu_q, cu_k, seed, lse_wanted=lse_wanted, descale=descale)
+        t = _new(ForwardTensors, (q, k, v, cu_q, cu_k, alibi_slopes, sink, seed, descale))
+        out, lse = _run(call, t, lse_wanted=lse_wanted)
     else:
         first = None if packing == "qkv" else q
         out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, cu_q, cu_k, seed)

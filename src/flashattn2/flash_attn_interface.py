@@ -64,7 +64,7 @@ from .functions import (
 )
 from .ops import _runtime, checks, registry
 from .ops import call as calls
-from .ops.layout import BackwardTensors
+from .ops.layout import BackwardTensors, ForwardTensors
 from .ops.options import Options
 from .ops.request import AttentionRequest
 
@@ -260,7 +260,8 @@ def _flash_attn_forward(
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
     seed = _seed(rng_state, q, dropout_p)
-    out, lse = registry.run(call, q, k, v, alibi_slopes, None, seed=seed, grad=False)
+    t = tuple.__new__(ForwardTensors, (q, k, v, None, None, alibi_slopes, None, seed, None))  # in its fields' order
+    out, lse = registry.run(call, t, grad=False)
     s_dmask = _s_dmask(q, k, return_softmax, call.options.with_tensors(None, None, seed), alibi_slopes)
     return out, lse, s_dmask, rng_state
 

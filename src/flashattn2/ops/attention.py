@@ -12,7 +12,7 @@ import torch
 
 from . import kvcache, launch_gluon, launch_triton
 from .call import AttentionCall, BackwardCall
-from .layout import BackwardTensors
+from .layout import BackwardTensors, ForwardTensors
 from .options import ScoreMods
 
 
@@ -35,34 +35,22 @@ def _launch(call: AttentionCall):
     return launch_triton.Forward(layout, call.plan)
 
 
-def forward(
-    call: AttentionCall,
-    q,
-    k,
-    v,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    alibi=None,
-    sink=None,
-    seed=None,
-    lse_wanted=True,
-    descale=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(call: AttentionCall, t: ForwardTensors, lse_wanted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """out like q in q's dtype (bf16 for FP8 inputs) with v's head dim; lse fp32 (batch, nheads, seqlen_q), or
-    (nheads, total_q) in varlen (lse_wanted False: the caller drops it, _runtime.output_lse). descale: an FP8 call's
-    (q_descale, k_descale, v_descale)."""
+    (nheads, total_q) in varlen (lse_wanted False: the caller drops it, _runtime.output_lse). The launches get ALiBi's
+    slopes and the sink contiguous."""
+    alibi, sink = t.alibi, t.sink
+    if (alibi is not None and not alibi.is_contiguous()) or (sink is not None and not sink.is_contiguous()):
+        t = t._replace(alibi=_contiguous(alibi), sink=_contiguous(sink))
     if call.plan.kernel == "decode":
-        return _invariant_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, descale)
+        return _invariant_forward(call, t)
     launch = call.launch
     if launch is None:
         launch = call.launch = _launch(call)
-    alibi, sink = _contiguous(alibi), _contiguous(sink)
-    if descale is not None:
-        return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, lse_wanted, descale)
-    return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, lse_wanted)
+    return launch(t, lse_wanted)
 
 
-def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, seed, descale=None):
+def _invariant_forward(call: AttentionCall, t: ForwardTensors):
     """The batch-invariant mode's forward (ops.invariance): the KV-cache kernel over k and v as a cache
     (kvcache.invariant_shape), with q's rows packed as that kernel packs a decode step's, so that a prefill row and
     the decode step of the same token compute alike. FP8 inputs: that kernel's FP8 path, descales as given."""
@@ -77,7 +65,7 @@ def _invariant_forward(call: AttentionCall, q, k, v, cu_seqlens_q, cu_seqlens_k,
     if decode is None:
         specs_ = (spec.descales or (None, None, None))[:3] if fp8 else kvcache.NO_DESCALES
         decode = call.launch = kvcache.Decode(call.plan, kvcache.invariant_shape(call, specs_), spec.modes.arch)
-    alibi, sink = _contiguous(alibi), _contiguous(sink)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink, _, descale = t
     descales = (descale or kvcache.NO_DESCALES) if fp8 else kvcache.NO_DESCALES
     if cu_seqlens_q is None:  # the keys as a cache of k.shape[1] positions a sequence
         return decode(q, kvcache.Cache(k, v, None, k.shape[1], descales=descales), None, alibi, sink)

@@ -13,7 +13,7 @@ from . import _runtime, launcher
 from . import spec as specs
 from .geometry import cdiv, column_parts
 from .launch_triton import Preprocess, SinkGrad
-from .layout import BackwardTensors, Layout
+from .layout import BackwardTensors, ForwardTensors, Layout
 from .planning import Plan, tma_ok
 from .tma import gluon_layout, host_desc
 
@@ -56,11 +56,10 @@ class ForwardLaunch:
             num_warps=plan.num_warps,
         )
 
-    def __call__(
-        self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True, descale=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(out, lse), as launch_triton.Forward's; descale: an FP8 call's (q_descale, k_descale, v_descale), each None
-        for 1."""
+    def __call__(self, t: ForwardTensors, lse_wanted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse), as launch_triton.Forward's; t.descale: an FP8 call's (q_descale, k_descale, v_descale), each
+        None for 1. (No ALiBi, dropout or varlen here: the plan takes the Triton kernel for those.)"""
+        q, k, v, _, _, _, sink, _, descale = t
         layout = self.layout
         out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)
         lse = _runtime.output_lse(self, layout.lse_shape, q.device, lse_wanted)

@@ -9,7 +9,7 @@ import torch
 from ..kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
 from . import _runtime, launcher, seqlens
 from .geometry import block_d, cdiv
-from .layout import BackwardTensors, Layout, contiguous_strides, rows_strides
+from .layout import BackwardTensors, ForwardTensors, Layout, contiguous_strides, rows_strides
 from .planning import Plan
 from .tma import host_desc
 
@@ -126,11 +126,10 @@ class Forward:
                 (lse, contiguous_strides(lse), float("inf"), 1),
             )
 
-    def __call__(
-        self, q, k, v, cu_q, cu_k, alibi, sink, seed, lse_wanted=True, descale=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(out, lse); lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). descale: an FP8 call's
-        (q_descale, k_descale, v_descale), each None for 1."""
+    def __call__(self, t: ForwardTensors, lse_wanted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse); lse_wanted False: the caller drops the logsumexp (_runtime.output_lse). t.descale: an FP8
+        call's (q_descale, k_descale, v_descale), each None for 1."""
+        q, k, v, cu_q, cu_k, alibi, sink, seed, descale = t
         layout = self.layout
         dtype = layout.result_dtype
         out = _runtime.empty(layout.out_shape, layout.out_dtype, q.device)

@@ -16,6 +16,22 @@ from .checks import E4M3, compute_dtype
 from .planning import out_dtype, window
 
 
+class ForwardTensors(NamedTuple):
+    """A forward's tensors by name, from the API, the op or an autograd Function down to a forward launch: q, k, v, a
+    varlen call's sequences, ALiBi's slopes, the learnable sink, dropout's seed and an FP8 call's (q_descale,
+    k_descale, v_descale) (each None where the call has none)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    alibi: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    seed: torch.Tensor | None = None
+    descale: tuple | None = None
+
+
 class BackwardTensors(NamedTuple):
     """A backward's tensors by name, from the autograd Function or the op down to a backward launch: the output's
     gradient and the lse's (None: none), the forward's inputs and outputs, where dq, dk, dv (and the sink's gradient)

@@ -20,7 +20,7 @@ import typing
 import torch
 
 from . import _runtime, attention, call as calls, checks, invariance, kvcache, planning, request
-from .layout import BackwardTensors
+from .layout import BackwardTensors, ForwardTensors
 from .options import N_OP_ARGS, Options
 
 
@@ -68,10 +68,10 @@ def forward(q, k, v, options: Options, alibi_slopes=None, learnable_sink=None) -
 def _forward(q, k, v, options: Options, alibi_slopes, learnable_sink):
     q, k, v = for_kernels(q), for_kernels(k), for_kernels(v)
     call = calls.from_options(q, k, v, options, alibi_slopes, learnable_sink)
+    t = _new(ForwardTensors, (q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, alibi_slopes, learnable_sink,
+                              options.seed, None))  # fmt: skip
     with _runtime.device_of(q):
-        return attention.forward(
-            call, q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, alibi_slopes, learnable_sink, options.seed
-        )
+        return attention.forward(call, t)
 
 
 def _fwd_impl(q, k, v, *rest):
@@ -248,13 +248,14 @@ def _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own: bool = True):
 
 class Attention(torch.autograd.Function):
     """An attention call through autograd (the API's eager path: no dispatcher, no per-call autograd wrapper): the
-    prepared call's forward, and its backward."""
+    prepared call's forward, and its backward. q, k, v and the sink are its inputs, the ones with gradients; t (the
+    same q, k, v and sink, and the tensors without gradients) rides along."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed):
-        out, lse = attention.forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed)
+    def forward(ctx, q, k, v, sink, call, t: ForwardTensors):
+        out, lse = attention.forward(call, t)
         _save(
-            ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, call.spec.deterministic
+            ctx, call, q, k, v, out, lse, t.alibi, sink, t.cu_seqlens_q, t.cu_seqlens_k, t.seed, call.spec.deterministic
         )
         return out, lse
 
@@ -264,7 +265,7 @@ class Attention(torch.autograd.Function):
         dtype = ctx.call.layout.grad_dtype  # (the interpreter's fp32: autograd casts it)
         dq, dk, dv = (_runtime.empty(t.shape, dtype, t.device) for t in saved[:3])
         dsink = _run_backward(ctx, saved, dout, dlse, dq, dk, dv)
-        return dq, dk, dv, None, dsink, None, None, None, None
+        return dq, dk, dv, dsink, None, None
 
 
 class PackedAttention(torch.autograd.Function):
@@ -282,7 +283,8 @@ class PackedAttention(torch.autograd.Function):
             q, k, v = packed.unbind(dim=dim)
         else:
             k, v = packed.unbind(dim=dim)
-        out, lse = attention.forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed)
+        t = _new(ForwardTensors, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, None))
+        out, lse = attention.forward(call, t)
         _save(
             ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, call.spec.deterministic
         )
@@ -331,23 +333,20 @@ class EmptyAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
 
 
-def run(call, q, k, v, alibi_slopes, sink, cu_seqlens_q=None, cu_seqlens_k=None, seed=None, grad=True, lse_wanted=True,
-        descale=None):  # fmt: skip
+def run(call, t: ForwardTensors, grad: bool = True, lse_wanted: bool = True):
     """An eager attention call (the API's): through Attention when a gradient is needed (grad: whether the caller
-    records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp). descale: an FP8
+    records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp). t.descale: an FP8
     call's (q_descale, k_descale, v_descale); the FP8 forward has no backward (FA3's neither)."""
+    q, k, v, _, _, _, sink, _, descale = t
     if call.layout.descale_strides is not None:
         _no_fp8_grad(q, k, v, sink, descale)
-        args = (call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, lse_wanted, descale)
-        return _runtime.on_device_of(q, attention.forward, *args)
-    if (
+    elif (
         grad
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad))
     ):
-        return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
-    args = (call, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, lse_wanted)
-    return _runtime.on_device_of(q, attention.forward, *args)
+        return Attention.apply(q, k, v, sink, call, t)
+    return _runtime.on_device_of(q, attention.forward, call, t, lse_wanted)
 
 
 def _no_fp8_grad(*tensors) -> None:
