@@ -16,8 +16,23 @@ def assert_close(name: str, ours: torch.Tensor, ref: torch.Tensor, low: torch.Te
         raise AssertionError(
             f"{name}: max error {err:.3e} > bound {bound:.3e} ({factor} x PyTorch's own error + floor); "
             f"at index {list(where)}: ours {ours[where].item():.6g}, reference {ref[where].item():.6g}; "
-            f"NaNs: {torch.isnan(ours).sum().item()}"
+            f"{nan_note(ours)}"
         )
+
+
+def nan_note(t: torch.Tensor) -> str:
+    """How many NaNs t holds, and how many carry the bits the tests' poison writes (conftest: _runtime.POISON fills
+    every output with float("nan") before the kernel runs), i.e. were never written: a kernel computes NaN with other
+    bits on a GPU (0x7FFF in bf16), so the two tell an unwritten tile from a computed NaN."""
+    nans = torch.isnan(t)
+    count = int(nans.sum())
+    if not count:
+        return "NaNs: 0"
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    poison = torch.full((1,), float("nan"), dtype=t.dtype, device=t.device).view(bits)
+    unwritten = int((t[nans].view(bits) == poison).sum())
+    first = torch.nonzero(nans)[0].tolist()
+    return f"NaNs: {count}, {unwritten} of them the poison's bits (never written), the first at {first}"
 
 
 def check_against_reference(q, k, v, out, lse, grads, do, causal=False, dlse=None, name="", **opts):
