@@ -221,12 +221,13 @@ def grad_of_out(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(out) if dout is None else for_kernels(dout)
 
 
-def _save(ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, deterministic):
+def _save(ctx, call, t: ForwardTensors, out, lse):
     """What a backward needs: the tensors, the prepared call, and the forward's planning.force() state (the backward
     runs in autograd's thread, which does not see it)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, _ = t
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed)
     ctx.call, ctx.forced = call, call.spec.modes.forced
-    ctx.deterministic = bool(deterministic) or call.spec.modes.invariant
+    ctx.deterministic = bool(call.spec.deterministic) or call.spec.modes.invariant
     ctx.set_materialize_grads(False)
 
 
@@ -254,9 +255,7 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, call, t: ForwardTensors):
         out, lse = attention.forward(call, t)
-        _save(
-            ctx, call, q, k, v, out, lse, t.alibi, sink, t.cu_seqlens_q, t.cu_seqlens_k, t.seed, call.spec.deterministic
-        )
+        _save(ctx, call, t, out, lse)
         return out, lse
 
     @staticmethod
@@ -285,9 +284,7 @@ class PackedAttention(torch.autograd.Function):
             k, v = packed.unbind(dim=dim)
         t = _new(ForwardTensors, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, None))
         out, lse = attention.forward(call, t)
-        _save(
-            ctx, call, q, k, v, out, lse, alibi_slopes, sink, cu_seqlens_q, cu_seqlens_k, seed, call.spec.deterministic
-        )
+        _save(ctx, call, t, out, lse)
         ctx.packing, ctx.dim = packing, dim
         return out, lse
 
