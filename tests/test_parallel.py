@@ -6,6 +6,7 @@ run and against the reference; and the ring's plan (which blocks each rank compu
 exhaustively on small cases.
 """
 
+import inspect
 import itertools
 import os
 import pathlib
@@ -21,7 +22,7 @@ import flashattn2
 from conftest import DEVICE, ON_GPU, skip_without_interpreter
 from flashattn2 import parallel
 from flashattn2.errors import ArgumentError
-from flashattn2.parallel import plan
+from flashattn2.parallel import functions, plan
 from flashattn2.parallel.layout import chunks_of, num_chunks
 from tolerance import check_against_reference
 
@@ -110,6 +111,19 @@ def _plan_cases():
             causal = rng.random() < 0.5
             window = rng.choice([(-1, -1), (-1, -1), (rng.randint(0, 9), -1), (rng.randint(0, 9), rng.randint(0, 9))])
             yield world, layout, seqlen, cu, causal, window
+
+
+def test_each_door_builds_the_request_in_its_fields_order():
+    """Each public function builds its ParallelRequest positionally in its signature's order (the dense ones with
+    cu_seqlens and max_seqlen None): its parameters, those two added where absent, are the request's fields."""
+    fields = functions.ParallelRequest._fields
+    doors = [n for n in dir(functions) if n.endswith("_func") and "packed" not in n]
+    assert len(doors) == 6, doors
+    for name in doors:
+        params = list(inspect.signature(getattr(functions, name)).parameters)
+        if "cu_seqlens" not in params:
+            params[3:3] = ["cu_seqlens", "max_seqlen"]
+        assert tuple(params) == fields, name
 
 
 @pytest.mark.parametrize("world, layout, seqlen, cu, causal, window", list(_plan_cases()))

@@ -7,6 +7,8 @@ SimulatedGroup every argument and result has a leading rank dimension.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import api
@@ -17,6 +19,26 @@ from . import ring, ulysses
 from .comm import Simulated, communicator
 from .layout import num_chunks
 from .plan import Sharding
+
+
+class ParallelRequest(NamedTuple):
+    """One call of a public function here, its arguments by name in the signatures' order (the dense functions'
+    cu_seqlens and max_seqlen None; tests/test_parallel.py holds each signature to these fields)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int | None
+    dropout_p: float
+    softmax_scale: float | None
+    causal: bool
+    window_size: tuple
+    alibi_slopes: torch.Tensor | None
+    deterministic: bool
+    return_attn_probs: bool
+    group: object
+    softcap: float
 
 
 def _per_rank(comm, name: str, t, dims: int):
@@ -39,11 +61,12 @@ def _result(comm, out, lse, return_attn_probs):
     return (out, lse, None) if return_attn_probs else out
 
 
-def _check(q, k, v, varlen, dropout_p, softmax_scale, window_size, softcap, deterministic):
+def _check(r: ParallelRequest, q, k, v, varlen: bool):
+    """r's arguments checked, q, k and v as the rank's shards with their leading rank dimension (_per_rank)."""
     checks.check_qkv(q[0], k[0], v[0], varlen=varlen)
-    checks.check_options(dropout_p, softmax_scale, window_size, softcap)
-    if not isinstance(deterministic, bool):
-        raise ArgumentTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
+    if not isinstance(r.deterministic, bool):
+        raise ArgumentTypeError(f"deterministic must be a bool, got {type(r.deterministic).__name__}")
     seq = 1 if varlen else 2
     if k.shape[seq] != q.shape[seq]:
         raise ArgumentError(
@@ -71,33 +94,25 @@ def _global_cu(cu_seqlens, max_seqlen, total: int) -> tuple[int, ...]:
     return cu
 
 
-def _ring(
-    layout,
-    q,
-    k,
-    v,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    alibi_slopes,
-    deterministic,
-    return_attn_probs,
-    group,
-    softcap,
-):
-    comm = communicator(group)
-    varlen = cu_seqlens is not None
+def _shards(r: ParallelRequest):
+    """(comm, varlen, q, k, v): the group's communicator, and r's q, k, v with the leading rank dimension, checked
+    with r's other arguments."""
+    comm = communicator(r.group)
+    varlen = r.cu_seqlens is not None
     dims = 3 if varlen else 4
-    q, k, v = (_per_rank(comm, name, t, dims) for name, t in (("q", q), ("k", k), ("v", v)))
-    _check(q, k, v, varlen, dropout_p, softmax_scale, window_size, softcap, deterministic)
-    if dropout_p > 0:
+    q, k, v = (_per_rank(comm, name, t, dims) for name, t in (("q", r.q), ("k", r.k), ("v", r.v)))
+    _check(r, q, k, v, varlen)
+    return comm, varlen, q, k, v
+
+
+def _ring(layout: str, r: ParallelRequest):
+    comm, varlen, q, k, v = _shards(r)
+    cu_seqlens, max_seqlen, softmax_scale, window_size = r.cu_seqlens, r.max_seqlen, r.softmax_scale, r.window_size
+    if r.dropout_p > 0:
         raise NotImplementedError(
             "dropout_p > 0 is not supported by the ring (ulysses_flash_attn_func supports it); pass dropout_p=0.0"
         )
-    if alibi_slopes is not None:
+    if r.alibi_slopes is not None:
         raise NotImplementedError(
             "alibi_slopes is not supported by the ring: the kernels take ALiBi relative to each block's own "
             "corner; ulysses_flash_attn_func supports it"
@@ -111,9 +126,9 @@ def _ring(
     sharding = Sharding(comm.world, layout, comm.world * local, cu)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     window = calls.window_edges(window_size, int(max_seqlen) if varlen else comm.world * local)  # of the whole sequence
-    options = ring.RingOptions(scale, bool(causal), window, float(softcap), deterministic)
+    options = ring.RingOptions(scale, bool(r.causal), window, float(r.softcap), r.deterministic)
     out, lse = ring.RingAttention.apply(q, k, v, comm, sharding, options)
-    return _result(comm, out, lse, return_attn_probs)
+    return _result(comm, out, lse, r.return_attn_probs)
 
 
 def ring_flash_attn_func(
@@ -144,23 +159,11 @@ def ring_flash_attn_func(
     Returns:
         out (batch, seqlen_local, nheads, headdim_v), or (out, softmax_lse, None).
     """
-    return _ring(
-        "contiguous",
-        q,
-        k,
-        v,
-        None,
-        None,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        softcap,
-    )
+    r = ParallelRequest(
+        q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+    return _ring("contiguous", r)
 
 
 def zigzag_ring_flash_attn_func(
@@ -180,23 +183,11 @@ def zigzag_ring_flash_attn_func(
 ):
     """ring_flash_attn_func on shards in the zigzag layout (rank r holds chunks r and 2 * world - 1 - r of
     2 * world): under a causal mask every rank does the same work at every step."""
-    return _ring(
-        "zigzag",
-        q,
-        k,
-        v,
-        None,
-        None,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        softcap,
-    )
+    r = ParallelRequest(
+        q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+    return _ring("zigzag", r)
 
 
 def ring_flash_attn_varlen_func(
@@ -229,23 +220,11 @@ def ring_flash_attn_varlen_func(
         out (total_local, nheads, headdim_v), or with return_attn_probs (out, softmax_lse (nheads, total_local),
         None).
     """
-    return _ring(
-        "contiguous",
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        softcap,
-    )
+    r = ParallelRequest(
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+    return _ring("contiguous", r)
 
 
 def zigzag_ring_flash_attn_varlen_func(
@@ -266,46 +245,16 @@ def zigzag_ring_flash_attn_varlen_func(
     softcap=0.0,
 ):
     """ring_flash_attn_varlen_func on the packed stream in the zigzag layout."""
-    return _ring(
-        "zigzag",
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        softcap,
-    )
+    r = ParallelRequest(
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+    return _ring("zigzag", r)
 
 
-def _ulysses(
-    q,
-    k,
-    v,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    alibi_slopes,
-    deterministic,
-    return_attn_probs,
-    group,
-    softcap,
-):
-    comm = communicator(group)
-    varlen = cu_seqlens is not None
-    dims = 3 if varlen else 4
-    q, k, v = (_per_rank(comm, name, t, dims) for name, t in (("q", q), ("k", k), ("v", v)))
-    _check(q, k, v, varlen, dropout_p, softmax_scale, window_size, softcap, deterministic)
+def _ulysses(r: ParallelRequest):
+    comm, varlen, q, k, v = _shards(r)
+    alibi_slopes, max_seqlen = r.alibi_slopes, r.max_seqlen
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     w = comm.world
     if nheads % w or (nheads_k % w and w % nheads_k):
@@ -316,19 +265,19 @@ def _ulysses(
     if alibi_slopes is not None:
         checks.check_alibi(alibi_slopes, q[0], 1 if varlen else q.shape[1])
     if varlen:
-        cu = _global_cu(cu_seqlens, max_seqlen, w * q.shape[1])
+        cu = _global_cu(r.cu_seqlens, max_seqlen, w * q.shape[1])
         cu_device = torch.tensor(cu, dtype=torch.int32, device=q.device)
         q, k, v = (t[:, None] for t in (q, k, v))  # one batch row: the packed stream
 
     def attend(rank, qr, kr, vr, slopes):
         kwargs = dict(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
+            dropout_p=r.dropout_p,
+            softmax_scale=r.softmax_scale,
+            causal=r.causal,
+            window_size=r.window_size,
+            softcap=r.softcap,
             alibi_slopes=slopes,
-            deterministic=deterministic,
+            deterministic=r.deterministic,
             return_attn_probs=True,
         )
         if not varlen:
@@ -342,7 +291,7 @@ def _ulysses(
     out, lse = ulysses.attention(comm, q, k, v, attend, alibi_slopes)
     if varlen:
         out, lse = out[:, 0], lse[:, 0]
-    return _result(comm, out, lse, return_attn_probs)
+    return _result(comm, out, lse, r.return_attn_probs)
 
 
 def ulysses_flash_attn_func(
@@ -365,22 +314,11 @@ def ulysses_flash_attn_func(
     (each rank draws its own seed), ALiBi ((nheads,) or (batch, nheads), the global heads), windows, softcap.
     nheads must be a multiple of the world size; nheads_k a multiple or a divisor of it.
     Shapes and results as ring_flash_attn_func."""
-    return _ulysses(
-        q,
-        k,
-        v,
-        None,
-        None,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        softcap,
-    )
+    r = ParallelRequest(
+        q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+    return _ulysses(r)
 
 
 def ulysses_flash_attn_varlen_func(
@@ -402,22 +340,11 @@ def ulysses_flash_attn_varlen_func(
 ):
     """ulysses_flash_attn_func on a packed batch sharded as one stream (contiguous layout on dim 0), with the
     global cu_seqlens as ring_flash_attn_varlen_func takes them."""
-    return _ulysses(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        group,
-        softcap,
-    )
+    r = ParallelRequest(
+        q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+    return _ulysses(r)
 
 
 def _unpack_kv(kv):
