@@ -323,25 +323,13 @@ def _flash_attn_varlen_forward(
         checks.check_seqused_k(seqused_k, cu_seqlens_q, dropout_p, "_flash_attn_varlen_forward")
         k, v, block_table, cu_seqlens_k = seqused_pages(seqused_k, cu_seqlens_k, max_seqlen_k, k, v, block_table)
     if block_table is not None:
-        return _varlen_paged_forward(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size_left,
-            window_size_right,
-            softcap,
-            alibi_slopes,
-            return_softmax,
-            block_table,
-            zero_tensors,
-        )
+        _check_return_softmax(return_softmax, dropout_p)
+        checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
+        r = AttentionRequest(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            (int(window_size_left), int(window_size_right)), softcap, alibi_slopes, block_table=block_table,
+        )  # fmt: skip
+        return _varlen_paged_forward(r, zero_tensors)
     checks.check_qkv(q, k, v, varlen=True)
     cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     dropout_p, scale, left, right, softcap = _options(
@@ -385,38 +373,16 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
     return cu_q, cu_k, max_q, max_k, verify
 
 
-def _varlen_paged_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left,
-    window_size_right,
-    softcap,
-    alibi_slopes,
-    return_softmax,
-    block_table,
-    zero_tensors,
-):
-    _check_return_softmax(return_softmax, dropout_p)
-    checks.check_options(dropout_p, softmax_scale, (window_size_left, window_size_right), softcap)
-    call = calls.paged(
-        AttentionRequest(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            (int(window_size_left), int(window_size_right)), softcap, alibi_slopes, block_table=block_table,
-        )
-    )  # fmt: skip
+def _varlen_paged_forward(r: AttentionRequest, zero_tensors: bool):
+    """_flash_attn_varlen_forward with a block_table (its arguments checked, as one request): varlen q over the paged
+    cache through the paged op's prepared call."""
+    q, cu_seqlens_k, block_table = r.q, r.cu_seqlens_k, r.block_table
+    call = calls.paged(r)
     spec = call.spec
     cu_seqlens_q = checks.paged_sequences(
-        q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
+        q, r.k, r.cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
     )
-    out, lse = registry.paged_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, None)
+    out, lse = registry.paged_forward(call, q, r.k, r.v, cu_seqlens_q, cu_seqlens_k, block_table, r.alibi_slopes, None)
     if zero_tensors:
         _fill_lse_tail(lse, cu_seqlens_q)
     return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), _new_rng_state(q, 0.0)
