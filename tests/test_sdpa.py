@@ -375,33 +375,72 @@ def test_flash_stays_first_past_torchs_first_backend_choice(monkeypatch):
         torch._C._set_sdp_priority_order(original)
 
 
+def test_activation_before_cuda_starts_puts_flash_first_when_it_does(monkeypatch):
+    """Activated before the process has used CUDA (the README's order: activate, then load the model), flashattn2
+    does not start CUDA: it settles torch's order and puts flash first at CUDA's lazy start (torch.cuda._lazy_call),
+    before any SDPA call can choose; a handle removed before then leaves the order alone. CUDA's start emulated."""
+    flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+    original = list(torch._C._get_sdp_priority_order())
+    queued, chosen = [], []
+
+    def first_choice():  # torch's priority_order(): its default set on the first choice only
+        if not chosen:
+            torch._C._set_sdp_priority_order([cudnn, *(b for b in original if b != cudnn)])
+        chosen.append(True)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_lazy_call", queued.append)
+    monkeypatch.setattr(S, "first_backend_choice", first_choice)
+    try:
+        with flashattn2.sdpa():  # removed before CUDA starts
+            pass
+        queued.pop()()
+        assert not chosen and list(torch._C._get_sdp_priority_order()) == original
+        with flashattn2.sdpa():
+            assert len(queued) == 1 and list(torch._C._get_sdp_priority_order()) == original  # CUDA not started
+            queued.pop()()  # CUDA starts: torch's default settled, then flash first
+            first_choice()  # the scope's first F.scaled_dot_product_attention
+            assert chosen and list(torch._C._get_sdp_priority_order())[0] == flash
+        assert list(torch._C._get_sdp_priority_order())[0] == cudnn
+    finally:
+        torch._C._set_sdp_priority_order(original)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="SDPA's CUDA backend choice")
 def test_a_fresh_process_reaches_flashattn2_kernels():
-    """In a process that has not called SDPA yet (so torch's lazy default order is not set), activation and then a
-    plain F.scaled_dot_product_attention(q, k, v, is_causal=True) run flashattn2's kernels (the profiler's names), not
+    """In a process that has not called SDPA yet (so torch's lazy default order is not set), activation -- before the
+    process has used CUDA, and after -- and then a plain F.scaled_dot_product_attention(q, k, v, is_causal=True) run
+    flashattn2's kernels (the profiler's names), not
     cuDNN's or torch's flash kernels; restoring gives torch's choice back."""
     code = (
-        "import torch, torch.nn.functional as F\n"
+        "import sys, torch, torch.nn.functional as F\n"
         "import flashattn2\n"
+        "activate = lambda: torch.nn.attention.activate_flash_attention_impl('flashattn2')\n"
+        "if sys.argv[1] == 'before-cuda':\n"
+        "    activate()\n"
+        "    assert not torch.cuda.is_initialized()  # activation does not start CUDA\n"
         "q, k, v = (torch.randn(2, 4, 256, 64, device='cuda', dtype=torch.bfloat16) for _ in range(3))\n"
+        "if sys.argv[1] == 'after-cuda':\n"
+        "    activate()\n"
         "def kernels():\n"
         "    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:\n"
         "        F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
         "        torch.cuda.synchronize()\n"
         "    return ','.join(e.key.replace(',', ' ') for e in prof.key_averages())\n"
-        "torch.nn.attention.activate_flash_attention_impl('flashattn2')\n"
         "print(kernels())\n"
         "torch.nn.attention.restore_flash_attention_impl()\n"
         "print(kernels())\n"
     )
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    active, restored = (line.split(",") for line in run.stdout.splitlines()[-2:])
-    theirs = ("cudnn", "flash_fwd", "fmha")
-    assert any(n.startswith("attn_fwd") for n in active), active
-    assert not any(s in n.lower() for n in active for s in theirs), active
-    assert not any(n.startswith("attn_fwd") for n in restored), restored
+    for when in ("before-cuda", "after-cuda"):
+        run = subprocess.run([sys.executable, "-c", code, when], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        active, restored = (line.split(",") for line in run.stdout.splitlines()[-2:])
+        theirs = ("cudnn", "flash_fwd", "fmha")
+        assert any(n.startswith("attn_fwd") for n in active), (when, active)
+        assert not any(s in n.lower() for n in active for s in theirs), (when, active)
+        assert not any(n.startswith("attn_fwd") for n in restored), (when, restored)
 
 
 def test_torch_without_registry(monkeypatch):

@@ -459,6 +459,11 @@ class Handle:
     library: torch.library.Library | None
     priority: tuple | None = None
 
+    def put_flash_first(self) -> None:
+        """flash_first while the kernels are installed (a handle removed before CUDA started: nothing to do)."""
+        if self.library is not None and self.priority is None:
+            self.priority = flash_first()
+
     def remove(self) -> None:
         if self.library is not None:
             self.library._destroy()
@@ -474,13 +479,26 @@ def first_backend_choice() -> None:
     """Make the process's first SDPA backend choice on CUDA now, if none was made yet: torch sets its default priority
     order (cuDNN first on Hopper and Blackwell with a recent cuDNN) lazily, on that first choice, over whatever order
     was set before it -- so an order set before any scaled_dot_product_attention call would be lost at the first one.
-    One choice over tiny CUDA tensors (torch._fused_sdp_choice: no kernel runs); nothing without CUDA."""
+    One choice over tiny CUDA tensors (torch._fused_sdp_choice: no kernel runs) on the current device, CUDA started
+    already (install defers it to CUDA's start); nothing without CUDA. Best effort: where the choice fails (every
+    backend disabled: torch then returns before setting its order) nothing is settled, as before."""
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None or not torch.cuda.is_available():
         return
-    t = torch.empty((1, 1, 1, 8), dtype=torch.float16, device="cuda")
-    with contextlib.suppress(RuntimeError):  # every backend disabled (torch.backends.cuda): no order to settle
+    with contextlib.suppress(RuntimeError):
+        t = torch.empty((1, 1, 1, 8), dtype=torch.float16, device="cuda")
         choose(t, t, t)
+
+
+def when_cuda_starts(fn) -> None:
+    """fn() now where CUDA has started or is absent, else at CUDA's lazy start (torch.cuda._lazy_call: right after
+    the process's first CUDA use initializes it, on the device then current), so that activating flashattn2 does not
+    start CUDA itself (a context on device 0 before a rank's set_device, a fork after it)."""
+    lazy_call = getattr(torch.cuda, "_lazy_call", None)
+    if lazy_call is not None and torch.cuda.is_available() and not torch.cuda.is_initialized():
+        lazy_call(fn)
+    else:
+        fn()
 
 
 def flash_first() -> tuple | None:
@@ -505,13 +523,15 @@ def flash_first() -> tuple | None:
 def install(dispatch_key: str = "CUDA") -> Handle:
     """flashattn2's kernels for torch's flash ops at dispatch_key (torch's register_fn: CUDA; the tests install them
     for CPU tensors to run them through the dispatcher), and SDPA's flash backend first in torch's priority order
-    (flash_first). Ops this torch lacks are skipped."""
+    (flash_first, once CUDA has started: when_cuda_starts). Ops this torch lacks are skipped."""
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     for op, function in OVERRIDES.items():
         if _exists(op):
             kernel = serving(op, function, _previous(op, dispatch_key))
             library.impl(op, kernel, dispatch_key, with_keyset=True)
-    return Handle(library, flash_first())
+    handle = Handle(library)
+    when_cuda_starts(handle.put_flash_first)
+    return handle
 
 
 def torch_attention():
