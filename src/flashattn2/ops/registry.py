@@ -249,11 +249,12 @@ def _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own: bool = True):
 
 class Attention(torch.autograd.Function):
     """An attention call through autograd (the API's eager path: no dispatcher, no per-call autograd wrapper): the
-    prepared call's forward, and its backward. q, k, v and the sink are its inputs, the ones with gradients; t (the
-    same q, k, v and sink, and the tensors without gradients) rides along."""
+    prepared call's forward, and its backward. Every tensor is an input of its own (not one inside a bundle), so
+    that what records the Function's inputs -- torch.jit.trace, which would bake a bundled seed in -- sees them all."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, call, t: ForwardTensors):
+    def forward(ctx, q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed):
+        t = _new(ForwardTensors, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, None))
         out, lse = attention.forward(call, t)
         _save(ctx, call, t, out, lse)
         return out, lse
@@ -264,7 +265,7 @@ class Attention(torch.autograd.Function):
         dtype = ctx.call.layout.grad_dtype  # (the interpreter's fp32: autograd casts it)
         dq, dk, dv = (_runtime.empty(t.shape, dtype, t.device) for t in saved[:3])
         dsink = _run_backward(ctx, saved, dout, dlse, dq, dk, dv)
-        return dq, dk, dv, dsink, None, None
+        return dq, dk, dv, None, dsink, None, None, None, None
 
 
 class PackedAttention(torch.autograd.Function):
@@ -334,7 +335,7 @@ def run(call, t: ForwardTensors, grad: bool = True, lse_wanted: bool = True):
     """An eager attention call (the API's): through Attention when a gradient is needed (grad: whether the caller
     records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp). t.descale: an FP8
     call's (q_descale, k_descale, v_descale); the FP8 forward has no backward (FA3's neither)."""
-    q, k, v, _, _, _, sink, _, descale = t
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, descale = t
     if call.layout.descale_strides is not None:
         _no_fp8_grad(q, k, v, sink, descale)
     elif (
@@ -342,7 +343,7 @@ def run(call, t: ForwardTensors, grad: bool = True, lse_wanted: bool = True):
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad))
     ):
-        return Attention.apply(q, k, v, sink, call, t)
+        return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
     return _runtime.on_device_of(q, attention.forward, call, t, lse_wanted)
 
 
