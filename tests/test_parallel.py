@@ -6,6 +6,7 @@ run and against the reference; and the ring's plan (which blocks each rank compu
 exhaustively on small cases.
 """
 
+import ast
 import inspect
 import itertools
 import os
@@ -14,6 +15,7 @@ import random
 import socket
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -120,10 +122,19 @@ def test_each_door_builds_the_request_in_its_fields_order():
     doors = [n for n in dir(functions) if n.endswith("_func") and "packed" not in n]
     assert len(doors) == 6, doors
     for name in doors:
-        params = list(inspect.signature(getattr(functions, name)).parameters)
+        door = getattr(functions, name)
+        params = list(inspect.signature(door).parameters)
+        passed = list(params)
         if "cu_seqlens" not in params:
             params[3:3] = ["cu_seqlens", "max_seqlen"]
+            passed[3:3] = [None, None]
         assert tuple(params) == fields, name
+        (built,) = [
+            node
+            for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(door))))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ParallelRequest"
+        ]
+        assert [getattr(a, "id", getattr(a, "value", "?")) for a in built.args] == passed, name
 
 
 @pytest.mark.parametrize("world, layout, seqlen, cu, causal, window", list(_plan_cases()))
