@@ -393,7 +393,7 @@ def _varlen_paged(r: AttentionRequest):
         cu_q = checks.paged_sequences(
             q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
         )
-        out, lse = paged_forward(call, q, k, v, cu_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink)
+        out, lse = paged_forward(call, r, cu_q)
     if not r.return_attn_probs:
         return out
     return out, lse, _empty_s_dmask(out)

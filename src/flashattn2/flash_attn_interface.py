@@ -382,7 +382,7 @@ def _varlen_paged_forward(r: AttentionRequest, zero_tensors: bool):
     cu_seqlens_q = checks.paged_sequences(
         q, r.k, r.cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
     )
-    out, lse = registry.paged_forward(call, q, r.k, r.v, cu_seqlens_q, cu_seqlens_k, block_table, r.alibi_slopes, None)
+    out, lse = registry.paged_forward(call, r, cu_seqlens_q)
     if zero_tensors:
         _fill_lse_tail(lse, cu_seqlens_q)
     return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), _new_rng_state(q, 0.0)

@@ -443,37 +443,37 @@ def _(q, k_cache, v_cache, *_):
     return out, q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
-def paged_forward(call, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, sink):
-    """The body of flashattn2::fwd_varlen_paged: varlen q over a paged K/V, as the prepared call (ops.call.PagedCall)
-    planned; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b].
+def paged_forward(call, r: request.AttentionRequest, cu_seqlens_q):
+    """The body of flashattn2::fwd_varlen_paged: varlen q over a paged K/V (r.k and r.v the caches, r.block_table),
+    as the prepared call (ops.call.PagedCall) planned; sequence b's keys are its first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] positions through block_table[b]. cu_seqlens_q: r's as checks.paged_sequences returned it.
     (out, lse (nheads, total_q))."""
+    q, cu_seqlens_k, block_table = r.q, r.cu_seqlens_k, r.block_table
     decode = call.decode
     if decode is None:
         decode = call.decode = kvcache.Decode(call.plan, kvcache.paged_shape(call), call.spec.modes.arch)
     with _runtime.device_of(q):
         cu_k = cu_seqlens_k.contiguous()
         seqlens_k = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-        cache = kvcache.Cache(k_cache, v_cache, seqlens_k, 0, block_table=_contiguous(block_table))
-        return decode(for_kernels(q), cache, _contiguous(cu_seqlens_q), _contiguous(alibi_slopes), _contiguous(sink))
+        cache = kvcache.Cache(r.k, r.v, seqlens_k, 0, block_table=_contiguous(block_table))
+        alibi_slopes, sink = _contiguous(r.alibi_slopes), _contiguous(r.learnable_sink)
+        return decode(for_kernels(q), cache, _contiguous(cu_seqlens_q), alibi_slopes, sink)
 
 
 def _fwd_varlen_paged_impl(*args):
     a = dict(zip(_PAGED_PARAMS, args))
     window = (a["window_left"], a["window_right"])
-    call = calls.paged(
-        request.AttentionRequest(
-            *(a[name] for name in _PAGED_PARAMS[:7]),
-            softmax_scale=a["softmax_scale"],
-            causal=a["causal"],
-            window_size=window,
-            softcap=a["softcap"],
-            alibi_slopes=a["alibi_slopes"],
-            block_table=a["block_table"],
-            learnable_sink=a.get("learnable_sink"),
-        )
+    r = request.AttentionRequest(
+        *(a[name] for name in _PAGED_PARAMS[:7]),
+        softmax_scale=a["softmax_scale"],
+        causal=a["causal"],
+        window_size=window,
+        softcap=a["softcap"],
+        alibi_slopes=a["alibi_slopes"],
+        block_table=a["block_table"],
+        learnable_sink=a.get("learnable_sink"),
     )
-    return paged_forward(call, *(a[n] for n in ("q", "k_cache", "v_cache", "cu_seqlens_q", "cu_seqlens_k",
-                                                "block_table", "alibi_slopes")), a.get("learnable_sink"))  # fmt: skip
+    return paged_forward(calls.paged(r), r, r.cu_seqlens_q)
 
 
 # flashattn2::fwd_varlen_paged: flash_attn_varlen_func over a paged K/V (forward only), torch.compile's path
