@@ -311,11 +311,14 @@ def test_generate_bench_rows(tmp_path):
         max_position_embeddings=64,
     )
     path = str(tmp_path / "generate.csv")
+    ways = (False, True) if ON_GPU else (False,)
     generate.run(
-        path, batches=[2], prompt=8, new_tokens=3, compiled=ON_GPU, device=DEVICE, dims=dims, repeats=1,
+        path, batches=[2], prompt=32, new_tokens=(3, 3), compiled=ways, device=DEVICE, dims=dims, repeats=1,
         progress=lambda _: None,
     )  # fmt: skip
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["attention"] for r in rows] == ["flashattn2", "sdpa"]
+    assert [r["attention"] for r in rows] == ["flashattn2", "sdpa"] * len(ways)
+    assert [r["left_pad"] for r in rows][:2] == ["2", "2"]  # the eager prompts are left-padded (32 // 16)
+    assert generate.left_pads(5, 512) == [32, 16, 8, 4, 32]
     assert all(float(r["tokens_per_s"]) > 0 and r["note"] == "" for r in rows), rows

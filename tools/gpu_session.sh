@@ -41,8 +41,9 @@
 #   parallel-bench  bench parallel on one GPU: zigzag ring and Ulysses at 128k tokens, 4 and 8 simulated ranks, beside
 #              single-GPU flashattn2 on the per-GPU length
 #   parallel-nccl1  bench parallel's torchrun path on this one GPU (a world of 1): NCCL, PyTorch's context_parallel
-#   generate   bench generate: transformers' generate() with a static cache compiled into CUDA graphs, tokens/s of
-#              flashattn2 beside sdpa, batch 1 and 16
+#   generate   bench generate: transformers' generate(), eager with a left-padded prompt and with a static cache
+#              compiled into CUDA graphs, tokens/s of flashattn2 beside sdpa, batch 1 and 16
+#   sdpa-tests the SDPA provider's and transformers' tests (activation reaching flashattn2's kernels)
 #   decode     bench decode: the decode grid, eager and CUDA graph, beside SDPA's flash and cuDNN
 #   grid-fp16 / grid-bf16   the kernel grid (bench/results/kernels-<gpu>.csv), appended; 3 rounds alternating the
 #              providers (~205 s a dtype on a warm H200; one round read a point 5-10% apart in two runs)
@@ -178,8 +179,11 @@ for s in "$@"; do
       # the torchrun path (NCCL, PyTorch's context_parallel beside) on this one GPU: a world of 1
       stage parallel-nccl1 150 python3 -m torch.distributed.run --nproc-per-node 1 -m flashattn2 bench parallel \
         --seqlens 16384 --csv "$OUT/parallel-nccl1.csv" ;;
-    generate)
-      stage generate 500 python3 -m flashattn2 bench generate --csv "$OUT/generate.csv" ;;
+    generate)  # GENERATE_TIMINGS: eager (~100 s), graph (compiles four models: ~400 s) or both
+      stage generate 500 python3 -m flashattn2 bench generate --csv "$OUT/generate.csv" \
+        --timings "${GENERATE_TIMINGS:-eager,graph}" ;;
+    sdpa-tests)
+      stage sdpa-tests 200 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_sdpa.py tests/test_transformers.py ;;
     decode)
       stage decode 400 python3 -m flashattn2 bench decode --csv "$OUT/decode.csv" ;;
     host)

@@ -188,7 +188,10 @@ def _bench_options(ap):
         "prefix fp8- (e.g. fp8-contiguous) reads a float8_e4m3fn cache with k_descale/v_descale",
     )
     ap.add_argument(
-        "--timings", default="eager,graph", help="decode: eager and/or graph (CUDA graph replay; default both)"
+        "--timings",
+        default="eager,graph",
+        help="decode: eager and/or graph (CUDA graph replay; default both); generate: eager (a left-padded prompt, 64 "
+        "new tokens) and/or graph (a static cache compiled into CUDA graphs, 256 new tokens)",
     )
     ap.add_argument("--models", default="gpt3-1.3b,gpt3-2.7b", help="gpt: model shapes (default gpt3-1.3b,gpt3-2.7b)")
     ap.add_argument("--contexts", default="2048,8192", help="gpt: context lengths (default 2048,8192)")
@@ -431,8 +434,9 @@ def _generate(args):
         print("bench generate measures a 1.2B-parameter model's generate(): it needs a CUDA GPU")
         return 2
     batches = _ints(args.batches or "1,16")
+    ways = [{"eager": False, "graph": True}[t] for t in args.timings.split(",")]
     path = args.csv or os.path.join(RESULTS, f"generate-{_slug(torch.cuda.get_device_name())}.csv")
-    generate.run(path, batches=batches)
+    generate.run(path, batches=batches, compiled=ways, new_tokens=[256 if way else 64 for way in ways])
     return 0
 
 

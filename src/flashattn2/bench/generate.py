@@ -1,16 +1,20 @@
-"""The path real servers take: Hugging Face transformers' generate() with a static KV cache, its forward compiled
-(fullgraph, so a graph break fails the run; "reduce-overhead": replayed as CUDA graphs), tokens per second with
-attn_implementation="flashattn2" beside "sdpa", in one run.
+"""Hugging Face transformers' generate(), tokens per second with attn_implementation="flashattn2" beside "sdpa", in
+one run, two ways: "graph", the path real servers take (a static KV cache, the forward compiled fullgraph, so a graph
+break fails the run, and replayed as CUDA graphs), and "eager", the way most scripts call it (the default dynamic
+cache, no compiling, a left-padded prompt: the padding mask makes flashattn2's integration unpad the prefill, and
+every step's host time is the user's).
 
 A Llama-style model of ~1.2B parameters built from its config (random bf16 weights; nothing to download): Llama
 3.2 1B's shape, GQA 32/8 at head dim 64. A run times `repeats` calls of generate() for `new_tokens` tokens after a
-prompt of `prompt` tokens per sequence (the prefill included), after one warm-up call that compiles and captures.
+prompt of `prompt` tokens per sequence (the prefill included), after one warm-up call (that compiles and captures).
+Eager prompts are left-padded: sequence i starts with `prompt // 16 >> (i % 4)` padding tokens (32, 16, 8, 4 at 512).
 Before timing, the last prompt position's logits of each attention are checked against flashattn2's (bf16: within
 5% of their largest value; a mismatch is written in the row's note).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -39,6 +43,7 @@ FIELDS = [
     "prompt",
     "new_tokens",
     "compiled",
+    "left_pad",
     "ms",
     "tokens_per_s",
     "note",
@@ -64,27 +69,34 @@ def _model(dims: dict, attention: str, device):
     return model
 
 
+def left_pads(batch: int, prompt: int) -> list[int]:
+    """Padding tokens at the start of each eager prompt."""
+    return [prompt // 16 >> (i % 4) for i in range(batch)]
+
+
 def measure(dims, attention, batch, prompt, new_tokens, compiled, device="cuda", repeats=3):
-    """(ms per generate() call, tokens per second, the last prompt position's logits) of one attention."""
+    """(ms per generate() call, tokens per second, the last prompt position's logits) of one attention: compiled,
+    a static cache and CUDA graphs; else eager, the dynamic cache and a left-padded prompt."""
     from transformers import CompileConfig
 
     model = _model(dims, attention, device)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(1, dims["vocab_size"], (batch, prompt), generator=gen).to(device)
+    ids = torch.randint(1, dims["vocab_size"], (batch, prompt), generator=gen)
+    mask = torch.ones_like(ids)
+    for i, pad in enumerate([] if compiled else left_pads(batch, prompt)):
+        ids[i, :pad] = 0
+        mask[i, :pad] = 0
+    ids, mask = ids.to(device), mask.to(device)
     with torch.no_grad():
-        logits = model(ids).logits[:, -1].float().cpu()
+        logits = model(ids, attention_mask=mask).logits[:, -1].float().cpu()
     kw = dict(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        cache_implementation="static",
+        attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
     )
     if compiled:
-        kw["compile_config"] = CompileConfig(fullgraph=True)
+        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
     else:
         kw["disable_compile"] = True
-    model.generate(ids, **kw)  # compiles and captures
+    model.generate(ids, **kw)  # warms up (compiles and captures)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -101,51 +113,54 @@ def run(
     models=("llama-1b",),
     batches=(1, 16),
     prompt=512,
-    new_tokens=256,
+    new_tokens=(64, 256),
     attentions=ATTENTIONS,
-    compiled=True,
+    compiled=(False, True),
     device="cuda",
     dims=None,
     repeats=3,
     progress=print,
 ):
-    """Appends one row per (model, batch, attention) to out_csv; flashattn2 runs first (its logits are the
-    reference). dims: a config's sizes in place of MODELS' (the CPU test's tiny model)."""
+    """Appends one row per (model, way, batch, attention) to out_csv; flashattn2 runs first (its logits are the
+    reference). compiled: the ways (False: eager, True: graph), new_tokens: each way's count. dims: a config's sizes
+    in place of MODELS' (the CPU test's tiny model)."""
     import transformers
 
     meta = dict(run_metadata(None if device == "cuda" else device), transformers=transformers.__version__)
     attentions = ["flashattn2"] + [a for a in attentions if a != "flashattn2"]
     with appending(out_csv, FIELDS) as (writer, fh):
-        for name in models:
-            for batch in batches:
-                ref = None
-                for attention in attentions:
-                    row = dict(
-                        model=name,
-                        attention=attention,
-                        batch=batch,
-                        prompt=prompt,
-                        new_tokens=new_tokens,
-                        compiled=int(compiled),
-                        **meta,
+        for name, (way, tokens), batch in itertools.product(models, zip(compiled, new_tokens), batches):
+            ref = None
+            for attention in attentions:
+                row = dict(
+                    model=name,
+                    attention=attention,
+                    batch=batch,
+                    prompt=prompt,
+                    new_tokens=tokens,
+                    compiled=int(way),
+                    left_pad=0 if way else left_pads(batch, prompt)[0],
+                    **meta,
+                )
+                try:
+                    ms, rate, logits = measure(
+                        dims or MODELS[name], attention, batch, prompt, tokens, way, device, repeats
                     )
-                    try:
-                        ms, rate, logits = measure(
-                            dims or MODELS[name], attention, batch, prompt, new_tokens, compiled, device, repeats
-                        )
-                    except torch.OutOfMemoryError:
-                        row.update(note="out of memory", ms="nan", tokens_per_s="nan")
-                    else:
-                        ref = logits if ref is None else ref
-                        err = float((logits - ref).abs().max() / ref.abs().max())
-                        note = f"logits differ from flashattn2's by {err:.2g} (relative)" if err > 0.05 else ""
-                        row.update(ms=f"{ms:.2f}", tokens_per_s=f"{rate:.1f}", note=note)
-                    finally:
-                        if device == "cuda":
-                            torch.cuda.empty_cache()
-                    writer.writerow(row)
-                    fh.flush()
-                    progress(f"{name} batch {batch} {attention}: {row['tokens_per_s']} tokens/s {row['note']}")
+                except torch.OutOfMemoryError:
+                    row.update(note="out of memory", ms="nan", tokens_per_s="nan")
+                else:
+                    ref = logits if ref is None else ref
+                    err = float((logits - ref).abs().max() / ref.abs().max())
+                    note = f"logits differ from flashattn2's by {err:.2g} (relative)" if err > 0.05 else ""
+                    row.update(ms=f"{ms:.2f}", tokens_per_s=f"{rate:.1f}", note=note)
+                finally:
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                writer.writerow(row)
+                fh.flush()
+                progress(
+                    f"{name} {'graph' if way else 'eager'} batch {batch} {attention}: {row['tokens_per_s']} tokens/s {row['note']}"
+                )
 
 
-__all__ = ["ATTENTIONS", "FIELDS", "MODELS", "measure", "run"]
+__all__ = ["ATTENTIONS", "FIELDS", "MODELS", "left_pads", "measure", "run"]
