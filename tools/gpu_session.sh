@@ -16,7 +16,8 @@
 #              against Triton's choice), host descriptors, window edges, the private functions' dtypes, owned writes,
 #              NaN propagation, the KV cache, the checkpointed MHA, and the fuzzer's CI mode
 #   memcheck   compute-sanitizer memcheck over the kernel families: the owned-writes tests (dropped out-of-range
-#              appends), NaN propagation, FP8 (the Gluon and Triton forwards, the FP8 cache), paged and split-KV decoding
+#              appends), NaN propagation, FP8 (the Gluon and Triton forwards, the FP8 cache), paged and split-KV decoding;
+#              stops at the first failure unless MEMCHECK_ARGS says otherwise (MEMCHECK_ARGS= runs them all)
 #   host-cli   python -m flashattn2 bench host with real launches beside SDPA (flash, cuDNN) and an empty custom op
 #   ab-turn    bench ab against the build before the call-path turn (.devout/base: tools/baseline_pkg.py 7bad312),
 #              bf16, d64/128/256, causal both, 1k/4k/16k, forward and backward, 2 rounds
@@ -123,7 +124,7 @@ for s in "$@"; do
     memcheck)
       stage memcheck 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_owned_writes.py tests/test_nan.py tests/test_fp8.py tests/test_fp8_kvcache.py \
-        "tests/test_kvcache.py::test_paged_call_past_its_pages_raises" -k "not long_cache" -x ;;
+        "tests/test_kvcache.py::test_paged_call_past_its_pages_raises" -k "not long_cache" ${MEMCHECK_ARGS--x} ;;
     fp8-tests)
       stage fp8-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kvcache.py \
         tests/test_sdpa.py tests/test_signatures.py tests/test_errors.py tests/test_explain.py ;;
