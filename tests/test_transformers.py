@@ -128,6 +128,50 @@ def test_attention_function_errors():
         integration.attention_forward(module, q, q, q, None, head_mask=torch.zeros(2, device=DEVICE))
 
 
+def _masked_attention(q, k, v, mask):
+    """fp64 attention of one query per sequence over the keys mask keeps: q (batch, heads, 1, d), k and v (batch, kv
+    heads, keys, d) -> (batch, 1, heads, d)."""
+    rows = []
+    for b in range(q.shape[0]):
+        keep = mask[b].bool()
+        ks, vs = (t[b][:, keep].double().repeat_interleave(q.shape[1] // k.shape[1], 0) for t in (k, v))
+        p = torch.softmax(q[b].double() @ ks.transpose(1, 2) / q.shape[-1] ** 0.5, -1)
+        rows.append((p @ vs).transpose(0, 1))
+    return torch.stack(rows)
+
+
+def test_decode_step_over_padding_masks(monkeypatch):
+    """A decoding query over a padding mask, three layers of one step: a left-padded mask (generate()'s) reads the
+    cache in place (flash_attn_with_kvcache from each sequence's padding on, no gather of K and V), the padding found
+    once for the mask, not per layer; a mask with a hole takes the varlen path, its rows found once too; a mask
+    changed in place is looked at again. Each equals the attention over the kept keys."""
+    batch, keys, d = 3, 19, 16
+    q = torch.randn(batch, HEADS, 1, d, device=DEVICE)
+    k, v = (torch.randn(batch, 2, keys, d, device=DEVICE) for _ in range(2))
+    left = torch.ones(batch, keys, dtype=torch.long, device=DEVICE)
+    left[0, :5] = 0
+    left[2, :11] = 0
+    holed = left.clone()
+    holed[1, 7] = 0
+    module = torch.nn.Module()
+    seen = []
+    for name in ("flash_attn_with_kvcache", "flash_attn_varlen_func", "_left_pads", "_rows"):
+        fn = getattr(integration, name)
+        monkeypatch.setattr(integration, name, lambda *a, _fn=fn, _name=name, **kw: seen.append(_name) or _fn(*a, **kw))
+    for mask, path in ((left, "flash_attn_with_kvcache"), (holed, "flash_attn_varlen_func")):
+        seen.clear()
+        for _ in range(3):
+            out, _ = integration.attention_forward(module, q, k, v, mask)
+            torch.testing.assert_close(out.double(), _masked_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
+        found = ["_left_pads"] + (["_rows"] if path == "flash_attn_varlen_func" else [])
+        assert seen == found + [path] * 3, seen
+    holed[1, 7] = 1  # in place: the same tensor, a new version, left padding now
+    seen.clear()
+    out, _ = integration.attention_forward(module, q, k, v, holed)
+    assert seen == ["_left_pads", "flash_attn_with_kvcache"], seen
+    torch.testing.assert_close(out.double(), _masked_attention(q, k, v, holed), rtol=1e-4, atol=1e-4)
+
+
 def tiny_gpt_oss(attn):
     """gpt-oss from a config: attention sinks (s_aux), sliding-window layers alternating with full ones, GQA; the
     sinks drawn large enough to matter (the config's initialization leaves them near 0)."""

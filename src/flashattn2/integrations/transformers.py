@@ -16,10 +16,13 @@ dim of its own (DeepSeek-V3's 192/128) runs as it is, without padding v.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from ..bert_padding import index_first_axis, pad_input, unpad_input
+from ..bert_padding import index_first_axis, pad_input
 from ..errors import ArgumentError
 
 NAME = "flashattn2"
@@ -109,20 +112,69 @@ def attention_forward(
         )
     # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
     k, v = k[:, : keep.shape[1]], v[:, : keep.shape[1]]
-    k_unpad, k_indices, cu_k, max_k, _ = unpad_input(k, keep)
+    found = _found(attention_mask)
+    if seqlen_q == 1 and not dropout and not torch.compiler.is_compiling():
+        # decoding over a left-padded batch (generate()'s): each sequence's keys run from its padding to the mask's
+        # end, so one kernel reads the cache where it stands: no gather of K and V, no host read per layer
+        if "pads" not in found:
+            found["pads"] = _left_pads(keep)
+        if found["pads"] is not None:
+            del options["dropout_p"]
+            out = flash_attn_with_kvcache(q, k, v, cache_seqlens=keep.shape[1], cache_leftpad=found["pads"], **options)
+            return out, None
+    if "keys" not in found:
+        found["keys"] = _rows(keep)
+    k_indices, cu_k, max_k = found["keys"]
+    k_unpad = index_first_axis(k.reshape(-1, *k.shape[2:]), k_indices)
     v_unpad = index_first_axis(v.reshape(-1, *v.shape[2:]), k_indices)  # the same rows: no second mask pass
     if seqlen_q == 1:  # decoding: every sequence's one query (a static cache's mask ends in free slots)
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         out = flash_attn_varlen_func(q[:, 0], k_unpad, v_unpad, cu_q, cu_k, 1, max_k, **options)
         return out.unsqueeze(1), None
     # the queries are the last seqlen_q positions of the keys (prefill, chunked prefill)
-    if seqlen_q == keep.shape[1]:  # prefill: the keys' rows (one host sync per layer, not two)
+    if seqlen_q == keep.shape[1]:  # prefill: the keys' rows
         q_indices, cu_q, max_q = k_indices, cu_k, max_k
-        q_unpad = index_first_axis(q.reshape(-1, *q.shape[2:]), q_indices)
     else:
-        q_unpad, q_indices, cu_q, max_q, _ = unpad_input(q, keep[:, -seqlen_q:])
+        if ("queries", seqlen_q) not in found:
+            found["queries", seqlen_q] = _rows(keep[:, -seqlen_q:])
+        q_indices, cu_q, max_q = found["queries", seqlen_q]
+    q_unpad = index_first_axis(q.reshape(-1, *q.shape[2:]), q_indices)
     out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **options)
     return pad_input(out, q_indices, batch, seqlen_q), None
+
+
+# What this thread last derived from a padding mask: every layer of a forward gets the same mask tensor, so its rows
+# (host reads: nonzero's size, the longest sequence) are found by the first layer and reused by the others.
+_LAST_MASK = threading.local()
+
+
+def _found(mask: torch.Tensor) -> dict:
+    """The dict of what has been derived from mask, unchanged since (its version), by this thread; a new one for
+    another mask. While torch.compile traces: an empty dict each call (the graph holds no Python state)."""
+    if torch.compiler.is_compiling():
+        return {}
+    last = getattr(_LAST_MASK, "slot", None)
+    if last is not None and last[0]() is mask and last[1] == mask._version:
+        return last[2]
+    found = {}
+    _LAST_MASK.slot = (weakref.ref(mask), mask._version, found)
+    return found
+
+
+def _rows(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(indices, cu_seqlens, max_seqlen) of the kept positions of keep (batch, seqlen), as unpad_input's."""
+    seqlens = keep.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(keep.flatten()).flatten()
+    cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    return indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0
+
+
+def _left_pads(keep: torch.Tensor) -> torch.Tensor | None:
+    """Each sequence's padding, int32 (batch,), where every row of keep is padding then tokens (left padding, as
+    generate() pads); else None. One host read."""
+    pads = keep.shape[1] - keep.sum(1, dtype=torch.int32)
+    tokens = torch.arange(keep.shape[1], device=keep.device) >= pads[:, None]
+    return pads if torch.equal(tokens, keep) else None
 
 
 def _serve_flash_imports(flash_utils, name: str) -> None:
