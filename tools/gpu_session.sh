@@ -60,6 +60,7 @@
 #   profile-sass    where the d256 backward's warps stall, instruction by instruction (ncu SourceCounters, tools/ncu_sass.py)
 #   fp8-tests  the FP8 forward's and FP8 KV cache's tests on the device's own path (sm_90: QGMMA; the accuracy rule
 #              at 2k), SDPA on flashattn2 (its .quantized ops too) and their neighbours (signatures, errors, explain)
+#   fp8-race   compute-sanitizer racecheck and synccheck over the FP8 Gluon forward's calls with lengths of 1
 #   fp8        bench fp8: the FP8 forward's TFLOP/s beside our bf16 forward and cuDNN's, d64/128/256, causal both,
 #              1k-16k, 2 alternating rounds (the #46 goals: >= 1.0 PFLOP/s at d128/d256 non-causal 8k-16k, >= 1.3x bf16)
 #   fp8-decode bench decode over an FP8 cache beside the bf16 one (contiguous and paged-256), batch 1-64, 8k-64k keys,
@@ -125,6 +126,9 @@ for s in "$@"; do
       stage memcheck 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_owned_writes.py tests/test_nan.py tests/test_fp8.py tests/test_fp8_kvcache.py \
         "tests/test_kvcache.py::test_paged_call_past_its_pages_raises" -k "not long_cache" ${MEMCHECK_ARGS--x} ;;
+    fp8-race)  # the FP8 Gluon forward's smallest calls (lengths of 1) under racecheck and synccheck
+      stage fp8-race 200 bash -c "for tool in racecheck synccheck; do compute-sanitizer --tool \$tool --error-exitcode 9 \
+          python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k 'test_gluon_forward and ones' || exit; done" ;;
     fp8-tests)
       stage fp8-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kvcache.py \
         tests/test_sdpa.py tests/test_signatures.py tests/test_errors.py tests/test_explain.py ;;
