@@ -126,8 +126,14 @@ def _ring(layout: str, r: ParallelRequest):
     sharding = Sharding(comm.world, layout, comm.world * local, cu)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     window = calls.window_edges(window_size, int(max_seqlen) if varlen else comm.world * local)  # of the whole sequence
-    options = ring.RingOptions(scale, bool(r.causal), window, float(r.softcap), r.deterministic)
-    out, lse = ring.RingAttention.apply(q, k, v, comm, sharding, options)
+    options = ring.RingOptions(
+        softmax_scale=scale,
+        causal=bool(r.causal),
+        window=window,
+        softcap=float(r.softcap),
+        deterministic=r.deterministic,
+    )
+    out, lse = ring.RingAttention.apply(q, k, v, ring.Ring(comm=comm, sharding=sharding, options=options))
     return _result(comm, out, lse, r.return_attn_probs)
 
 

@@ -37,6 +37,15 @@ class RingOptions:
     deterministic: bool
 
 
+@dataclass(frozen=True)
+class Ring:
+    """One ring call: its ranks' communicator (comm.py), how the sequence is sharded over them, its options."""
+
+    comm: object
+    sharding: Sharding
+    options: RingOptions
+
+
 @functools.lru_cache(maxsize=1024)
 def _cu_on(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
@@ -69,9 +78,10 @@ def _block_forward(q, k, v, blk: Block, o: RingOptions, seq: int):
     return registry.forward(qb, kb, vb, _options(blk, o, q.device))
 
 
-def forward(comm, q, k, v, sharding: Sharding, o: RingOptions):
+def forward(ring: Ring, q, k, v):
     """q (ranks, batch, seqlen, nheads, d) or packed (ranks, total, nheads, d); k, v likewise with their heads.
     Returns (out in q's dtype, lse float32 (ranks, batch, nheads, seqlen) or (ranks, nheads, total))."""
+    comm, sharding, o = ring.comm, ring.sharding, ring.options
     seq = q.dim() - 4  # the sequence axis of one rank's tensor
     acc = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.empty((*q.shape[:-3], q.shape[-2], q.shape[-3]), dtype=torch.float32, device=q.device)
@@ -97,8 +107,9 @@ def forward(comm, q, k, v, sharding: Sharding, o: RingOptions):
     return acc.to(q.dtype), lse.masked_fill_(lse == float("-inf"), float("inf"))
 
 
-def backward(comm, dout, dlse, q, k, v, out, lse, sharding: Sharding, o: RingOptions):
+def backward(ring: Ring, dout, dlse, q, k, v, out, lse):
     """(dq, dk, dv) in the inputs' dtypes; dlse may be None."""
+    comm, sharding, o = ring.comm, ring.sharding, ring.options
     seq = q.dim() - 4
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_pending = None
@@ -141,10 +152,10 @@ def backward(comm, dout, dlse, q, k, v, out, lse, sharding: Sharding, o: RingOpt
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, sharding: Sharding, options: RingOptions):
-        out, lse = forward(comm, q, k, v, sharding, options)
+    def forward(ctx, q, k, v, ring: Ring):
+        out, lse = forward(ring, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.sharding, ctx.options = comm, sharding, options
+        ctx.ring = ring
         return out, lse
 
     @staticmethod
@@ -152,5 +163,5 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(ctx.comm, dout, dlse, q, k, v, out, lse, ctx.sharding, ctx.options)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = backward(ctx.ring, dout, dlse, q, k, v, out, lse)
+        return dq, dk, dv, None
