@@ -107,10 +107,10 @@ def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) 
     return S_DMASK_KEY_BLOCK
 
 
-def _options(q, batch, seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes):
-    """(dropout_p, scale, left, right, softcap) validated as the public API validates them; the window's edges by
-    flash_attn's rule (ops.call.window_edges: seqlen_k, or max_seqlen_k in varlen)."""
-    window = (window_size_left, window_size_right)
+def _options(q, batch, seqlen_k, dropout_p, softmax_scale, window, softcap, alibi_slopes):
+    """(dropout_p, scale, left, right, softcap) validated as the public API validates them; the window
+    (window_size_left, window_size_right)'s edges by flash_attn's rule (ops.call.window_edges: seqlen_k, or
+    max_seqlen_k in varlen)."""
     checks.check_options(dropout_p, softmax_scale, window, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
@@ -231,14 +231,17 @@ def _flash_attn_forward(
     _half_only(q)
     if torch.compiler.is_compiling():  # validated as below, then the op
         checks.check_qkv(q, k, v, varlen=False)
+        window = (window_size_left, window_size_right)
         dropout_p, scale, left, right, softcap = _options(
-            q, q.shape[0], k.shape[1], dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-            alibi_slopes,
-        )  # fmt: skip
+            q, q.shape[0], k.shape[1], dropout_p, softmax_scale, window, softcap, alibi_slopes
+        )
         _check_return_softmax(return_softmax, dropout_p)
         rng_state = _new_rng_state(q, dropout_p)
         seed = _seed(rng_state, q, dropout_p)
-        options = Options(None, None, 0, 0, dropout_p, seed, scale, bool(causal), left, right, softcap)
+        options = Options(
+            dropout_p=dropout_p, seed=seed, softmax_scale=scale, causal=bool(causal), window_left=left,
+            window_right=right, softcap=softcap,
+        )  # fmt: skip
         out, lse = registry.forward(q, k, v, options, alibi_slopes)
         return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
     # the prepared call of these arguments (ops.call: validated once per spec)
@@ -332,15 +335,17 @@ def _flash_attn_varlen_forward(
         return _varlen_paged_forward(r, zero_tensors)
     checks.check_qkv(q, k, v, varlen=True)
     cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    window = (window_size_left, window_size_right)
     dropout_p, scale, left, right, softcap = _options(
-        q, cu_q.shape[0] - 1, max_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-        alibi_slopes,
-    )  # fmt: skip
+        q, cu_q.shape[0] - 1, max_k, dropout_p, softmax_scale, window, softcap, alibi_slopes
+    )
     _check_return_softmax(return_softmax, dropout_p)
     rng_state = _new_rng_state(q, dropout_p)
     options = Options(
-        cu_q, cu_k, max_q, max_k, dropout_p, _seed(rng_state, q, dropout_p), scale, bool(causal), left, right, softcap
-    )
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=dropout_p,
+        seed=_seed(rng_state, q, dropout_p), softmax_scale=scale, causal=bool(causal), window_left=left,
+        window_right=right, softcap=softcap,
+    )  # fmt: skip
     out, lse = registry.forward(q, k, v, options, alibi_slopes)
     verify()
     if zero_tensors:
@@ -433,12 +438,16 @@ def _flash_attn_backward(
     checks.check_qkv(q, k, v, varlen=False)
     batch, seqlen_q, nheads, _ = q.shape
     _check_backward_inputs(dout, out, softmax_lse, q, v, (batch, nheads, seqlen_q))
+    window = (window_size_left, window_size_right)
     dropout_p, scale, left, right, softcap = _options(
-        q, batch, k.shape[1], dropout_p, softmax_scale, window_size_left, window_size_right, softcap, alibi_slopes
+        q, batch, k.shape[1], dropout_p, softmax_scale, window, softcap, alibi_slopes
     )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
-    options = Options(None, None, 0, 0, dropout_p, seed, scale, bool(causal), left, right, softcap)
+    options = Options(
+        dropout_p=dropout_p, seed=seed, softmax_scale=scale, causal=bool(causal), window_left=left, window_right=right,
+        softcap=softcap,
+    )  # fmt: skip
     # the batch-invariant mode's backward is the deterministic one
     deterministic = bool(deterministic) or registry.invariant()
     tensors = BackwardTensors(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, alibi=alibi_slopes)
@@ -479,13 +488,16 @@ def _flash_attn_varlen_backward(
     checks.check_qkv(q, k, v, varlen=True)
     _check_backward_inputs(dout, out, softmax_lse, q, v, (q.shape[1], q.shape[0]))
     cu_q, cu_k, max_q, max_k, verify = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    window = (window_size_left, window_size_right)
     dropout_p, scale, left, right, softcap = _options(
-        q, cu_q.shape[0] - 1, max_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-        alibi_slopes,
-    )  # fmt: skip
+        q, cu_q.shape[0] - 1, max_k, dropout_p, softmax_scale, window, softcap, alibi_slopes
+    )
     seed = _seed(rng_state, q, dropout_p)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
-    options = Options(cu_q, cu_k, max_q, max_k, dropout_p, seed, scale, bool(causal), left, right, softcap)
+    options = Options(
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=dropout_p, seed=seed,
+        softmax_scale=scale, causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
+    )  # fmt: skip
     # the batch-invariant mode's backward is the deterministic one
     deterministic = bool(deterministic) or registry.invariant()
     tensors = BackwardTensors(dout, q, k, v, out, softmax_lse, None, dq, dk, dv, alibi=alibi_slopes)
