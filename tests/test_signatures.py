@@ -1,19 +1,148 @@
-"""The public callables of modules.mha, layers.rotary and bert_padding take flash_attn 2.8's
-parameters: the same names in the same order with the same defaults, so a positional call written
-for flash_attn lands in the same slots. flashattn2's own additions may only follow, keyword-only.
+"""The public callables of modules.mha, layers.rotary and bert_padding, and flash_attn_interface's private
+functions, take flash_attn 2.8's parameters: the same names in the same order with the same defaults, so a
+positional call written for flash_attn lands in the same slots. flashattn2's own additions may only follow,
+keyword-only. flash_attn_interface names everything flash_attn's module does.
 
 The expected signatures are literal data copied from flash_attn 2.8.3's source
-(flash_attn/modules/mha.py, flash_attn/layers/rotary.py, flash_attn/bert_padding.py)."""
+(flash_attn/modules/mha.py, flash_attn/layers/rotary.py, flash_attn/bert_padding.py,
+flash_attn/flash_attn_interface.py)."""
 
 import inspect
 
 import pytest
 
+import flashattn2
 from flashattn2 import bert_padding
+from flashattn2 import flash_attn_interface as fai
 from flashattn2.layers import rotary
 from flashattn2.modules import mha
 
 EMPTY = inspect.Parameter.empty
+# flash_attn 2.8's parameters (flash_attn/flash_attn_interface.py), in order, with their defaults; the varlen
+# forward's trailing num_splits is in ../shared/FLASH_ATTN_API.md's signature, not in 2.8.3's (accepted, a speed knob)
+PRIVATE_2_8 = {
+    "_flash_attn_forward": (
+        [
+            "q",
+            "k",
+            "v",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "return_softmax",
+        ],
+        {},
+    ),
+    "_flash_attn_varlen_forward": (
+        [
+            "q",
+            "k",
+            "v",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "max_seqlen_q",
+            "max_seqlen_k",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "return_softmax",
+            "block_table",
+            "leftpad_k",
+            "seqused_k",
+            "zero_tensors",
+            "num_splits",
+        ],
+        dict(
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,
+            leftpad_k=None,
+            seqused_k=None,
+            zero_tensors=False,
+            num_splits=0,
+        ),
+    ),
+    "_flash_attn_backward": (
+        [
+            "dout",
+            "q",
+            "k",
+            "v",
+            "out",
+            "softmax_lse",
+            "dq",
+            "dk",
+            "dv",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+        ],
+        dict(rng_state=None),
+    ),
+    "_flash_attn_varlen_backward": (
+        [
+            "dout",
+            "q",
+            "k",
+            "v",
+            "out",
+            "softmax_lse",
+            "dq",
+            "dk",
+            "dv",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "max_seqlen_q",
+            "max_seqlen_k",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+            "zero_tensors",
+        ],
+        dict(rng_state=None, zero_tensors=False),
+    ),
+}
+PUBLIC = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+CLASSES = [
+    "FlashAttnFunc",
+    "FlashAttnQKVPackedFunc",
+    "FlashAttnKVPackedFunc",
+    "FlashAttnVarlenFunc",
+    "FlashAttnVarlenQKVPackedFunc",
+    "FlashAttnVarlenKVPackedFunc",
+]
+
 MHA_INIT = [
     "self",
     "embed_dim",
@@ -302,3 +431,20 @@ def test_aliases_as_in_flash_attn():
     assert bert_padding.index_first_axis == bert_padding.IndexFirstAxis.apply
     assert bert_padding.index_put_first_axis == bert_padding.IndexPutFirstAxis.apply
     assert bert_padding.index_first_axis_residual == bert_padding.IndexFirstAxisResidual.apply
+
+
+@pytest.mark.parametrize("name", PUBLIC + CLASSES + list(PRIVATE_2_8))
+def test_every_name_imports(name):
+    assert hasattr(fai, name) and name in fai.__all__
+    if name in PUBLIC:
+        assert getattr(fai, name) is getattr(flashattn2, name)
+
+
+@pytest.mark.parametrize("name", list(PRIVATE_2_8))
+def test_private_signatures_are_flash_attn_2_8s(name):
+    names, defaults = PRIVATE_2_8[name]
+    params = inspect.signature(getattr(fai, name)).parameters
+    assert list(params) == names
+    assert {n: p.default for n, p in params.items() if p.default is not EMPTY} == defaults
+    # ring-flash-attention's get_default_args reads them this way
+    assert inspect.isfunction(getattr(fai, name)) and inspect.getfullargspec(getattr(fai, name)).args == names
