@@ -115,17 +115,17 @@ for s in "$@"; do
         -k "$NEW_TESTS" ;;
     turn-tests)
       stage turn-tests 420 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_threads.py tests/test_launch.py \
-        tests/test_owned_writes.py tests/test_nan.py tests/test_fuzz.py tests/test_kvcache.py tests/test_mha.py \
+        tests/test_owned_writes.py tests/test_nan.py tests/test_fuzz.py tests/test_kvcache.py tests/test_kvcache_errors.py tests/test_mha.py \
         tests/test_flash_attn_interface.py tests/test_features.py tests/test_transformers.py \
         tests/test_attention.py::test_host_descriptor_rule ;;
     smoke)
       stage smoke 180 python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" tests/test_attention.py \
-        tests/test_fp8.py tests/test_kvcache.py tests/test_sinks.py tests/test_flash_attn_interface.py \
+        tests/test_fp8.py tests/test_kvcache.py tests/test_kvcache_errors.py tests/test_sinks.py tests/test_flash_attn_interface.py \
         tests/test_sdpa.py tests/test_references.py -k "not many_heads" ;;
     memcheck)
       stage memcheck 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_owned_writes.py tests/test_nan.py tests/test_fp8.py tests/test_fp8_kvcache.py \
-        "tests/test_kvcache.py::test_paged_call_past_its_pages_raises" -k "not long_cache" ${MEMCHECK_ARGS--x} ;;
+        "tests/test_kvcache_errors.py::test_paged_call_past_its_pages_raises" -k "not long_cache" ${MEMCHECK_ARGS--x} ;;
     fp8-race)  # the FP8 Gluon forward's smallest calls (lengths of 1) under racecheck and synccheck
       stage fp8-race 200 bash -c "for tool in racecheck synccheck; do compute-sanitizer --tool \$tool --error-exitcode 9 \
           python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k 'test_gluon_forward and ones' || exit; done" ;;
@@ -173,7 +173,7 @@ for s in "$@"; do
           --setting default --setting fwd_hopper_persist=64x128w8s2 --dtypes fp16,bf16 --headdims 128 \
           --seqlens 512,1024,2048,4096 --causal 1" ;;
     serve-tests)
-      stage serve-tests 400 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_no_sync.py tests/test_kvcache.py \
+      stage serve-tests 400 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_no_sync.py tests/test_kvcache.py tests/test_kvcache_errors.py \
         tests/test_transformers.py tests/test_batch_invariant.py tests/test_varlen.py tests/test_launch.py ;;
     parallel-tests)
       stage parallel-tests 300 python3 -m pytest -n 8 -q -p no:cacheprovider tests/test_parallel.py tests/test_layout.py ;;
