@@ -319,10 +319,19 @@ def test_registry_round_trip():
             attention.activate_flash_attention_impl(previous)
 
 
+def start_cuda() -> None:
+    """CUDA started in this process where there is one (an xdist worker may not have used it yet), so that activation
+    orders the backends at once rather than at CUDA's lazy start."""
+    if torch.cuda.is_available():
+        torch.cuda.init()
+
+
 def test_activation_puts_flash_first_and_restores_the_order():
     """Activating flashattn2 (torch's activate_flash_attention_impl, or flashattn2.sdpa()) puts SDPA's flash backend
     first in torch's priority order -- torch tries cuDNN's first on Hopper, so a plain scaled_dot_product_attention
-    call would not reach flashattn2 -- and restoring puts the order back as it was."""
+    call would not reach flashattn2 -- and restoring puts the order back as it was. CUDA started first where there is
+    one (activation before CUDA's start defers the order to it: test_activation_before_cuda_starts_puts_flash_first_when_it_does)."""
+    start_cuda()
     attention = S.torch_attention()
     flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
     previous = attention.current_flash_attention_impl()
@@ -356,6 +365,7 @@ def test_flash_stays_first_past_torchs_first_backend_choice(monkeypatch):
     choice, over any order set before: activation makes that choice before it puts flash first, so that the first
     scaled_dot_product_attention call in the scope keeps flash first. torch's lazy default emulated here (the GPU's
     case: test_a_fresh_process_reaches_flashattn2_kernels)."""
+    start_cuda()
     flash, cudnn = int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
     original = list(torch._C._get_sdp_priority_order())
     chosen = []

@@ -215,6 +215,47 @@ def test_gpu_session_rejects_an_unknown_stage(tmp_path):
     assert "results recorded as git abc" in run.stdout
 
 
+def _smoke_selection():
+    """gpu_session.sh's smoke stage: its -k expression (SMOKE_TESTS, as bash builds it) and its test files."""
+    script = TOOLS / "gpu_session.sh"
+    text = script.read_text()
+    lines = "\n".join(line for line in text.splitlines() if line.startswith("SMOKE_TESTS="))
+    run = subprocess.run(
+        ["bash", "-c", lines + '\nprintf %s "$SMOKE_TESTS"'], capture_output=True, text=True, timeout=60
+    )
+    stage = re.search(r"^\s*smoke\)(.*?);;", text, re.S | re.M).group(1)
+    return run.stdout, re.findall(r"tests/\w+\.py", stage)
+
+
+def test_gpu_smoke_selects_every_family():
+    """The smoke stage's selection collects (a renamed test would drop its family from every GPU session's first
+    check unseen): each of its -k terms selects at least one test of its files, and the whole about 140."""
+    from _pytest.mark.expression import Expression
+
+    expression, files = _smoke_selection()
+    assert expression and len(files) >= 6
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    run = subprocess.run(collect, capture_output=True, text=True, env=_env(**_interpreter()), cwd=ROOT, timeout=300)
+    ids = [line for line in run.stdout.splitlines() if "::" in line]
+    assert run.returncode == 0 and ids, run.stdout[-3000:] + run.stderr[-3000:]
+
+    def selects(term, node):  # pytest's -k: a name matches a substring of the node's names, case-insensitively
+        names = [pathlib.Path(node.split("::")[0]).stem, *node.split("::")[1:]]
+        return Expression.compile(term).evaluate(lambda name: any(name.lower() in n.lower() for n in names))
+
+    terms = [t.strip() for t in re.split(r"\s+or\s+(?![^(]*\))", expression)]
+    assert len(terms) >= 10
+    for term in terms:
+        assert any(selects(term, node) for node in ids), f"smoke's -k term {term!r} selects no test"
+    chosen = [node for node in ids if selects(expression, node)]
+    assert 80 <= len(chosen) <= 250, len(chosen)
+
+
+def _interpreter():
+    """TRITON_INTERPRET as this process has it (collection imports the kernels' modules either way)."""
+    return {"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"]} if "TRITON_INTERPRET" in os.environ else {}
+
+
 def test_fuzz_runs_for_its_time_and_replays_a_case():
     """tools/fuzz.py on the CPU (a process of its own with the interpreter on and no GPU visible, so that it runs
     alike on a GPU machine, where this process imported triton without the interpreter): a run of under a second
