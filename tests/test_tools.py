@@ -229,7 +229,7 @@ def _smoke_selection():
 
 def test_gpu_smoke_selects_every_family():
     """The smoke stage's selection collects (a renamed test would drop its family from every GPU session's first
-    check unseen): each of its -k terms selects at least one test of its files, and the whole about 140."""
+    check unseen): each of its -k terms selects at least one test of its files."""
     from _pytest.mark.expression import Expression
 
     expression, files = _smoke_selection()
@@ -248,7 +248,7 @@ def test_gpu_smoke_selects_every_family():
     for term in terms:
         assert any(selects(term, node) for node in ids), f"smoke's -k term {term!r} selects no test"
     chosen = [node for node in ids if selects(expression, node)]
-    assert 80 <= len(chosen) <= 250, len(chosen)
+    assert len(chosen) >= 80, len(chosen)  # (140 on the CPU; a GPU's parameters make it 634, 127 s on a fresh H100)
 
 
 def _interpreter():
