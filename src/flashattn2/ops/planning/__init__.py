@@ -21,7 +21,19 @@ from __future__ import annotations
 import torch
 
 from .. import spec as specs
-from ..modes import ARCHS, Forced, arch_of, entered, force, forced, native_arch, wgmma  # noqa: F401  (the API of plans)
+from ..modes import (  # noqa: F401  (the API of plans)
+    ARCHS,
+    KERNELS,
+    Forced,
+    TileConfig,
+    arch_of,
+    entered,
+    force,
+    forced,
+    native_arch,
+    parse_tile,
+    wgmma,
+)
 from ..tables import (  # noqa: F401  (TABLE and its types are read through this module)
     DECODE_ROWS,
     GLUON_FP8_HEAD_DIMS,
@@ -32,7 +44,6 @@ from ..tables import (  # noqa: F401  (TABLE and its types are read through this
     INVARIANT_SPLIT_KEYS,
     INVARIANT_SPLIT_KEYS_INTERP,
     INTERP,
-    KERNELS,
     L2_GROUP_BYTES,
     MANY_PROGRAMS,
     MAX_SPLITS,
@@ -41,8 +52,6 @@ from ..tables import (  # noqa: F401  (TABLE and its types are read through this
     UNSUPPORTED,
     DecodeRow,
     Row,
-    TileConfig,
-    parse_tile,
 )
 from ...kernels.constexprs import FP8_PATHS
 from .common import Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401
