@@ -16,7 +16,7 @@ import torch
 
 from .errors import ArgumentError
 from .ops import call as calls
-from .ops import checks
+from .ops import cache_checks, checks
 from .ops.kvcache import Check
 from .ops import request
 from .ops.layout import ForwardTensors
@@ -380,7 +380,7 @@ def _varlen_paged(r: AttentionRequest):
     if grad or torch.compiler.is_compiling():  # the custom op: torch.compile's path; autograd's (its backward raises)
         checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
         checks.check_sink(learnable_sink, q)
-        max_q, max_k = checks.check_varlen_paged(r)
+        max_q, max_k = cache_checks.check_varlen_paged(r)
         left, right = (int(w) for w in r.window_size)
         scale = float(q.shape[-1] ** -0.5 if r.softmax_scale is None else r.softmax_scale)
         out, lse = _fwd_varlen_paged_op(
@@ -390,7 +390,7 @@ def _varlen_paged(r: AttentionRequest):
     else:
         call = calls.paged(r)
         spec = call.spec
-        cu_q = checks.paged_sequences(
+        cu_q = cache_checks.paged_sequences(
             q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
         )
         out, lse = paged_forward(call, r, cu_q)
@@ -554,7 +554,7 @@ def flash_attn_with_kvcache(
     call = calls.kvcache(r)
     if isinstance(cache_seqlens, torch.Tensor):
         if block_table is not None and not checks.value_checks():  # (with them, the kernels' check says more)
-            checks.check_block_table_capacity(cache_seqlens, call.capacity, 0 if k is None else k.shape[1])
+            cache_checks.check_block_table_capacity(cache_seqlens, call.capacity, 0 if k is None else k.shape[1])
     else:  # an int is checked here (no device read); the tensors' values by the kernels
         call.seqlen(cache_seqlens, rotary_cos)
         if cache_batch_idx is None and cache_leftpad is None and block_table is None:
@@ -565,7 +565,7 @@ def flash_attn_with_kvcache(
         return (out, lse) if return_softmax_lse else out
     check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
     if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
-        checks.check_kvcache_values(r, call.q_positions)  # no kernel will run to check them
+        cache_checks.check_kvcache_values(r, call.q_positions)  # no kernel will run to check them
         check = None
     if check is None:
         out, lse = kvcache_forward(call, r)
@@ -578,7 +578,7 @@ def flash_attn_with_kvcache(
         raise
     if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
-        checks.check_kvcache_values(r, call.q_positions)  # raises with the details
+        cache_checks.check_kvcache_values(r, call.q_positions)  # raises with the details
         raise ArgumentError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
 
@@ -586,7 +586,7 @@ def flash_attn_with_kvcache(
 def _traced_kvcache(r: KVCacheRequest):
     """While torch.compile traces: validated, then the op (flashattn2::fwd_kvcache), which declares that it writes
     k_cache and v_cache."""
-    checks.check_kvcache(r)
+    cache_checks.check_kvcache(r)
     checks.check_sink(r.learnable_sink, r.q)
     checks.check_options(0.0, r.softmax_scale, r.window_size, r.softcap)
     return registry_fwd_kvcache(*request.op_args(r))

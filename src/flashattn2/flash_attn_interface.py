@@ -62,7 +62,7 @@ from .functions import (
     FlashAttnVarlenKVPackedFunc,
     FlashAttnVarlenQKVPackedFunc,
 )
-from .ops import _runtime, checks, registry
+from .ops import _runtime, cache_checks, checks, registry
 from .ops import call as calls
 from .ops.layout import BackwardTensors, ForwardTensors
 from .ops.options import Options
@@ -379,7 +379,7 @@ def _varlen_paged_forward(r: AttentionRequest, zero_tensors: bool):
     q, cu_seqlens_k, block_table = r.q, r.cu_seqlens_k, r.block_table
     call = calls.paged(r)
     spec = call.spec
-    cu_seqlens_q = checks.paged_sequences(
+    cu_seqlens_q = cache_checks.paged_sequences(
         q, r.k, r.cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
     )
     out, lse = registry.paged_forward(call, r, cu_seqlens_q)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from . import checks, planning
+from . import cache_checks, checks, planning
 from . import spec as specs
 from .layout import Layout
 from .options import Options
@@ -289,7 +289,7 @@ class KVCacheCall:
         """An int (or absent) cache_seqlens checked against the capacity and the rotary table: the int the kernels
         take (None: the whole cache)."""
         seqlen = self.capacity if cache_seqlens is None else cache_seqlens
-        checks.check_kvcache_seqlen(
+        cache_checks.check_kvcache_seqlen(
             seqlen, self.capacity, self.seqlen_new, rotary_cos, self.q_positions, self.spec.block_table is not None
         )
         return seqlen
@@ -304,7 +304,7 @@ def kvcache(request) -> KVCacheCall:
         spec = found = None
     if found is not None:
         return found
-    checks.check_kvcache(request)
+    cache_checks.check_kvcache(request)
     r = request
     checks.check_sink(r.learnable_sink, r.q)
     checks.check_options(0.0, r.softmax_scale, r.window_size, r.softcap)
@@ -349,7 +349,7 @@ def paged(r) -> PagedCall:
         return found
     checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
     checks.check_sink(r.learnable_sink, r.q)
-    max_q, max_k = checks.check_varlen_paged(r)
+    max_q, max_k = cache_checks.check_varlen_paged(r)
     canonical = specs.paged(
         r._replace(
             max_seqlen_q=max_q,

@@ -446,7 +446,7 @@ def _(q, k_cache, v_cache, *_):
 def paged_forward(call, r: request.AttentionRequest, cu_seqlens_q):
     """The body of flashattn2::fwd_varlen_paged: varlen q over a paged K/V (r.k and r.v the caches, r.block_table),
     as the prepared call (ops.call.PagedCall) planned; sequence b's keys are its first cu_seqlens_k[b + 1] -
-    cu_seqlens_k[b] positions through block_table[b]. cu_seqlens_q: r's as checks.paged_sequences returned it.
+    cu_seqlens_k[b] positions through block_table[b]. cu_seqlens_q: r's as cache_checks.paged_sequences returned it.
     (out, lse (nheads, total_q))."""
     q, cu_seqlens_k, block_table = r.q, r.cu_seqlens_k, r.block_table
     decode = call.decode
