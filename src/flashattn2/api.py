@@ -15,19 +15,19 @@ import threading
 import torch
 
 from .errors import ArgumentError
-from .ops import call as calls
-from .ops import cache_checks, checks
-from .ops.kvcache import Check
-from .ops import request
-from .ops.layout import ForwardTensors
-from .ops.options import Options
-from .ops.request import AttentionRequest, KVCacheRequest
-from .ops.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
-from .ops.registry import fwd_kvcache as registry_fwd_kvcache
-from .ops.registry import dropout_probs as _dropout_probs_op
-from .ops.registry import forward as _forward
-from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
-from .ops.registry import run as _run
+from .ops.run import call as calls
+from .ops.request import cache_checks, checks
+from .ops.launch.kvcache import Check
+from .ops.request import request
+from .ops.launch.layout import ForwardTensors
+from .ops.request.options import Options
+from .ops.request.request import AttentionRequest, KVCacheRequest
+from .ops.run.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
+from .ops.run.registry import fwd_kvcache as registry_fwd_kvcache
+from .ops.run.registry import dropout_probs as _dropout_probs_op
+from .ops.run.registry import forward as _forward
+from .ops.run.registry import fwd_varlen_paged as _fwd_varlen_paged_op
+from .ops.run.registry import run as _run
 
 
 _new = tuple.__new__  # a request (tests/test_request.py) or the forward's tensors in their fields' order
@@ -78,7 +78,8 @@ def _result(r: AttentionRequest, out, lse, call=None, cu=(None, None), seed=None
 
 def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
     """q, k, v (and the packed tensor they view) as the kernels take them: the last dimension contiguous and no
-    broadcast dimension (ops.registry.for_kernels; a copy where not, through which autograd carries the gradient)."""
+    broadcast dimension (ops.run.registry.for_kernels; a copy where not, through which autograd carries the
+    gradient)."""
     if packing is None:
         try:
             return for_kernels(q), for_kernels(k), for_kernels(v), None
@@ -96,7 +97,7 @@ def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
 
 def _ready_call(r: AttentionRequest, packing: str | None):
     """The prepared call of a request's unpacked q, k, v as given, which proves them as the kernels take them
-    (ops.call.NotReady); None where they are packed or must be made so first (_for_kernels)."""
+    (ops.run.call.NotReady); None where they are packed or must be made so first (_for_kernels)."""
     if packing is not None:
         return None
     try:
@@ -593,7 +594,7 @@ def _traced_kvcache(r: KVCacheRequest):
 
 
 def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
-    """The device-side check of the cache tensors' values (ops.kvcache.Check), or None while
+    """The device-side check of the cache tensors' values (ops.launch.kvcache.Check), or None while
     torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
     kernels then only clamp the values into range."""
     # is_compiling first (host_reads_allowed's): Dynamo would otherwise guard on the switch and recompile when it flips

@@ -8,11 +8,11 @@ from typing import NamedTuple
 
 import torch
 
-from .. import spec as specs
-from ..checks import compute_dtype
-from ..geometry import block_d
-from ..modes import Forced, TileConfig
-from ..tables import GLUON_KERNELS, TABLE
+from ..request import spec as specs
+from ..request.checks import compute_dtype
+from .geometry import block_d
+from ..request.modes import Forced, TileConfig
+from .tables import GLUON_KERNELS, TABLE
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 

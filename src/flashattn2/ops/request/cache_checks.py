@@ -1,12 +1,12 @@
 """The KV-cache arguments' checks: flash_attn_with_kvcache's (shapes, dtypes, devices, FP8 rules, the values that
 live on the device) and the paged prefill's (flash_attn_varlen_func with block_table). Every error names the argument;
-the checks every entry point shares are ops.checks'."""
+the checks every entry point shares are ops.request.checks'."""
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError, ArgumentTypeError
 from .checks import (
     E4M3,
     _check_cu_values,
@@ -29,9 +29,9 @@ MAX_HEAD_DIM_KVCACHE = 576
 
 
 def check_kvcache(r) -> None:
-    """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments (ops.request.KVCacheRequest); the values that
-    live on the device (cache_seqlens, block_table, ...) are checked by the kernels (ops.kvcache.Check). The
-    descales: FP8's (check_kvcache_fp8)."""
+    """Shapes, dtypes and devices of flash_attn_with_kvcache's arguments (ops.request.request.KVCacheRequest); the
+    values that live on the device (cache_seqlens, block_table, ...) are checked by the kernels
+    (ops.launch.kvcache.Check). The descales: FP8's (check_kvcache_fp8)."""
     q, k_cache, v_cache, k, v, cache_seqlens, block_table = (
         r.q, r.k_cache, r.v_cache, r.k, r.v, r.cache_seqlens, r.block_table
     )  # fmt: skip
@@ -214,7 +214,7 @@ def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqle
 
 
 def check_kvcache_values(r, q_positions: int = 1) -> None:
-    """The checks that read device values of a KV-cache request (ops.request.KVCacheRequest), in one host sync:
+    """The checks that read device values of a KV-cache request (ops.request.request.KVCacheRequest), in one host sync:
     appends stay inside the cache, the pages a sequence uses exist, left padding and batch indices are in range,
     rotary tables cover every position (the new keys', and q_positions queries from cache_seqlens on). The KV-cache
     call runs it for its message once the kernels' own check found a bad value. Skipped while torch.compile traces
@@ -277,8 +277,8 @@ def _to_host(*tensors):
 
 
 def check_varlen_paged(r) -> tuple[int, int]:
-    """flash_attn_varlen_func with block_table (paged K/V, forward only; ops.request.AttentionRequest): shapes, dtypes
-    and devices; returns (max_seqlen_q, max_seqlen_k) as ints. The values: paged_sequences, per call."""
+    """flash_attn_varlen_func with block_table (paged K/V, forward only; ops.request.request.AttentionRequest): shapes,
+    dtypes and devices; returns (max_seqlen_q, max_seqlen_k) as ints. The values: paged_sequences, per call."""
     q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table = (
         r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.block_table
     )  # fmt: skip

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import seqlens
+from ..request import seqlens
 
 
 def cdiv(a: int, b: int) -> int:

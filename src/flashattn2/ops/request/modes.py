@@ -1,7 +1,7 @@
 """What a call runs under, beside its arguments: planning.force()'s state (a context variable: each thread and task
-its own) and the device's architecture as the plan table names it. Both enter every call's spec (ops.spec.Modes).
-The names force() and the plan table share live here: the architectures (ARCHS), the kernels (KERNELS), a tile
-(TileConfig).
+its own) and the device's architecture as the plan table names it. Both enter every call's spec
+(ops.request.spec.Modes). The names force() and the plan table share live here: the architectures (ARCHS), the kernels
+(KERNELS), a tile (TileConfig).
 
 Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...`.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError, ArgumentTypeError
 
 # sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block); sm80: A100 / A800 /
 # Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB); interp: Triton's CPU interpreter
@@ -143,7 +143,7 @@ def force(
 @contextlib.contextmanager
 def entered(state: Forced | None):
     """Plans under a Forced that forced() returned earlier: an autograd backward runs in the engine's worker
-    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.registry). None: as is."""
+    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.run.registry). None: as is."""
     if state is None:
         yield
         return

@@ -4,14 +4,15 @@ TABLE: the dense and varlen attention rows, keyed by direction ("fwd", "bwd"), a
 element, first match wins (ops.planning reads it). DECODE_ROWS: the KV-cache kernel's rows (flash_attn_with_kvcache,
 the paged prefill, the batch-invariant mode), beside it in the same form. The full numbers, the runners-up and the
 rejected variants of each measured row are in bench/results/provenance-nvidia-h200.md; the method in docs/tuning.md.
-The names the rows use, ARCHS, KERNELS and TileConfig, are ops.modes' (force() takes them before any plan is made).
+The names the rows use, ARCHS, KERNELS and TileConfig, are ops.request.modes' (force() takes them before any plan is
+made).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .modes import TileConfig
+from ..request.modes import TileConfig
 
 HEAD_DIM_BUCKETS = (64, 128, 256, 512)  # BLOCK_D <= 64 share the 64 rows; a call's bucket is its wider head dim's
 # the (q/k, v) head dims the Gluon kernels of each direction run (v's at most q's: O leaves through Q's buffer)
@@ -238,10 +239,10 @@ MAX_SPLITS = 128
 # programs without splits
 SHORT_SPLIT = 1024
 MANY_PROGRAMS = 1024
-# Batch-invariant mode (ops.invariance): one tile per (head dims, dtype) and splits of a fixed number of keys, counted
-# from each sequence's first key, every row through the combine, whose reduction over the splits has one fixed width
-# (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The interpreter splits every 32 keys, so
-# that the CPU tests cross split boundaries. Not yet tuned on the GPU.
+# Batch-invariant mode (ops.request.invariance): one tile per (head dims, dtype) and splits of a fixed number of keys,
+# counted from each sequence's first key, every row through the combine, whose reduction over the splits has one fixed
+# width (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The interpreter splits every 32
+# keys, so that the CPU tests cross split boundaries. Not yet tuned on the GPU.
 INVARIANT_SPLIT_KEYS = 4096
 INVARIANT_SPLIT_KEYS_INTERP = 32
 INVARIANT_MAX_SPLITS = 256

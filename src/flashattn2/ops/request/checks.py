@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from . import _runtime
+from .. import _runtime
 from .seqlens import _capturing, in_range, known, remember
-from ..errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError, ArgumentTypeError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 E4M3 = torch.float8_e4m3fn  # FA3's FP8 type: the forward's q, k, v and the KV cache's (with float32 descales)
@@ -155,7 +155,7 @@ def cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_se
     verify does nothing. With value checks (set_value_checks) the values must also start at 0, not decrease, end
     within q / k and keep every sequence within max_seqlen: a copy to pinned host memory is queued and verify() waits
     for that copy only (not for the kernels) and raises ValueError on a bad value; a tensor whose values passed is
-    remembered (ops.seqlens) and not read again."""
+    remembered (ops.request.seqlens) and not read again."""
     totals = (q.shape[0], k.shape[0])
     clamped_q = in_range(cu_seqlens_q, totals[0])
     if cu_seqlens_k is cu_seqlens_q and totals[1] == totals[0]:  # self-attention: one clamp serves both
