@@ -328,7 +328,7 @@ def fp8_cases(arch):
                         {n: f"tensordesc<{'bf16' if n == 'Out' else elem}[1,{r},{bucket}]>" for n, r in rows.items()}
                     )
                 constexprs = _attn_constexprs("fwd", flags, use_tma, host, False, tile, fp8)
-                vt_tma = native and use_tma  # (ops/launch_triton._path)
+                vt_tma = native and use_tma  # (ops/launch/launch_triton._path)
                 constexprs["PATH"] = constexprs["PATH"]._replace(VT_TMA=vt_tma)
                 if variant != "causal":
                     constexprs.update(QDescale=None, KDescale=None, VDescale=None)

@@ -52,7 +52,7 @@ class Plan:
     num_warps: int = 4
     consumers: int = 1
     # the Gluon backward's program order: 0, head-major; else heads in groups whose Q and dO fit this many bytes
-    # (kernels/bwd_hopper_config.py's _ws_program; ops/launch_gluon.bwd_grid)
+    # (kernels/bwd_hopper_config.py's _ws_program; ops/launch/launch_gluon.bwd_grid)
     l2_group_bytes: int = 0
     tma: bool = False
     host_desc: bool = False

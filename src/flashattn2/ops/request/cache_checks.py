@@ -7,6 +7,10 @@ from __future__ import annotations
 import torch
 
 from ...errors import ArgumentError, ArgumentTypeError
+
+# the two gates, host_reads_allowed and value_checks, are read through checks: one place switches them for every
+# check (set_value_checks, a test's patch)
+from . import checks
 from .checks import (
     E4M3,
     _check_cu_values,
@@ -18,9 +22,7 @@ from .checks import (
     check_heads,
     check_positions,
     compute_dtype,
-    host_reads_allowed,
     max_seqlens,
-    value_checks,
 )
 from .seqlens import in_range
 
@@ -208,7 +210,7 @@ def check_block_table_capacity(cache_seqlens: torch.Tensor, capacity: int, seqle
     cache_seqlens plus the new tokens within block_table's capacity, max_num_blocks_per_seq * page_size. Not made
     where host_reads_allowed() says no (the kernels drop the writes past the pages there). Only the capacity: a
     negative value is the kernels' to clamp, as flash_attn's (and the value checks' to name)."""
-    if cache_seqlens.numel() == 0 or not host_reads_allowed(cache_seqlens):
+    if cache_seqlens.numel() == 0 or not checks.host_reads_allowed(cache_seqlens):
         return
     check_kvcache_seqlen(max(int(cache_seqlens.max()), 0), capacity, seqlen_new, None, 1, True)
 
@@ -221,7 +223,7 @@ def check_kvcache_values(r, q_positions: int = 1) -> None:
     and while a CUDA graph is captured (a host read is not allowed there)."""
     k_cache, k, rotary_cos, cache_seqlens, block_table = r.k_cache, r.k, r.rotary_cos, r.cache_seqlens, r.block_table
     cache_batch_idx, cache_leftpad = r.cache_batch_idx, r.cache_leftpad
-    if not host_reads_allowed(k_cache):
+    if not checks.host_reads_allowed(k_cache):
         return
     seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
@@ -326,7 +328,7 @@ def paged_sequences(q, k_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
     rows on the device (the kernels clamp the keys' lengths and the table's entries themselves); with value checks
     on (set_value_checks) and outside torch.compile, the values of cu_seqlens and block_table, in one host read."""
     clamped = in_range(cu_seqlens_q, q.shape[0])
-    if not value_checks() or not host_reads_allowed(q):
+    if not checks.value_checks() or not checks.host_reads_allowed(q):
         return clamped
     maxes = (max_seqlen_q, max_seqlen_k)
     batch = cu_seqlens_q.shape[0] - 1
