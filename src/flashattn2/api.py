@@ -78,8 +78,7 @@ def _result(r: AttentionRequest, out, lse, call=None, cu=(None, None), seed=None
 
 def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
     """q, k, v (and the packed tensor they view) as the kernels take them: the last dimension contiguous and no
-    broadcast dimension (ops.run.registry.for_kernels; a copy where not, through which autograd carries the
-    gradient)."""
+    broadcast dimension (ops.run.registry.for_kernels; else a copy, through which autograd carries the gradient)."""
     if packing is None:
         try:
             return for_kernels(q), for_kernels(k), for_kernels(v), None
