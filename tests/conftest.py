@@ -10,7 +10,8 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from flashattn2.ops import _runtime, launcher  # noqa: E402  (after TRITON_INTERPRET is settled)
+from flashattn2.ops import _runtime  # noqa: E402  (after TRITON_INTERPRET is settled)
+from flashattn2.ops.launch import launcher  # noqa: E402  (after TRITON_INTERPRET is settled)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -66,7 +67,7 @@ def poison_outputs():
 
 @pytest.fixture(autouse=True)
 def verify_launches():
-    """On the GPU every direct relaunch of a kept kernel (ops.launcher.Launch) is checked
+    """On the GPU every direct relaunch of a kept kernel (ops.launch.launcher.Launch) is checked
     against the kernel Triton itself would choose for the same arguments."""
     launcher.VERIFY_LAUNCH = ON_GPU
     yield
@@ -94,7 +95,7 @@ def release_gpu_memory():
 @pytest.fixture
 def value_checks():
     """The opt-in value checks on (flashattn2.set_value_checks) for the test, then as before."""
-    from flashattn2.ops import checks
+    from flashattn2.ops.request import checks
 
     previous = checks.set_value_checks(True)
     yield

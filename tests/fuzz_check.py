@@ -9,7 +9,8 @@ import math
 import torch
 
 import flashattn2
-from flashattn2.ops import checks, planning
+from flashattn2.ops import planning
+from flashattn2.ops.request import checks
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref, tolerance
 from tolerance import assert_close
 
@@ -55,7 +56,7 @@ def _modes(p):
 
 def _score_kwargs(p, alibi, sink, keys=None):
     """The options of a call; keys: the reference's, with flash_attn's window rule for the API's seqlen_k (dense) or
-    max_seqlen_k (varlen): an edge at or past the keys' end is no edge (ops.call.window_edges)."""
+    max_seqlen_k (varlen): an edge at or past the keys' end is no edge (ops.run.call.window_edges)."""
     window = tuple(p["window"]) if keys is None else tuple(-1 if w >= keys else w for w in p["window"])
     return dict(
         softmax_scale=p["scale"],

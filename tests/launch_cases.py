@@ -1,5 +1,5 @@
 """Representative launches with the arguments flashattn2 really passes, captured from its public API (a prepared
-call's launcher.Launch objects, ops/call.py) on tiny CPU tensors planned for sm_90, and the check that a
+call's launcher.Launch objects, ops/run/call.py) on tiny CPU tensors planned for sm_90, and the check that a
 launcher.Launch's direct call hands Triton's C launcher what Triton's own path hands it. Runs under the fake CUDA
 driver (tests/fake_cuda.py) in a process without TRITON_INTERPRET:
 
@@ -26,9 +26,11 @@ import torch  # noqa: E402
 
 import flashattn2  # noqa: E402
 from fake_cuda import FakeCuda  # noqa: E402
-from flashattn2.ops import _runtime, checks, launcher, planning  # noqa: E402
-from flashattn2.ops import call as calls  # noqa: E402
-from flashattn2.ops import spec as specs  # noqa: E402
+from flashattn2.ops import _runtime, planning  # noqa: E402
+from flashattn2.ops.request import checks  # noqa: E402
+from flashattn2.ops.launch import launcher  # noqa: E402
+from flashattn2.ops.run import call as calls  # noqa: E402
+from flashattn2.ops.request import spec as specs  # noqa: E402
 from flashattn2.ops.planning import dense  # noqa: E402
 
 DEVICE = "cpu"  # tools/launch_host.py --gpu: "cuda" (the same launches on a Hopper GPU, no fake driver)
@@ -45,11 +47,11 @@ class Case(NamedTuple):
 @contextlib.contextmanager
 def on_sm90():
     """flashattn2 made to plan and launch for an H100 on CPU tensors, outside the interpreter: every call's modes
-    say sm90 (ops.spec.modes; on a CPU tensor they would say "interp"), the device is a wgmma one (the Gluon kernels'
-    condition, planning's dense.wgmma) with 132 SMs (_runtime.sm_count: the decode's splits, the persistent grids),
-    CPU tensors pass the device check (which allows them only in the interpreter), and the TMA scratch allocator is
-    left to the fake driver's (_runtime.ensure_tma_allocator would install a CUDA one). Prepared calls made inside are
-    dropped on both sides (their plans are sm90's). No-op with DEVICE "cuda": the GPU answers for itself."""
+    say sm90 (ops.request.spec.modes; on a CPU tensor they would say "interp"), the device is a wgmma one (the Gluon
+    kernels' condition, planning's dense.wgmma) with 132 SMs (_runtime.sm_count: the decode's splits, the persistent
+    grids), CPU tensors pass the device check (which allows them only in the interpreter), and the TMA scratch allocator
+    is left to the fake driver's (_runtime.ensure_tma_allocator would install a CUDA one). Prepared calls made inside
+    are dropped on both sides (their plans are sm90's). No-op with DEVICE "cuda": the GPU answers for itself."""
     if DEVICE != "cpu":
         yield
         return

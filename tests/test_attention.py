@@ -8,9 +8,12 @@ import torch
 import flashattn2
 from cases import CAUSAL, DTYPES, SHAPE_PARAMS, make_qkv, randn, shape_id
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import _runtime, launch_gluon, launcher, modes, planning, spec, tables
-from flashattn2.ops import call as calls
-from flashattn2.ops.request import AttentionRequest
+from flashattn2.ops import _runtime, planning
+from flashattn2.ops.launch import launch_gluon, launcher
+from flashattn2.ops.request import modes, spec
+from flashattn2.ops.planning import tables
+from flashattn2.ops.run import call as calls
+from flashattn2.ops.request.request import AttentionRequest
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close, check_against_reference
 
@@ -477,7 +480,7 @@ def test_table_rows():
 
 
 def test_spec_keys():
-    """The spec every cache keys on (ops.spec): it changes with what force() holds (tile or switch), the
+    """The spec every cache keys on (ops.request.spec): it changes with what force() holds (tile or switch), the
     batch-invariant mode, the dtype, the strides, the alignment and every option, and equal arguments give equal
     specs (new tensors of the same layout included)."""
     q, k, v = make_qkv((2, 64, 64, 4, 2, 64), torch.float16, requires_grad=False)
@@ -500,14 +503,14 @@ def test_spec_keys():
                    deterministic=True, softmax_scale=0.5, dropout_p=0.1)  # fmt: skip
     for name, other in changes.items():
         assert spec.attention(r._replace(**{name: other})) != key, name
-    with pytest.raises(spec.NotCanonical):  # a list: validated and normalized first (ops.call)
+    with pytest.raises(spec.NotCanonical):  # a list: validated and normalized first (ops.run.call)
         spec.attention(r._replace(window_size=[-1, -1]))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon paths (whose launches are kept) run on an H100/H200 only")
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_plans_repeated_signature(causal, monkeypatch):
-    """A call whose spec was seen before runs from its prepared call (ops.call: the Gluon launches kept on it): new
+    """A call whose spec was seen before runs from its prepared call (ops.run.call: the Gluon launches kept on it): new
     inputs of the same shapes, NaN-filled outputs, against the reference; a force() between the calls is seen
     (another tile launches)."""
     monkeypatch.setattr(calls, "CALLS", calls.Calls())
@@ -666,13 +669,13 @@ def test_one_output_gradient(which, monkeypatch):
 @pytest.mark.parametrize("d", [64, 256])  # 64 and 32 rows per preprocess program
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
 def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
-    """The Gluon backward's one preprocess launch (ops.launch_triton.Preprocess with seqlen_pad): delta =
+    """The Gluon backward's one preprocess launch (ops.launch.launch_triton.Preprocess with seqlen_pad): delta =
     rowsum(dO * O) - dlse up to seqlen_q and 0 to seqlen_pad, the fp32 dQ accumulator's padded rows
     zeroed, and where asked (a tail; the launcher also asks for a non-contiguous lse) lse copied
     with +inf past seqlen_q; every buffer starts NaN-filled. (On the CPU the interpreter runs it; on
     an H100/H200 it is what the Gluon backward runs.)"""
-    from flashattn2.ops import launch_triton
-    from flashattn2.ops.layout import Layout
+    from flashattn2.ops.launch import launch_triton
+    from flashattn2.ops.launch.layout import Layout
 
     b, h = 2, 3
     out, dout = (randn(b, seqlen_q, h, d, dtype=torch.float16) for _ in range(2))
@@ -714,10 +717,10 @@ def test_strided_inputs(layout):
 
 
 def test_ready_is_for_kernels_rule():
-    """A prepared call proves its tensors ready by ops.call's reading of the spec, which must be for_kernels' own rule
-    on every layout (a size-1 or empty dimension with stride 0, a last dimension of one): where they differed, a call
-    copied by for_kernels would still not be ready (the fuzzer found seqlen_k 0 raising NotReady)."""
-    from flashattn2.ops.registry import for_kernels
+    """A prepared call proves its tensors ready by ops.run.call's reading of the spec, which must be for_kernels' own
+    rule on every layout (a size-1 or empty dimension with stride 0, a last dimension of one): where they differed, a
+    call copied by for_kernels would still not be ready (the fuzzer found seqlen_k 0 raising NotReady)."""
+    from flashattn2.ops.run.registry import for_kernels
 
     rng = random.Random(0)
     base = torch.zeros(200)
@@ -732,7 +735,7 @@ def test_ready_is_for_kernels_rule():
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_inputs_not_as_kernels_take_them_repeated(varlen):
     """A repeated call whose k is expanded (stride 0) and v strided in its last dimension copies them every time (the
-    prepared call of ready tensors is never reused for them: ops.call.NotReady), and gives the contiguous call's
+    prepared call of ready tensors is never reused for them: ops.run.call.NotReady), and gives the contiguous call's
     output bit for bit; so does the contiguous call after it."""
     h, d = 4, 32
     q = randn(2, 9, h, d, dtype=torch.float16)
@@ -879,7 +882,7 @@ def test_race_repeated_runs(causal, deterministic):
 
 def test_tma_alignment_rule():
     """TMA only for 16-byte aligned bases and leading strides that are nonzero 16-byte multiples."""
-    from flashattn2.ops.tma import use_tma
+    from flashattn2.ops.launch.tma import use_tma
 
     base = torch.empty(4096, dtype=torch.float16)
     for offset, strides in [
@@ -905,7 +908,7 @@ def test_host_descriptor_rule(monkeypatch):
     power-of-two head dim and adjacent heads; descriptors made in the kernel otherwise (varlen,
     other head dims, heads apart, switched off), and none without TMA. Checked where the Triton
     kernels' launchers ask (the Gluon forward off), with the real calls."""
-    from flashattn2.ops import launcher
+    from flashattn2.ops.launch import launcher
 
     taken = []
     attention = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")

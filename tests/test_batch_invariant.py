@@ -1,5 +1,5 @@
-"""The batch-invariant mode (flashattn2.batch_invariant, ops/invariance.py): a row's output and logsumexp are the
-same bits alone or in any batch, anywhere in a varlen pack, over a contiguous or a paged cache of any page size, and
+"""The batch-invariant mode (flashattn2.batch_invariant, ops/request/invariance.py): a row's output and logsumexp are
+the same bits alone or in any batch, anywhere in a varlen pack, over a contiguous or a paged cache of any page size, and
 in a causal prefill or a decode step over a cache holding the same keys; the backward is the deterministic one.
 Fresh random inputs and lengths each run; each comparison is bitwise (torch.equal), and the mode's results are
 checked against the reference too."""
@@ -15,8 +15,10 @@ import flashattn2
 from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.errors import ArgumentTypeError
-from flashattn2.ops import attention, invariance, planning
-from flashattn2.ops import call as calls
+from flashattn2.ops.run import attention
+from flashattn2.ops.request import invariance
+from flashattn2.ops import planning
+from flashattn2.ops.run import call as calls
 from flashattn2.reference import FWD_FACTOR, attention_ref
 from tolerance import assert_close
 
@@ -78,7 +80,7 @@ def test_mode_switches(monkeypatch):
     with pytest.raises(ArgumentTypeError, match="batch_invariant"):
         with flashattn2.batch_invariant("yes"):
             pass
-    code = "import flashattn2.ops.invariance as m; print(m.enabled())"
+    code = "import flashattn2.ops.request.invariance as m; print(m.enabled())"
     for value, expected in (("1", "True"), ("0", "False")):
         env = dict(os.environ, FLASHATTN2_BATCH_INVARIANT=value, TRITON_INTERPRET="1")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

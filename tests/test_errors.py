@@ -133,7 +133,7 @@ def _cpu_calls():
     from flashattn2 import parallel
     from flashattn2.layers import rotary
     from flashattn2.modules.mha import MHA
-    from flashattn2.ops.merge import merge_
+    from flashattn2.ops.launch.merge import merge_
 
     q, k, v = (t.cpu() for t in qkv())
     cos = sin = torch.randn(16, 8, dtype=f16)

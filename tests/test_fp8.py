@@ -19,7 +19,7 @@ import flashattn2
 from flashattn2 import ArgumentError
 from flashattn2.errors import ArgumentTypeError
 from flashattn2.kernels.fp8 import e4m3_decode, e4m3_encode
-from flashattn2.ops.modes import force
+from flashattn2.ops.request.modes import force
 from flashattn2.reference import FWD_FACTOR, attention_ref
 from flashattn2.reference.fp8 import E4M3, dequantize, quantize
 
@@ -251,7 +251,7 @@ def test_gluon_key_order_keeps_pv(keys):
     done here in torch with the same constants) and V^T's copy (launch_gluon.fp8_vt) holds its keys in the same order,
     so P V is unchanged; the copy's keys past v's are zeros (P is 0 there, and 0 * NaN would not be)."""
     from flashattn2.kernels.constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
-    from flashattn2.ops.launch_gluon import fp8_vt
+    from flashattn2.ops.launch.launch_gluon import fp8_vt
 
     padded = -(-keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
     v = torch.randn(2, keys, 3, 16, dtype=torch.float64)

@@ -17,7 +17,7 @@ from flashattn2.errors import ArgumentError, ArgumentTypeError
 from flashattn2.reference import fp8 as rf
 from flashattn2.reference import tolerance
 from flashattn2.reference.kvcache import kvcache_ref
-from flashattn2.ops.request import AttentionRequest
+from flashattn2.ops.request.request import AttentionRequest
 from flashattn2.reference.rotary import rotary_ref
 
 E4M3 = rf.E4M3
@@ -247,7 +247,7 @@ def test_varlen_paged_fp8_is_not_supported():
 def test_op_schema():
     """torch.library.opcheck of flashattn2::fwd_kvcache over an FP8 cache, FP8 q: the schema takes the descales,
     the fake implementation gives a bf16 output."""
-    from flashattn2.ops import registry
+    from flashattn2.ops.run import registry
 
     q, k_cache, v_cache, kwargs = make(dict(q_fp8=True, seqlen_new=1, new_fp8=True))
     args = (q, k_cache, v_cache, kwargs["k"], kwargs["v"], None, None, kwargs["cache_seqlens"], 0, None, None, None)
@@ -298,10 +298,11 @@ def test_decode_takes_fp8_for_the_invariant_mode(varlen):
     """kvcache.Decode over e4m3 q, k and v with descales, as the batch-invariant mode's dense FP8 forward makes it
     (kvcache.invariant_shape(call, descale specs), then decode(q, kvcache.Cache(..., descales))): the output bf16, within the bound
     of the fp64 attention of the dequantized inputs."""
-    from flashattn2.ops import call as calls
-    from flashattn2.ops import kvcache, planning
-    from flashattn2.ops import spec as specs
-    from flashattn2.ops.options import Options
+    from flashattn2.ops.run import call as calls
+    from flashattn2.ops.launch import kvcache
+    from flashattn2.ops import planning
+    from flashattn2.ops.request import spec as specs
+    from flashattn2.ops.request.options import Options
     from flashattn2.reference.attention import attention_ref
 
     batch, seqlen, nheads_k, group = 2, 9, 2, 2

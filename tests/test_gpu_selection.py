@@ -8,7 +8,8 @@ import torch
 import flashattn2
 from cases import randn
 from conftest import ON_GPU
-from flashattn2.ops import modes, planning
+from flashattn2.ops.request import modes
+from flashattn2.ops import planning
 
 CUDA = torch.device("cuda", 0)
 

@@ -14,8 +14,10 @@ from conftest import DEVICE, ON_GPU
 from flashattn2.ops import _runtime
 from flashattn2 import flash_attn_interface
 from flashattn2.errors import ArgumentError
-from flashattn2.ops import planning, registry, spec
-from flashattn2.ops.request import KVCacheRequest
+from flashattn2.ops import planning
+from flashattn2.ops.run import registry
+from flashattn2.ops.request import spec
+from flashattn2.ops.request.request import KVCacheRequest
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from flashattn2.reference.kvcache import kvcache_ref
 from tolerance import assert_close, check_against_reference
@@ -279,7 +281,7 @@ def test_values_read_from_the_key_tile(dims, monkeypatch):
     values read separately (the kernel's other path, forced) and the reference. 576/512 at 16, 32 and 64 query heads:
     the latent tiles of 16, 32 and 64 rows on an H100/H200, whose whole key blocks are TMA copies (KV_TMA; lengths that
     end inside a block: the rest by pointers), and the same tiles by pointers (force(tma=False))."""
-    from flashattn2.ops import kvcache
+    from flashattn2.ops.launch import kvcache
 
     dqk, dv, heads = dims
     batch, page = 2, 64 if ON_GPU else 16  # a key block in one page: MLA's key blocks by TMA (KV_TMA)
@@ -408,7 +410,7 @@ def test_plans_read_the_wider_head_dim():
     assert planning.lookup("sm90", torch.bfloat16, 512, True, 4096, features, "bwd").kernel == "bwd_dkdv"
     with pytest.raises(NotImplementedError, match="99 KB"):
         planning.lookup("sm86", torch.float32, 384, False, 100, planning.Features(), "bwd")
-    from flashattn2.ops.geometry import Geometry
+    from flashattn2.ops.planning.geometry import Geometry
 
     q, k, v = make((1, 5, 5, 2, 2, 192, 128), torch.float16, False)
     geo = Geometry.of(q, k, None, v)
@@ -441,7 +443,7 @@ def test_gluon_pairs():
     assert bwd(192, 128) == bwd(128, 128) == "bwd_hopper" and bwd(160, 128) == bwd(192, 64) == "bwd_dkdv"
     full = planning.lookup("sm90", torch.bfloat16, 192, False, 8192, GLUON_BWD, "bwd", 128)
     assert full.kernel == "bwd_hopper" and dict(full.constexprs)["DQ_SPLIT"] == 2  # dQ_i in the head dim's parts
-    from flashattn2.ops.geometry import column_parts
+    from flashattn2.ops.planning.geometry import column_parts
 
     parts = [column_parts(d) for d in (64, 128, 192, 256, 96, 576, 80, 40, 112, 1)]
     assert parts == [(64, 0), (128, 0), (128, 64), (256, 0), (64, 32), (512, 64), (64, 16), (64, 0), (128, 0), (16, 0)]
@@ -452,7 +454,7 @@ def test_gluon_pairs():
 def test_gluon_runs(dims, monkeypatch):
     """On the H200 a dense bf16 192/128 forward and (deterministic=False) backward launch the Gluon kernels (the
     other tests check their numbers), 160/128 the Triton ones."""
-    from flashattn2.ops import launcher
+    from flashattn2.ops.launch import launcher
 
     launched = []
     monkeypatch.setattr(launcher, "_WATCH", lambda kernel, grid, args, kwargs: launched.append(kernel.__name__))
@@ -469,10 +471,10 @@ _REFINED_ONLY = {("contiguous-short", False), ("contiguous-many", True)}
 
 
 def spy_decode_plans(monkeypatch) -> list:
-    """The plans the KV-cache kernel runs from here on, in order (those its ops.kvcache.Decode is made with; every call
-    prepared afresh, since a prepared call keeps its Decode)."""
-    from flashattn2.ops import call as calls
-    from flashattn2.ops import kvcache
+    """The plans the KV-cache kernel runs from here on, in order (those its ops.launch.kvcache.Decode is made with;
+    every call prepared afresh, since a prepared call keeps its Decode)."""
+    from flashattn2.ops.run import call as calls
+    from flashattn2.ops.launch import kvcache
 
     plans, decode = [], kvcache.Decode
     monkeypatch.setattr(calls.CALLS, "get", lambda spec: None)

@@ -13,11 +13,13 @@ import flashattn2
 from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2.layers.rotary import apply_rotary_emb, apply_rotary_emb_torch
-from flashattn2.ops import checks, planning, registry
-from flashattn2.ops import spec as specs
-from flashattn2.ops.layout import BackwardTensors
-from flashattn2.ops.options import Options
-from flashattn2.ops.request import AttentionRequest, KVCacheRequest
+from flashattn2.ops.request import checks
+from flashattn2.ops import planning
+from flashattn2.ops.run import registry
+from flashattn2.ops.request import spec as specs
+from flashattn2.ops.launch.layout import BackwardTensors
+from flashattn2.ops.request.options import Options
+from flashattn2.ops.request.request import AttentionRequest, KVCacheRequest
 from flashattn2.reference import attention_ref
 
 # on a GPU each test allocates up to 8 GiB (huge): the GPU suite runs them apart, serially
@@ -83,7 +85,7 @@ def test_rotary_sequences_past_the_grids_second_axis(monkeypatch):
     kernel had one sequence per program on its second axis (the launch failed). The sequences fill the second axis
     and go on in the third (here with rows of 2 to run it in the interpreter: 5 sequences, the last program past
     them)."""
-    from flashattn2.ops import rotary as ops_rotary
+    from flashattn2.ops.launch import rotary as ops_rotary
 
     grids = []
     monkeypatch.setattr(ops_rotary.launcher, "launch", lambda kernel, grid, *args, **kw: grids.append(grid))

@@ -372,7 +372,7 @@ def test_compile_decode_step_fullgraph():
 
 
 def test_opcheck_kvcache():
-    from flashattn2.ops import registry
+    from flashattn2.ops.run import registry
 
     q = randn(2, 2, 4, 32, dtype=torch.float16)
     k_cache, v_cache = randn(2, 16, 2, 32, dtype=torch.float16), randn(2, 16, 2, 32, dtype=torch.float16)
@@ -491,8 +491,9 @@ def test_window_past_the_cache_is_no_window():
 def decode_plan(q, k_cache, v_cache, block_table=None, num_splits=0, arch="sm90", leftpad=None, elem_bytes=None):
     """ops.planning's KV-cache plan of a flash_attn_with_kvcache call on (meta) tensors, on an H200-sized `arch`
     (132 SMs)."""
-    from flashattn2.ops import planning, spec
-    from flashattn2.ops.request import KVCacheRequest
+    from flashattn2.ops import planning
+    from flashattn2.ops.request import spec
+    from flashattn2.ops.request.request import KVCacheRequest
 
     r = KVCacheRequest(q, k_cache, v_cache, cache_leftpad=leftpad, block_table=block_table, num_splits=num_splits)
     s = spec.kvcache(r)

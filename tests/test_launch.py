@@ -1,6 +1,6 @@
-"""Launches (ops.launcher.Launch): a prepared call's kernel goes through Triton once and straight to the compiled kernel
-after that, which is right only if the call's spec fixes everything Triton specializes the kernel on. On the CPU: the
-second launch's arguments to the compiled kernel, and (through the interpreter's calls with launches watched) that
+"""Launches (ops.launch.launcher.Launch): a prepared call's kernel goes through Triton once and straight to the compiled
+kernel after that, which is right only if the call's spec fixes everything Triton specializes the kernel on. On the CPU:
+the second launch's arguments to the compiled kernel, and (through the interpreter's calls with launches watched) that
 calls with equal specs hand every kernel arguments Triton specializes alike. On the GPU: relaunches verified against
 Triton's choice (VERIFY_LAUNCH), with descriptors encoded once, bit for bit equal to Triton's own launches."""
 
@@ -15,9 +15,10 @@ from triton.runtime.jit import JITFunction
 
 import flashattn2
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import call as calls
-from flashattn2.ops import launcher, spec
-from flashattn2.ops.request import AttentionRequest, KVCacheRequest
+from flashattn2.ops.run import call as calls
+from flashattn2.ops.launch import launcher
+from flashattn2.ops.request import spec
+from flashattn2.ops.request.request import AttentionRequest, KVCacheRequest
 
 
 def _kernel(A, B, n, m, x, C: tl.constexpr):

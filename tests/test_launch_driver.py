@@ -13,7 +13,7 @@ import pathlib
 import subprocess
 import sys
 
-from flashattn2.ops import launcher
+from flashattn2.ops.launch import launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 600  # seconds: eight kernels compiled for sm_90 (about 30 s with a cold cache on two busy cores)

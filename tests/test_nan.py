@@ -15,8 +15,8 @@ import torch
 import flashattn2
 from conftest import DEVICE, ON_GPU
 from flashattn2 import parallel
-from flashattn2.ops import call as calls
-from flashattn2.ops import kvcache, merge
+from flashattn2.ops.run import call as calls
+from flashattn2.ops.launch import kvcache, merge
 from flashattn2.ops.planning import decoding
 from flashattn2.reference import attention_ref
 
@@ -258,8 +258,8 @@ def test_nan_reaches_the_sink_gradient():
 
 
 def test_merge_keeps_nan():
-    """ops.merge (context parallelism's merge by logsumexp), row by row: a NaN logsumexp on either side gives a NaN
-    row and logsumexp, also into a row nothing has reached yet (lse -inf: the GPU's maximum returns the other
+    """ops.launch.merge (context parallelism's merge by logsumexp), row by row: a NaN logsumexp on either side gives a
+    NaN row and logsumexp, also into a row nothing has reached yet (lse -inf: the GPU's maximum returns the other
     side); a NaN output with a finite logsumexp its NaN columns; a block row without keys (lse +inf or -inf) adds
     nothing, whatever its output holds."""
     nan, inf = float("nan"), float("inf")

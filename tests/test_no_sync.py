@@ -4,7 +4,7 @@ flash_attn's one: a paged flash_attn_with_kvcache reads max(cache_seqlens) once,
 
 On the GPU each call runs for real under torch.cuda.set_sync_debug_mode("error"), which raises on any
 synchronizing CUDA call; it runs once before (the kernels compile) with other index tensors, so that the timed
-call meets its cu_seqlens for the first time. On the CPU the kernels are not launched (ops.launcher.stubbed) and
+call meets its cu_seqlens for the first time. On the CPU the kernels are not launched (ops.launch.launcher.stubbed) and
 every Python-level read of a tensor's values (item, tolist, bool, int, float, numpy, cpu) raises: the host path of
 each call is checked to read nothing."""
 
@@ -19,7 +19,8 @@ import flashattn2
 from cases import cu_seqlens, randn
 from conftest import DEVICE, ON_GPU
 from flashattn2 import flash_attn_interface as fai
-from flashattn2.ops import checks, launcher
+from flashattn2.ops.request import checks
+from flashattn2.ops.launch import launcher
 
 B, S, H, HK, D = (2, 300, 8, 2, 64) if ON_GPU else (2, 40, 4, 2, 32)
 DT = torch.bfloat16

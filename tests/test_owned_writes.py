@@ -12,7 +12,7 @@ import torch
 
 import flashattn2
 from conftest import DEVICE
-from flashattn2.ops import checks
+from flashattn2.ops.request import checks
 from flashattn2.reference.kvcache import kvcache_ref
 from flashattn2.reference.rotary import rotary_ref
 from tolerance import assert_close

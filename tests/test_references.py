@@ -17,9 +17,9 @@ FILES = sorted(p for p in TESTS.glob("*.py") if p.name != "conftest.py")
 
 
 def _imported_modules(tree: ast.Module, missing: list[str]) -> dict[str, types.ModuleType]:
-    """The names a file binds to flashattn2 modules (`import flashattn2`, `from flashattn2.ops import launch_gluon`,
-    `import flashattn2.flash_attn_interface as fai`), at its top level or in a test's body; a name `from flashattn2...
-    import NAME` asks of a module that lacks it goes to `missing`."""
+    """The names a file binds to flashattn2 modules (`import flashattn2`, `from flashattn2.ops.launch import
+    launch_gluon`, `import flashattn2.flash_attn_interface as fai`), at its top level or in a test's body; a name `from
+    flashattn2... import NAME` asks of a module that lacks it goes to `missing`."""
     names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -100,18 +100,18 @@ def test_every_flashattn2_attribute_a_test_reads_exists(path):
 
 def test_the_check_finds_a_renamed_attribute():
     source = (
-        "from flashattn2.ops import launch_gluon\n"
+        "from flashattn2.ops.launch import launch_gluon\n"
         "import flashattn2\n"
         "def test(monkeypatch):\n"
         "    monkeypatch.setattr(launch_gluon, 'BWD_PLANS', {})\n"
         "    flashattn2.ops.planning.dense.NO_SUCH\n"
         "    launch_gluon.ForwardLaunch\n"
-        "    from flashattn2.ops.launch_gluon import GONE\n"
-        "    monkeypatch.setattr('flashattn2.ops.checks.NOT_THERE', 1)\n"
+        "    from flashattn2.ops.launch.launch_gluon import GONE\n"
+        "    monkeypatch.setattr('flashattn2.ops.request.checks.NOT_THERE', 1)\n"
     )
     assert sorted(missing_references(source)) == [
-        "4: flashattn2.ops.launch_gluon.BWD_PLANS",
+        "4: flashattn2.ops.launch.launch_gluon.BWD_PLANS",
         "5: flashattn2.ops.planning.dense.NO_SUCH",
-        "7: flashattn2.ops.launch_gluon.GONE",
-        "8: flashattn2.ops.checks.NOT_THERE",
+        "7: flashattn2.ops.launch.launch_gluon.GONE",
+        "8: flashattn2.ops.request.checks.NOT_THERE",
     ]

@@ -1,5 +1,5 @@
-"""ops.request: each public function's arguments become one request at its door, in its signature's order (the door
-builds it positionally), and the custom op's schema is the request's fields in their op form."""
+"""ops.request.request: each public function's arguments become one request at its door, in its signature's order (the
+door builds it positionally), and the custom op's schema is the request's fields in their op form."""
 
 import inspect
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import flashattn2
-from flashattn2.ops import registry, request
-from flashattn2.ops.request import AttentionRequest, KVCacheRequest
+from flashattn2.ops.run import registry
+from flashattn2.ops.request import request
+from flashattn2.ops.request.request import AttentionRequest, KVCacheRequest
 
 DOORS = [
     pytest.param(flashattn2.flash_attn_with_kvcache, KVCacheRequest, (), id="flash_attn_with_kvcache"),

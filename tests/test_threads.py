@@ -1,7 +1,7 @@
 """A call from a server's threads is as safe as one from a script: every module-level cache and counter a call touches
 (the prepared calls, the cu_seqlens memory, the error flags, the launcher's) under 8 threads calling every entry
-point at once, launches stubbed (ops.launcher.stubbed: the host's path alone, as fast as it runs), thread switches
-forced often."""
+point at once, launches stubbed (ops.launch.launcher.stubbed: the host's path alone, as fast as it runs), thread
+switches forced often."""
 
 import sys
 import threading
@@ -13,8 +13,9 @@ import flashattn2
 from cases import randn
 from conftest import DEVICE
 from flashattn2.flash_attn_interface import _flash_attn_backward, _flash_attn_forward, _flash_attn_varlen_forward
-from flashattn2.ops import call as calls
-from flashattn2.ops import checks, launcher, seqlens
+from flashattn2.ops.run import call as calls
+from flashattn2.ops.request import checks, seqlens
+from flashattn2.ops.launch import launcher
 
 THREADS = 8
 CALLS = 60

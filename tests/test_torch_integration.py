@@ -5,7 +5,7 @@ import torch
 
 import flashattn2
 from cases import make_qkv, randn
-from flashattn2.ops import registry
+from flashattn2.ops.run import registry
 
 
 OPTIONS = [

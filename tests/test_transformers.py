@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import launcher
+from flashattn2.ops.launch import launcher
 from flashattn2.reference.tolerance import BWD_FACTOR, FWD_FACTOR
 from tolerance import assert_close
 

@@ -6,7 +6,8 @@ import torch
 import flashattn2
 from cases import cu_seqlens
 from conftest import DEVICE, ON_GPU
-from flashattn2.ops import planning, seqlens
+from flashattn2.ops import planning
+from flashattn2.ops.request import seqlens
 from flashattn2.reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from tolerance import assert_close
 

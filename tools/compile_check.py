@@ -28,9 +28,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_NONE, Mods, Path, Tile  # noqa: E402
-from flashattn2.ops import _runtime, launch_gluon, launcher, planning  # noqa: E402
-from flashattn2.ops.geometry import block_d, column_parts  # noqa: E402
-from flashattn2.ops.tma import host_desc  # noqa: E402
+from flashattn2.ops import _runtime, planning  # noqa: E402
+from flashattn2.ops.launch import launch_gluon, launcher  # noqa: E402
+from flashattn2.ops.planning.geometry import block_d, column_parts  # noqa: E402
+from flashattn2.ops.launch.tma import host_desc  # noqa: E402
 
 # bytes per block, opt-in maximum; sm89 (Ada: the sm86 rows, e4m3 dots) compiles the FP8 configurations only
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}
@@ -106,7 +107,7 @@ def _compile_to(src, target, options, last: str) -> dict:
 
 def _gluon_descriptor_types(elem_bytes, head_dim, cfg, names=("Q", "K", "V", "Out"), dq_cols=None, head_dim_v=None):
     """Signature types of a Gluon kernel's descriptors (3-D, box [1, rows, head_dim], v's head dim for the value
-    side, with the shared-memory layout ops.launch_gluon gives them): query-side tensors BLOCK_M rows, key-side
+    side, with the shared-memory layout ops.launch.launch_gluon gives them): query-side tensors BLOCK_M rows, key-side
     BLOCK_N; "DQ" is the backward's fp32 accumulator (box [1, BLOCK_M, dq_cols or head_dim]). A head dim that is
     not a power of two: Q, K, DK and DQ get its first part's box and a "...Lo" descriptor each (added) its second's
     (geometry.column_parts)."""
@@ -327,7 +328,7 @@ def fp8_cases(arch):
                         {n: f"tensordesc<{'bf16' if n == 'Out' else elem}[1,{r},{bucket}]>" for n, r in rows.items()}
                     )
                 constexprs = _attn_constexprs("fwd", flags, use_tma, host, False, tile, fp8)
-                vt_tma = native and use_tma  # (ops/launch_triton._path)
+                vt_tma = native and use_tma  # (ops/launch/launch_triton._path)
                 constexprs["PATH"] = constexprs["PATH"]._replace(VT_TMA=vt_tma)
                 if variant != "causal":
                     constexprs.update(QDescale=None, KDescale=None, VDescale=None)

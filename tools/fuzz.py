@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before flashattn2's kernels import triton
     import fuzz_cases
-    from flashattn2.ops import launcher
+    from flashattn2.ops.launch import launcher
 
     launcher.VERIFY_LAUNCH = device == "cuda"  # as the tests: every direct launch checked against Triton's choice
     sizes = {"cpu": fuzz_cases.CPU, "gpu": fuzz_cases.GPU}[args.sizes or ("gpu" if device == "cuda" else "cpu")]

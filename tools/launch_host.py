@@ -39,7 +39,7 @@ import triton  # noqa: E402
 
 import launch_cases  # noqa: E402
 from fake_cuda import FakeCuda  # noqa: E402
-from flashattn2.ops import launcher  # noqa: E402
+from flashattn2.ops.launch import launcher  # noqa: E402
 
 PATHS = ("triton", "launch", "run", "run-encoded")
 

@@ -54,8 +54,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the names __getattr__ brings
     from .explain import explain
     from .integrations.sdpa import fallbacks as sdpa_fallbacks
     from .integrations.sdpa import sdpa
-    from .ops.checks import set_value_checks
-    from .ops.invariance import batch_invariant, set_batch_invariant
+    from .ops.request.checks import set_value_checks
+    from .ops.request.invariance import batch_invariant, set_batch_invariant
 
 
 def _load() -> None:
@@ -65,7 +65,14 @@ def _load() -> None:
     # import_module, not `from . import api`: that asks this module for the attribute first (__getattr__ again)
     api, compat, checks, invariance, explain, sdpa = (
         importlib.import_module(name, __name__)
-        for name in (".api", ".compat", ".ops.checks", ".ops.invariance", ".explain", ".integrations.sdpa")
+        for name in (
+            ".api",
+            ".compat",
+            ".ops.request.checks",
+            ".ops.request.invariance",
+            ".explain",
+            ".integrations.sdpa",
+        )
     )
     names = {name: getattr(api, name) for name in __all__ if name.startswith("flash_attn_")}
     names.update(

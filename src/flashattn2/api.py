@@ -15,19 +15,19 @@ import threading
 import torch
 
 from .errors import ArgumentError
-from .ops import call as calls
-from .ops import checks
-from .ops.kvcache import Check
-from .ops import request
-from .ops.layout import ForwardTensors
-from .ops.options import Options
-from .ops.request import AttentionRequest, KVCacheRequest
-from .ops.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
-from .ops.registry import fwd_kvcache as registry_fwd_kvcache
-from .ops.registry import dropout_probs as _dropout_probs_op
-from .ops.registry import forward as _forward
-from .ops.registry import fwd_varlen_paged as _fwd_varlen_paged_op
-from .ops.registry import run as _run
+from .ops.run import call as calls
+from .ops.request import cache_checks, checks
+from .ops.launch.kvcache import Check
+from .ops.request import request
+from .ops.launch.layout import ForwardTensors
+from .ops.request.options import Options
+from .ops.request.request import AttentionRequest, KVCacheRequest
+from .ops.run.registry import EmptyAttention, PackedAttention, for_kernels, kvcache_forward, paged_forward
+from .ops.run.registry import fwd_kvcache as registry_fwd_kvcache
+from .ops.run.registry import dropout_probs as _dropout_probs_op
+from .ops.run.registry import forward as _forward
+from .ops.run.registry import fwd_varlen_paged as _fwd_varlen_paged_op
+from .ops.run.registry import run as _run
 
 
 _new = tuple.__new__  # a request (tests/test_request.py) or the forward's tensors in their fields' order
@@ -78,7 +78,7 @@ def _result(r: AttentionRequest, out, lse, call=None, cu=(None, None), seed=None
 
 def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
     """q, k, v (and the packed tensor they view) as the kernels take them: the last dimension contiguous and no
-    broadcast dimension (ops.registry.for_kernels; a copy where not, through which autograd carries the gradient)."""
+    broadcast dimension (ops.run.registry.for_kernels; else a copy, through which autograd carries the gradient)."""
     if packing is None:
         try:
             return for_kernels(q), for_kernels(k), for_kernels(v), None
@@ -96,7 +96,7 @@ def _for_kernels(q, k, v, packed, packing: str | None, dim: int):
 
 def _ready_call(r: AttentionRequest, packing: str | None):
     """The prepared call of a request's unpacked q, k, v as given, which proves them as the kernels take them
-    (ops.call.NotReady); None where they are packed or must be made so first (_for_kernels)."""
+    (ops.run.call.NotReady); None where they are packed or must be made so first (_for_kernels)."""
     if packing is not None:
         return None
     try:
@@ -380,7 +380,7 @@ def _varlen_paged(r: AttentionRequest):
     if grad or torch.compiler.is_compiling():  # the custom op: torch.compile's path; autograd's (its backward raises)
         checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
         checks.check_sink(learnable_sink, q)
-        max_q, max_k = checks.check_varlen_paged(r)
+        max_q, max_k = cache_checks.check_varlen_paged(r)
         left, right = (int(w) for w in r.window_size)
         scale = float(q.shape[-1] ** -0.5 if r.softmax_scale is None else r.softmax_scale)
         out, lse = _fwd_varlen_paged_op(
@@ -390,7 +390,7 @@ def _varlen_paged(r: AttentionRequest):
     else:
         call = calls.paged(r)
         spec = call.spec
-        cu_q = checks.paged_sequences(
+        cu_q = cache_checks.paged_sequences(
             q, k, cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
         )
         out, lse = paged_forward(call, r, cu_q)
@@ -554,7 +554,7 @@ def flash_attn_with_kvcache(
     call = calls.kvcache(r)
     if isinstance(cache_seqlens, torch.Tensor):
         if block_table is not None and not checks.value_checks():  # (with them, the kernels' check says more)
-            checks.check_block_table_capacity(cache_seqlens, call.capacity, 0 if k is None else k.shape[1])
+            cache_checks.check_block_table_capacity(cache_seqlens, call.capacity, 0 if k is None else k.shape[1])
     else:  # an int is checked here (no device read); the tensors' values by the kernels
         call.seqlen(cache_seqlens, rotary_cos)
         if cache_batch_idx is None and cache_leftpad is None and block_table is None:
@@ -565,7 +565,7 @@ def flash_attn_with_kvcache(
         return (out, lse) if return_softmax_lse else out
     check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
     if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
-        checks.check_kvcache_values(r, call.q_positions)  # no kernel will run to check them
+        cache_checks.check_kvcache_values(r, call.q_positions)  # no kernel will run to check them
         check = None
     if check is None:
         out, lse = kvcache_forward(call, r)
@@ -578,7 +578,7 @@ def flash_attn_with_kvcache(
         raise
     if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
-        checks.check_kvcache_values(r, call.q_positions)  # raises with the details
+        cache_checks.check_kvcache_values(r, call.q_positions)  # raises with the details
         raise ArgumentError("cache_seqlens, cache_leftpad, cache_batch_idx or block_table holds a value out of range")
     return (out, lse) if return_softmax_lse else out
 
@@ -586,14 +586,14 @@ def flash_attn_with_kvcache(
 def _traced_kvcache(r: KVCacheRequest):
     """While torch.compile traces: validated, then the op (flashattn2::fwd_kvcache), which declares that it writes
     k_cache and v_cache."""
-    checks.check_kvcache(r)
+    cache_checks.check_kvcache(r)
     checks.check_sink(r.learnable_sink, r.q)
     checks.check_options(0.0, r.softmax_scale, r.window_size, r.softcap)
     return registry_fwd_kvcache(*request.op_args(r))
 
 
 def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
-    """The device-side check of the cache tensors' values (ops.kvcache.Check), or None while
+    """The device-side check of the cache tensors' values (ops.launch.kvcache.Check), or None while
     torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
     kernels then only clamp the values into range."""
     # is_compiling first (host_reads_allowed's): Dynamo would otherwise guard on the switch and recompile when it flips

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from .ops import call as calls
-from .ops import checks, planning
-from .ops import spec as specs
-from .ops.request import AttentionRequest, KVCacheRequest
+from .ops.run import call as calls
+from .ops.request import checks
+from .ops import planning
+from .ops.request import spec as specs
+from .ops.request.request import AttentionRequest, KVCacheRequest
 
 
 def explain(q, k, v, /, *, kvcache: bool = False, arch: str | None = None, **kwargs) -> str:

@@ -62,11 +62,13 @@ from .functions import (
     FlashAttnVarlenKVPackedFunc,
     FlashAttnVarlenQKVPackedFunc,
 )
-from .ops import _runtime, checks, registry
-from .ops import call as calls
-from .ops.layout import BackwardTensors, ForwardTensors
-from .ops.options import Options
-from .ops.request import AttentionRequest
+from .ops import _runtime
+from .ops.request import cache_checks, checks
+from .ops.run import registry
+from .ops.run import call as calls
+from .ops.launch.layout import BackwardTensors, ForwardTensors
+from .ops.request.options import Options
+from .ops.request.request import AttentionRequest
 
 _new = tuple.__new__  # a request from its fields in their order
 
@@ -109,7 +111,7 @@ def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) 
 
 def _options(q, batch, seqlen_k, dropout_p, softmax_scale, window, softcap, alibi_slopes):
     """(dropout_p, scale, left, right, softcap) validated as the public API validates them; the window
-    (window_size_left, window_size_right)'s edges by flash_attn's rule (ops.call.window_edges: seqlen_k, or
+    (window_size_left, window_size_right)'s edges by flash_attn's rule (ops.run.call.window_edges: seqlen_k, or
     max_seqlen_k in varlen)."""
     checks.check_options(dropout_p, softmax_scale, window, softcap)
     checks.check_alibi(alibi_slopes, q, batch)
@@ -244,7 +246,7 @@ def _flash_attn_forward(
         )  # fmt: skip
         out, lse = registry.forward(q, k, v, options, alibi_slopes)
         return out, lse, _s_dmask(q, k, return_softmax, options, alibi_slopes), rng_state
-    # the prepared call of these arguments (ops.call: validated once per spec)
+    # the prepared call of these arguments (ops.run.call: validated once per spec)
     window = (window_size_left, window_size_right)
     try:
         q, k, v = registry.for_kernels(q), registry.for_kernels(k), registry.for_kernels(v)
@@ -371,7 +373,7 @@ def seqused_pages(seqused_k, cu_seqlens_k, max_seqlen_k, k, v, block_table):
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
     """A varlen call's cu_seqlens validated (q, k, v are): (cu_seqlens_q, cu_seqlens_k clamped for the kernels,
-    max_seqlen_q, max_seqlen_k as ints, verify) (ops.checks.cu_seqlens_for_kernels)."""
+    max_seqlen_q, max_seqlen_k as ints, verify) (ops.request.checks.cu_seqlens_for_kernels)."""
     checks.check_cu_tensors(cu_seqlens_q, cu_seqlens_k, q)
     max_q, max_k = checks.max_seqlens(max_seqlen_q, max_seqlen_k)
     cu_q, cu_k, verify = checks.cu_seqlens_for_kernels(cu_seqlens_q, cu_seqlens_k, max_q, max_k, q, k)
@@ -384,7 +386,7 @@ def _varlen_paged_forward(r: AttentionRequest, zero_tensors: bool):
     q, cu_seqlens_k, block_table = r.q, r.cu_seqlens_k, r.block_table
     call = calls.paged(r)
     spec = call.spec
-    cu_seqlens_q = checks.paged_sequences(
+    cu_seqlens_q = cache_checks.paged_sequences(
         q, r.k, r.cu_seqlens_q, cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, block_table
     )
     out, lse = registry.paged_forward(call, r, cu_seqlens_q)

@@ -50,7 +50,7 @@ def check(headdim: int, causal: bool) -> str:
 
 def _held_to_triton(call):
     """call with the Gluon kernels off (the Triton forward runs the FP8 point)."""
-    from ..ops.modes import force
+    from ..ops.request.modes import force
 
     def held():
         with force(hopper=False):

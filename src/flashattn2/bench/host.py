@@ -3,11 +3,11 @@
 Each entry point is called on tiny inputs, many times, beside torch's own attention doing a whole tiny call and an
 empty torch.library custom op, in the same run and the same rounds (alternated, the median of each):
 
-- on the CPU, through Triton's interpreter with every launch replaced by a no-op (ops.launcher.stubbed): what is
+- on the CPU, through Triton's interpreter with every launch replaced by a no-op (ops.launch.launcher.stubbed): what is
   timed is the Python path a call takes around its launches;
 - on a GPU, with real launches, each call enqueued without a sync (the host's time until the call returns).
 
-The calls repeat one spec each (ops.call: what a training or decoding loop does), so what is timed is the prepared
+The calls repeat one spec each (ops.run.call: what a training or decoding loop does), so what is timed is the prepared
 call's path. Launches per call are counted (on the CPU: the stubbed launches). Correctness is not this bench's: the
 same calls are the suite's (tests/).
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import flashattn2
 from ..flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-from ..ops import launcher
+from ..ops.launch import launcher
 
 FIELDS = ["case", "us", "ratio", "against", "launches", "device", "torch", "triton", "date", "git_sha"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..ops import checks
-from ..ops import rotary as _rotary
+from ..ops.request import checks
+from ..ops.launch import rotary as _rotary
 
 
 def _check(x, cos, sin, seqlen_offsets, cu_seqlens, what="x"):

@@ -13,8 +13,8 @@ import torch
 
 from .. import api
 from ..errors import ArgumentError, ArgumentTypeError
-from ..ops import call as calls
-from ..ops import checks
+from ..ops.run import call as calls
+from ..ops.request import checks
 from . import ring, ulysses
 from .comm import Simulated, communicator
 from .layout import num_chunks

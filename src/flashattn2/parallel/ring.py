@@ -2,7 +2,7 @@
 
 Forward: at step t rank r holds the keys and values of rank r - t; while the next ones travel (comm.shift,
 on the process group's stream), it runs its planned blocks (plan.blocks) against them and merges each
-block's output into an fp32 accumulator by logsumexp (ops.merge). Backward: the keys and values go round
+block's output into an fp32 accumulator by logsumexp (ops.launch.merge). Backward: the keys and values go round
 again with an fp32 dK/dV accumulator travelling one step behind them; each step adds the blocks' gradients
 computed from the global out and logsumexp (P = exp(S - LSE), D = rowsum(dO * O) - dLSE), and after the
 last step one more shift brings every rank its own dK/dV. dQ stays home, in fp32.
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import _runtime, registry
-from ..ops.merge import merge_
-from ..ops.layout import BackwardTensors
-from ..ops.options import Options
+from ..ops import _runtime
+from ..ops.run import registry
+from ..ops.launch.merge import merge_
+from ..ops.launch.layout import BackwardTensors
+from ..ops.request.options import Options
 from . import plan
 from .plan import Block, Sharding
 

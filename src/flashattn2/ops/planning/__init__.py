@@ -2,27 +2,42 @@
 
     plan(spec) -> Plan
 
-for every call a spec describes (ops.spec): dense, packed and varlen attention forward (AttentionSpec) and backward
-(BackwardSpec), the KV-cache kernel (KVCacheSpec: decoding, chunked prefill; its tiles, splits and load path), the
-paged prefill (PagedSpec), the batch-invariant mode (any of them under it), and the blocks of the context-parallel
-ring (attention calls of their own). The rows are data in ops.tables, each with the measurement that chose it;
+for every call a spec describes (ops.request.spec): dense, packed and varlen attention forward (AttentionSpec) and
+backward (BackwardSpec), the KV-cache kernel (KVCacheSpec: decoding, chunked prefill; its tiles, splits and load path),
+the paged prefill (PagedSpec), the batch-invariant mode (any of them under it), and the blocks of the context-parallel
+ring (attention calls of their own). The rows are data in ops.planning.tables, each with the measurement that chose it;
 `explain(spec)` prints the plan and the rows passed over, with why. Dense rows: TABLE's rows for (direction, arch,
 head-dim bucket, bytes per element) in order, the first whose kernel the call can run (REQUIRES) and whose causal,
 key-length and value-head-dim bounds hold; every list ends with a Triton row that runs everything. KV-cache rows:
 DECODE_ROWS in order, the first whose facts the call has (decode_facts).
 
-Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...` (ops.modes). The
+Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...` (ops.request.modes). The
 environment has one switch here: FLASHATTN2_HOPPER (ops._runtime.gluon_switch): 0 turns the Gluon (Hopper) kernels
 off, 1 runs them on a Triton release they were not measured on.
+
+The second step of a call (ops.request before it, ops.launch after): the table (tables.py), the rows' geometry the
+kernels' blocks follow (geometry.py), the dense and KV-cache walks (dense.py, decoding.py, common.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import spec as specs
-from ..modes import ARCHS, Forced, arch_of, entered, force, forced, native_arch, wgmma  # noqa: F401  (the API of plans)
-from ..tables import (  # noqa: F401  (TABLE and its types are read through this module)
+from ..request import spec as specs
+from ..request.modes import (  # noqa: F401  (the API of plans)
+    ARCHS,
+    KERNELS,
+    Forced,
+    TileConfig,
+    arch_of,
+    entered,
+    force,
+    forced,
+    native_arch,
+    parse_tile,
+    wgmma,
+)
+from .tables import (  # noqa: F401  (TABLE and its types are read through this module)
     DECODE_ROWS,
     GLUON_FP8_HEAD_DIMS,
     GLUON_HEAD_DIMS,
@@ -32,7 +47,6 @@ from ..tables import (  # noqa: F401  (TABLE and its types are read through this
     INVARIANT_SPLIT_KEYS,
     INVARIANT_SPLIT_KEYS_INTERP,
     INTERP,
-    KERNELS,
     L2_GROUP_BYTES,
     MANY_PROGRAMS,
     MAX_SPLITS,
@@ -41,8 +55,6 @@ from ..tables import (  # noqa: F401  (TABLE and its types are read through this
     UNSUPPORTED,
     DecodeRow,
     Row,
-    TileConfig,
-    parse_tile,
 )
 from ...kernels.constexprs import FP8_PATHS
 from .common import Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401

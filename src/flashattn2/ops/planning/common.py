@@ -8,11 +8,11 @@ from typing import NamedTuple
 
 import torch
 
-from .. import spec as specs
-from ..checks import compute_dtype
-from ..geometry import block_d
-from ..modes import Forced
-from ..tables import GLUON_KERNELS, TABLE, TileConfig
+from ..request import spec as specs
+from ..request.checks import compute_dtype
+from .geometry import block_d
+from ..request.modes import Forced, TileConfig
+from .tables import GLUON_KERNELS, TABLE
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 
@@ -52,7 +52,7 @@ class Plan:
     num_warps: int = 4
     consumers: int = 1
     # the Gluon backward's program order: 0, head-major; else heads in groups whose Q and dO fit this many bytes
-    # (kernels/bwd_hopper_config.py's _ws_program; ops/launch_gluon.bwd_grid)
+    # (kernels/bwd_hopper_config.py's _ws_program; ops/launch/launch_gluon.bwd_grid)
     l2_group_bytes: int = 0
     tma: bool = False
     host_desc: bool = False

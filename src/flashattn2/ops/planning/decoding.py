@@ -10,11 +10,11 @@ from typing import NamedTuple
 import torch
 
 from .. import _runtime
-from .. import spec as specs
-from ..checks import E4M3, compute_dtype
-from ..geometry import block_d, column_parts
-from ..modes import Forced
-from ..tables import (
+from ..request import spec as specs
+from ..request.checks import E4M3, compute_dtype
+from .geometry import block_d, column_parts
+from ..request.modes import Forced, TileConfig
+from .tables import (
     DECODE_ROWS,
     INVARIANT_MAX_SPLITS,
     INVARIANT_SPLIT_KEYS,
@@ -23,7 +23,6 @@ from ..tables import (
     MAX_SPLITS,
     SHORT_SPLIT,
     DecodeRow,
-    TileConfig,
 )
 from .common import Plan, tma_ok
 

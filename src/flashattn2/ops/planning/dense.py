@@ -13,12 +13,12 @@ import torch
 
 from ...errors import ArgumentError
 from .. import _runtime
-from .. import spec as specs
-from ..geometry import block_d
+from ..request import spec as specs
+from .geometry import block_d
 from ...kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_DOTS_INTERP, FP8_FP32, FP8_NONE
-from ..checks import E4M3
-from ..modes import Forced, fp8_dots, forced, wgmma
-from ..tables import GLUON_FP8_HEAD_DIMS, GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
+from ..request.checks import E4M3
+from ..request.modes import Forced, fp8_dots, forced, wgmma
+from .tables import GLUON_FP8_HEAD_DIMS, GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
 from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
 from .decoding import sm_count
 

@@ -4,7 +4,7 @@ A spec is built at the API boundary from a call's arguments, before anything is 
 call's validation, plan and launch arguments depend on: each tensor's shape, strides, dtype and device, the options'
 values, whether every input is 16-byte aligned (Triton and TMA specialize on it), the device's arch and the modes in
 force (planning.force(), the batch-invariant mode). Two calls with equal specs are validated, planned and launched
-alike, so a call whose spec was seen before goes straight to its launches (ops.call); a new option enters every key
+alike, so a call whose spec was seen before goes straight to its launches (ops.run.call); a new option enters every key
 by being a field here. What changes from call to call without changing any of that -- the tensors' data, a dropout
 seed, an int cache_seqlens -- is not in the spec (an int cache_seqlens enters as Triton's class of it: see
 int_class).
@@ -163,8 +163,8 @@ def descale_strides(descales: tuple) -> tuple:
 
 
 def attention(r) -> AttentionSpec:
-    """The spec of an attention call from its request (ops.request.AttentionRequest; raises NotCanonical, see the
-    module docstring)."""
+    """The spec of an attention call from its request (ops.request.request.AttentionRequest; raises NotCanonical, see
+    the module docstring)."""
     q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sink = (
         r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.alibi_slopes, r.learnable_sink
     )  # fmt: skip
@@ -260,7 +260,7 @@ class KVCacheSpec(NamedTuple):
 
 
 def kvcache(r) -> KVCacheSpec:
-    """The spec of a flash_attn_with_kvcache call from its request (ops.request.KVCacheRequest; raises
+    """The spec of a flash_attn_with_kvcache call from its request (ops.request.request.KVCacheRequest; raises
     NotCanonical)."""
     q, k_cache, v_cache, cache_seqlens = r.q, r.k_cache, r.v_cache, r.cache_seqlens
     qs = tensor(q)
@@ -356,7 +356,7 @@ class PagedSpec(NamedTuple):
 
 
 def paged(r) -> PagedSpec:
-    """The spec of a paged varlen call from its request (ops.request.AttentionRequest with block_table; raises
+    """The spec of a paged varlen call from its request (ops.request.request.AttentionRequest with block_table; raises
     NotCanonical)."""
     q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table = (
         r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.block_table

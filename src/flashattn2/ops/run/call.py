@@ -1,9 +1,9 @@
-"""Every call goes the same way: its spec (ops.spec), the prepared call of that spec, its launches.
+"""Every call goes the same way: its spec (ops.request.spec), the prepared call of that spec, its launches.
 
 A prepared call is what every call of one spec shares: the arguments validated (each error names the argument), the
-options normalized (ops.options.Options), the plan (ops.planning.plan), and what the launchers keep between calls
-(a Gluon launch's arguments, the backward's prepared calls). The first call of a spec makes it; later calls go from
-their arguments to their launches, checking per call only what the spec cannot prove: index tensors' values (the
+options normalized (ops.request.options.Options), the plan (ops.planning.plan), and what the launchers keep between
+calls (a Gluon launch's arguments, the backward's prepared calls). The first call of a spec makes it; later calls go
+from their arguments to their launches, checking per call only what the spec cannot prove: index tensors' values (the
 opt-in value checks), an int cache_seqlens against the capacity.
 
 The caches (CALLS) are safe under concurrent calls: a read is one dict read; inserts, and the clear past LIMIT specs,
@@ -16,10 +16,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from . import checks, planning
-from . import spec as specs
-from .layout import Layout
-from .options import Options
+from ..request import cache_checks, checks
+from .. import planning
+from ..request import spec as specs
+from ..launch.layout import Layout
+from ..request.options import Options
 
 
 class Calls:
@@ -62,7 +63,7 @@ def clear() -> None:
 
 
 class NotReady(Exception):
-    """q, k or v is not as the kernels take it (ops.registry.for_kernels): make it so and call again. No call is
+    """q, k or v is not as the kernels take it (ops.run.registry.for_kernels): make it so and call again. No call is
     prepared for such a spec (the cache remembers it as not ready), so a prepared call proves its tensors ready and
     the API's repeated call skips the check."""
 
@@ -71,7 +72,7 @@ _NOT_READY = "not ready"  # what the caches hold for a spec whose tensors are no
 
 
 def _ready(spec: specs.AttentionSpec) -> bool:
-    """Whether ops.registry.for_kernels leaves q, k and v as they are."""
+    """Whether ops.run.registry.for_kernels leaves q, k and v as they are."""
     return all(_kernel_ready(t) for t in (spec.q, spec.k, spec.v))
 
 
@@ -113,7 +114,7 @@ class AttentionCall:
     def backward(self, out, dout, dlse, grads, deterministic: bool) -> BackwardCall:
         """The prepared backward for the output and its gradient dout (their layouts), a logsumexp gradient or None,
         and the gradients' buffers (their layouts). out None: the forward's own output; grads None: the autograd
-        Function's own, allocated like q, k and v (ops.registry.grad_buffers)."""
+        Function's own, allocated like q, k and v (ops.run.registry.grad_buffers)."""
         out_spec = self.layout.out_spec if out is None else specs.tensor(out)
         grad_specs = self.layout.grad_specs if grads is None else tuple(specs.tensor(g) for g in grads)
         aligned = specs.aligned(dout) if grads is None and out is None else specs.aligned(out, dout, *grads)
@@ -192,8 +193,8 @@ def validate_attention(r, literal: bool = False):
 
 
 def attention(r, literal: bool = False) -> AttentionCall:
-    """The prepared call of an attention request (ops.request.AttentionRequest): found by its spec, or validated,
-    planned and kept. literal: the window's edges as given (from_options), else by flash_attn's rule
+    """The prepared call of an attention request (ops.request.request.AttentionRequest): found by its spec, or
+    validated, planned and kept. literal: the window's edges as given (from_options), else by flash_attn's rule
     (window_edges). Raises NotReady (after the validation) where q, k or v is not as the kernels take it."""
     cache = LITERAL if literal else CALLS
     try:
@@ -267,7 +268,7 @@ class KVCacheCall:
         self.per_token = bool(spec.causal) or self.left >= 0 or self.right >= 0
         self.q_positions = spec.q.shape[1] if self.per_token else 1
         self.seqlen_new = 0 if spec.k is None else spec.k.shape[1]
-        self.decode = self.append = None  # ops.kvcache's Decode and Append, made at the first run
+        self.decode = self.append = None  # ops.launch.kvcache's Decode and Append, made at the first run
         # q goes to the kernel as it is: for_kernels would leave it (_kernel_ready), or it is rotated (a copy)
         rotated = spec.k is not None and spec.rotary_cos is not None
         self.q_ready = rotated or _kernel_ready(spec.q)
@@ -289,14 +290,14 @@ class KVCacheCall:
         """An int (or absent) cache_seqlens checked against the capacity and the rotary table: the int the kernels
         take (None: the whole cache)."""
         seqlen = self.capacity if cache_seqlens is None else cache_seqlens
-        checks.check_kvcache_seqlen(
+        cache_checks.check_kvcache_seqlen(
             seqlen, self.capacity, self.seqlen_new, rotary_cos, self.q_positions, self.spec.block_table is not None
         )
         return seqlen
 
 
 def kvcache(request) -> KVCacheCall:
-    """The prepared call of a flash_attn_with_kvcache request (ops.request.KVCacheRequest)."""
+    """The prepared call of a flash_attn_with_kvcache request (ops.request.request.KVCacheRequest)."""
     try:
         spec = specs.kvcache(request)
         found = CALLS.get(spec)
@@ -304,7 +305,7 @@ def kvcache(request) -> KVCacheCall:
         spec = found = None
     if found is not None:
         return found
-    checks.check_kvcache(request)
+    cache_checks.check_kvcache(request)
     r = request
     checks.check_sink(r.learnable_sink, r.q)
     checks.check_options(0.0, r.softmax_scale, r.window_size, r.softcap)
@@ -333,12 +334,12 @@ class PagedCall:
     def __init__(self, spec: specs.PagedSpec, plan: planning.Plan):
         self.spec, self.plan = spec, plan
         self.scale = _scale(spec.q.shape[-1], spec.softmax_scale)
-        self.decode = None  # ops.kvcache.Decode, made at the first run
+        self.decode = None  # ops.launch.kvcache.Decode, made at the first run
 
 
 def paged(r) -> PagedCall:
-    """The prepared call of a paged prefill's request (ops.request.AttentionRequest with block_table: shapes, dtypes
-    and options validated; the values of cu_seqlens and block_table per call, with the value checks on:
+    """The prepared call of a paged prefill's request (ops.request.request.AttentionRequest with block_table: shapes,
+    dtypes and options validated; the values of cu_seqlens and block_table per call, with the value checks on:
     checks.check_paged_values)."""
     try:
         spec = specs.paged(r)
@@ -349,7 +350,7 @@ def paged(r) -> PagedCall:
         return found
     checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
     checks.check_sink(r.learnable_sink, r.q)
-    max_q, max_k = checks.check_varlen_paged(r)
+    max_q, max_k = cache_checks.check_varlen_paged(r)
     canonical = specs.paged(
         r._replace(
             max_seqlen_q=max_q,

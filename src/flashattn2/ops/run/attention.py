@@ -1,6 +1,6 @@
-"""Dense and varlen attention: a prepared call's plan (ops.call, ops.planning) launched on its tensors -- the Gluon
-kernels (ops.launch_gluon), the Triton ones (ops.launch_triton), or in the batch-invariant mode the KV-cache kernel
-(ops.kvcache).
+"""Dense and varlen attention: a prepared call's plan (ops.run.call, ops.planning) launched on its tensors -- the Gluon
+kernels (ops.launch.launch_gluon), the Triton ones (ops.launch.launch_triton), or in the batch-invariant mode the
+KV-cache kernel (ops.launch.kvcache).
 
 Inputs arrive validated (the prepared call): (batch, seqlen_q, nheads, headdim) or (total, nheads, headdim), one
 dtype, one device, the last dimension contiguous (registry.for_kernels).
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from . import kvcache, launch_gluon, launch_triton
+from ..launch import kvcache, launch_gluon, launch_triton
 from .call import AttentionCall, BackwardCall
-from .layout import BackwardTensors, ForwardTensors
-from .options import ScoreMods
+from ..launch.layout import BackwardTensors, ForwardTensors
+from ..request.options import ScoreMods
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -51,7 +51,7 @@ def forward(call: AttentionCall, t: ForwardTensors, lse_wanted: bool = True) -> 
 
 
 def _invariant_forward(call: AttentionCall, t: ForwardTensors):
-    """The batch-invariant mode's forward (ops.invariance): the KV-cache kernel over k and v as a cache
+    """The batch-invariant mode's forward (ops.request.invariance): the KV-cache kernel over k and v as a cache
     (kvcache.invariant_shape), with q's rows packed as that kernel packs a decode step's, so that a prefill row and
     the decode step of the same token compute alike. FP8 inputs: that kernel's FP8 path, descales as given."""
     if call.options.dropout_p > 0:

@@ -50,7 +50,8 @@ class Options:
         )
 
     def request(self, q, k, v, alibi_slopes, learnable_sink, deterministic: bool = False) -> AttentionRequest:
-        """The attention request these options stand for (their window's edges as they are: ops.call.from_options)."""
+        """The attention request these options stand for (their window's edges as they are:
+        ops.run.call.from_options)."""
         return _new(  # (in the request's fields' order: keywords would cost a microsecond a ring block)
             AttentionRequest,
             (q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, self.dropout_p,

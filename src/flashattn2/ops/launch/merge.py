@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import _runtime, checks, launcher
+from .. import _runtime
+from ..request import checks
+from . import launcher
 
 # rows x head-dim elements a program merges: 8K fp32 elements, 32 KiB of accumulator per program
 _ELEMENTS = 8192

@@ -1,7 +1,7 @@
 """The KV-cache kernels' launches: append the new keys/values (rotated) into the cache (Append), rotate q (rotate_q),
 then attend over the cache, split over keys when the batch is too small to fill the GPU, and merge the splits
-(Decode); made once per prepared call (ops.call), as planned (ops.planning.decode). The caller (ops.registry) makes q's
-device the current one, as for the attention launchers."""
+(Decode); made once per prepared call (ops.run.call), as planned (ops.planning.decode). The caller (ops.run.registry)
+makes q's device the current one, as for the attention launchers."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ from typing import NamedTuple
 
 import torch
 
-from . import _runtime, launcher
+from .. import _runtime
+from . import launcher
 from . import rotary as _rotary
-from . import spec as specs
-from .geometry import block_d, column_parts
+from ..request import spec as specs
+from ..planning.geometry import block_d, column_parts
 from .launch_triton import TailFill
-from .checks import E4M3, compute_dtype
-from .modes import fp8_dots
+from ..request.checks import E4M3, compute_dtype
+from ..request.modes import fp8_dots
 from .layout import contiguous_strides
-from .planning import Plan, window
-from .tables import INVARIANT_MAX_SPLITS
+from ..planning import Plan, window
+from ..planning.tables import INVARIANT_MAX_SPLITS
 
 
 class Fp8(NamedTuple):
@@ -190,7 +191,7 @@ def check_pages(table, blocks: int, shape: Shape, seqlens, seqlen_int: int, chec
     """Flag, on the device, block-table entries out of range among the pages each sequence uses (not only those the
     append writes or the attention reads: a window or left padding skips some). Before the append: its kernel reads
     the flag and writes nothing, so a bad page raises before any memory is touched; without one, before the
-    attention (ops.registry.kvcache_forward)."""
+    attention (ops.run.registry.kvcache_forward)."""
     seqlen_new = shape.seqlen_new
     if seqlens is not None:
         ends = seqlens.clamp(0, shape.capacity - seqlen_new) + seqlen_new
@@ -219,7 +220,7 @@ def rotate_q(q: torch.Tensor, seqlens, seqlen_int: int, rotary, per_token: bool)
 class Shape(NamedTuple):
     """What a KV-cache call's launches read of its spec: the layouts of q (after rotation or a copy: `q_strides`) and
     the cache, the sizes, which index tensors come with each call, the score arguments. Built once per prepared call
-    (ops.call) for flash_attn_with_kvcache, the paged prefill and the batch-invariant mode's attention."""
+    (ops.run.call) for flash_attn_with_kvcache, the paged prefill and the batch-invariant mode's attention."""
 
     q_shape: tuple
     q_strides: tuple  # (batch, row, head); varlen (paged prefill): (0, row, head)
@@ -254,7 +255,7 @@ def _q_strides(q: specs.TensorSpec, copied: bool) -> tuple:
 
 
 def kvcache_shape(call) -> Shape:
-    """flash_attn_with_kvcache's (ops.call.KVCacheCall)."""
+    """flash_attn_with_kvcache's (ops.run.call.KVCacheCall)."""
     s = call.spec
     paged = s.block_table is not None
     rotated = s.k is not None and s.rotary_cos is not None
@@ -268,7 +269,7 @@ def kvcache_shape(call) -> Shape:
 
 
 def paged_shape(call) -> Shape:
-    """The paged prefill's (ops.call.PagedCall): sequence b's keys are its first cu_seqlens_k[b + 1] -
+    """The paged prefill's (ops.run.call.PagedCall): sequence b's keys are its first cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] positions through block_table[b]."""
     s = call.spec
     q = _q_strides(s.q, False)
@@ -280,9 +281,9 @@ def paged_shape(call) -> Shape:
 
 
 def invariant_shape(call, descales: tuple = NO_DESCALES) -> Shape:
-    """The batch-invariant mode's attention (ops.attention): k and v as a cache -- dense: a contiguous cache of seqlen_k
-    keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from cu_seqlens_k[b] (its left
-    padding) to cu_seqlens_k[b + 1] (its cache_seqlens). descales: an FP8 call's (q_descale, k_descale, v_descale)
+    """The batch-invariant mode's attention (ops.run.attention): k and v as a cache -- dense: a contiguous cache of
+    seqlen_k keys a sequence; varlen: one cache row holding every sequence, sequence b's keys from cu_seqlens_k[b] (its
+    left padding) to cu_seqlens_k[b + 1] (its cache_seqlens). descales: an FP8 call's (q_descale, k_descale, v_descale)
     specs (specs.optional of each; (batch, nheads_k), varlen's batch the sequences), for e4m3 q, k and v: the Decode
     made with this shape then takes the tensors (Decode.__call__'s descales)."""
     s, o = call.spec, call.options

@@ -2,19 +2,20 @@
 
 A training or serving loop repeats a few call signatures, and on the H200's host making the choices below cost
 about a third of a forward's host time: each launch's arguments beyond the tensors are made once per prepared call
-(ops.call: ForwardLaunch and BackwardLaunch are kept on the call of their spec) and reused by its later calls."""
+(ops.run.call: ForwardLaunch and BackwardLaunch are kept on the call of their spec) and reused by its later calls."""
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
-from . import _runtime, launcher
-from . import spec as specs
-from .geometry import cdiv, column_parts
+from ...kernels.constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
+from .. import _runtime
+from . import launcher
+from ..request import spec as specs
+from ..planning.geometry import cdiv, column_parts
 from .launch_triton import Preprocess, SinkGrad
 from .layout import BackwardTensors, ForwardTensors, Layout
-from .planning import Plan, tma_ok
+from ..planning import Plan, tma_ok
 from .tma import gluon_layout, host_desc
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (the first: 2^31 - 1)

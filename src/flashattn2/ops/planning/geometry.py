@@ -1,14 +1,13 @@
 """Where a call's rows live: dense (batch, seqlen, nheads, headdim) or varlen (total, nheads, headdim) with
-cu_seqlens; the strides and lengths the kernels take, and the tail rows of a varlen output."""
+cu_seqlens; the strides and lengths the kernels take."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from . import _runtime, launcher, seqlens
+from ..request import seqlens
 
 
 def cdiv(a: int, b: int) -> int:
@@ -110,37 +109,3 @@ class Geometry:
         Otherwise `like` and False (never read)."""
         order = None if self.varlen is None else getattr(self.varlen, "order_" + side)
         return (like, False) if order is None else (order, True)
-
-
-def fill_tails(*slots) -> None:
-    """One launch that fills, for each slot (x, cu_seqlens, value, rows_dim, known), the rows of
-    x past cu_seqlens[-1] along rows_dim (x: (total, ...) with the other dimensions of a row one
-    contiguous block, or lse (nheads, total) with rows_dim=1). At most three slots. A slot whose
-    cu_seqlens is known (seqlens.remembered: known = (last value, longest)) to end at the last
-    row needs nothing: no launch then."""
-    slots = [slot[:4] for slot in slots if (slot[4] or (-1,))[0] != slot[0].shape[slot[3]]]
-    if not slots:
-        return
-    args = []
-    totals = []
-    for x, cu_seqlens, value, rows_dim in slots:
-        total = x.shape[rows_dim]
-        if rows_dim == 0:
-            stride_r, stride_c, ncols = x.stride(0), 1, math.prod(x.shape[1:])
-        else:
-            stride_r, stride_c, ncols = x.stride(1), x.stride(0), x.shape[0]
-        args += [x, cu_seqlens, (total, stride_r, stride_c, ncols, value)]
-        totals.append(total)
-    if max(totals) == 0:
-        return
-    args += args[:3] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
-    block_r = 64
-    launcher.launch(
-        _runtime.kernels().fill.fill_tail_kernel,
-        (cdiv(max(totals), block_r),),
-        *args,
-        slots[0][1].shape[0] - 1,
-        SLOTS=len(slots),
-        BLOCK_R=block_r,
-        BLOCK_C=128,
-    )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime, launcher
+from .. import _runtime
+from . import launcher
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 

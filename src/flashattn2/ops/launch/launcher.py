@@ -1,8 +1,8 @@
 """Launching a kernel: once through Triton, then straight to the compiled kernel.
 
-A prepared call (ops.call) keeps one Launch per kernel it runs: the kernel and the keywords its plan fixed. The first
-launch goes through Triton's own path (JITFunction.run: it binds and specializes the arguments, compiles or finds the
-kernel); later launches call the compiled kernel that returned (CompiledKernel.run), pointers passed as integers. A
+A prepared call (ops.run.call) keeps one Launch per kernel it runs: the kernel and the keywords its plan fixed. The
+first launch goes through Triton's own path (JITFunction.run: it binds and specializes the arguments, compiles or finds
+the kernel); later launches call the compiled kernel that returned (CompiledKernel.run), pointers passed as integers. A
 prepared call's spec fixes everything Triton specializes a kernel on -- the dtypes, every pointer's 16-byte alignment,
 every integer's value or class, the constexprs -- so the kernel Triton found for the spec's first call is the one it
 would find for each later call. Tests on a GPU set VERIFY_LAUNCH: each direct launch first asks Triton for its choice
@@ -28,7 +28,7 @@ import threading
 import torch
 import triton
 
-from . import _runtime
+from .. import _runtime
 
 DESCRIPTORS_ENCODED_ONCE = triton.__version__.startswith("3.6.")
 VERIFY_LAUNCH = False
@@ -68,7 +68,7 @@ def watched(watch):
 
 class HostDesc(tuple):
     """(tensor, shape, strides, block_shape, layout), all tuples but the tensor and the layout: a TMA descriptor built
-    on the host (ops.tma.host_desc), made in ~0.5 us. layout: None for a Triton kernel, the shared-memory layout
+    on the host (ops.launch.tma.host_desc), made in ~0.5 us. layout: None for a Triton kernel, the shared-memory layout
     (NVMMASharedLayout) for a Gluon one. Direct launches on 3.6 encode it themselves (_tma_map); otherwise Triton gets
     the TensorDescriptor it stands for (_for_triton)."""
 
@@ -189,7 +189,7 @@ class Launch:
         return len(args) + len(self.constexprs) == len(names) and all(n in self.kwargs for n in names[len(args) :])
 
 
-# Host-built tensor descriptors (ops.tma.host_desc): Triton's launcher encodes every descriptor argument into a
+# Host-built tensor descriptors (ops.launch.tma.host_desc): Triton's launcher encodes every descriptor argument into a
 # CUtensorMap at every launch, in Python (~10 us each on the H200's host; a backward passes 11). On 3.6 a direct launch
 # instead encodes a descriptor once per (address, shape, strides, box) -- the CUtensorMap is a function of those alone
 # -- and calls the C launcher under Triton's wrapper with the encoded arguments.

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from . import launcher, planning
+from . import launcher
+from .. import planning
 
 
 def use_tma(arch: str, *tensors: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """The attention ops: torch.library registration for torch.compile, and the autograd Functions eager calls take.
 
-Internal callers pass an attention call's options by name (ops.options.Options); only the torch.library shims
+Internal callers pass an attention call's options by name (ops.request.options.Options); only the torch.library shims
 flatten them, their parameter lists derived from Options' fields:
 
     flashattn2::fwd(q, k, v, *Options, alibi_slopes, learnable_sink) -> (out, lse)
@@ -8,7 +8,7 @@ flatten them, their parameter lists derived from Options' fields:
                     deterministic)   (writes dq, dk, dv and dsink in place: packed callers pass views of one tensor)
 
 Their fake implementations let torch.compile trace them without a graph break. Eager calls skip the dispatcher (it
-costs host time and only tracing needs it): forward() and backward() run the prepared call (ops.call) directly, and
+costs host time and only tracing needs it): forward() and backward() run the prepared call (ops.run.call) directly, and
 the API's autograd Functions below call them.
 """
 
@@ -19,9 +19,12 @@ import typing
 
 import torch
 
-from . import _runtime, attention, call as calls, checks, invariance, kvcache, planning, request
-from .layout import BackwardTensors, ForwardTensors
-from .options import N_OP_ARGS, Options
+from .. import _runtime, planning
+from . import attention, call as calls
+from ..request import checks, invariance, request
+from ..launch import kvcache
+from ..launch.layout import BackwardTensors, ForwardTensors
+from ..request.options import N_OP_ARGS, Options
 
 
 def for_kernels(t: torch.Tensor) -> torch.Tensor:
@@ -363,8 +366,8 @@ def _no_fp8_grad(*tensors) -> None:
 
 def kvcache_forward(call, r, check=None):
     """The body of flashattn2::fwd_kvcache: append k/v into the cache (k rotated; quantized into an FP8 cache), rotate
-    q, attend, as the prepared call (ops.call.KVCacheCall) planned (ops.kvcache's Append and Decode, made at its first
-    run). r: the request (ops.request.KVCacheRequest; an int or absent cache_seqlens checked already:
+    q, attend, as the prepared call (ops.run.call.KVCacheCall) planned (ops.launch.kvcache's Append and Decode, made at
+    its first run). r: the request (ops.request.request.KVCacheRequest; an int or absent cache_seqlens checked already:
     KVCacheCall.seqlen). check: a kvcache.Check (eager calls only), set when a cache tensor holds a value out of
     range. Without return_softmax_lse the logsumexp returned is not the caller's to keep (kvcache.Decode)."""
     decode = call.decode
@@ -414,9 +417,9 @@ def _fwd_kvcache_impl(*args):
 
 
 # flashattn2::fwd_kvcache: append k/v into k_cache/v_cache in place (k rotated), then attention of q (rotated) over the
-# cache: (out, lse). Its parameters are flash_attn_with_kvcache's request's (ops.request: an int cache_seqlens travels
-# as cache_seqlen_int with cache_seqlens None), validated by the API; the four added last (the sink, FP8's descales)
-# default to None. torch.compile's path; eager calls run kvcache_forward.
+# cache: (out, lse). Its parameters are flash_attn_with_kvcache's request's (ops.request.request: an int cache_seqlens
+# travels as cache_seqlen_int with cache_seqlens None), validated by the API; the four added last (the sink, FP8's
+# descales) default to None. torch.compile's path; eager calls run kvcache_forward.
 _fwd_kvcache_impl.__signature__ = request.op_schema(
     request.KVCacheRequest, tuple[Tensor, Tensor], optional=("learnable_sink", "q_descale", "k_descale", "v_descale")
 )
@@ -445,8 +448,8 @@ def _(q, k_cache, v_cache, *_):
 
 def paged_forward(call, r: request.AttentionRequest, cu_seqlens_q):
     """The body of flashattn2::fwd_varlen_paged: varlen q over a paged K/V (r.k and r.v the caches, r.block_table),
-    as the prepared call (ops.call.PagedCall) planned; sequence b's keys are its first cu_seqlens_k[b + 1] -
-    cu_seqlens_k[b] positions through block_table[b]. cu_seqlens_q: r's as checks.paged_sequences returned it.
+    as the prepared call (ops.run.call.PagedCall) planned; sequence b's keys are its first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] positions through block_table[b]. cu_seqlens_q: r's as cache_checks.paged_sequences returned it.
     (out, lse (nheads, total_q))."""
     q, cu_seqlens_k, block_table = r.q, r.cu_seqlens_k, r.block_table
     decode = call.decode

@@ -1,5 +1,7 @@
 """What a call runs under, beside its arguments: planning.force()'s state (a context variable: each thread and task
-its own) and the device's architecture as the plan table names it. Both enter every call's spec (ops.spec.Modes).
+its own) and the device's architecture as the plan table names it. Both enter every call's spec
+(ops.request.spec.Modes). The names force() and the plan table share live here: the architectures (ARCHS), the kernels
+(KERNELS), a tile (TileConfig).
 
 Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...`.
 """
@@ -8,12 +10,58 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
-from .tables import ARCHS, KERNELS, TileConfig
+from ...errors import ArgumentError, ArgumentTypeError
+
+# sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block); sm80: A100 / A800 /
+# Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB); interp: Triton's CPU interpreter
+ARCHS = ("sm90", "sm80", "sm86", "interp")
+# The kernels a plan names (force() takes a tile for each):
+#   fwd, bwd_dkdv + bwd_dq: the Triton kernels (kernels/fwd.py, kernels/bwd.py), every arch and option;
+#   fwd_hopper_persist: the persistent warp-specialized Gluon forward (kernels/fwd_hopper.py; grid = #SMs;
+#     block_m rows per consumer warpgroup, num_warps the consumers' warps, 4 per warpgroup: 8 or 12; qbuf its
+#     Q buffers per consumer);
+#   fwd_hopper_ws: the warp-specialized Gluon forward (two consumer warpgroups of block_m rows);
+#   bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps its MMA partition's).
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "fwd_hopper_persist", "fwd_hopper_ws", "bwd_hopper")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+    qbuf: int | None = None  # fwd_hopper_persist only: Q buffers per consumer (1 or 2; None: 2)
+
+    def __str__(self) -> str:
+        """'64x64w12s3', with 'q1' after it where qbuf is set: how bench ab and the tools write a tile."""
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}" + (
+            f"q{self.qbuf}" if self.qbuf is not None else ""
+        )
+
+    def __post_init__(self):
+        if self.qbuf not in (None, 1, 2):
+            raise ArgumentError(
+                f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, got {self.qbuf}"
+            )
+
+
+_TILE_TEXT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
+
+
+def parse_tile(text: str) -> TileConfig | None:
+    """The TileConfig that TileConfig.__str__ wrote as text ('64x64w12s3', '64x64w12s3q1'), else None."""
+    m = _TILE_TEXT.fullmatch(text)
+    return (
+        None
+        if m is None
+        else TileConfig(*(int(x) for x in m.groups()[:4]), qbuf=None if m.group(5) is None else int(m.group(5)))
+    )
 
 
 @dataclass(frozen=True)
@@ -95,7 +143,7 @@ def force(
 @contextlib.contextmanager
 def entered(state: Forced | None):
     """Plans under a Forced that forced() returned earlier: an autograd backward runs in the engine's worker
-    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.registry). None: as is."""
+    thread, which sees no force() of the caller's, so it re-enters its forward's (ops.run.registry). None: as is."""
     if state is None:
         yield
         return

@@ -2,8 +2,8 @@
 
 Under it every forward -- flash_attn_func and the packed and varlen functions, flash_attn_with_kvcache, the paged
 prefill -- runs the KV-cache kernel (kernels/decode.py) with one tile per (head dims, dtype) whatever the shapes
-(ops.kvcache.invariant_tiles), key blocks counted from each sequence's first key, splits of a fixed number of keys
-(INVARIANT_SPLIT_KEYS) whatever the batch, and every row through the split-merging kernel in one fixed order (empty
+(ops.launch.kvcache.invariant_tiles), key blocks counted from each sequence's first key, splits of a fixed number of
+keys (INVARIANT_SPLIT_KEYS) whatever the batch, and every row through the split-merging kernel in one fixed order (empty
 splits add exact zeros). So a row's arithmetic is fixed by its own query, its own keys and the options: alone or in a
 batch, anywhere in a varlen pack, over a contiguous or a paged cache of any page size, in a causal prefill or in a
 decode step over a cache holding the same keys, it gives the same bits. The backward is the deterministic one.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from ..errors import ArgumentTypeError
-from . import _runtime
+from ...errors import ArgumentTypeError
+from .. import _runtime
 
 _DEFAULT = [_runtime.env_flag("FLASHATTN2_BATCH_INVARIANT") is True]
 STATE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("flashattn2_batch_invariant", default=None)

@@ -4,18 +4,16 @@ TABLE: the dense and varlen attention rows, keyed by direction ("fwd", "bwd"), a
 element, first match wins (ops.planning reads it). DECODE_ROWS: the KV-cache kernel's rows (flash_attn_with_kvcache,
 the paged prefill, the batch-invariant mode), beside it in the same form. The full numbers, the runners-up and the
 rejected variants of each measured row are in bench/results/provenance-nvidia-h200.md; the method in docs/tuning.md.
+The names the rows use, ARCHS, KERNELS and TileConfig, are ops.request.modes' (force() takes them before any plan is
+made).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from ..errors import ArgumentError
+from ..request.modes import TileConfig
 
-# sm90: Hopper (and Blackwell datacenter parts: TMA, ~227 KB of shared memory per block); sm80: A100 / A800 /
-# Orin (163 KB); sm86: the other CUDA GPUs (sm86, sm89, sm120...: 99 KB); interp: Triton's CPU interpreter
-ARCHS = ("sm90", "sm80", "sm86", "interp")
 HEAD_DIM_BUCKETS = (64, 128, 256, 512)  # BLOCK_D <= 64 share the 64 rows; a call's bucket is its wider head dim's
 # the (q/k, v) head dims the Gluon kernels of each direction run (v's at most q's: O leaves through Q's buffer)
 GLUON_HEAD_DIMS = {
@@ -24,50 +22,8 @@ GLUON_HEAD_DIMS = {
 }
 # the (q/k, v) head dims the Gluon forward runs on e4m3 inputs (FP8; no backward)
 GLUON_FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
-# The kernels a plan names (force() takes a tile for each):
-#   fwd, bwd_dkdv + bwd_dq: the Triton kernels (kernels/fwd.py, kernels/bwd.py), every arch and option;
-#   fwd_hopper_persist: the persistent warp-specialized Gluon forward (kernels/fwd_hopper.py; grid = #SMs;
-#     block_m rows per consumer warpgroup, num_warps the consumers' warps, 4 per warpgroup: 8 or 12; qbuf its
-#     Q buffers per consumer);
-#   fwd_hopper_ws: the warp-specialized Gluon forward (two consumer warpgroups of block_m rows);
-#   bwd_hopper: the warp-specialized Gluon backward (kernels/bwd_hopper.py; num_warps its MMA partition's).
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "fwd_hopper_persist", "fwd_hopper_ws", "bwd_hopper")
 GLUON_KERNELS = frozenset({"fwd_hopper_persist", "fwd_hopper_ws", "bwd_hopper"})  # what hopper=False turns off
 DIRECTIONS = ("fwd", "bwd")
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int  # query rows per tile
-    block_n: int  # key rows per tile
-    num_warps: int
-    num_stages: int
-    qbuf: int | None = None  # fwd_hopper_persist only: Q buffers per consumer (1 or 2; None: 2)
-
-    def __str__(self) -> str:
-        """'64x64w12s3', with 'q1' after it where qbuf is set: how bench ab and the tools write a tile."""
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}" + (
-            f"q{self.qbuf}" if self.qbuf is not None else ""
-        )
-
-    def __post_init__(self):
-        if self.qbuf not in (None, 1, 2):
-            raise ArgumentError(
-                f"TileConfig: qbuf (the persistent forward's Q buffers per consumer) must be 1 or 2, got {self.qbuf}"
-            )
-
-
-_TILE_TEXT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:q(\d+))?")
-
-
-def parse_tile(text: str) -> TileConfig | None:
-    """The TileConfig that TileConfig.__str__ wrote as text ('64x64w12s3', '64x64w12s3q1'), else None."""
-    m = _TILE_TEXT.fullmatch(text)
-    return (
-        None
-        if m is None
-        else TileConfig(*(int(x) for x in m.groups()[:4]), qbuf=None if m.group(5) is None else int(m.group(5)))
-    )
 
 
 @dataclass(frozen=True)
@@ -283,10 +239,10 @@ MAX_SPLITS = 128
 # programs without splits
 SHORT_SPLIT = 1024
 MANY_PROGRAMS = 1024
-# Batch-invariant mode (ops.invariance): one tile per (head dims, dtype) and splits of a fixed number of keys, counted
-# from each sequence's first key, every row through the combine, whose reduction over the splits has one fixed width
-# (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The interpreter splits every 32 keys, so
-# that the CPU tests cross split boundaries. Not yet tuned on the GPU.
+# Batch-invariant mode (ops.request.invariance): one tile per (head dims, dtype) and splits of a fixed number of keys,
+# counted from each sequence's first key, every row through the combine, whose reduction over the splits has one fixed
+# width (INVARIANT_MAX_SPLITS lanes: empty splits are exact zeros in fixed places). The interpreter splits every 32
+# keys, so that the CPU tests cross split boundaries. Not yet tuned on the GPU.
 INVARIANT_SPLIT_KEYS = 4096
 INVARIANT_SPLIT_KEYS_INTERP = 32
 INVARIANT_MAX_SPLITS = 256

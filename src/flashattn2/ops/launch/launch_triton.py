@@ -1,16 +1,19 @@
 """The Triton kernels' launches (kernels/fwd.py, kernels/bwd_preprocess.py, kernels/bwd.py, kernels/dmask.py):
 every arch, every option, dense and varlen. What runs is decided before (ops.planning's Plan); Forward and Backward
-are made once per prepared call (ops.call) with every argument but the tensors, and launch on each call's tensors."""
+are made once per prepared call (ops.run.call) with every argument but the tensors, and launch on each call's
+tensors."""
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
-from . import _runtime, launcher, seqlens
-from .geometry import block_d, cdiv
+from ...kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
+from .. import _runtime
+from . import launcher
+from ..request import seqlens
+from ..planning.geometry import block_d, cdiv
 from .layout import BackwardTensors, ForwardTensors, Layout, contiguous_strides, rows_strides
-from .planning import Plan
+from ..planning import Plan
 from .tma import host_desc
 
 
@@ -29,7 +32,8 @@ class TailFill:
     """Varlen: the rows past cu_seqlens[-1] of up to three tensors (x: (total, ...) with the other dimensions of a row
     one contiguous block, or lse (nheads, total) with rows_dim 1) get a value -- 0 for outputs and gradients, +inf for
     the logsumexp -- in one launch (kernels/fill.py), skipped when every cu_seqlens is known to end at its last row
-    (ops.seqlens.known). slots: (shape, strides, value, rows_dim) of each tensor; the tensors come with each call."""
+    (ops.request.seqlens.known). slots: (shape, strides, value, rows_dim) of each tensor; the tensors come with each
+    call."""
 
     __slots__ = ("launch", "grid", "slots", "totals", "batch", "rowless")
 
@@ -115,7 +119,7 @@ class Forward:
             num_stages=cfg.num_stages,
         )
         kernel = _runtime.kernels().fwd.attn_fwd_kernel
-        # SORTED: a varlen call's sequences longest first, where ops.seqlens knows their order
+        # SORTED: a varlen call's sequences longest first, where ops.request.seqlens knows their order
         self.launches = {sort: launcher.Launch(kernel, SORTED=sort, **kw) for sort in (False, True)}
         self.tail = None
         if layout.varlen:
@@ -306,7 +310,7 @@ class Backward:
     """kernels/bwd_preprocess.py's delta preprocess, then kernels/bwd.py's dK/dV (one program per key block over its
     query blocks) and dQ (one program per query block over its key blocks): deterministic, no atomics. A sink changes
     only lse (which P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess).
-    Made once per prepared backward (ops.call.BackwardCall): dout's and the gradients' layouts are its spec's."""
+    Made once per prepared backward (ops.run.call.BackwardCall): dout's and the gradients' layouts are its spec's."""
 
     __slots__ = ("layout", "plan", "pre", "dkdv", "dq", "grids", "grad_strides", "dout_strides", "tail", "sink")
 

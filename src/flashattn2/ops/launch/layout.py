@@ -1,4 +1,4 @@
-"""An attention call's rows as the kernels take them, worked out once per prepared call (ops.call) from its spec:
+"""An attention call's rows as the kernels take them, worked out once per prepared call (ops.run.call) from its spec:
 sizes, each tensor's (batch, row, head) strides, the outputs' shapes and strides, the score arguments and flags.
 Every call of the spec launches with these; only its tensors are its own."""
 
@@ -9,11 +9,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.constexprs import Mods
-from . import spec as specs
-from .geometry import Geometry, Varlen
-from .checks import E4M3, compute_dtype
-from .planning import out_dtype, window
+from ...kernels.constexprs import Mods
+from ..request import spec as specs
+from ..planning.geometry import Geometry, Varlen
+from ..request.checks import E4M3, compute_dtype
+from ..planning import out_dtype, window
 
 
 class ForwardTensors(NamedTuple):
@@ -123,7 +123,7 @@ class Layout:
         self.mods = Mods(w.causal, w.local, softcap > 0, alibi is not None, spec.dropout_p > 0, spec.sink is not None)
         self.alibi_stride = alibi.shape[-1] if alibi is not None and len(alibi.shape) == 2 else 0  # contiguous
         self.out_spec = specs.TensorSpec(torch.Size(self.out_shape), out, self.result_dtype, q.device)  # the forward's
-        # the autograd Functions' gradients (ops.registry.Attention): contiguous, q's, k's and v's shapes; the
+        # the autograd Functions' gradients (ops.run.registry.Attention): contiguous, q's, k's and v's shapes; the
         # interpreter's in fp32 (its 16-bit stores truncate), which autograd casts to the inputs' dtype
         self.grad_dtype = torch.float32 if self.arch == "interp" else q.dtype
         self.grad_specs = tuple(
