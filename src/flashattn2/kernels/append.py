@@ -1,4 +1,4 @@
-"""Appending the new keys and values to a KV cache (flash_attn_with_kvcache's k and v; ops.kvcache.append_): one
+"""Appending the new keys and values to a KV cache (flash_attn_with_kvcache's k and v; ops.launch.kvcache.append_): one
 kernel for every cache layout (kernels/decode.py's CacheLayout), k rotated on the way. An FP8 cache (AppendFp8) takes
 e4m3 codes as uint8: new k/v in e4m3 are copied as they are; in 16-bit types they are quantized here, k after its
 rotation (in fp32): e4m3(x / descale), kernels.fp8.e4m3_encode's exact rounding (torch's and FA3's)."""
@@ -12,7 +12,7 @@ from .fp8 import e4m3_encode
 
 
 class AppendTile(NamedTuple):
-    """kvcache_append_kernel's head dims and tile (ops.kvcache.append_)."""
+    """kvcache_append_kernel's head dims and tile (ops.launch.kvcache.append_)."""
 
     HEAD_DIM: int  # k's head dim
     BLOCK_B: int  # sequences _values_out_of_range checks at a time
@@ -23,7 +23,7 @@ class AppendTile(NamedTuple):
 
 
 class AppendFp8(NamedTuple):
-    """kvcache_append_kernel over an FP8 cache (ops.kvcache.Append)."""
+    """kvcache_append_kernel over an FP8 cache (ops.launch.kvcache.Append)."""
 
     ENCODE: bool  # the new k/v are 16-bit, the cache e4m3 codes: quantized on the way
     K_DESCALE: bool  # KDescale[b, h] divides the new k before it is rounded (else 1)
@@ -135,7 +135,7 @@ def kvcache_append_kernel(
     BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
     off_b = tl.program_id(0).to(tl.int64)
     pid_t = tl.program_id(1)
-    if CHECK:  # Err may already be set by the host's page check (ops.kvcache._check_pages_read)
+    if CHECK:  # Err may already be set by the host's page check (ops.launch.kvcache._check_pages_read)
         if _values_out_of_range(
             CacheSeqlens, CacheBatchIdx, LeftPad, (BlockTable, stride_bt), shape, CACHE, TILE.BLOCK_B
         ) | (tl.load(Err) != 0):

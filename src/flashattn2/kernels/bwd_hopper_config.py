@@ -173,7 +173,7 @@ def _ws_program(args, cfg):
     guarantee), so the heads go in groups of G, one group after the other, and within a group key block 0 of every
     head first, then key block 1, ...: under a causal mask key block 0 sees the most query blocks, so each group
     runs heaviest first (the longest-first rule, which keeps the last wave short), while the programs running at
-    once read the Q and dO of G heads only (ops.launch_gluon.bwd_grid sizes G for L2 and CUDA's grid limits). G = 1 is
+    once read the Q and dO of G heads only (launch_gluon.bwd_grid sizes G for L2 and CUDA's grid limits). G = 1 is
     the head-major order (one head's key blocks after the other's). The ids come from special registers, which the
     compiler reads again rather than keep in registers through the loop (an order computed with divisions spilled,
     compiled for sm_90). Query heads h0 .. h0 + group - 1 share the kv head. Query blocks [i_first, i_end) of each

@@ -36,7 +36,7 @@ class Path(NamedTuple):
 FP8_NONE, FP8_DOTS, FP8_BF16, FP8_FP32, FP8_DOTS_INTERP = "", "e4m3", "bf16", "fp32", "e4m3-interp"
 
 # The FP8 Gluon forward's key order in each group of FP8_KEY_GROUP keys (kernels/fwd_hopper_tile.FwdConfig.p_operand
-# takes P's columns in it, ops.launch_gluon.fp8_vt writes V^T's keys in it): a group's keys as dims FP8_KEY_DIMS
+# takes P's columns in it, ops.launch.launch_gluon.fp8_vt writes V^T's keys in it): a group's keys as dims FP8_KEY_DIMS
 # (h, g, t, j: key 16 h + 8 g + 2 t + j, a thread t of the accumulator holding 2t, 2t + 1 of each 8), taken in the
 # order FP8_KEY_ORDER (h, t, g, j: position 16 h + 4 t + 2 g + j, the e4m3 A operand's thread t holding 4t .. 4t + 3
 # of each 16), so that P's registers are the A operand's as they stand

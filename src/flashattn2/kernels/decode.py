@@ -15,7 +15,7 @@ reduction order depends on its own keys only -- and writes a partial output and 
 fp32; attn_combine_kernel merges them. Without splits the program writes out and lse directly.
 
 q's and k's head dim that is two powers of two (576 = 512 + 64, the MLA decode's; 192 = 128 + 64) is two column
-blocks, BLOCK_D and BLOCK_D_LO (ops.geometry.column_parts), each a load and a dot of its own, rather than one block
+blocks, BLOCK_D and BLOCK_D_LO (planning.geometry.column_parts), each a load and a dot of its own, rather than one block
 padded to the next power of two (1024, 256); BLOCK_D_LO is 0 otherwise.
 
 ROW_BLOCKS_ADJACENT (more than one row block): the grid's first axis holds batch * nheads_k * row_blocks programs,
@@ -24,7 +24,7 @@ and from L2 for the other row blocks, rather than once per row block (row blocks
 batch * nheads_k programs between two of one sequence, and cap them at CUDA's 65535).
 
 KV_TMA (with V_FROM_K, a second column block and a paged cache whose pages are contiguous rows, a key block in
-one page, no left padding, TMA's 16-byte alignment: ops.kvcache.kv_tma): whole key blocks are TMA copies into shared
+one page, no left padding, TMA's 16-byte alignment: launch.kvcache.kv_tma): whole key blocks are TMA copies into shared
 memory, which the dots read there, rather than loads through registers (at MLA's 64 query rows a program the 64 x 512
 fp32 accumulator leaves no registers for the key tile); the last partial block takes the pointer loop, whose masked
 loads zero the keys past the end.
@@ -54,7 +54,7 @@ from .fp8 import e4m3_decode
 
 
 class DecodeMods(NamedTuple):
-    """How attn_kvcache_kernel forms and masks the scores (ops.options.ScoreMods.kernel_args' flags, no dropout)."""
+    """How attn_kvcache_kernel forms and masks the scores (request.options.ScoreMods.kernel_args' flags, no dropout)."""
 
     CAUSAL: bool  # bottom-right causal mask
     LOCAL: bool  # sliding window (window_left, window_right); excludes CAUSAL
@@ -64,7 +64,7 @@ class DecodeMods(NamedTuple):
 
 
 class CacheLayout(NamedTuple):
-    """The cache as the decode and append kernels address it (ops.kvcache.Cache)."""
+    """The cache as the decode and append kernels address it (ops.launch.kvcache.Cache)."""
 
     PAGED: bool  # pages through BlockTable, else a cache row per sequence
     BATCH_IDX: bool  # sequence b's cache row is CacheBatchIdx[b] (not paged)
@@ -82,7 +82,7 @@ class DecodePath(NamedTuple):
     PDL: bool  # the combine is a programmatic dependent launch (sm90)
     V_FROM_K: bool  # V is K's first column block: the key tile is the value tile
     ROW_BLOCKS_ADJACENT: bool  # several row blocks, consecutive on the grid's first axis
-    KV_TMA: bool  # whole key blocks by TMA into shared memory (ops.kvcache.kv_tma)
+    KV_TMA: bool  # whole key blocks by TMA into shared memory (ops.launch.kvcache.kv_tma)
 
 
 class DecodeDots(NamedTuple):
@@ -296,7 +296,7 @@ def attn_kvcache_kernel(
         )  # fmt: skip
         tl.static_assert(
             PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD and not FP8.KV_E4M3,
-            "KV_TMA: ops.kvcache.kv_tma's cache (16-bit)",
+            "KV_TMA: ops.launch.kvcache.kv_tma's cache (16-bit)",
         )
         n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_lo, n_full, BLOCK_N):
@@ -351,7 +351,7 @@ def attn_kvcache_kernel(
             else:
                 qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOTS.DOT_PRECISION)
         p, alpha, l_i, m_new = _softmax_step(qk, kj, k_ok, qi, m_i, l_i, slope2, lens, score2, MODS)
-        if PATH.V_FROM_K:  # v is k's first column block (ops.kvcache.v_from_k): the tile already loaded
+        if PATH.V_FROM_K:  # v is k's first column block (ops.launch.kvcache.v_from_k): the tile already loaded
             v = k
         else:  # [BLOCK_N, BLOCK_DV]
             v = tl.load(v_base + v_off[:, None] + cols_v[None, :], mask=k_ok[:, None] & col_v_ok[None, :], other=0.0)

@@ -42,7 +42,7 @@ def fp8_operand(x, PATH: tl.constexpr):
 @triton.jit
 def vt_src(Vt, vt_strides, off_b, off_hk, col0, seqlen_k, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
-    """The e4m3 dots' V: a transposed copy (ops.launch_triton.Forward: each kv head's (HEAD_DIM_V, keys) rows, keys
+    """The e4m3 dots' V: a transposed copy (launch_triton.Forward: each kv head's (HEAD_DIM_V, keys) rows, keys
     contiguous), so that V meets wgmma K-major as its e4m3 operands must be, straight from shared memory (V itself
     would be transposed through registers on every key block). col0: the sequence's first key's column, 16-aligned
     (TMA's base alignment). (source, seqlen_k, row stride) for vt_load: a TMA descriptor of the sequence's keys (zeros
@@ -221,7 +221,7 @@ def attn_fwd_kernel(
     k_tile = tile_src((K, k_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, PATH)
     if PATH.FP8 == "e4m3" or PATH.FP8 == "e4m3-interp":  # V is its transposed copy (vt_src), v_strides its strides
         vt_col0 = k_start
-        if IS_VARLEN:  # each sequence's keys start 16-aligned in the copy (ops.launch_triton.Forward.vt_columns)
+        if IS_VARLEN:  # each sequence's keys start 16-aligned in the copy (ops.launch.launch_triton.Forward.vt_columns)
             vt_col0 = (k_start + 15) // 16 * 16 + 16 * off_b
         v_tile = vt_src(V, v_strides, off_b, off_hk, vt_col0, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PATH.VT_TMA)
     else:

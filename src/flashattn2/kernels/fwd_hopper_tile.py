@@ -190,7 +190,7 @@ class FwdConfig:
         still fp32 (issue_pv converts it, where the packed registers go straight into the wgmma: converted here, the
         loop would carry single bytes and repack them), its key columns in constexprs.FP8_KEY_ORDER, in which a
         thread's accumulator registers are the A operand's (no shuffle between threads); V^T's copy holds its keys
-        in the same order (ops.launch_gluon.fp8_vt), so P V is unchanged -- FA3's trick."""
+        in the same order (ops.launch.launch_gluon.fp8_vt), so P V is unchanged -- FA3's trick."""
         if self.FP8:  # (constexprs.FP8_KEY_ORDER: the order and why)
             gl.static_assert(_KEY_ORDER_IS_THIS, "p_operand's permute spells constexprs.FP8_KEY_ORDER out")
             p = p.reshape(_key_view(self.BLOCK_M, self.BLOCK_N))
