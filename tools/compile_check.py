@@ -29,7 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_NONE, Mods, Path, Tile  # noqa: E402
 from flashattn2.ops import _runtime, planning  # noqa: E402
-from flashattn2.ops.launch import launch_gluon, launcher  # noqa: E402
+from flashattn2.ops.launch import launch_gluon, launch_triton, launcher  # noqa: E402
 from flashattn2.ops.planning.geometry import block_d, column_parts  # noqa: E402
 from flashattn2.ops.launch.tma import host_desc  # noqa: E402
 
@@ -76,10 +76,25 @@ def compile_kernel(fn, arch, elem_bytes, constexprs, cfg, types=None, last=None)
         from triton.experimental.gluon._runtime import GluonASTSource
 
         return triton.compile(GluonASTSource(fn, sig, constexprs), target=target, options=options)
-    src = ASTSource(fn, sig, constexprs)
+    src = ASTSource(fn, sig, constexprs, _aligned(fn, sig))
     if last is not None:
         return _compile_to(src, target, options, last)
     return triton.compile(src, target=target, options=options)
+
+
+def _aligned(fn, sig) -> dict:
+    """Triton's specialization of a launch whose pointers and integers (strides, sizes: in tuples too) are multiples
+    of 16, as torch's allocations and a head dim of 16k make them: the loads it vectorizes and pipelines through
+    shared memory -- without it a kernel's shared memory reads low (a pipelined kernel by its stages: the dropout
+    mask kernel at head dim 512 read 131,072 bytes here and needed 270,336 on an H100)."""
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        kind = sig[name]
+        if kind == "i32" or (isinstance(kind, str) and kind.startswith("*")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(kind, tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j, part in enumerate(kind) if part == "i32"})
+    return attrs
 
 
 def _compile_to(src, target, options, last: str) -> dict:
@@ -417,7 +432,10 @@ def cases(arch):
         BLOCK_D=256,
     )
     dmask_types, _ = _tuple_types(dmask.attn_dropout_mask_kernel)
-    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, T(64, 64, 4, 1), dmask_types
+    dmask_tile = launch_triton.DROPOUT_PROBS_TILE
+    yield f"{arch}-dropout-mask", dmask.attn_dropout_mask_kernel, 2, dmask_flags, dmask_tile, dmask_types
+    wide = dict(dmask_flags, HEAD_DIM=320, BLOCK_D=512)  # the widest head dim's block
+    yield f"{arch}-dropout-mask-d512", dmask.attn_dropout_mask_kernel, 2, wide, dmask_tile, dmask_types
     # the KV-cache kernel: its tiles for few (decode) and many (chunked prefill) packed rows, plain
     # and with every option; the split-merging and rotary kernels
     # (path, split) entry of the tile table: the kernel's flags that take that path

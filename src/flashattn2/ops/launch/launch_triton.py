@@ -13,7 +13,7 @@ from . import launcher
 from ..request import seqlens
 from ..planning.geometry import block_d, cdiv
 from .layout import BackwardTensors, ForwardTensors, Layout, contiguous_strides, rows_strides
-from ..planning import Plan
+from ..planning import Plan, TileConfig
 from .tma import host_desc
 
 
@@ -402,6 +402,11 @@ class Backward:
                 dst.copy_(src)
 
 
+# dropout_probs' one tile at every head dim; its K blocks unpipelined (Triton's default three stages of them at head
+# dim 512 need 270,336 bytes of shared memory, sm_90 has 232,448: an H100 refused the launch)
+DROPOUT_PROBS_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+
+
 def dropout_probs(layout: Layout, q, k, cu_q, cu_k, alibi, seed) -> torch.Tensor:
     """S_dmask (batch, nheads, round128(seqlen_q), round128(seqlen_k)) in q's dtype: exp(score - rowmax) where kept,
     its negative where dropped, 0 where not visible (a testing aid: a launch no loop repeats)."""
@@ -411,10 +416,10 @@ def dropout_probs(layout: Layout, q, k, cu_q, cu_k, alibi, seed) -> torch.Tensor
     if probs.numel() == 0 or layout.max_seqlen_q == 0:
         return probs.to(q.dtype)
     mods, (left, right, scale, _, dropout_p) = layout.mods, layout.score
-    block_m, block_n = 64, 64
+    tile = DROPOUT_PROBS_TILE
     launcher.launch(
         _runtime.kernels().dmask.attn_dropout_mask_kernel,
-        (cdiv(layout.max_seqlen_q, block_m) * layout.batch * layout.nheads,),
+        (cdiv(layout.max_seqlen_q, tile.block_m) * layout.batch * layout.nheads,),
         q,
         k,
         probs,
@@ -435,8 +440,10 @@ def dropout_probs(layout: Layout, q, k, cu_q, cu_k, alibi, seed) -> torch.Tensor
         UPCAST=layout.upcast,
         DOT_PRECISION="ieee" if layout.upcast else "tf32",
         HEAD_DIM=layout.head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         BLOCK_D=block_d(layout.head_dim),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return probs.to(q.dtype)
