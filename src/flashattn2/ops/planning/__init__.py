@@ -148,12 +148,12 @@ def explain(spec) -> str:
     else:
         b = spec if isinstance(spec, specs.BackwardSpec) else None
         s = spec.forward if b is not None else spec
-        args, tma, host = (
+        asked, tma, host = (
             dense.attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
             if b is not None
             else dense.attention_plan(s, "fwd", True)
         )
-        walk = list(dense.walk(*args))
+        walk = list(dense.walk(asked))
         if not chosen.gluon:
             lines.append(
                 f"  load path: {'host-built TMA descriptors' if chosen.host_desc else 'TMA' if chosen.tma else 'pointers'}"

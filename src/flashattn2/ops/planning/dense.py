@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -79,8 +80,24 @@ REQUIRES = {
 }
 
 
-def walk(arch, dtype, head_dim, causal, max_seqlen_k, features: Features, direction, head_dim_v, forced: Forced):
+class Asked(NamedTuple):
+    """What the dense table's rows are matched against: a call's direction and sizes, its features, what force()
+    holds (hashable: the plans are cached by it)."""
+
+    arch: str
+    dtype: torch.dtype
+    head_dim: int
+    causal: bool  # plain causal: causal without a window
+    max_seqlen_k: int
+    features: Features
+    direction: str  # "fwd" or "bwd"
+    head_dim_v: int
+    forced: Forced
+
+
+def walk(asked: Asked):
     """TABLE's rows for the call in order, each with why it is passed over (None: it runs)."""
+    arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced = asked
     hopper = forced.hopper if forced.hopper is not None else _runtime.gluon_switch() is not False
     v_bucket = head_dim_bucket(head_dim_v)
     key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), dtype.itemsize)
@@ -116,16 +133,16 @@ def lookup(
 ) -> Plan:
     """TABLE's plan for a call with these features, under what force() holds (the tile and kernel part of plan();
     tests read the table through it)."""
-    return _lookup(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced())
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return _lookup(Asked(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced()))
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced: Forced) -> Plan:
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    for row, why_not in walk(arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced):
+def _lookup(asked: Asked) -> Plan:
+    for row, why_not in walk(asked):
         if why_not is None:
-            return _derive(row, forced, causal)
-    raise AssertionError(f"no row for {direction} {arch} d{head_dim} {dtype}")  # the Triton rows match everything
+            return _derive(row, asked.forced, asked.causal)
+    raise AssertionError(f"no row for {asked}")  # the Triton rows match everything
 
 
 def _derive(row: Row, forced: Forced, causal: bool) -> Plan:
@@ -206,7 +223,7 @@ def out_spec(s: specs.AttentionSpec, dtype: torch.dtype) -> specs.TensorSpec:
 
 def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, extra=(), aligned=True):
     """The dense/varlen plan of an attention call's forward, or of its backward (extra: dout and the gradients'
-    specs); returns (arguments of _walk, the plan's load path)."""
+    specs); returns (what the table's rows are matched against, the plan's load path)."""
     arch, forced_ = s.modes.arch, s.modes.forced
     w = window(s.causal, *s.window)
     score_mods = w.local or s.softcap > 0 or s.alibi is not None or s.dropout_p > 0
@@ -224,8 +241,11 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
     features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why, persist)
     tma = tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3) and specs.all_aligned(aligned), *tensors)
     host = _host_desc_ok(forced_, tma, s.varlen, *tensors)
-    args = (arch, s.q.dtype, s.q.shape[-1], w.causal, max_seqlen_k, features, direction, s.v.shape[-1], forced_)
-    return args, tma, host
+    asked = Asked(
+        arch=arch, dtype=s.q.dtype, head_dim=s.q.shape[-1], causal=w.causal, max_seqlen_k=max_seqlen_k,
+        features=features, direction=direction, head_dim_v=s.v.shape[-1], forced=forced_,
+    )  # fmt: skip
+    return asked, tma, host
 
 
 def fp8_mode(s: specs.AttentionSpec) -> str:
@@ -240,8 +260,8 @@ def fp8_mode(s: specs.AttentionSpec) -> str:
 
 
 def forward(s: specs.AttentionSpec) -> Plan:
-    args, tma, host = attention_plan(s, "fwd", True)
-    plan = _lookup(*args)
+    asked, tma, host = attention_plan(s, "fwd", True)
+    plan = _lookup(asked)
     fp8 = fp8_mode(s)  # (FP8 on the Triton path: V goes transposed, not by host-built descriptors: kernels/fwd.vt_src)
     if plan.gluon:
         return replace(plan, fp8=fp8) if fp8 else plan
@@ -250,8 +270,8 @@ def forward(s: specs.AttentionSpec) -> Plan:
 
 def backward(b: specs.BackwardSpec) -> Plan:
     s = b.forward
-    args, tma, host = attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
-    plan = _lookup(*args)
+    asked, tma, host = attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
+    plan = _lookup(asked)
     if plan.gluon:
         return plan
     # past 256 each block's columns are split over programs (DSPLIT), whose chunks are pointer loads
