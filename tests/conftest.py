@@ -100,3 +100,14 @@ def value_checks():
     previous = checks.set_value_checks(True)
     yield
     checks.set_value_checks(previous)
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Empty plan caches (the prepared calls and planning's table lookups), before and after: for a test that patches
+    what the plans read."""
+    from flashattn2.ops.run import call as calls
+
+    calls.clear()
+    yield
+    calls.clear()

@@ -3,7 +3,7 @@ tools/fwd_ring_model.py (the persistent forward's ring units and Q buffers) mode
 kernels' ring indices and wait parities, random interleavings, TMA loads landing late): no deadlock
 and no tile read or refilled out of turn, for every configuration the table holds (the backward's
 split-ring variant included). No GPU needed; the kernels themselves run only on an H100/H200
-(test_attention.py)."""
+(test_attention.py, test_plan_choice.py)."""
 
 import pathlib
 import sys

@@ -119,7 +119,7 @@ for s in "$@"; do
         torch.cuda.get_device_name(), torch.cuda.get_device_capability(), \"registry:\",
         [n for n in dir(__import__(\"torch.nn.attention\").nn.attention) if n.endswith(\"flash_attention_impl\")])"' ;;
     new-tests)
-      stage new-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_bench.py \
+      stage new-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_plan_choice.py tests/test_bench.py \
         -k "$NEW_TESTS" ;;
     turn-tests)
       stage turn-tests 420 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_threads.py tests/test_launch.py \
@@ -153,7 +153,7 @@ for s in "$@"; do
         --no-cudnn --setting default --setting pkg:flashattn2_base --dtypes bf16 --headdims 64,128,256 \
         --seqlens 1024,4096,16384 --causal 0,1 ;;
     order-tests)
-      stage order-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_protocol_model.py \
+      stage order-tests 240 python3 -m pytest -n 14 -q -p no:cacheprovider tests/test_attention.py tests/test_plan_choice.py tests/test_protocol_model.py \
         -k "$ORDER_TESTS" ;;
     ab-order)
       stage ab-order 300 python3 -m flashattn2 bench ab --csv "$OUT/ab.csv" --modes bwd --rounds 3 --no-progress \
