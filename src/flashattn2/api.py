@@ -10,14 +10,12 @@ and has logsumexp +inf.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .errors import ArgumentError
 from .ops.run import call as calls
 from .ops.request import cache_checks, checks
-from .ops.launch.kvcache import Check
+from .ops.launch.kvcache import drop_flag, value_check
 from .ops.request import request
 from .ops.launch.layout import ForwardTensors
 from .ops.request.options import Options
@@ -563,7 +561,7 @@ def flash_attn_with_kvcache(
     if not checks.value_checks():
         out, lse = kvcache_forward(call, r)
         return (out, lse) if return_softmax_lse else out
-    check = _kvcache_check(q, call.capacity, k, rotary_cos, call.q_positions)
+    check = value_check(q, call.capacity, k, rotary_cos, call.q_positions)
     if check is not None and k is None and q.shape[0] * q.shape[1] == 0:
         cache_checks.check_kvcache_values(r, call.q_positions)  # no kernel will run to check them
         check = None
@@ -574,7 +572,7 @@ def flash_attn_with_kvcache(
         out, lse = kvcache_forward(call, r, check)
         bad = bool(check.err.item())
     except BaseException:
-        _ERROR_FLAGS.pop(check.key, None)  # the flag may be set: drop it (the next call makes a new one)
+        drop_flag(check.key)  # the flag may be set: drop it (the next call makes a new one)
         raise
     if bad:
         check.err.zero_()  # the flag is reused by the next call on this stream
@@ -592,43 +590,8 @@ def _traced_kvcache(r: KVCacheRequest):
     return registry_fwd_kvcache(*request.op_args(r))
 
 
-def _kvcache_check(q, capacity, k, rotary_cos, q_positions):
-    """The device-side check of the cache tensors' values (ops.launch.kvcache.Check), or None while
-    torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
-    kernels then only clamp the values into range."""
-    # is_compiling first (host_reads_allowed's): Dynamo would otherwise guard on the switch and recompile when it flips
-    if not checks.host_reads_allowed(q) or not checks.value_checks():
-        return None
-    seqlen_new = 0 if k is None else k.shape[1]
-    limit = capacity - seqlen_new
-    if rotary_cos is not None:
-        limit = min(limit, rotary_cos.shape[0] - max(seqlen_new, q_positions))
-    stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.device.type == "cuda" else 0
-    key = (q.device, stream, threading.get_ident())
-    return Check(_error_flag(key), limit, key)
-
-
 def set_kvcache_checks(enabled: bool) -> bool:
     """The earlier name of set_value_checks, which covers these tensors and cu_seqlens: whether
     eager calls check the values of cache_seqlens, cache_leftpad, cache_batch_idx and
     block_table (and cu_seqlens). Returns the previous setting."""
     return checks.set_value_checks(enabled)
-
-
-# (device, stream, thread) -> a zero int32 flag for the kernels of a call: a call that finds it
-# set zeroes it again before raising, one that fails otherwise drops it, so it is allocated and
-# cleared once rather than per call. At most _ERROR_FLAGS_MAX streams and threads are kept.
-_ERROR_FLAGS: dict = {}
-_ERROR_FLAGS_MAX = 64
-_ERROR_FLAGS_LOCK = threading.Lock()
-
-
-def _error_flag(key) -> torch.Tensor:
-    flag = _ERROR_FLAGS.get(key)
-    if flag is None:
-        flag = torch.zeros(1, dtype=torch.int32, device=key[0])
-        with _ERROR_FLAGS_LOCK:
-            if len(_ERROR_FLAGS) >= _ERROR_FLAGS_MAX:
-                _ERROR_FLAGS.clear()  # a call holding a dropped flag still has it through its Check
-            _ERROR_FLAGS[key] = flag
-    return flag

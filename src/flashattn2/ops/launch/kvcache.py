@@ -6,6 +6,7 @@ makes q's device the current one, as for the attention launchers."""
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from . import rotary as _rotary
 from ..request import spec as specs
 from ..planning.geometry import block_d, column_parts
 from .launch_triton import TailFill
+from ..request import checks
 from ..request.checks import E4M3, compute_dtype
 from ..request.modes import fp8_dots
 from .layout import contiguous_strides
@@ -75,6 +77,46 @@ class Check:
     err: torch.Tensor
     seqlen_limit: int
     key: object = None  # where the caller keeps err between calls
+
+
+def value_check(q, capacity, k, rotary_cos, q_positions) -> Check | None:
+    """The device-side check of the cache tensors' values (Check), or None while
+    torch.compile traces or a CUDA graph is captured: a host read is not allowed there, and the
+    kernels then only clamp the values into range."""
+    # is_compiling first (host_reads_allowed's): Dynamo would otherwise guard on the switch and recompile when it flips
+    if not checks.host_reads_allowed(q) or not checks.value_checks():
+        return None
+    seqlen_new = 0 if k is None else k.shape[1]
+    limit = capacity - seqlen_new
+    if rotary_cos is not None:
+        limit = min(limit, rotary_cos.shape[0] - max(seqlen_new, q_positions))
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.device.type == "cuda" else 0
+    key = (q.device, stream, threading.get_ident())
+    return Check(_error_flag(key), limit, key)
+
+
+# (device, stream, thread) -> a zero int32 flag for the kernels of a call: a call that finds it
+# set zeroes it again before raising, one that fails otherwise drops it, so it is allocated and
+# cleared once rather than per call. At most _ERROR_FLAGS_MAX streams and threads are kept.
+_ERROR_FLAGS: dict = {}
+_ERROR_FLAGS_MAX = 64
+_ERROR_FLAGS_LOCK = threading.Lock()
+
+
+def _error_flag(key) -> torch.Tensor:
+    flag = _ERROR_FLAGS.get(key)
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=key[0])
+        with _ERROR_FLAGS_LOCK:
+            if len(_ERROR_FLAGS) >= _ERROR_FLAGS_MAX:
+                _ERROR_FLAGS.clear()  # a call holding a dropped flag still has it through its Check
+            _ERROR_FLAGS[key] = flag
+    return flag
+
+
+def drop_flag(key) -> None:
+    """Forget key's flag (a call that failed may have left it set: the next call makes a new one)."""
+    _ERROR_FLAGS.pop(key, None)
 
 
 class Append:
