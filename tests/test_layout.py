@@ -80,3 +80,12 @@ def test_ops_steps_run_one_way():
         if own is not None:
             later = {n for n in names if (step(n) is not None and step(n) > own)}
             assert not later, f"{module} (step {own}) imports later steps: {sorted(later)}"
+
+
+def test_no_file_over_600_lines():
+    """Every Python file of the package and of the tests fits one reading: at most 600 lines (split by step or by
+    subject past that, as ops/ and the fuzzer are)."""
+    root = PKG.parents[1]
+    files = [*PKG.rglob("*.py"), *(root / "tests").rglob("*.py")]
+    long = {str(p.relative_to(root)): n for p in files if (n := len(p.read_text().splitlines())) > 600}
+    assert len(files) > 100 and not long, long
