@@ -104,15 +104,18 @@ def attention_forward(
             f"shape {tuple(attention_mask.shape)}; the model builds it when its config names "
             "'flashattn2' (flashattn2.integrations.transformers registers the mask too)"
         )
-    keep = attention_mask.bool()
-    if keep.shape[1] > k.shape[1]:
+    if attention_mask.shape[1] > k.shape[1]:
         raise ArgumentError(
-            f"attn_implementation='flashattn2': the padding mask covers {keep.shape[1]} positions, the "
+            f"attn_implementation='flashattn2': the padding mask covers {attention_mask.shape[1]} positions, the "
             f"keys only {k.shape[1]}"
         )
-    # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
-    k, v = k[:, : keep.shape[1]], v[:, : keep.shape[1]]
     found = _found(attention_mask)
+    if "keep" not in found:  # (once per forward: on a GPU a kernel of its own)
+        found["keep"] = attention_mask.bool()
+    keep = found["keep"]
+    # a static cache's keys run past the tokens seen so far (the mask's length): those slots are empty
+    if keep.shape[1] < k.shape[1]:
+        k, v = k[:, : keep.shape[1]], v[:, : keep.shape[1]]
     if seqlen_q == 1 and not dropout and not torch.compiler.is_compiling():
         # decoding over a left-padded batch (generate()'s): each sequence's keys run from its padding to the mask's
         # end, so one kernel reads the cache where it stands: no gather of K and V, no host read per layer
