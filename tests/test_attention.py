@@ -135,7 +135,7 @@ def test_padded_preprocess(seqlen_q, seqlen_pad, copy_lse, d, with_dlse):
     delta, lse_pad = (_runtime.empty((b, h, seqlen_pad), torch.float32, out.device) for _ in range(2))
     acc = _runtime.empty((b, seqlen_pad, h, d), torch.float32, out.device)
     pre = launch_triton.Preprocess(layout, spec.tensor(out), spec.tensor(dout), with_dlse, False, seqlen_pad, copy_lse)
-    pre(out, dout, lse, dlse, delta, None, lse_pad if copy_lse else None, acc)
+    pre(launch_triton.PreprocessTensors(out, dout, lse, dlse, delta, None, lse_pad if copy_lse else None, acc))
     expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
     if with_dlse:
         expected = expected - dlse

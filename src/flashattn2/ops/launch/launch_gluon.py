@@ -13,7 +13,7 @@ from .. import _runtime
 from . import launcher
 from ..request import spec as specs
 from ..planning.geometry import cdiv, column_parts
-from .launch_triton import Preprocess, SinkGrad
+from .launch_triton import Preprocess, PreprocessTensors, SinkGrad
 from .layout import BackwardTensors, ForwardTensors, Layout
 from ..planning import Plan, tma_ok
 from .tma import gluon_layout, host_desc
@@ -215,7 +215,7 @@ class BackwardLaunch:
         lse_pad = _runtime.empty(delta.shape, torch.float32, q.device) if pad != seqlen_q else None
         acc = _runtime.empty((layout.batch, pad, layout.nheads, layout.head_dim), torch.float32, q.device)
         sink = SinkGrad(sinks, dsink, layout.batch) if sinks is not None else None
-        self.pre(out, dout, lse, dlse, delta, None, lse_pad, acc, sink)
+        self.pre(PreprocessTensors(out, dout, lse, dlse, delta, None, lse_pad=lse_pad, acc=acc, sink=sink))
         lse = lse_pad if lse_pad is not None else lse
         gk, gv = (
             g if direct else _runtime.empty(g.shape, q.dtype, g.device) for g, direct in zip((dk, dv), self.direct)

@@ -5,6 +5,8 @@ tensors."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
@@ -226,6 +228,22 @@ class SinkGrad:
         torch.sum(self.parts.view(self.batch, self.dsink.shape[0], -1), dim=(0, 2), out=self.dsink)
 
 
+class PreprocessTensors(NamedTuple):
+    """What one run of the backward's preprocess reads and writes: delta (fp32, lse's layout) = rowsum(dO * O), from
+    dlse too where given; lse_pad and acc, the Gluon backward's padded logsumexp (copied) and dQ accumulator (zeroed);
+    sink, a learnable sink's gradient (SinkGrad)."""
+
+    out: torch.Tensor
+    dout: torch.Tensor
+    lse: torch.Tensor
+    dlse: torch.Tensor | None
+    delta: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    lse_pad: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
+    sink: SinkGrad | None = None
+
+
 class Preprocess:
     """kernels/bwd_preprocess.py: delta = rowsum(dO * O) - dlse into `delta` (lse's shape, or with seqlen_pad its rows
     padded); with a sink, the learnable sink's gradient too (SinkGrad). With seqlen_pad (the Gluon backward, dense
@@ -271,8 +289,9 @@ class Preprocess:
             BLOCK_ACC=block_d(layout.head_dim),
         )
 
-    def __call__(self, out, dout, lse, dlse, delta, cu_seqlens, lse_pad=None, acc=None, sink: SinkGrad | None = None):
+    def __call__(self, t: PreprocessTensors):
         """The tensors absent from the call (dlse, lse_pad, acc, a sink's) get delta in their places (never read)."""
+        out, dout, lse, dlse, delta, cu_seqlens, lse_pad, acc, sink = t
         if sink is not None:
             sink.parts = _runtime.empty(self.grid, torch.float32, delta.device)
         self.launch(
@@ -354,7 +373,7 @@ class Backward:
         # delta = rowsum(dO * O) - dlse: the lse gradient enters dS = P * (dP - delta) for free
         delta = _runtime.empty(layout.lse_shape, torch.float32, q.device)
         sink = SinkGrad(sinks, dsink, layout.batch) if self.sink else None
-        self.pre(out, dout, lse, dlse, delta, cu_q, sink=sink)
+        self.pre(PreprocessTensors(out, dout, lse, dlse, delta, cu_q, sink=sink))
         gq, gk, gv = dq, dk, dv
         if layout.arch == "interp" and dq.dtype != torch.float32:
             gq, gk, gv = (_runtime.empty(g.shape, torch.float32, g.device) for g in (dq, dk, dv))
