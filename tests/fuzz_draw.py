@@ -127,7 +127,7 @@ def tile_sizes(archs, head_dims=(32, 64, 128, 256, 512)) -> tuple[int, ...]:
                 continue
             for d in head_dims:
                 for elem_bytes in (2, 4):
-                    sizes.add(planning.decode_tile(row, 16, d, d, elem_bytes).block_n)
+                    sizes.add(planning.decode_tile(row, 16, d, d, elem_bytes, arch).block_n)
         sizes |= {decoding.rows_block(r) for r in (1, 17, 33)}
         sizes.add(planning.INVARIANT_SPLIT_KEYS_INTERP if arch == "interp" else planning.INVARIANT_SPLIT_KEYS)
     return tuple(sorted(sizes))

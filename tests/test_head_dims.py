@@ -489,12 +489,16 @@ def test_decode_tiles():
     for d, dv in [(64, 64), (128, 128), (192, 128), (96, 40), (64, 256), (320, 200), (512, 512), (576, 512)]:
         for path, split in [(p, s) for p in paths for s in (False, True) if (p, s) not in _REFINED_ONLY]:
             for rows in (1, 16, 128):
-                tile = planning.decode_tile(planning.decode_row(path, split), rows, d, dv, 2)
+                tile = planning.decode_tile(planning.decode_row(path, split), rows, d, dv, 2, "sm90")
                 block_m, block_n, stages = tile.block_m, tile.block_n, tile.num_stages
                 assert block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0, (d, dv, path, block_n)
                 if d + dv > 512:
                     assert stages == 1 and block_m <= 32
-    tile = planning.decode_tile(planning.decode_row("page-block", True), 128, 576, 512, 2)
+                # 99 KB of shared memory: at most two stages, one from 256/256 (compile_check's sm86 rows)
+                small = planning.decode_tile(planning.decode_row(path, split), rows, d, dv, 2, "sm86")
+                assert (small.block_m, small.block_n, small.num_warps) == (tile.block_m, tile.block_n, tile.num_warps)
+                assert small.num_stages <= (1 if d + dv >= 512 else 2), (d, dv, path, small)
+    tile = planning.decode_tile(planning.decode_row("page-block", True), 128, 576, 512, 2, "sm90")
     assert (tile.block_m, tile.block_n) == (16, 32)
 
 

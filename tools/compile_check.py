@@ -36,6 +36,7 @@ from flashattn2.ops.launch.tma import host_desc  # noqa: E402
 # bytes per block, opt-in maximum; sm89 (Ada: the sm86 rows, e4m3 dots) compiles the FP8 configurations only
 SHARED_LIMIT = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}
 CAPABILITY = {"sm90": 90, "sm80": 80, "sm86": 86, "sm89": 89}
+TABLE_ARCH = {"sm89": "sm86"}  # the plan table's rows an arch runs (ops.request.modes.native_arch)
 FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "DQAcc", "LsePad", "Sinks", "SinkPart", "QDescale", "KDescale",
                  "VDescale"}  # fmt: skip
 TYPE = {1: "fp8e4nv", 2: "fp16", 4: "fp32"}
@@ -485,6 +486,7 @@ def cases(arch):
     )
     # (q/k's, v's head dim): the buckets, and the MLA decode shape (a 512-wide latent and 64 rotary columns)
     # (and DeepSeek-V3's 192/128: q/k in two column blocks, as 576)
+    table_arch = TABLE_ARCH.get(arch, arch)
     for head_dim, head_dim_v in ((64, 64), (128, 128), (256, 256), (512, 512), (576, 512), (192, 128)):
         bd, bdv = block_d(head_dim), block_d(head_dim_v)
         name_d = f"d{head_dim}" if head_dim == head_dim_v else f"d{head_dim}-{head_dim_v}"
@@ -515,12 +517,14 @@ def cases(arch):
             for (path, split), chosen in variants.items():
                 for rows in (16, 64) if chosen.get("VARLEN_Q") else (16,):
                     tile = planning.decode_tile(
-                        planning.decode_row(path, split), rows, head_dim, head_dim_v, elem_bytes
+                        planning.decode_row(path, split), rows, head_dim, head_dim_v, elem_bytes, table_arch
                     )
                     many = dict(chosen, ROW_BLOCKS_ADJACENT=True) if rows > tile.block_m else chosen  # as forward
                     yield kvcache_case(f"m{tile.block_m}-{path}", elem_bytes, many, tile)
             # v read from the keys' tile (v_cache a view of k_cache's first block, or k_cache itself)
-            tile = planning.decode_tile(planning.decode_row("page-block", True), 16, head_dim, head_dim_v, elem_bytes)
+            tile = planning.decode_tile(
+                planning.decode_row("page-block", True), 16, head_dim, head_dim_v, elem_bytes, table_arch
+            )
             chosen = dict(variants[("page-block", True)], V_FROM_K=block_d(head_dim_v) == column_parts(head_dim)[0])
             yield kvcache_case(f"m{tile.block_m}-page-block-vk", elem_bytes, chosen, tile)
         if arch == "sm90" and column_parts(head_dim)[1] and head_dim + head_dim_v > 512:
@@ -624,7 +628,7 @@ def fp8_cache_cases(arch):
         for split in (False, True):
             tile = planning.decode_tile(
                 next(r for r in planning.DECODE_ROWS if dict(r.when) == {"fp8": True, "split": split}),
-                64 if latent else 16, head_dim, head_dim_v, 2,
+                64 if latent else 16, head_dim, head_dim_v, 2, TABLE_ARCH.get(arch, arch),
             )  # fmt: skip
             for path, chosen in paths.items():
                 for q_e4m3 in (False, True) if path == "contiguous" else (False,):

@@ -16,6 +16,7 @@ from .geometry import block_d, column_parts
 from ..request.modes import Forced, TileConfig
 from .tables import (
     DECODE_ROWS,
+    DECODE_STAGE_CAP,
     INVARIANT_MAX_SPLITS,
     INVARIANT_SPLIT_KEYS,
     INVARIANT_SPLIT_KEYS_INTERP,
@@ -147,10 +148,18 @@ def decode_row(path: str, split: bool) -> DecodeRow:
     return _row({**_DECODE_PATHS.get(path, {"path": path}), "split": split})
 
 
-def decode_tile(row: DecodeRow, rows: int, head_dim: int, head_dim_v: int, elem_bytes: int) -> TileConfig:
-    """A row's tile for a call's packed rows, head dims and element size (what decode() runs outside the mode)."""
+def decode_tile(row: DecodeRow, rows: int, head_dim: int, head_dim_v: int, elem_bytes: int, arch: str) -> TileConfig:
+    """A row's tile for a call's packed rows, head dims and element size on arch (what decode() runs outside the
+    mode): its stages capped where shared memory is small (DECODE_STAGE_CAP)."""
     tile = scaled_tile(row.tile, head_dim, head_dim_v, elem_bytes) if row.scaled else row.tile
-    return tile if tile.block_m else replace(tile, block_m=block_m(rows, head_dim, head_dim_v))
+    if not tile.block_m:
+        tile = replace(tile, block_m=block_m(rows, head_dim, head_dim_v))
+    cap = DECODE_STAGE_CAP.get(arch)
+    if cap is not None and tile.num_stages > 1:
+        one_from, most = cap
+        widths = max(64, width(head_dim)) + max(64, block_d(head_dim_v))
+        tile = replace(tile, num_stages=1 if widths >= one_from else min(tile.num_stages, most))
+    return tile
 
 
 def decode_facts(c: Cache, arch: str, invariant: bool, num_splits: int, sm_count: int) -> dict:
@@ -210,7 +219,7 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
     facts = decode_facts(c, arch, invariant, num_splits, sm_count)
     row = next(row for row, why_not in walk(facts) if why_not is None)
     # the packed rows' block; the mode's is 16 rows' whatever the call (a function of head dims and element size)
-    tile = decode_tile(row, 16 if invariant else c.rows, c.head_dim, c.head_dim_v, elem_bytes)
+    tile = decode_tile(row, 16 if invariant else c.rows, c.head_dim, c.head_dim_v, elem_bytes, arch)
     if invariant:  # num_splits (a speed knob) yields to the mode's fixed splits
         chunk = INVARIANT_SPLIT_KEYS_INTERP if arch == "interp" else INVARIANT_SPLIT_KEYS
         keys = c.capacity if c.max_keys is None else min(c.max_keys, c.capacity)

@@ -247,6 +247,13 @@ INVARIANT_SPLIT_KEYS = 4096
 INVARIANT_SPLIT_KEYS_INTERP = 32
 INVARIANT_MAX_SPLITS = 256
 
+# The KV-cache kernel's pipeline where a block has 99 KB of shared memory (sm86's rows: the other Ampere GPUs, and
+# Ada's): (the q/k and v block widths from which it runs one stage, the stages it runs at most below them). The rows'
+# stages were swept on the H200 (227 KB), and need up to 141 KB at 16 rows (three stages of 128 keys at head dim 128)
+# and 106 KB at 64 rows and head dim 256 (two stages) on sm86 (compile_check, pointers and strides specialized as a
+# launch specializes them); with the cap every decode tile fits.
+DECODE_STAGE_CAP = {"sm86": (512, 2)}
+
 # fmt: off
 # The KV-cache kernel's rows, first match wins. Paths: "contiguous" (a cache row per sequence), "page-block" (pages
 # a multiple of the key block, no left padding: a key block lies in one page), "page-row" (a page per key row: small
