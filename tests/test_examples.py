@@ -4,6 +4,7 @@ the loss curve, sampling through the KV cache."""
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -100,3 +101,18 @@ def test_gpt_example_context_parallel_loss_matches_one_process(tmp_path):
     assert len(losses["one"]) == 3
     for step, (a, b) in enumerate(zip(losses["one"], losses["two"])):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: loss {b} with two ranks, {a} in one process"
+
+
+def test_gpt_example_help_gives_every_option_a_help_and_default(capsys):
+    """train.py --help: each option with a line of help and its default (and what --smoke sets it to)."""
+    train = _train_module()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    options = [o for o in re.findall(r"\[(--[\w-]+)", text.split("\n\n")[0])]
+    assert len(options) >= 17, options
+    blocks = re.split(r"\n  (?=--)", text.split("options:", 1)[1])
+    described = {b.split()[0]: b for b in blocks if b.startswith("--")}
+    for option in options:
+        block = described[option]
+        assert "(default:" in block and len(block.split("(default:")[0].split()) >= 3, block

@@ -83,9 +83,13 @@ def test_explain_runs_nothing_and_names_bad_arguments():
         (["--varlen", "--nheads-k", "8"], "AttentionSpec on sm90"),
         (["--kvcache", "--seqlen-q", "1", "--seqlen-k", "8192", "--nheads-k", "8", "--page-size", "16"], "KVCacheSpec"),
         (["--headdim", "192", "--headdim-v", "128", "--sink", "--alibi", "--dtype", "fp16"], "AttentionSpec"),
+        (["--dtype", "fp8", "--causal"], "AttentionSpec on sm90"),
+        (["--dtype", "fp8", "--kvcache", "--seqlen-q", "1", "--seqlen-k", "4096"], "KVCacheSpec on sm90"),
     ],
 )
 def test_command_line(argv, first, capsys):
     assert importlib.import_module("flashattn2.explain").main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith(first) and "why:" in out
+    if "fp8" in argv:  # e4m3 inputs (the forward only), or an e4m3 cache read by 16-bit queries
+        assert ("fp8: e4m3" in out and "BackwardSpec" not in out) if "--kvcache" not in argv else "fp8=True" in out

@@ -51,6 +51,24 @@ def test_untested_release_warns_once_and_opts_in(fresh_choice):
     assert _runtime.hopper_kernels() is _runtime.gluon_modules()
 
 
+def test_explain_on_an_untested_release_plans_without_a_gpus_warning(fresh_choice):
+    """explain's meta tensors (python -m flashattn2 explain --arch sm90, on any machine) say the Triton kernels run and
+    why, without the warning meant for a call on a Hopper GPU."""
+    import torch
+
+    import flashattn2
+    from flashattn2.ops.run import call as calls
+
+    fresh_choice.setattr(_runtime, "GLUON_TESTED", ("0.0.",))
+    calls.clear()
+    q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = flashattn2.explain(q, q, q, arch="sm90")
+    assert "do not run on this Triton release" in text and not text.startswith("AttentionSpec on sm90: fwd_hopper")
+    calls.clear()
+
+
 def test_the_tested_releases_are_in_the_declared_range():
     """pyproject's triton range admits every release the Gluon kernels were measured on and the newest CI runs."""
     text = (ROOT / "pyproject.toml").read_text()

@@ -35,23 +35,31 @@ def cpu_warning(args, device) -> str | None:
     )
 
 
+class _Help(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help with the docstring's layout kept and every option's default."""
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CPU interpreter)")
-    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--n-layer", type=int, default=6)
-    ap.add_argument("--n-head", type=int, default=6)
-    ap.add_argument("--n-embd", type=int, default=384)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--max-bytes", type=int, default=64 << 20, help="corpus size cap")
-    ap.add_argument("--sample-tokens", type=int, default=400)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model for 3 steps (CPU interpreter): sets the sizes after it as noted",
+    )
+    ap.add_argument("--device", default=None, help="cuda or cpu; None: cuda when there is one (not with --smoke)")
+    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps (--smoke: 3)")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per step (--smoke: 2)")
+    ap.add_argument("--seqlen", type=int, default=512, help="bytes per sequence (--smoke: 32)")
+    ap.add_argument("--n-layer", type=int, default=6, help="transformer blocks (--smoke: 2)")
+    ap.add_argument("--n-head", type=int, default=6, help="attention heads per block (--smoke: 2)")
+    ap.add_argument("--n-embd", type=int, default=384, help="model width (--smoke: 64)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; cosine down to a tenth)")
+    ap.add_argument("--warmup", type=int, default=100, help="linear warmup steps (--smoke: 1)")
+    ap.add_argument("--eval-every", type=int, default=250, help="steps between validation losses (--smoke: 2)")
+    ap.add_argument("--max-bytes", type=int, default=64 << 20, help="corpus size cap (--smoke: 256 KiB)")
+    ap.add_argument("--sample-tokens", type=int, default=400, help="bytes sampled after training (--smoke: 12)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (fullgraph)")
-    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--seed", type=int, default=1337, help="the model's, the batches' and the sample's seed")
     ap.add_argument(
         "--context-parallel",
         type=int,

@@ -31,7 +31,8 @@ WHAT:
   features  what varlen, a window and the other options cost (head dim 128 by default)
   decode    GB/s of K/V read when decoding over a KV cache, eager and as a CUDA graph
   gpt       training-step TFLOP/s of GPT3-1.3B/2.7B shapes (the FlashAttention-2 paper's end-to-end table)
-  generate  tokens/s of transformers' generate() with a static cache, compiled, beside "sdpa"
+  generate  tokens/s of transformers' generate() beside "sdpa": eager over a left-padded prompt, and compiled with a
+            static cache (--timings)
   ab        flashattn2 under two or more settings (--setting), alternated in one run
   parallel  context parallelism's per-GPU TFLOP/s: the ranks simulated on one GPU (--worlds), or under torchrun
             one rank per GPU (NCCL), beside PyTorch's context_parallel

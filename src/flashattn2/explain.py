@@ -102,7 +102,10 @@ def main(argv) -> int:
     ap.add_argument("--nheads-k", type=int, default=None, help="K/V heads (default --nheads; fewer: GQA)")
     ap.add_argument("--headdim", type=int, default=128, help="q's and k's head dim (default 128)")
     ap.add_argument("--headdim-v", type=int, default=None, help="v's head dim (default --headdim)")
-    ap.add_argument("--dtype", default="bf16", choices=("fp16", "bf16", "fp32"), help="default bf16")
+    ap.add_argument(
+        "--dtype", default="bf16", choices=("fp16", "bf16", "fp32", "fp8"),
+        help="default bf16; fp8: e4m3 q, k, v (FA3's FP8 forward), with --kvcache an e4m3 cache and bf16 q",
+    )  # fmt: skip
     ap.add_argument("--causal", action="store_true", help="a causal mask")
     ap.add_argument("--window", default=None, help="window_size as LEFT,RIGHT (-1: unbounded)")
     ap.add_argument("--softcap", type=float, default=0.0, help="softcap (default 0: none)")
@@ -116,7 +119,7 @@ def main(argv) -> int:
     ap.add_argument("--num-splits", type=int, default=0, help="kvcache: num_splits (default 0: chosen)")
     ap.add_argument("--arch", default="sm90", choices=planning.ARCHS, help="whose plan (default sm90: H100/H200)")
     a = ap.parse_args(argv)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": checks.E4M3}[a.dtype]
     seqlen_k = a.seqlen_k or a.seqlen_q
     nheads_k = a.nheads_k or a.nheads
     dv = a.headdim_v or a.headdim
@@ -129,7 +132,8 @@ def main(argv) -> int:
     if a.sink:
         opts["learnable_sink"] = torch.empty(a.nheads, dtype=torch.float32, device="meta")
     if a.kvcache:
-        q = torch.empty(a.batch, a.seqlen_q, a.nheads, a.headdim, **meta)
+        q_dtype = torch.bfloat16 if dtype == checks.E4M3 else dtype  # (an FP8 cache's queries: 16-bit)
+        q = torch.empty(a.batch, a.seqlen_q, a.nheads, a.headdim, dtype=q_dtype, device="meta")
         if a.page_size:
             pages = a.batch * -(-seqlen_k // a.page_size)
             k = torch.empty(pages, a.page_size, nheads_k, a.headdim, **meta)

@@ -198,7 +198,8 @@ def _gluon_ready(direction: str, s: specs.AttentionSpec, *tensors: specs.TensorS
         return False, "nheads * headdim of 2**31 or more: past TMA's int32 coordinates"
     hopper = _runtime.hopper_kernels()
     if hopper is None or getattr(hopper, direction) is None:
-        if forced_.hopper is not False:  # not asked for the Triton kernels: say what is lost
+        # not asked for the Triton kernels: say what is lost (on a GPU; explain's meta tensors run nothing)
+        if forced_.hopper is not False and s.q.device.type != "meta":
             _runtime.warn_without_gluon(direction)
         return False, "the Gluon kernels do not run on this Triton release (README: compatibility)"
     return True, ""
