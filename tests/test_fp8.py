@@ -91,7 +91,7 @@ def _check(out, lse, deq, dots: bool, name="", **opts):
         assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse))
         rel = 2**-10 if dots and ON_GPU else 1e-4
         bound = rel * max(1.0, ref_lse[finite].abs().max().item())
-        if dots and ON_GPU:  # (4x the error measured relative to the terms)
+        if dots and ON_GPU:  # (~7x the error measured relative to the terms)
             bound = max(bound, 2**-12 * _terms(q, k, opts.get("softmax_scale")))
         assert (lse[finite].double() - ref_lse[finite]).abs().max() < bound
 

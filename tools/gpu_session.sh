@@ -88,11 +88,11 @@ NEW_TESTS="split or padded_preprocess or one_output or persistent_forward or per
 NEW_TESTS="$NEW_TESTS or grid_limit or kernel_choice"
 NEW_TESTS="$NEW_TESTS or lse_gradient or keys_past_the_end or race or ab_settings or ab_runs or plan"
 NEW_TESTS="$NEW_TESTS or zero_softmax_scale or test_forward_backward or short_tile_launch or tile_text or constexprs"
-# the smoke stage's selection (~140 tests, each kernel family once, fp16 where the dtypes repeat): a fresh machine
-# compiles every kernel it runs, and the whole modules (550 tests) took over 500 s there
+# the smoke stage's selection (~130 tests on the CPU, 634 on an H100: each kernel family once, fp16 where the dtypes
+# repeat): a fresh machine compiles every kernel it runs, and the whole modules (550 tests) took over 500 s there
 SMOKE_TESTS="(test_forward_backward and fp16) or test_lengths_of_one or (test_gluon_forward and True and not many-tiles)"
-SMOKE_TESTS="$SMOKE_TESTS or (test_kvcache and float16) or test_splits_match_no_split or test_sinks or test_kvcache_with_a_sink"
-SMOKE_TESTS="$SMOKE_TESTS or test_forward_backward_against_reference or test_varlen_forward or flash_attn_gpu"
+SMOKE_TESTS="$SMOKE_TESTS or (test_kvcache and float16 and not bfloat16) or test_splits_match_no_split or test_sinks"
+SMOKE_TESTS="$SMOKE_TESTS or test_kvcache_with_a_sink or test_forward_backward_against_reference or test_varlen_forward or flash_attn_gpu"
 SMOKE_TESTS="$SMOKE_TESTS or test_private_functions or test_sdpa_op_forward_backward or test_flash_op_dense_options"
 SMOKE_TESTS="$SMOKE_TESTS or test_paged_call_past_its_pages_raises"
 # the Gluon backward's grouped grid (and the tests of the paths it touches)
