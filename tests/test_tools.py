@@ -223,8 +223,9 @@ def _smoke_selection():
     run = subprocess.run(
         ["bash", "-c", lines + '\nprintf %s "$SMOKE_TESTS"'], capture_output=True, text=True, timeout=60
     )
-    stage = re.search(r"^\s*smoke\)(.*?);;", text, re.S | re.M).group(1)
-    return run.stdout, re.findall(r"tests/\w+\.py", stage)
+    files = re.search(r"^SMOKE_FILES=\((.*?)\)", text, re.S | re.M).group(1)
+    assert '"${SMOKE_FILES[@]}"' in re.search(r"^\s*smoke\)(.*?);;", text, re.S | re.M).group(1)
+    return run.stdout, re.findall(r"tests/\w+\.py", files)
 
 
 def test_gpu_smoke_selects_every_family():

@@ -9,7 +9,8 @@
 #   smoke      the first stage of every session with a GPU (limit 180 s): the dense and FP8 forward/backward, the
 #              KV cache, sinks, the private functions and flash_attn_gpu, SDPA, on the device's own kernels
 #   tests      the whole suite but the big_memory tests (-n 14; TESTS_LIMIT seconds, 540 unless set); tests-big:
-#              those, one at a time (GiBs each)
+#              those, one at a time (GiBs each); rest: what `tests` runs less the smoke selection, for "smoke rest"
+#              in one call (the smoke stage's compiles not repeated)
 #   peer       flash_attn's own tests/test_flash_attn.py on flashattn2, sampled, seeds 0 and 1 (tools/peer; the file
 #              copied from flash-attention to .devout/peer/test_flash_attn.py, einops carried as a wheel)
 #   turn-tests the call path's and nothing-lost's tests at GPU sizes: threads, launches (direct relaunches checked
@@ -95,6 +96,8 @@ SMOKE_TESTS="$SMOKE_TESTS or (test_kvcache and float16 and not bfloat16) or test
 SMOKE_TESTS="$SMOKE_TESTS or test_kvcache_with_a_sink or test_forward_backward_against_reference or test_varlen_forward or flash_attn_gpu"
 SMOKE_TESTS="$SMOKE_TESTS or test_private_functions or test_sdpa_op_forward_backward or test_flash_op_dense_options"
 SMOKE_TESTS="$SMOKE_TESTS or test_paged_call_past_its_pages_raises"
+SMOKE_FILES=(tests/test_attention.py tests/test_fp8.py tests/test_kvcache.py tests/test_kvcache_errors.py tests/test_sinks.py
+  tests/test_flash_attn_interface.py tests/test_sdpa.py)
 # the Gluon backward's grouped grid (and the tests of the paths it touches)
 ORDER_TESTS="grid_order or many_heads or key_blocks_limit or grid_rule or split_ring or plans_repeated or persistent_forward_tiles"
 ORDER_TESTS="$ORDER_TESTS or short_tile_launch or lse_gradient or one_output or race"
@@ -127,9 +130,13 @@ for s in "$@"; do
         tests/test_flash_attn_interface.py tests/test_features.py tests/test_transformers.py \
         tests/test_attention.py::test_host_descriptor_rule ;;
     smoke)
-      stage smoke 180 python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" tests/test_attention.py \
-        tests/test_fp8.py tests/test_kvcache.py tests/test_kvcache_errors.py tests/test_sinks.py tests/test_flash_attn_interface.py \
-        tests/test_sdpa.py -k "$SMOKE_TESTS" ;;
+      stage smoke 180 python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" "${SMOKE_FILES[@]}" \
+        -k "$SMOKE_TESTS" ;;
+    rest)  # the rest of `tests` after `smoke` in the same call: the smoke files less its selection, then the others
+      stage rest "${TESTS_LIMIT:-540}" bash -c 'f=("${@:2}"); python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" \
+        "${f[@]}" -k "not ($1)"; a=$?; python3 -m pytest -n 14 -q -p no:cacheprovider -m "not big_memory" \
+        --deselect tests/test_compile_targets.py "${f[@]/#/--ignore=}"; b=$?; exit $((a > b ? a : b))' \
+        rest "$SMOKE_TESTS" "${SMOKE_FILES[@]}" ;;
     memcheck)
       stage memcheck 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_owned_writes.py tests/test_nan.py tests/test_fp8.py tests/test_fp8_kvcache.py \
