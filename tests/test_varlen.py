@@ -301,6 +301,29 @@ def test_paged_forward_with_inputs_requiring_grad():
     assert q.grad is None and all(p.grad is None for p in pages)
 
 
+def test_paged_op_and_compiled_paged_call():
+    """flashattn2::fwd_varlen_paged, whose schema is the request's (request.op_schema): opcheck over a request's
+    op_args (a window, a scale and a sink set, so that a field dropped or shifted changes the result), and a
+    fullgraph-compiled paged call equal to the eager one."""
+    from flashattn2.ops.request import request
+    from flashattn2.ops.run import registry
+
+    lengths = [5, 9]
+    q, _, _ = (t.detach() for t in make(lengths, lengths))
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=DEVICE)
+    pages = [torch.randn(4, 8, 2, 48, device=DEVICE, dtype=q.dtype) for _ in range(2)]
+    sink = torch.randn(4, device=DEVICE, dtype=torch.float32)
+    kwargs = dict(causal=True, window_size=(3, 0), softmax_scale=0.3, block_table=table, learnable_sink=sink)
+    r = request.AttentionRequest(q, *pages, cu(lengths), cu(lengths), 9, 9, **kwargs)
+    torch.library.opcheck(registry.fwd_varlen_paged, request.op_args(r), test_utils=("test_schema", "test_faketensor"))
+    out, lse = registry.fwd_varlen_paged(*request.op_args(r))
+    eager = flashattn2.flash_attn_varlen_func(q, *pages, cu(lengths), cu(lengths), 9, 9, **kwargs)
+    assert torch.equal(out, eager) and lse.shape == (4, sum(lengths))
+    call = lambda q, k, v, cu_q, cu_k: flashattn2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, **kwargs)
+    compiled = torch.compile(call, fullgraph=True, backend="eager")(q, *pages, cu(lengths), cu(lengths))
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+
+
 @pytest.mark.usefixtures("value_checks")
 def test_bad_varlen_arguments():
     lengths = [5, 9]

@@ -140,7 +140,7 @@ def _dense(r: AttentionRequest, packed=None, packing: str | None = None):
         out, lse = _run(call, t, lse_wanted=lse_wanted)
     else:
         first = None if packing == "qkv" else q
-        out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, None, None, seed)
+        out, lse = PackedAttention.apply(call, packing, first, packed, None, None, alibi_slopes, sink, seed)
     if not lse_wanted:
         return out
     return _result(r, out, lse, call, seed=seed)
@@ -363,7 +363,7 @@ def _varlen(r: AttentionRequest, packed=None, packing: str | None = None):
         out, lse = _run(call, t, lse_wanted=lse_wanted)
     else:
         first = None if packing == "qkv" else q
-        out, lse = PackedAttention.apply(first, packed, alibi_slopes, sink, packing, call, cu_q, cu_k, seed)
+        out, lse = PackedAttention.apply(call, packing, first, packed, cu_q, cu_k, alibi_slopes, sink, seed)
     verify()
     if not lse_wanted:
         return out
@@ -373,18 +373,13 @@ def _varlen(r: AttentionRequest, packed=None, packing: str | None = None):
 def _varlen_paged(r: AttentionRequest):
     """flash_attn_varlen_func with a paged K/V (prefill over a paged cache): forward only."""
     q, k, v, cu_seqlens_q, cu_seqlens_k, block_table = r.q, r.k, r.v, r.cu_seqlens_q, r.cu_seqlens_k, r.block_table
-    alibi_slopes, learnable_sink = r.alibi_slopes, r.learnable_sink
+    learnable_sink = r.learnable_sink
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
     if grad or torch.compiler.is_compiling():  # the custom op: torch.compile's path; autograd's (its backward raises)
         checks.check_options(r.dropout_p, r.softmax_scale, r.window_size, r.softcap)
         checks.check_sink(learnable_sink, q)
         max_q, max_k = cache_checks.check_varlen_paged(r)
-        left, right = (int(w) for w in r.window_size)
-        scale = float(q.shape[-1] ** -0.5 if r.softmax_scale is None else r.softmax_scale)
-        out, lse = _fwd_varlen_paged_op(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, scale, bool(r.causal), left, right,
-            float(r.softcap), alibi_slopes, learnable_sink,
-        )  # fmt: skip
+        out, lse = _fwd_varlen_paged_op(*request.op_args(r._replace(max_seqlen_q=max_q, max_seqlen_k=max_k)))
     else:
         call = calls.paged(r)
         spec = call.spec

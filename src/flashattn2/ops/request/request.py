@@ -136,6 +136,9 @@ _OP_FORMS = {
         lambda tensor, n: n if tensor is None else tensor,
     ),
     "return_softmax_lse": ((), lambda r, value: (), lambda: True),
+    "return_attn_probs": ((), lambda r, value: (), lambda: True),
+    "max_seqlen_q": ((("max_seqlen_q", int),), lambda r, value: (int(value),), lambda n: n),
+    "max_seqlen_k": ((("max_seqlen_k", int),), lambda r, value: (int(value),), lambda n: n),
 }
 _SCALARS = (bool, int, float)
 
@@ -156,7 +159,7 @@ def _forms(request_type) -> list[tuple[str, tuple, object, object]]:
     return forms
 
 
-_FORMS = {KVCacheRequest: _forms(KVCacheRequest)}
+_FORMS = {KVCacheRequest: _forms(KVCacheRequest), AttentionRequest: _forms(AttentionRequest)}
 
 
 def op_schema(request_type, result, optional: tuple[str, ...] = ()) -> inspect.Signature:

@@ -128,18 +128,21 @@ def _backward_impl(t: BackwardTensors, options: Options, deterministic: bool) ->
         attention.backward(bcall, call, tensors)
 
 
-def _bwd_impl(dout, q, k, v, out, lse, dlse, dq, dk, dv, *rest) -> None:
-    options, alibi_slopes, sink, dsink, deterministic = _split(rest, 4)
-    t = BackwardTensors(dout, q, k, v, out, lse, dlse, dq, dk, dv, alibi=alibi_slopes, sink=sink, dsink=dsink)
+# the op's tensors before the Options: BackwardTensors' first fields (the sequences and the seed are the Options')
+_BWD_HEAD = BackwardTensors._fields[: BackwardTensors._fields.index("cu_seqlens_q")]
+
+
+def _bwd_impl(*args) -> None:
+    head = len(_BWD_HEAD)
+    options, alibi_slopes, sink, dsink, deterministic = _split(args[head:], 4)
+    t = BackwardTensors(*args[:head], alibi=alibi_slopes, sink=sink, dsink=dsink)
     _backward_impl(t, options, bool(deterministic))
 
 
 # (dsink, a mutated argument, has no default: the dispatcher drops trailing arguments equal to their defaults, and a
 # mutated one dropped breaks torch 2.11's in-place bookkeeping)
 _BWD_SIGNATURE = _signature(
-    [(name, Tensor) for name in ("dout", "q", "k", "v", "out", "lse")]
-    + [("dlse", OptTensor)]
-    + [(name, Tensor) for name in ("dq", "dk", "dv")],
+    [(name, OptTensor if name == "dlse" else Tensor) for name in _BWD_HEAD],
     [
         ("alibi_slopes", OptTensor, EMPTY),
         ("learnable_sink", OptTensor, EMPTY),
@@ -253,11 +256,12 @@ def _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own: bool = True):
 class Attention(torch.autograd.Function):
     """An attention call through autograd (the API's eager path: no dispatcher, no per-call autograd wrapper): the
     prepared call's forward, and its backward. Every tensor is an input of its own (not one inside a bundle), so
-    that what records the Function's inputs -- torch.jit.trace, which would bake a bundled seed in -- sees them all."""
+    that what records the Function's inputs -- torch.jit.trace, which would bake a bundled seed in -- sees them all:
+    apply(call, *tensors), tensors a ForwardTensors' fields but the last (descale: FP8 has no backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed):
-        t = _new(ForwardTensors, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, None))
+    def forward(ctx, call, *tensors):
+        t = _new(ForwardTensors, (*tensors, None))
         out, lse = attention.forward(call, t)
         _save(ctx, call, t, out, lse)
         return out, lse
@@ -268,7 +272,7 @@ class Attention(torch.autograd.Function):
         dtype = ctx.call.layout.grad_dtype  # (the interpreter's fp32: autograd casts it)
         dq, dk, dv = (_runtime.empty(t.shape, dtype, t.device) for t in saved[:3])
         dsink = _run_backward(ctx, saved, dout, dlse, dq, dk, dv)
-        return dq, dk, dv, None, dsink, None, None, None, None
+        return None, dq, dk, dv, None, None, None, dsink, None
 
 
 class PackedAttention(torch.autograd.Function):
@@ -276,17 +280,18 @@ class PackedAttention(torch.autograd.Function):
 
     packing "qkv": `packed` is qkv (..., 3, nheads, headdim) and `q` is None; packing "kv": `packed` is kv (..., 2,
     nheads_k, headdim) beside `q`. The packed dimension is 2 for dense (batch, seqlen, ...) inputs and 1 for varlen
-    (total, ...) ones.
+    (total, ...) ones. apply(call, packing, q, packed, *tensors): tensors a ForwardTensors' fields after v but the
+    last (Attention's).
     """
 
     @staticmethod
-    def forward(ctx, q, packed, alibi_slopes, sink, packing, call, cu_seqlens_q, cu_seqlens_k, seed):
+    def forward(ctx, call, packing, q, packed, *tensors):
         dim = 1 if call.spec.varlen else 2
         if packing == "qkv":
             q, k, v = packed.unbind(dim=dim)
         else:
             k, v = packed.unbind(dim=dim)
-        t = _new(ForwardTensors, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, None))
+        t = _new(ForwardTensors, (q, k, v, *tensors, None))
         out, lse = attention.forward(call, t)
         _save(ctx, call, t, out, lse)
         ctx.packing, ctx.dim = packing, dim
@@ -305,7 +310,7 @@ class PackedAttention(torch.autograd.Function):
             dpacked = _runtime.empty((*k.shape[:dim], 2, *k.shape[dim:]), k.dtype, k.device)
             dk, dv = dpacked.unbind(dim=dim)
         dsink = _run_backward(ctx, saved, dout, dlse, dq, dk, dv, own=False)
-        return (None if ctx.packing == "qkv" else dq), dpacked, None, dsink, None, None, None, None, None
+        return None, None, (None if ctx.packing == "qkv" else dq), dpacked, None, None, None, dsink, None
 
 
 class EmptyAttention(torch.autograd.Function):
@@ -338,7 +343,7 @@ def run(call, t: ForwardTensors, grad: bool = True, lse_wanted: bool = True):
     """An eager attention call (the API's): through Attention when a gradient is needed (grad: whether the caller
     records one at all), else the forward alone (lse_wanted False: the caller drops the logsumexp). t.descale: an FP8
     call's (q_descale, k_descale, v_descale); the FP8 forward has no backward (FA3's neither)."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink, seed, descale = t
+    q, k, v, sink, descale = t.q, t.k, t.v, t.sink, t.descale
     if call.layout.descale_strides is not None:
         _no_fp8_grad(q, k, v, sink, descale)
     elif (
@@ -346,7 +351,7 @@ def run(call, t: ForwardTensors, grad: bool = True, lse_wanted: bool = True):
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad))
     ):
-        return Attention.apply(q, k, v, alibi_slopes, sink, call, cu_seqlens_q, cu_seqlens_k, seed)
+        return Attention.apply(call, *t[:-1])
     return _runtime.on_device_of(q, attention.forward, call, t, lse_wanted)
 
 
@@ -426,19 +431,6 @@ _fwd_kvcache_impl.__signature__ = request.op_schema(
 fwd_kvcache = torch.library.custom_op("flashattn2::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
 
 
-def _plain_signature(params, result, optional: int = 1) -> inspect.Signature:
-    """The op's signature; its last `optional` parameters (learnable_sink: added after the others) default to None."""
-    P = inspect.Parameter
-    first = len(params) - optional
-    return inspect.Signature(
-        [
-            P(n, P.POSITIONAL_OR_KEYWORD, annotation=t, default=None if i >= first else EMPTY)
-            for i, (n, t) in enumerate(params)
-        ],
-        return_annotation=result,
-    )
-
-
 @fwd_kvcache.register_fake
 def _(q, k_cache, v_cache, *_):
     batch, seqlen_q, nheads, _ = q.shape
@@ -464,41 +456,16 @@ def paged_forward(call, r: request.AttentionRequest, cu_seqlens_q):
 
 
 def _fwd_varlen_paged_impl(*args):
-    a = dict(zip(_PAGED_PARAMS, args))
-    window = (a["window_left"], a["window_right"])
-    r = request.AttentionRequest(
-        *(a[name] for name in _PAGED_PARAMS[:7]),
-        softmax_scale=a["softmax_scale"],
-        causal=a["causal"],
-        window_size=window,
-        softcap=a["softcap"],
-        alibi_slopes=a["alibi_slopes"],
-        block_table=a["block_table"],
-        learnable_sink=a.get("learnable_sink"),
-    )
+    r = request.from_op_args(request.AttentionRequest, args)
     return paged_forward(calls.paged(r), r, r.cu_seqlens_q)
 
 
-# flashattn2::fwd_varlen_paged: flash_attn_varlen_func over a paged K/V (forward only), torch.compile's path
-_PAGED_SIGNATURE = [
-    ("q", Tensor),
-    ("k_cache", Tensor),
-    ("v_cache", Tensor),
-    ("cu_seqlens_q", Tensor),
-    ("cu_seqlens_k", Tensor),
-    ("max_seqlen_q", int),
-    ("max_seqlen_k", int),
-    ("block_table", Tensor),
-    ("softmax_scale", float),
-    ("causal", bool),
-    ("window_left", int),
-    ("window_right", int),
-    ("softcap", float),
-    ("alibi_slopes", OptTensor),
-    ("learnable_sink", OptTensor),
-]
-_PAGED_PARAMS = [name for name, _ in _PAGED_SIGNATURE]
-_fwd_varlen_paged_impl.__signature__ = _plain_signature(_PAGED_SIGNATURE, tuple[Tensor, Tensor])
+# flashattn2::fwd_varlen_paged: flash_attn_varlen_func over a paged K/V (forward only, k and v the caches),
+# torch.compile's path and autograd's; its parameters are the request's (validated by the API: max_seqlen_q/k as
+# cache_checks.check_varlen_paged resolved them)
+_fwd_varlen_paged_impl.__signature__ = request.op_schema(
+    request.AttentionRequest, tuple[Tensor, Tensor], optional=("learnable_sink", "q_descale", "k_descale", "v_descale")
+)
 fwd_varlen_paged = torch.library.custom_op("flashattn2::fwd_varlen_paged", _fwd_varlen_paged_impl, mutates_args=())
 
 
