@@ -2,9 +2,12 @@
 Triton's interpreter at small sizes (TRITON_INTERPRET must be set before the kernels import)."""
 
 import os
+import re
 
 import pytest
 import torch
+
+import tiers
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 if not ON_GPU:
@@ -41,11 +44,25 @@ def pytest_report_header(config):
     return f"flashattn2 tests on {DEVICE}" + ("" if ON_GPU else " (Triton interpreter)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
-    """The compile checks (a subprocess each, minutes on CI's two cores) at the head of each half of the list:
+    """The two tiers (tests/tiers.py): each test the table names is marked `slow`. On the CPU a run with neither -m
+    nor paths (the README's command) runs the first tier only (`-m slow`: the second; `-m "slow or not slow"` or
+    named files: both); on a GPU every test runs.
+
+    The compile checks (a subprocess each, minutes on CI's two cores) at the head of each half of the list:
     pytest-xdist's worksteal (the README's command) starts each of two workers on one contiguous half, and a
     worker that runs out steals from the other's tail; so both start on their share of the compile checks and
     the rest balances. (With them in one place, one worker ran them all while the other went idle.)"""
+    slow_ids = re.compile("|".join(f"(?:{pattern})" for pattern in tiers.SECOND_TIER))
+    for item in items:
+        if slow_ids.search(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    if not ON_GPU and not config.option.markexpr and not config.option.file_or_dir:
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     compile_items = [item for item in items if item.path.name == "test_compile_targets.py"]
     rest = [item for item in items if item.path.name != "test_compile_targets.py"]
     first, second = compile_items[0::2], compile_items[1::2]

@@ -1,10 +1,11 @@
 """The fuzzer (tests/fuzz_cases.py) for a fixed time, and each failure it has found as a test of its own.
 
-test_fuzz draws cases from a seed (FLASHATTN2_FUZZ_SEED, else a fresh one) for FLASHATTN2_FUZZ_SECONDS of wall time
-(default 40; on the CPU interpreter at tiny sizes, on a GPU at realistic ones), runs them all, then fails listing
+test_fuzz_long draws cases from a seed (FLASHATTN2_FUZZ_SEED, else a fresh one) for FLASHATTN2_FUZZ_SECONDS of wall
+time (default 40; on the CPU interpreter at tiny sizes, on a GPU at realistic ones), runs them all, then fails listing
 every case that failed, each as the `Case(...)` that replays it: `python tools/fuzz.py --seed S --case I`, or the
 Case pasted into a test. The budget is time, not a count of cases, so a loaded machine runs fewer cases in the same
-time; its timeout (300 s) leaves a wide margin over it.
+time; its timeout (300 s) leaves a wide margin over it. test_fuzz does the same for 10 s in the suite's first tier
+(tests/tiers.py: the long one is in the second).
 """
 
 import os
@@ -19,20 +20,31 @@ import fuzz_cases
 from conftest import DEVICE, ON_GPU
 from flashattn2.reference.kvcache import kvcache_ref
 
-SECONDS = float(os.environ.get("FLASHATTN2_FUZZ_SECONDS", "40"))
+SECONDS = float(os.environ.get("FLASHATTN2_FUZZ_SECONDS", "40"))  # the long fuzz's
+FIRST_TIER_SECONDS = 10
 
 
-@pytest.mark.timeout(max(300, 6 * SECONDS))
-def test_fuzz():
+def _fuzz(seconds: float) -> None:
     seed = int(os.environ.get("FLASHATTN2_FUZZ_SEED", random.SystemRandom().randrange(2**31)))
     sizes = fuzz_cases.GPU if ON_GPU else fuzz_cases.CPU
-    print(f"fuzz seed={seed} ({SECONDS:.0f} s; replay one case: python tools/fuzz.py --seed {seed} --case I)")
+    print(f"fuzz seed={seed} ({seconds:.0f} s; replay one case: python tools/fuzz.py --seed {seed} --case I)")
     start = time.monotonic()
-    count, failures = fuzz_cases.fuzz(seed, SECONDS, sizes, DEVICE)
+    count, failures = fuzz_cases.fuzz(seed, seconds, sizes, DEVICE)
     print(f"fuzz seed={seed}: {count} cases in {time.monotonic() - start:.1f} s, {len(failures)} failed")
+    assert count, "the fuzzer ran no case"
     assert not failures, f"fuzz seed={seed}: {len(failures)} of {count} cases failed:\n" + "\n".join(
         f"case {seed}:{i} ({type(e).__name__}: {str(e)[:300]})\n  {case}" for i, case, e in failures
     )
+
+
+@pytest.mark.timeout(300)
+def test_fuzz():
+    _fuzz(FIRST_TIER_SECONDS)
+
+
+@pytest.mark.timeout(max(300, 6 * SECONDS))
+def test_fuzz_long():
+    _fuzz(SECONDS)
 
 
 # Each failure the fuzzer found, reproduced.

@@ -18,6 +18,9 @@ from conftest import ON_GPU, interpreter_numpy_problem
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+# (the paragraph above, the block) for each shell block
+SHELL = [(m.group(1), m.group(2)) for m in re.finditer(r"((?:^[^\n]+\n)+)\n```bash\n(.*?)^```", README, re.M | re.S)]
+NEEDS_GPU = "needs a GPU"
 SETS_INTERPRETER = 'os.environ["TRITON_INTERPRET"] = "1"'
 
 
@@ -89,3 +92,51 @@ def test_settings_table_names_every_switch():
     assert env and setters
     missing = sorted(name for name in env | setters | {"TRITON_INTERPRET", "force("} if name not in table)
     assert not missing, f"not in the README's settings table: {missing}"
+
+
+def _shell_kind(above: str, code: str) -> str:
+    """gpu: the paragraph above says it needs a GPU; install: pip lines (CI installs as they do: .ci/run); suite:
+    the test commands (.ci/run runs them as printed); else run: this file runs it."""
+    if NEEDS_GPU in above:
+        return "gpu"
+    if "python -m pytest" in code:
+        return "suite"
+    if all(line.startswith("pip install") for line in code.splitlines()):
+        return "install"
+    return "run"
+
+
+def test_every_shell_block_is_run_or_says_why_not():
+    """Each shell block runs on a CPU (an install line, a test command CI runs, or a command test_shell_block_runs_
+    as_printed runs), or the paragraph above it says it needs a GPU and the next block is its CPU form."""
+    assert len(SHELL) >= 6
+    kinds = [_shell_kind(above, code) for above, code in SHELL]
+    for i, kind in enumerate(kinds):
+        if kind == "gpu":
+            assert i + 1 < len(SHELL) and kinds[i + 1] == "run", f"no CPU form after {SHELL[i][1]!r}"
+    ci = (ROOT / ".ci" / "run").read_text()
+    for above, code in SHELL:
+        kind = _shell_kind(above, code)
+        if kind == "suite":  # CI runs the README's command as printed (less its install: CI's own)
+            assert code.strip().split(" && ", 1)[-1] in ci, code
+        if kind == "install":  # the extras named exist
+            extras = set(re.findall(r'"\.\[(\w+)\]"', code))
+            assert extras <= set(re.findall(r"^(\w+) = \[", (ROOT / "pyproject.toml").read_text(), re.M)), code
+    assert kinds.count("run") >= 2 and kinds.count("suite") >= 2
+
+
+RUN = list(dict.fromkeys(code for above, code in SHELL if _shell_kind(above, code) == "run"))  # each once
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU forms (a GPU runs the examples in tests/test_examples.py)")
+@pytest.mark.parametrize("code", RUN, ids=[re.sub(r"\W+", "-", c)[:40].strip("-") for c in RUN])
+def test_shell_block_runs_as_printed(code):
+    """The block as a reader pastes it, from the clone's root in an environment without TRITON_INTERPRET (the
+    example sets it on a CPU), the venv's scripts (torchrun) on the PATH."""
+    if interpreter_numpy_problem():
+        pytest.skip(interpreter_numpy_problem())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    run = subprocess.run(["bash", "-e", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{run.stderr[-3000:]}"

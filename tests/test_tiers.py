@@ -1,0 +1,49 @@
+"""The two tiers (tests/tiers.py) hold: each row of the second tier's table names tests that exist, a row that picks
+some of a test's parametrizations leaves the test at least one in the first tier, and the README's command runs the
+first tier while `-m slow` runs the rest."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+import tiers
+from conftest import ON_GPU
+from test_readme import ROOT
+
+
+def _collect(*args: str) -> list[str]:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+@pytest.fixture(scope="module")
+def every_id():
+    return _collect("-m", "slow or not slow")
+
+
+@pytest.mark.parametrize("pattern", list(tiers.SECOND_TIER))
+def test_each_row_names_tests_and_leaves_each_a_first_tier_case(pattern, every_id):
+    chosen = [node for node in every_id if re.search(pattern, node)]
+    assert chosen, f"tests/tiers.py's row {pattern!r} names no test (renamed or gone?)"
+    if r"\[" in pattern:  # some parametrizations of a test: the others stay in the first tier
+        functions = {node.split("[")[0] for node in chosen}
+        first = {node.split("[")[0] for node in every_id if "[" in node and not re.search(pattern, node)}
+        assert functions <= first, f"{pattern!r} takes every case of {sorted(functions - first)}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="a GPU runs both tiers")
+def test_the_readme_command_runs_the_first_tier_and_m_slow_the_rest(every_id):
+    first, second = set(_collect()), set(_collect("-m", "slow"))
+    assert first and second and not first & second and first | second == set(every_id)
+    slow = re.compile("|".join(tiers.SECOND_TIER))
+    assert all(slow.search(node) for node in second) and not any(slow.search(node) for node in first)
+    assert any("test_compile_targets" in node for node in second)
