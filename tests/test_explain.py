@@ -93,3 +93,18 @@ def test_command_line(argv, first, capsys):
     assert out.startswith(first) and "why:" in out
     if "fp8" in argv:  # e4m3 inputs (the forward only), or an e4m3 cache read by 16-bit queries
         assert ("fp8: e4m3" in out and "BackwardSpec" not in out) if "--kvcache" not in argv else "fp8=True" in out
+
+
+@pytest.mark.parametrize("gpu, rows, dots", [("sm89", "sm86", True), ("sm120", "sm86", True)])
+def test_a_gpus_name_plans_with_its_rows_and_fp8_path(gpu, rows, dots):
+    """--arch takes a GPU's name (the README discusses sm89 and sm120): its table rows (native_arch's rule) and, for
+    FP8, its path (e4m3 dots from sm_89 on; sm86 itself decodes to bf16)."""
+    from flashattn2.ops.request import modes
+
+    assert modes.table_arch(*modes.GPU_ARCHS[gpu]) == rows
+    e4m3 = meta(1, 64, 2, 64, dtype=torch.float8_e4m3fn)
+    text = flashattn2.explain(e4m3, e4m3, e4m3, arch=gpu)
+    assert text.startswith(f"{gpu}: the {rows} rows\nAttentionSpec on {rows}")
+    assert ("e4m3 tiles into the dots" in text) == dots
+    native = flashattn2.explain(e4m3, e4m3, e4m3, arch="sm86")
+    assert "decoded to bf16" in native and "e4m3 tiles into the dots" not in native

@@ -80,6 +80,14 @@ def test_bench_summary_is_generated():
     assert README[start:end] == summary.render(str(ROOT / "bench" / "results"))
 
 
+def test_bench_subcommands_are_each_named():
+    """The Benchmark section names every `bench` subcommand the command line takes (`fp8` was missing once)."""
+    from flashattn2.__main__ import WHATS
+
+    section = README[README.index("## Benchmark") :]
+    assert [w for w in WHATS if f"`{w}`" not in section and f"bench {w}" not in section] == []
+
+
 def test_settings_table_names_every_switch():
     """Every FLASHATTN2_* environment variable the package reads, and every setter it exports, is in the README's
     settings table."""

@@ -7,15 +7,18 @@ why (ops.planning.explain over the call's spec).
     flashattn2.explain(q, k, v, arch="sm90")    # meta tensors: what an H100/H200 (sm90), A100 (sm80), other (sm86) runs
 
 The tensors may be on the "meta" device (no memory): the plan is then the one `arch` runs (default "sm90"), on a
-device of that arch's size. Nothing runs.
+device of that arch's size; a GPU's own name (sm89: Ada, sm120: consumer Blackwell) plans with its table
+rows (sm86's) and its FP8 path. Nothing runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .ops.run import call as calls
-from .ops.request import checks
+from .ops.request import checks, modes
 from .ops import planning
 from .ops.request import spec as specs
 from .ops.request.request import AttentionRequest, KVCacheRequest
@@ -45,19 +48,27 @@ def _explain(q, k, v, kvcache: bool, arch: str | None, meta: bool, kwargs) -> st
     else:
         spec = _attention_spec(q, k, v, kwargs)
         parts = [spec]
+    fp8_dots, note = None, ""
     if meta:
-        parts = [_on(arch or "sm90", p) for p in parts]
+        arch = arch or "sm90"
+        capability = modes.GPU_ARCHS.get(arch)
+        if capability is not None and modes.table_arch(*capability) != arch:  # a GPU's name: its rows, its FP8 path
+            note = f"{arch}: the {modes.table_arch(*capability)} rows\n"
+            arch, fp8_dots = modes.table_arch(*capability), capability >= (8, 9)
+        parts = [_on(arch, p) for p in parts]
     fp8 = parts[0].q.dtype == checks.E4M3  # the FP8 forward has no backward
     if isinstance(parts[0], specs.AttentionSpec) and not parts[0].modes.invariant and not fp8:
         parts.append(_backward_spec(parts[0]))
-    text = "\n".join(planning.explain(p) for p in parts)
+    with planning.force(fp8_dots=fp8_dots) if fp8_dots is not None else contextlib.nullcontext():
+        text = note + "\n".join(planning.explain(p) for p in parts)
     print(text)
     return text
 
 
 def _on(arch: str, spec):
     if arch not in planning.ARCHS:
-        raise checks.ArgumentError(f"explain: arch must be one of {planning.ARCHS}, got {arch!r}")
+        names = (*planning.ARCHS, *(a for a in modes.GPU_ARCHS if a not in planning.ARCHS))
+        raise checks.ArgumentError(f"explain: arch must be one of {names}, got {arch!r}")
     return spec._replace(modes=spec.modes._replace(arch=arch))
 
 
@@ -117,7 +128,12 @@ def main(argv) -> int:
     ap.add_argument("--kvcache", action="store_true", help="flash_attn_with_kvcache: --seqlen-k is the cache")
     ap.add_argument("--page-size", type=int, default=None, help="kvcache: a paged cache of this page size")
     ap.add_argument("--num-splits", type=int, default=0, help="kvcache: num_splits (default 0: chosen)")
-    ap.add_argument("--arch", default="sm90", choices=planning.ARCHS, help="whose plan (default sm90: H100/H200)")
+    archs = (*planning.ARCHS, *(a for a in modes.GPU_ARCHS if a not in planning.ARCHS))
+    ap.add_argument(
+        "--arch", default="sm90", choices=archs,
+        help="whose plan: a table's (sm90: H100/H200, the default; sm80: A100; sm86: other GPUs; interp) or a GPU's "
+        "(sm89, sm120: the sm86 rows, with their own FP8 path)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": checks.E4M3}[a.dtype]
     seqlen_k = a.seqlen_k or a.seqlen_q

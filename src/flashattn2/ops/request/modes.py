@@ -191,7 +191,16 @@ def native_arch(index: int) -> str:
             f"flashattn2 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or "
             f"newer, as flash_attn 2): {name} is sm_{major}{minor}"
         )
+    return table_arch(major, minor)
+
+
+def table_arch(major: int, minor: int) -> str:
+    """The plan table's architecture for a compute capability of 8.0 or newer (native_arch's rule)."""
     return "sm90" if major in (9, 10) else "sm80" if (major, minor) in ((8, 0), (8, 7)) else "sm86"
+
+
+# the GPUs explain() takes by name (--arch), beside the table's own architectures: their compute capability
+GPU_ARCHS = {"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0), "sm120": (12, 0)}
 
 
 def wgmma(device: torch.device) -> bool:
