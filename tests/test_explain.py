@@ -92,7 +92,11 @@ def test_command_line(argv, first, capsys):
     out = capsys.readouterr().out
     assert out.startswith(first) and "why:" in out
     if "fp8" in argv:  # e4m3 inputs (the forward only), or an e4m3 cache read by 16-bit queries
-        assert ("fp8: e4m3" in out and "BackwardSpec" not in out) if "--kvcache" not in argv else "fp8=True" in out
+        assert (
+            ("fp8: e4m3" in out and "BackwardSpec" not in out)
+            if "--kvcache" not in argv
+            else ("fp8=True" in out and "float8_e4m3fn k" in out)
+        )
 
 
 @pytest.mark.parametrize("gpu, rows, dots", [("sm89", "sm86", True), ("sm120", "sm86", True)])
