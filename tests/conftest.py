@@ -40,6 +40,13 @@ def skip_without_interpreter() -> None:
         pytest.skip(problem)
 
 
+def pytest_sessionstart(session):
+    """On the CPU, a Triton whose interpreter cannot run here stops the suite at once, saying what to install (not a
+    thousand failures, and no pin in the test extras that would downgrade everyone's numpy)."""
+    if not ON_GPU and interpreter_numpy_problem():
+        pytest.exit(f'{interpreter_numpy_problem()}: pip install "numpy<2.4" (or triton >= 3.7)', returncode=4)
+
+
 def pytest_report_header(config):
     return f"flashattn2 tests on {DEVICE}" + ("" if ON_GPU else " (Triton interpreter)")
 

@@ -1,6 +1,6 @@
-"""The two tiers (tests/tiers.py) hold: each row of the second tier's table names tests that exist, a row that picks
-some of a test's parametrizations leaves the test at least one in the first tier, and the README's command runs the
-first tier while `-m slow` runs the rest."""
+"""The CPU suite's start and its two tiers (tests/tiers.py): a Triton whose interpreter cannot run stops the suite at
+once; each row of the second tier's table names tests that exist, a row that picks some of a test's cases leaves
+the test one in the first tier, and the README's command runs the first tier while `-m slow` runs the rest."""
 
 import re
 import subprocess
@@ -47,3 +47,15 @@ def test_the_readme_command_runs_the_first_tier_and_m_slow_the_rest(every_id):
     slow = re.compile("|".join(tiers.SECOND_TIER))
     assert all(slow.search(node) for node in second) and not any(slow.search(node) for node in first)
     assert any("test_compile_targets" in node for node in second)
+
+
+def test_a_cpu_whose_interpreter_cannot_run_stops_at_once(monkeypatch):
+    """triton 3.6 with numpy >= 2.4 (the test extras pin nothing): the CPU suite stops at its start naming the fix."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "ON_GPU", False)
+    monkeypatch.setattr(conftest, "interpreter_numpy_problem", lambda: "triton 3.6's interpreter needs numpy < 2.4")
+    with pytest.raises(pytest.exit.Exception, match='pip install "numpy<2.4"'):
+        conftest.pytest_sessionstart(None)
+    monkeypatch.setattr(conftest, "interpreter_numpy_problem", lambda: None)
+    conftest.pytest_sessionstart(None)
