@@ -217,6 +217,7 @@ def main(argv=None):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         log("matplotlib is not installed: no loss curve (pip install matplotlib)")
     else:
@@ -225,6 +226,7 @@ def main(argv=None):
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="validation")
         ax.axhline(unigram, color="gray", ls="--", label=f"unigram entropy {unigram:.2f}")
         ax.set(xlabel="step", ylabel="loss (nats / byte)", title="GPT on the Python standard library")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # whole steps (a smoke run has 3)
         ax.legend()
         fig.tight_layout()
         fig.savefig(out_dir / "loss.png", dpi=120)
