@@ -53,23 +53,36 @@ def pytest_report_header(config):
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
-    """The two tiers (tests/tiers.py): each test the table names is marked `slow`. On the CPU a run with neither -m
-    nor paths (the README's command) runs the first tier only (`-m slow`: the second; `-m "slow or not slow"` or
-    named files: both); on a GPU every test runs.
-
-    The compile checks (a subprocess each, minutes on CI's two cores) at the head of each half of the list:
-    pytest-xdist's worksteal (the README's command) starts each of two workers on one contiguous half, and a
-    worker that runs out steals from the other's tail; so both start on their share of the compile checks and
-    the rest balances. (With them in one place, one worker ran them all while the other went idle.)"""
+    """The two tiers (tests/tiers.py): each test the table names is marked `slow`. On the CPU a run with neither -m,
+    -k nor paths (the README's command) runs the first tier only (`-m slow`: the second; `-m "slow or not slow"`, -k
+    or named files: both); on a GPU every test runs."""
     slow_ids = re.compile("|".join(f"(?:{pattern})" for pattern in tiers.SECOND_TIER))
     for item in items:
         if slow_ids.search(item.nodeid):
             item.add_marker(pytest.mark.slow)
-    if not ON_GPU and not config.option.markexpr and not config.option.file_or_dir:
+    chosen = config.option.markexpr or config.option.keyword or config.option.file_or_dir
+    if not ON_GPU and not chosen:
         slow = [item for item in items if item.get_closest_marker("slow")]
         if slow:
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+class _WorkstealOrder:
+    @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+    def pytest_collection_modifyitems(self, config, items):
+        _worksteal_order(items)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_WorkstealOrder(), "flashattn2-worksteal-order")
+
+
+def _worksteal_order(items):
+    """The compile checks (a subprocess each, minutes on CI's two cores) at the head of each half of the list:
+    pytest-xdist's worksteal (the README's command) starts each of two workers on one contiguous half, and a
+    worker that runs out steals from the other's tail; so both start on their share of the compile checks and
+    the rest balances. (With them in one place, one worker ran them all while the other went idle.)"""
     compile_items = [item for item in items if item.path.name == "test_compile_targets.py"]
     rest = [item for item in items if item.path.name != "test_compile_targets.py"]
     first, second = compile_items[0::2], compile_items[1::2]
