@@ -2,7 +2,6 @@
 Triton's interpreter at small sizes (TRITON_INTERPRET must be set before the kernels import)."""
 
 import os
-import re
 
 import pytest
 import torch
@@ -56,9 +55,8 @@ def pytest_collection_modifyitems(config, items):
     """The two tiers (tests/tiers.py): each test the table names is marked `slow`. On the CPU a run with neither -m,
     -k nor paths (the README's command) runs the first tier only (`-m slow`: the second; `-m "slow or not slow"`, -k
     or named files: both); on a GPU every test runs."""
-    slow_ids = re.compile("|".join(f"(?:{pattern})" for pattern in tiers.SECOND_TIER))
     for item in items:
-        if slow_ids.search(item.nodeid):
+        if tiers.SLOW.search(item.nodeid):
             item.add_marker(pytest.mark.slow)
     chosen = config.option.markexpr or config.option.keyword or config.option.file_or_dir
     if not ON_GPU and not chosen:

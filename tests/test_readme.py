@@ -119,12 +119,10 @@ def test_every_shell_block_is_run_or_says_why_not():
     as_printed runs), or the paragraph above it says it needs a GPU and the next block is its CPU form."""
     assert len(SHELL) == README.count("```bash") >= 6  # (a block without a paragraph above it would be missed)
     kinds = [_shell_kind(above, code) for above, code in SHELL]
-    for i, kind in enumerate(kinds):
-        if kind == "gpu":
-            assert i + 1 < len(SHELL) and kinds[i + 1] == "run", f"no CPU form after {SHELL[i][1]!r}"
     ci = (ROOT / ".ci" / "run").read_text()
-    for above, code in SHELL:
-        kind = _shell_kind(above, code)
+    for i, (kind, (_, code)) in enumerate(zip(kinds, SHELL)):
+        if kind == "gpu":
+            assert i + 1 < len(SHELL) and kinds[i + 1] == "run", f"no CPU form after {code!r}"
         if kind == "suite":  # CI runs the README's command as printed (less its install: CI's own)
             assert code.strip().split(" && ", 1)[-1] in ci, code
         if kind == "install":  # the extras named exist

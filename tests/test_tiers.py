@@ -36,9 +36,8 @@ def test_each_row_names_tests_and_leaves_each_a_first_tier_case(pattern, every_i
     chosen = [node for node in every_id if re.search(pattern, node)]
     assert chosen, f"tests/tiers.py's row {pattern!r} names no test (renamed or gone?)"
     if r"\[" in pattern:  # some parametrizations of a test: some stay in the first tier (no other row takes them)
-        slow = re.compile("|".join(tiers.SECOND_TIER))
         functions = {node.split("[")[0] for node in chosen}
-        first = {node.split("[")[0] for node in every_id if "[" in node and not slow.search(node)}
+        first = {node.split("[")[0] for node in every_id if "[" in node and not tiers.SLOW.search(node)}
         assert functions <= first, f"{pattern!r} takes every case of {sorted(functions - first)}"
 
 
@@ -46,8 +45,7 @@ def test_each_row_names_tests_and_leaves_each_a_first_tier_case(pattern, every_i
 def test_the_readme_command_runs_the_first_tier_and_m_slow_the_rest(every_id):
     first, second = set(_collect()), set(_collect("-m", "slow"))
     assert first and second and not first & second and first | second == set(every_id)
-    slow = re.compile("|".join(tiers.SECOND_TIER))
-    assert all(slow.search(node) for node in second) and not any(slow.search(node) for node in first)
+    assert all(tiers.SLOW.search(node) for node in second) and not any(tiers.SLOW.search(node) for node in first)
     assert any("test_compile_targets" in node for node in second)
 
 

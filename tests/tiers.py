@@ -5,7 +5,9 @@ coverage at other shapes, dtypes and options, and what starts processes of its o
 
 One table decides: a test whose node id matches a pattern (re.search) is marked `slow`. Each row says why it can
 wait and what in the first tier covers its code; the seconds are one worker's on a 2-core machine (triton 3.6,
-`pytest --durations`). On a GPU both tiers run (the GPU stages pass their own -m)."""
+`pytest --durations`). On a GPU both tiers run (conftest.py deselects on the CPU only)."""
+
+import re
 
 SECOND_TIER = {
     # a subprocess per part compiling every kernel the table can select for sm_90/80/86/89: 1,160 s in all
@@ -40,3 +42,6 @@ SECOND_TIER = {
     # 200 training steps of the example GPT (25 s): its forward/backward and decode steps are tests of their own
     r"test_gpt\.py::test_training_lowers_the_loss": "a training run",
 }
+
+# any row's pattern: the second tier's tests (conftest.py marks them, tests/test_tiers.py checks the rows)
+SLOW = re.compile("|".join(f"(?:{pattern})" for pattern in SECOND_TIER))

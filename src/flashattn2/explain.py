@@ -24,6 +24,10 @@ from .ops.request import spec as specs
 from .ops.request.request import AttentionRequest, KVCacheRequest
 
 
+# what `arch` takes: the table's architectures, then the GPUs named by their own sm
+ARCH_NAMES = (*planning.ARCHS, *(a for a in modes.GPU_ARCHS if a not in planning.ARCHS))
+
+
 def explain(q, k, v, /, *, kvcache: bool = False, arch: str | None = None, **kwargs) -> str:
     """The plan of the call flash_attn_func (kwargs: its options), flash_attn_varlen_func (cu_seqlens_q given; with
     block_table: the paged prefill) or, with kvcache=True, flash_attn_with_kvcache (k, v: k_cache, v_cache; the new
@@ -52,9 +56,9 @@ def _explain(q, k, v, kvcache: bool, arch: str | None, meta: bool, kwargs) -> st
     if meta:
         arch = arch or "sm90"
         capability = modes.GPU_ARCHS.get(arch)
-        if capability is not None and modes.table_arch(*capability) != arch:  # a GPU's name: its rows, its FP8 path
-            note = f"{arch}: the {modes.table_arch(*capability)} rows\n"
-            arch, fp8_dots = modes.table_arch(*capability), capability >= (8, 9)
+        rows = modes.table_arch(*capability) if capability else arch
+        if rows != arch:  # a GPU's name: its table rows, its FP8 path
+            note, fp8_dots, arch = f"{arch}: the {rows} rows\n", capability >= (8, 9), rows
         parts = [_on(arch, p) for p in parts]
     fp8 = parts[0].q.dtype == checks.E4M3  # the FP8 forward has no backward
     if isinstance(parts[0], specs.AttentionSpec) and not parts[0].modes.invariant and not fp8:
@@ -67,8 +71,7 @@ def _explain(q, k, v, kvcache: bool, arch: str | None, meta: bool, kwargs) -> st
 
 def _on(arch: str, spec):
     if arch not in planning.ARCHS:
-        names = (*planning.ARCHS, *(a for a in modes.GPU_ARCHS if a not in planning.ARCHS))
-        raise checks.ArgumentError(f"explain: arch must be one of {names}, got {arch!r}")
+        raise checks.ArgumentError(f"explain: arch must be one of {ARCH_NAMES}, got {arch!r}")
     return spec._replace(modes=spec.modes._replace(arch=arch))
 
 
@@ -128,9 +131,8 @@ def main(argv) -> int:
     ap.add_argument("--kvcache", action="store_true", help="flash_attn_with_kvcache: --seqlen-k is the cache")
     ap.add_argument("--page-size", type=int, default=None, help="kvcache: a paged cache of this page size")
     ap.add_argument("--num-splits", type=int, default=0, help="kvcache: num_splits (default 0: chosen)")
-    archs = (*planning.ARCHS, *(a for a in modes.GPU_ARCHS if a not in planning.ARCHS))
     ap.add_argument(
-        "--arch", default="sm90", choices=archs,
+        "--arch", default="sm90", choices=ARCH_NAMES,
         help="whose plan: a table's (sm90: H100/H200, the default; sm80: A100; sm86: other GPUs; interp) or a GPU's "
         "(sm89, sm120: the sm86 rows, with their own FP8 path)",
     )  # fmt: skip

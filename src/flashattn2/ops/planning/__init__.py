@@ -105,9 +105,9 @@ def _call(spec) -> str:
         kind = (
             "paged prefill" if isinstance(s, specs.PagedSpec) else "KV cache" + (" (append)" if s.k is not None else "")
         )
-    name = lambda t: str(t.dtype).removeprefix("torch.")
-    k_dtype = "" if k.dtype == s.q.dtype else f" {name(k)}"  # (an FP8 cache read by 16-bit queries)
-    parts = [f"{kind} {name(s.q)} q {tuple(s.q.shape)}{k_dtype} k {tuple(k.shape)}"]
+    dtype = lambda t: str(t.dtype).removeprefix("torch.")
+    k_dtype = "" if k.dtype == s.q.dtype else f" {dtype(k)}"  # (an FP8 cache read by 16-bit queries)
+    parts = [f"{kind} {dtype(s.q)} q {tuple(s.q.shape)}{k_dtype} k {tuple(k.shape)}"]
     parts += [name for name, on in (("causal", s.causal), ("ALiBi", s.alibi is not None), ("sink", s.sink is not None))
               if on]  # fmt: skip
     if s.window != (-1, -1):

@@ -130,12 +130,12 @@ def _backward_impl(t: BackwardTensors, options: Options, deterministic: bool) ->
 
 # the op's tensors before the Options: BackwardTensors' first fields (the sequences and the seed are the Options')
 _BWD_HEAD = BackwardTensors._fields[: BackwardTensors._fields.index("cu_seqlens_q")]
+_N_HEAD = len(_BWD_HEAD)
 
 
 def _bwd_impl(*args) -> None:
-    head = len(_BWD_HEAD)
-    options, alibi_slopes, sink, dsink, deterministic = _split(args[head:], 4)
-    t = BackwardTensors(*args[:head], alibi=alibi_slopes, sink=sink, dsink=dsink)
+    options, alibi_slopes, sink, dsink, deterministic = _split(args[_N_HEAD:], 4)
+    t = BackwardTensors(*args[:_N_HEAD], alibi=alibi_slopes, sink=sink, dsink=dsink)
     _backward_impl(t, options, bool(deterministic))
 
 
