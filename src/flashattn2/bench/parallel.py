@@ -16,7 +16,6 @@ Each algorithm is checked against flash_attn_func on a short sequence before any
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -287,7 +286,3 @@ def markdown(path: str) -> str:
     first = rows[0] if rows else {}
     head = f"{first.get('gpu', '')}, torch {first.get('torch', '')}, triton {first.get('triton', '')}"
     return f"Context parallelism, causal, {head}\n\n" + "\n".join(lines)
-
-
-def default_worlds() -> list[int]:
-    return [int(os.environ.get("WORLD_SIZE", "0"))] if os.environ.get("WORLD_SIZE") else [8]

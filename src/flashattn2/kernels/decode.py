@@ -54,7 +54,7 @@ from .fp8 import e4m3_decode
 
 
 class DecodeMods(NamedTuple):
-    """How attn_kvcache_kernel forms and masks the scores (request.options.ScoreMods.kernel_args' flags, no dropout)."""
+    """How attn_kvcache_kernel forms and masks the scores (flash_attn's score options resolved, no dropout)."""
 
     CAUSAL: bool  # bottom-right causal mask
     LOCAL: bool  # sliding window (window_left, window_right); excludes CAUSAL

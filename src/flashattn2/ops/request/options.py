@@ -1,5 +1,4 @@
-"""A call's options by name: Options from the API to the custom ops (whose parameters they are, in order), and
-ScoreMods, how the kernels form and mask the scores."""
+"""A call's options by name: Options from the API to the custom ops (whose parameters they are, in order)."""
 
 from __future__ import annotations
 
@@ -95,55 +94,3 @@ class Options:
 
 
 N_OP_ARGS = len(Options().op_args())
-
-
-@dataclass(frozen=True)
-class ScoreMods:
-    """How scores are formed and masked, resolved from flash_attn's arguments.
-
-    causal=True sets the window's right edge to 0 (flash_attn's rule); a window that is only
-    that becomes the CAUSAL path, any other finite edge the LOCAL path, where an unbounded edge
-    is replaced by one that cannot bind (seqlen_q + seqlen_k).
-    """
-
-    causal: bool = False
-    window_left: int = -1
-    window_right: int = -1
-    softcap: float = 0.0
-    alibi_slopes: torch.Tensor | None = None
-    dropout_p: float = 0.0
-    seed: torch.Tensor | None = None  # int64 (1,): the Philox seed, drawn from torch's generator
-    # float32 (nheads,): one learnable logit per query head in every row's softmax denominator, with no value
-    sinks: torch.Tensor | None = None
-
-    def kernel_args(self, seqlen_q: int, seqlen_k: int, like: torch.Tensor):
-        """(pointer/runtime arguments, constexpr flags) for the kernels."""
-        left, right = self.window_left, 0 if self.causal else self.window_right
-        causal = left < 0 and right == 0
-        local = not causal and (left >= 0 or right >= 0)
-        far = seqlen_q + seqlen_k
-        alibi = self.alibi_slopes
-        runtime = dict(
-            Alibi=alibi if alibi is not None else like,
-            stride_alibi_b=alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0,
-            window_left=left if left >= 0 else far,
-            window_right=right if right >= 0 else far,
-            softcap=self.softcap if self.softcap > 0 else 1.0,
-            Seed=self.seed if self.dropout_p > 0 else like,
-            dropout_p=self.dropout_p,
-            Sinks=self.sinks if self.sinks is not None else like,
-        )
-        flags = dict(
-            CAUSAL=causal,
-            LOCAL=local,
-            SOFTCAP=self.softcap > 0,
-            ALIBI=alibi is not None,
-            DROPOUT=self.dropout_p > 0,
-            SINK=self.sinks is not None,
-        )
-        return runtime, flags
-
-    @staticmethod
-    def only_causal(flags: dict) -> bool:
-        """Whether kernel_args' flags ask for nothing beyond a causal mask and a sink (what the Gluon kernels do)."""
-        return not (flags["LOCAL"] or flags["SOFTCAP"] or flags["ALIBI"] or flags["DROPOUT"])

@@ -13,17 +13,10 @@ import torch
 from ..launch import kvcache, launch_gluon, launch_triton
 from .call import AttentionCall, BackwardCall
 from ..launch.layout import BackwardTensors, ForwardTensors
-from ..request.options import ScoreMods
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
-
-
-def _mods(call: AttentionCall, alibi, sink, seed) -> ScoreMods:
-    o = call.options
-    alibi, sink = _contiguous(alibi), _contiguous(sink)
-    return ScoreMods(o.causal, o.window_left, o.window_right, o.softcap, alibi, o.dropout_p, seed, sink)
 
 
 def _launch(call: AttentionCall):
