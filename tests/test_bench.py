@@ -2,6 +2,7 @@
 and the report separates GQA from MHA and tabulates peak memory."""
 
 import csv
+import itertools
 
 import pytest
 
@@ -190,20 +191,10 @@ def test_ab_runs_forward_and_backward_under_the_setting(monkeypatch):
 
     monkeypatch.setattr(ab, "check_provider", fake_check)
     monkeypatch.setattr(ab, "time_modes", fake_time)
-    rows = ab.run(
-        ["default", "hopper=0"],
-        ["fp16"],
-        [64],
-        [128],
-        [True],
-        ["bwd"],
-        cudnn=False,
-        rounds=3,
-        tokens=128,
-        hidden=128,
-        progress=False,
-        device="cpu",
+    grid = kernels.Grid(
+        dtypes=["fp16"], headdims=[64], seqlens=[128], causals=[True], modes=["bwd"], tokens=128, hidden=128, rounds=3
     )
+    rows = ab.run(["default", "hopper=0"], grid, cudnn=False, progress=False, device="cpu")
     assert seen == [("check", None), ("check", False)] + [
         ("time", None),
         ("time", False),
@@ -223,7 +214,7 @@ def test_grid_rounds_alternate_the_providers(tmp_path, monkeypatch):
 
     calls, values = [], {"a": iter([1.0, 5.0, 3.0]), "b": iter([2.0, 2.0, 8.0])}
 
-    def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes, heads_k, peak):
+    def time_point(fn, layout, point, modes, peak):
         calls.append((fn, peak is not None))
         if peak is not None:
             peak["fwd"] = 1.0
@@ -233,14 +224,31 @@ def test_grid_rounds_alternate_the_providers(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "check_provider", lambda *args: "")
     monkeypatch.setattr(kernels, "time_point", time_point)
     monkeypatch.setattr(kernels, "run_metadata", lambda: {})
-    rows = kernels.run_grid(
-        tmp_path / "k.csv", ["fp16"], [64], [512], [False], ["fwd"], ["a", "b"], progress=False, rounds=3
-    )
+    grid = kernels.Grid(dtypes=["fp16"], headdims=[64], seqlens=[512], causals=[False], modes=["fwd"], rounds=3)
+    rows = kernels.run_grid(tmp_path / "k.csv", grid, ["a", "b"], progress=False)
     assert calls == [("a", True), ("b", True), ("b", False), ("a", False), ("a", False), ("b", False)]
     assert [(r["provider"], r["ms"], r["note"], r["peak_mib"]) for r in rows] == [
         ("a", "3.0000", "median of 3 rounds", "1"),
         ("b", "2.0000", "median of 3 rounds", "1"),
     ]
+
+
+def test_grid_points():
+    """A grid's points in product order (dtype, headdim, causal, seqlen), each `tokens` tokens (batch at least 1) and
+    hidden // headdim query heads unless nheads is given, as many K/V heads unless nheads_k is."""
+    grid = kernels.Grid(
+        dtypes=["fp16", "bf16"], headdims=[64, 128], seqlens=[512, 32768], causals=[False, True], modes=["fwd"]
+    )
+    points = grid.points()
+    assert [p[:4] for p in points] == list(itertools.product(["fp16", "bf16"], [64, 128], [False, True], [512, 32768]))
+    assert points[1] == kernels.Point(
+        dtype="fp16", headdim=64, causal=False, seqlen=32768, batch=1, nheads=32, nheads_k=32
+    )
+    assert (points[4].batch, points[4].nheads, points[4].label) == (32, 16, "fp16 d128 full 512")
+    gqa = kernels.Grid(
+        dtypes=["fp16"], headdims=[64, 128], seqlens=[512], causals=[True], modes=["fwd"], nheads=32, nheads_k=8
+    )
+    assert [(p.nheads, p.nheads_k, p.group) for p in gqa.points()] == [(32, 8, 4)] * 2
 
 
 def test_rounds_below_one_are_refused(capsys):

@@ -321,19 +321,23 @@ def main(argv=None) -> int:
         print(f"unknown provider(s): {sorted(unknown)}; expected some of {', '.join(PROVIDERS)}")
         return 2
     path = args.csv or _default_csv(torch.cuda.get_device_name())
-    kernels.run_grid(path, *_grid(args), names, progress=not args.no_progress, nheads=args.nheads,
-                     nheads_k=args.nheads_k, rounds=args.rounds or 1)  # fmt: skip
+    kernels.run_grid(path, _grid(args, default_rounds=1), names, progress=not args.no_progress)
     return _report(path, args.plots)
 
 
-def _grid(args):
-    """dtypes, headdims, seqlens, causals, modes of the kernels and ab grids (their defaults where not given)."""
-    return (
-        args.dtypes or ["fp16", "bf16"],
-        args.headdims or [64, 128],
-        args.seqlens or [512, 1024, 2048, 4096, 8192, 16384],
-        args.causal or [False, True],
-        (args.modes or "fwd,bwd,fwd_bwd").split(","),
+def _grid(args, default_rounds: int):
+    """The kernels and ab grid from the options (their defaults where not given; --rounds' is the caller's)."""
+    from .bench.kernels import Grid
+
+    return Grid(
+        dtypes=args.dtypes or ["fp16", "bf16"],
+        headdims=args.headdims or [64, 128],
+        seqlens=args.seqlens or [512, 1024, 2048, 4096, 8192, 16384],
+        causals=args.causal or [False, True],
+        modes=(args.modes or "fwd,bwd,fwd_bwd").split(","),
+        nheads=args.nheads,
+        nheads_k=args.nheads_k,
+        rounds=args.rounds or default_rounds,
     )
 
 
@@ -397,11 +401,8 @@ def _ab(args):
     path = args.csv or os.path.join(RESULTS, f"ab-{_slug(torch.cuda.get_device_name())}.csv")
     rows = ab.run(
         args.setting,
-        *_grid(args),
+        _grid(args, default_rounds=3),
         cudnn=not args.no_cudnn,
-        rounds=args.rounds or 3,
-        nheads=args.nheads,
-        nheads_k=args.nheads_k,
         out_csv=path,
         progress=not args.no_progress,
     )

@@ -15,15 +15,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import itertools
 import statistics
 
 import torch
 
 import flashattn2
 from ..ops import planning
-from .kernels import DTYPES, FIELDS, check_provider, run_metadata, time_modes
-from .providers import attention_flops, providers
+from .kernels import DTYPES, FIELDS, Grid, check_provider, run_metadata, time_modes
+from .providers import providers
 from .results import appending
 
 # planning.force's switches (hopper=..., tma=..., ...); arch and bwd_order take a name
@@ -70,46 +69,28 @@ class Setting:
         return self.fn(q, k, v, causal=causal)
 
 
-def run(
-    settings: list[str],
-    dtypes,
-    headdims,
-    seqlens,
-    causals,
-    modes,
-    cudnn=True,
-    rounds=3,
-    tokens=16384,
-    hidden=2048,
-    nheads=None,
-    nheads_k=None,
-    out_csv=None,
-    progress=True,
-    device="cuda",
-) -> list[dict]:
-    """Rows {setting, dtype, headdim, causal, seqlen, mode, ms (median of rounds), tflops, note} for each
-    setting (and "sdpa_cudnn"); appended to out_csv (kernels.FIELDS, provider = "flashattn2[label]") if given."""
+def run(settings: list[str], grid: Grid, cudnn=True, out_csv=None, progress=True, device="cuda") -> list[dict]:
+    """Rows {setting, dtype, headdim, causal, seqlen, mode, ms (median of grid.rounds), tflops, note} for each
+    setting (and "sdpa_cudnn") at each point of grid; appended to out_csv (kernels.FIELDS, provider =
+    "flashattn2[label]") if given."""
     sides = [Setting(s) for s in settings]
     cudnn_fn = providers()["sdpa_cudnn"][1] if cudnn else None
     rows = []
     meta = None  # run_metadata(), at the first point written
-    for dtype_name, headdim, causal, seqlen in itertools.product(dtypes, headdims, causals, seqlens):
-        dtype = DTYPES[dtype_name]
-        heads = nheads or hidden // headdim
-        heads_k = nheads_k or heads
-        batch = max(1, tokens // seqlen)
-        shape = dict(batch=batch, heads=heads, heads_k=heads_k)
+    for point in grid.points():
+        causal, modes = point.causal, grid.modes
+        shape = dict(batch=point.batch, heads=point.nheads, heads_k=point.nheads_k)
         notes = {}
         for side in sides:
             with side.context():
-                notes[side.label] = check_provider(side.run, "bshd", dtype, headdim, causal, heads // heads_k)
+                notes[side.label] = check_provider(
+                    side.run, "bshd", DTYPES[point.dtype], point.headdim, causal, point.group
+                )
         names = [s.label for s in sides] + (["sdpa_cudnn"] if cudnn else [])
         times = {name: {mode: [] for mode in modes} for name in names}
-        q, k, v = (
-            torch.randn(batch, seqlen, h, headdim, device=device, dtype=dtype) for h in (heads, heads_k, heads_k)
-        )
+        q, k, v = point.inputs(device)
         order = [s for s in sides if not notes[s.label]] + ([None] if cudnn else [])  # None: cuDNN
-        for round_ in range(rounds):
+        for round_ in range(grid.rounds):
             # odd rounds in reverse order, so that a place in the round (first after the previous
             # round's cache flush, last after the others' launches) favours no setting
             for side in order if round_ % 2 == 0 else order[::-1]:
@@ -128,26 +109,25 @@ def run(
             for mode in modes:
                 found = times[name][mode]
                 ms = statistics.median(found) if found else float("nan")
-                flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
                 rows.append(
                     dict(
                         setting=name,
-                        dtype=dtype_name,
-                        headdim=headdim,
+                        dtype=point.dtype,
+                        headdim=point.headdim,
                         causal=int(causal),
-                        seqlen=seqlen,
+                        seqlen=point.seqlen,
                         mode=mode,
                         ms=ms,
-                        tflops=flops / ms * 1e-9,
+                        tflops=point.flops(mode) / ms * 1e-9,
                         note=notes.get(name, ""),
                         **shape,
                     )
                 )
         if out_csv:  # each point as it is done: a run cut short keeps what it measured
             meta = meta or run_metadata()  # once a run (its git sha is a subprocess)
-            _append(out_csv, rows[-len(names) * len(modes) :], rounds, meta)
+            _append(out_csv, rows[-len(names) * len(modes) :], grid.rounds, meta)
         if progress:
-            print(f"ab: {dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} done", flush=True)
+            print(f"ab: {point.label} done", flush=True)
     return rows
 
 

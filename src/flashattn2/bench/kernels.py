@@ -9,6 +9,9 @@ import itertools
 import os
 import statistics
 import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +42,74 @@ FIELDS = [
     "date",
     "git_sha",
 ]
+
+
+class Point(NamedTuple):
+    """One point of a Grid: batch sequences of seqlen tokens, nheads query heads and nheads_k K/V heads of headdim;
+    dtype a DTYPES name."""
+
+    dtype: str
+    headdim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+    nheads_k: int
+
+    @property
+    def label(self) -> str:
+        """The point as the progress lines name it."""
+        return f"{self.dtype} d{self.headdim} {'causal' if self.causal else 'full'} {self.seqlen}"
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.nheads // self.nheads_k
+
+    def inputs(self, device: str = "cuda") -> Iterator[torch.Tensor]:
+        """Random q, k, v in the (batch, seqlen, heads, headdim) layout, each made as it is taken."""
+        return (
+            torch.randn(self.batch, self.seqlen, h, self.headdim, device=device, dtype=DTYPES[self.dtype])
+            for h in (self.nheads, self.nheads_k, self.nheads_k)
+        )
+
+    def flops(self, mode: str) -> float:
+        """The paper's count (providers.attention_flops)."""
+        return attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim, self.causal, mode)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What bench kernels and bench ab measure: each (dtype, headdim, causal, seqlen) point in each of modes, over
+    `rounds` rounds. A point holds `tokens` tokens (batch = tokens // seqlen), nheads query heads (default
+    hidden // headdim) and nheads_k K/V heads (default nheads; fewer: GQA)."""
+
+    dtypes: Sequence[str]
+    headdims: Sequence[int]
+    seqlens: Sequence[int]
+    causals: Sequence[bool]
+    modes: Sequence[str]
+    tokens: int = 16384
+    hidden: int = 2048
+    nheads: int | None = None
+    nheads_k: int | None = None
+    rounds: int = 1
+
+    def heads(self, headdim: int) -> tuple[int, int]:
+        """(query heads, K/V heads) at headdim."""
+        nheads = self.nheads or self.hidden // headdim
+        return nheads, self.nheads_k or nheads
+
+    def point(self, dtype: str, headdim: int, causal: bool, seqlen: int) -> Point:
+        nheads, nheads_k = self.heads(headdim)
+        batch = max(1, self.tokens // seqlen)
+        return Point(
+            dtype=dtype, headdim=headdim, causal=causal, seqlen=seqlen, batch=batch, nheads=nheads, nheads_k=nheads_k
+        )
+
+    def points(self) -> list[Point]:
+        """Every point, dtype outermost, then headdim, causal and seqlen."""
+        return [self.point(*p) for p in itertools.product(self.dtypes, self.headdims, self.causals, self.seqlens)]
 
 
 def git_sha() -> str:
@@ -161,72 +232,46 @@ def alternated(calls: dict, time_one, rounds: int) -> dict:
     return {name: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for name, d in acc.items()}
 
 
-def time_point(fn, layout, batch, nheads, seqlen, headdim, dtype, causal, modes, nheads_k=None, peak=None):
-    """{mode: ms} for one provider at one point (nheads_k K/V heads: GQA when < nheads)."""
-    nheads_k = nheads if nheads_k is None else nheads_k
-    inputs = [
-        _to_layout(torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=dtype), layout)
-        for h in (nheads, nheads_k, nheads_k)
-    ]
-    return time_modes(lambda q, k, v: fn(q, k, v, causal), inputs, modes, peak)
+def time_point(fn, layout, point: Point, modes, peak=None):
+    """{mode: ms} for one provider at one point (GQA where point.nheads_k < point.nheads)."""
+    inputs = [_to_layout(t, layout) for t in point.inputs()]
+    return time_modes(lambda q, k, v: fn(q, k, v, point.causal), inputs, modes, peak)
 
 
-def run_grid(
-    out_csv,
-    dtypes,
-    headdims,
-    seqlens,
-    causals,
-    modes,
-    names,
-    tokens=16384,
-    hidden=2048,
-    progress=True,
-    nheads=None,
-    nheads_k=None,
-    rounds=1,
-):
-    """nheads: query heads (default hidden // headdim); nheads_k: K/V heads (default nheads). rounds > 1: each
-    point is timed that many times, the providers alternated, odd rounds in reverse order (as bench ab does), and
-    each mode's median is reported: a single pass times the providers one after the other, and a drift between them
-    (clocks, the GPU's power state) reads as their ratio."""
-    for headdim in headdims:  # before anything is measured or written
-        heads = nheads or hidden // headdim
-        if heads % (nheads_k or heads):
-            raise ValueError(f"nheads={heads} (headdim {headdim}) is not a multiple of nheads_k={nheads_k}")
+def run_grid(out_csv, grid: Grid, names, progress=True):
+    """Each provider of names at each point of grid, appended to out_csv. grid.rounds > 1: each point is timed that
+    many times, the providers alternated, odd rounds in reverse order (as bench ab does), and each mode's median is
+    reported: a single pass times the providers one after the other, and a drift between them (clocks, the GPU's
+    power state) reads as their ratio."""
+    for headdim in grid.headdims:  # before anything is measured or written
+        heads, heads_k = grid.heads(headdim)
+        if heads % heads_k:
+            raise ValueError(f"nheads={heads} (headdim {headdim}) is not a multiple of nheads_k={heads_k}")
     meta = run_metadata()
     table = providers()
-    points = list(itertools.product(dtypes, headdims, causals, seqlens))
+    points = grid.points()
     total = len(points) * len(names)
     bar = _progress(total, progress)
     checked: dict[tuple, str] = {}
     rows = []
     with appending(out_csv, FIELDS, lambda row: {"nheads_k": row["nheads"]}) as (writer, fh):
-        for dtype_name, headdim, causal, seqlen in points:
-            dtype = DTYPES[dtype_name]
-            batch, heads = max(1, tokens // seqlen), nheads or hidden // headdim
-            heads_k = nheads_k or heads
+        for point in points:
             notes = {name: "" for name in names}
             peaks = {name: {} for name in names}
-            times = {name: {mode: [] for mode in modes} for name in names}
-            for r in range(rounds):
+            times = {name: {mode: [] for mode in grid.modes} for name in names}
+            for r in range(grid.rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
                     if notes[name]:
                         continue
                     layout, fn = table[name]
-                    key = (name, dtype_name, headdim, causal, heads // heads_k)
+                    key = (name, point.dtype, point.headdim, point.causal, point.group)
                     try:
                         if key not in checked:
-                            checked[key] = check_provider(fn, layout, dtype, headdim, causal, heads // heads_k)
+                            dtype = DTYPES[point.dtype]
+                            checked[key] = check_provider(fn, layout, dtype, point.headdim, point.causal, point.group)
                         notes[name] = checked[key] and "check failed: " + checked[key]
                         peak = peaks[name] if r == 0 else None  # memory: the first round's
-                        timings = (
-                            {}
-                            if notes[name]
-                            else time_point(
-                                fn, layout, batch, heads, seqlen, headdim, dtype, causal, modes, heads_k, peak
-                            )
-                        )
+                        timings = {} if notes[name] else time_point(fn, layout, point, grid.modes, peak)
                     except torch.cuda.OutOfMemoryError:
                         timings, notes[name] = {}, "out of memory"
                     except RuntimeError as exc:  # a backend that refuses the shape or dtype
@@ -237,29 +282,28 @@ def run_grid(
             for name in names:
                 note = notes[name]
                 peak = {} if note else peaks[name]  # (a round that failed: no row of it, memory included)
-                for mode in modes:
+                for mode in grid.modes:
                     ms = statistics.median(times[name][mode]) if times[name][mode] and not note else float("nan")
-                    flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, mode)
                     row = dict(
                         provider=name,
-                        dtype=dtype_name,
-                        headdim=headdim,
-                        causal=int(causal),
-                        seqlen=seqlen,
-                        batch=batch,
-                        nheads=heads,
-                        nheads_k=heads_k,
+                        dtype=point.dtype,
+                        headdim=point.headdim,
+                        causal=int(point.causal),
+                        seqlen=point.seqlen,
+                        batch=point.batch,
+                        nheads=point.nheads,
+                        nheads_k=point.nheads_k,
                         mode=mode,
                         ms=f"{ms:.4f}",
-                        tflops=f"{flops / ms * 1e-9:.1f}",
+                        tflops=f"{point.flops(mode) / ms * 1e-9:.1f}",
                         peak_mib=f"{peak[mode]:.0f}" if mode in peak else "",
-                        note=note or (f"median of {rounds} rounds" if rounds > 1 else ""),
+                        note=note or (f"median of {grid.rounds} rounds" if grid.rounds > 1 else ""),
                         **meta,
                     )
                     writer.writerow(row)
                     rows.append(row)
                 fh.flush()
-                bar(f"{dtype_name} d{headdim} {'causal' if causal else 'full'} {seqlen} {name}")
+                bar(f"{point.label} {name}")
     return rows
 
 
