@@ -16,6 +16,7 @@ Each algorithm is checked against flash_attn_func on a short sequence before any
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +53,29 @@ FIELDS = [
 ]
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What every point shares but its length: batch sequences of nheads query heads and nheads_k K/V heads of
+    headdim, in dtype."""
+
+    batch: int = 1
+    nheads: int = 32
+    nheads_k: int = 8
+    headdim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+    def inputs(self, seqlen: int, leading=()) -> list[torch.Tensor]:
+        """Random q, k, v of seqlen tokens a sequence, behind the `leading` dimensions (the simulated ranks)."""
+        return [
+            torch.randn(*leading, self.batch, seqlen, h, self.headdim, device="cuda", dtype=self.dtype)
+            for h in (self.nheads, self.nheads_k, self.nheads_k)
+        ]
+
+    def flops(self, seqlen: int, mode: str) -> float:
+        """Causal attention over seqlen tokens a sequence, as the paper counts it."""
+        return attention_flops(self.batch, self.nheads, seqlen, seqlen, self.headdim, True, mode)
+
+
 def _time(fn, reps: int) -> float:
     """Median ms of fn() over reps timed calls, after one untimed call."""
     fn()
@@ -80,16 +104,18 @@ def _step(call, leaves, mode):
     return lambda: torch.autograd.grad(call(*leaves), leaves, do)
 
 
-def _check(algorithm, group, world, nheads, nheads_k, headdim, dtype) -> str:
-    """'' when the algorithm's forward and backward obey flash_attn's rule on 2 x 1024 tokens (gathered
-    against single-GPU flashattn2 and the reference), else what does not."""
+def _check(algorithm, group, world, shape: Shape) -> str:
+    """'' when the algorithm's forward and backward obey flash_attn's rule on 2 x 1024 tokens of shape's heads
+    (gathered against single-GPU flashattn2 and the reference), else what does not."""
     from ..reference import attention_ref
 
     func, layout = ALGORITHMS[algorithm]
     seqlen = 2048 if world <= 8 else 256 * world
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, do = (torch.randn(1, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=g) for _ in "qo")
-    k, v = (torch.randn(1, seqlen, nheads_k, headdim, device="cuda", dtype=dtype, generator=g) for _ in "kv")
+    q, do, k, v = (
+        torch.randn(1, seqlen, h, shape.headdim, device="cuda", dtype=shape.dtype, generator=g)
+        for h in (shape.nheads, shape.nheads, shape.nheads_k, shape.nheads_k)
+    )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref_out, _ = attention_ref(q, k, v, causal=True)
     low_out, _ = attention_ref(q, k, v, causal=True, upcast=False)
@@ -122,14 +148,7 @@ def _slowest(ms: float) -> float:
     return t.item()
 
 
-def _inputs(batch, seqlen, nheads, nheads_k, headdim, dtype, leading=()):
-    return [
-        torch.randn(*leading, batch, seqlen, h, headdim, device="cuda", dtype=dtype)
-        for h in (nheads, nheads_k, nheads_k)
-    ]
-
-
-def _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype):
+def _torch_context_parallel(world, shape: Shape, seqlen):
     """PyTorch's context parallelism over SDPA's cuDNN kernel: (call, leaves, stop). context_parallel shards the
     full-length (batch, nheads, seqlen, headdim) buffers in place when entered (each rank keeps its load-balanced
     shard) and routes SDPA to its ring while it stays entered; the leaves are those shards, requiring grad."""
@@ -139,7 +158,8 @@ def _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = init_device_mesh("cuda", (world,))
-    buffers = [torch.randn(batch, nheads, seqlen, headdim, device="cuda", dtype=dtype) for _ in range(3)]
+    size = (shape.batch, shape.nheads, seqlen, shape.headdim)
+    buffers = [torch.randn(*size, device="cuda", dtype=shape.dtype) for _ in range(3)]
     context = context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(buffers))
     context.__enter__()
     leaves = [b.detach().requires_grad_() for b in buffers]
@@ -157,11 +177,7 @@ def run(
     worlds: list[int],
     algorithms: list[str],
     modes: list[str],
-    batch: int = 1,
-    nheads: int = 32,
-    nheads_k: int = 8,
-    headdim: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
+    shape: Shape = Shape(),
     reps: int = 3,
 ) -> None:
     """Append one row per (world, algorithm, seqlen, mode) to the CSV at path (rank 0 writes)."""
@@ -172,11 +188,11 @@ def run(
     if distributed:
         worlds = [dist.get_world_size()]
     meta = run_metadata()
-    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[shape.dtype]
     rows = []
     for world in worlds:
         group = None if distributed else parallel.SimulatedGroup(world)
-        checks = {a: _check(a, group, world, nheads, nheads_k, headdim, dtype) for a in algorithms}
+        checks = {a: _check(a, group, world, shape) for a in algorithms}
         for seqlen in seqlens:
             per_gpu = seqlen // world
             base = dict(
@@ -185,18 +201,18 @@ def run(
                 world=world,
                 seqlen=seqlen,
                 per_gpu_seqlen=per_gpu,
-                batch=batch,
-                nheads=nheads,
-                nheads_k=nheads_k,
-                headdim=headdim,
+                batch=shape.batch,
+                nheads=shape.nheads,
+                nheads_k=shape.nheads_k,
+                headdim=shape.headdim,
                 dtype=dtype_name,
             )
             one = {}  # single-GPU flashattn2 on the per-GPU length: TFLOP/s per mode
-            leaves = [t.requires_grad_() for t in _inputs(batch, per_gpu, nheads, nheads_k, headdim, dtype)]
+            leaves = [t.requires_grad_() for t in shape.inputs(per_gpu)]
             for mode in modes:
                 call = lambda q, k, v: flashattn2.flash_attn_func(q, k, v, causal=True)  # noqa: E731
                 ms = _time(_step(call, leaves, mode), reps)
-                one[mode] = _tflops(attention_flops(batch, nheads, per_gpu, per_gpu, headdim, True, mode), ms)
+                one[mode] = _tflops(shape.flops(per_gpu, mode), ms)
                 rows.append(
                     dict(
                         base,
@@ -211,16 +227,14 @@ def run(
             for algorithm in algorithms:
                 func, _ = ALGORITHMS[algorithm]
                 leading = () if distributed else (world,)
-                shards = _inputs(batch, per_gpu, nheads, nheads_k, headdim, dtype, leading)
+                shards = shape.inputs(per_gpu, leading)
                 leaves = [t.requires_grad_() for t in shards]
                 for mode in modes:
                     call = lambda q, k, v: func(q, k, v, causal=True, group=group)  # noqa: E731
                     ms = _time(_step(call, leaves, mode), reps)
                     # the step ends with the slowest rank; simulated, the ranks ran one after another
                     per_gpu_ms = _slowest(ms) if distributed else ms / world
-                    rate = _tflops(
-                        attention_flops(batch, nheads, seqlen, seqlen, headdim, True, mode) / world, per_gpu_ms
-                    )
+                    rate = _tflops(shape.flops(seqlen, mode) / world, per_gpu_ms)
                     rows.append(
                         dict(
                             base,
@@ -234,7 +248,7 @@ def run(
                     )
                 del leaves, shards
             if distributed:
-                rows.extend(_torch_rows(base, world, batch, seqlen, nheads, headdim, dtype, modes, reps, one))
+                rows.extend(_torch_rows(base, world, shape, seqlen, modes, reps, one))
             torch.cuda.empty_cache()
     if rank == 0:
         with appending(path, FIELDS) as (writer, _):
@@ -244,13 +258,14 @@ def run(
             print(", ".join(f"{k}={row.get(k, '')}" for k in FIELDS[5:]))
 
 
-def _torch_rows(base, world, batch, seqlen, nheads, headdim, dtype, modes, reps, one):
+def _torch_rows(base, world, shape: Shape, seqlen, modes, reps, one):
+    """PyTorch's context parallelism at one point, beside `one` (single-GPU flashattn2's TFLOP/s per mode)."""
     rows = []
     try:
-        call, leaves, stop = _torch_context_parallel(world, batch, seqlen, nheads, headdim, dtype)
+        call, leaves, stop = _torch_context_parallel(world, shape, seqlen)
         for mode in modes:
             ms = _slowest(_time(_step(call, leaves, mode), reps))
-            rate = _tflops(attention_flops(batch, nheads, seqlen, seqlen, headdim, True, mode) / world, ms)
+            rate = _tflops(shape.flops(seqlen, mode) / world, ms)
             rows.append(
                 dict(
                     base,
@@ -259,7 +274,7 @@ def _torch_rows(base, world, batch, seqlen, nheads, headdim, dtype, modes, reps,
                     ms=f"{ms:.3f}",
                     tflops_per_gpu=f"{rate:.1f}",
                     vs_one_gpu=f"{rate / one[mode]:.2f}",
-                    nheads_k=nheads,
+                    nheads_k=shape.nheads,
                 )
             )
         stop()
