@@ -119,9 +119,7 @@ def test_gpt_bench_rows_and_table(tmp_path):
     path = str(tmp_path / "gpt.csv")
     gpt.run(
         path,
-        models=["gpt3-1.3b"],
-        contexts=[32],
-        attentions=["naive", "sdpa_flash", "flashattn2"],
+        gpt.Grid(models=["gpt3-1.3b"], contexts=[32], attentions=["naive", "sdpa_flash", "flashattn2"]),
         tokens=64,
         steps=1,
         warmup=0,
@@ -320,10 +318,8 @@ def test_generate_bench_rows(tmp_path):
     )
     path = str(tmp_path / "generate.csv")
     ways = (False, True) if ON_GPU else (False,)
-    generate.run(
-        path, batches=[2], prompt=32, new_tokens=(3, 3), compiled=ways, device=DEVICE, dims=dims, repeats=1,
-        progress=lambda _: None,
-    )  # fmt: skip
+    grid = generate.Grid(batches=[2], new_tokens=(3, 3), compiled=ways)
+    generate.run(path, grid, prompt=32, device=DEVICE, dims=dims, repeats=1, progress=lambda _: None)
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["attention"] for r in rows] == ["flashattn2", "sdpa"] * len(ways)

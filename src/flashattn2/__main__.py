@@ -375,9 +375,7 @@ def _decode(args):
     path = args.csv or os.path.join(RESULTS, f"decode-{_slug(torch.cuda.get_device_name())}.csv")
     decode.run(
         path,
-        _ints(args.batches or "1,8,64"),
-        _ints(args.caches),
-        _ints(args.kv_heads),
+        decode.Grid(batches=_ints(args.batches or "1,8,64"), caches=_ints(args.caches), kv_heads=_ints(args.kv_heads)),
         args.layouts.split(","),
         args.timings.split(","),
         peers=args.providers is None or "sdpa" in args.providers,
@@ -423,7 +421,8 @@ def _gpt(args):
         print(f"unknown model(s) {sorted(unknown)}; expected some of {sorted(gpt.MODELS)}")
         return 2
     path = args.csv or os.path.join(RESULTS, f"gpt-{_slug(torch.cuda.get_device_name())}.csv")
-    gpt.run(path, args.models.split(","), _ints(args.contexts), args.attentions.split(","), args.tokens, args.steps)
+    grid = gpt.Grid(models=args.models.split(","), contexts=_ints(args.contexts), attentions=args.attentions.split(","))
+    gpt.run(path, grid, args.tokens, args.steps)
     return _write_markdown(path, gpt.markdown(path))
 
 
@@ -438,7 +437,7 @@ def _generate(args):
     batches = _ints(args.batches or "1,16")
     ways = [{"eager": False, "graph": True}[t] for t in args.timings.split(",")]
     path = args.csv or os.path.join(RESULTS, f"generate-{_slug(torch.cuda.get_device_name())}.csv")
-    generate.run(path, batches=batches, compiled=ways, new_tokens=[256 if way else 64 for way in ways])
+    generate.run(path, generate.Grid(batches=batches, compiled=ways, new_tokens=[256 if way else 64 for way in ways]))
     return 0
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import csv
 import importlib
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,16 @@ FIELDS = [
 HEAD_DIM = 128
 NHEADS = 32
 MAX_BYTES = 40 * 2**30
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The points bench decode measures: each K/V head count (of NHEADS query heads), batch size and cache length
+    (a point whose K/V are over MAX_BYTES is left out)."""
+
+    batches: Sequence[int] = (1, 8, 64)
+    caches: Sequence[int] = (1024, 8192, 32768, 131072)
+    kv_heads: Sequence[int] = (32, 8)
 
 
 def copy_gbs() -> float:
@@ -139,15 +151,16 @@ def _sdpa_case(batch, nheads_k, cache, backend):
 
 def run(
     out_csv,
-    batches=(1, 8, 64),
-    caches=(1024, 8192, 32768, 131072),
-    kv_heads=(32, 8),
+    grid: Grid = Grid(),
     layouts=("contiguous", "paged-16", "paged-256", "contiguous-unchecked"),
     timings=("eager", "graph"),
     peers=True,
     baseline=None,
     rounds=1,
 ):
+    """Appends one row per point of grid, case and timing to out_csv and returns the rows. The cases: flashattn2's
+    layouts, a baseline package's (by its module name), and with peers SDPA's flash and cuDNN backends, alternated
+    over `rounds` rounds."""
     from torch.nn.attention import SDPBackend
 
     base = importlib.import_module(baseline) if baseline else None
@@ -156,9 +169,9 @@ def run(
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)")
     rows = []
     with appending(out_csv, FIELDS) as (writer, fh):
-        for nheads_k in kv_heads:
-            for batch in batches:
-                for cache in caches:
+        for nheads_k in grid.kv_heads:
+            for batch in grid.batches:
+                for cache in grid.caches:
                     kv_bytes = 2 * batch * nheads_k * cache * HEAD_DIM * 2  # bf16's; an FP8 layout reads half
                     if kv_bytes > MAX_BYTES:
                         continue

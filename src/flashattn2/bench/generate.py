@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -54,6 +56,18 @@ FIELDS = [
     "date",
     "git_sha",
 ]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What bench generate measures: each model of MODELS, way and batch size, with each attention. The ways:
+    compiled[i] (False: eager, True: graph) generating new_tokens[i] tokens."""
+
+    models: Sequence[str] = ("llama-1b",)
+    batches: Sequence[int] = (1, 16)
+    compiled: Sequence[bool] = (False, True)
+    new_tokens: Sequence[int] = (64, 256)
+    attentions: Sequence[str] = ATTENTIONS
 
 
 def _model(dims: dict, attention: str, device):
@@ -108,28 +122,17 @@ def measure(dims, attention, batch, prompt, new_tokens, compiled, device="cuda",
     return ms, batch * new_tokens / (ms * 1e-3), logits
 
 
-def run(
-    out_csv,
-    models=("llama-1b",),
-    batches=(1, 16),
-    prompt=512,
-    new_tokens=(64, 256),
-    attentions=ATTENTIONS,
-    compiled=(False, True),
-    device="cuda",
-    dims=None,
-    repeats=3,
-    progress=print,
-):
-    """Appends one row per (model, way, batch, attention) to out_csv; flashattn2 runs first (its logits are the
-    reference). compiled: the ways (False: eager, True: graph), new_tokens: each way's count. dims: a config's sizes
-    in place of MODELS' (the CPU test's tiny model)."""
+def run(out_csv, grid: Grid = Grid(), prompt=512, device="cuda", dims=None, repeats=3, progress=print):
+    """Appends one row per (model, way, batch, attention) of grid to out_csv, after prompts of `prompt` tokens;
+    flashattn2 runs first (its logits are the reference). dims: a config's sizes in place of MODELS' (the CPU test's
+    tiny model)."""
     import transformers
 
     meta = dict(run_metadata(None if device == "cuda" else device), transformers=transformers.__version__)
-    attentions = ["flashattn2"] + [a for a in attentions if a != "flashattn2"]
+    attentions = ["flashattn2"] + [a for a in grid.attentions if a != "flashattn2"]
+    ways = zip(grid.compiled, grid.new_tokens)
     with appending(out_csv, FIELDS) as (writer, fh):
-        for name, (way, tokens), batch in itertools.product(models, zip(compiled, new_tokens), batches):
+        for name, (way, tokens), batch in itertools.product(grid.models, ways, grid.batches):
             ref = None
             for attention in attentions:
                 row = dict(
@@ -163,4 +166,4 @@ def run(
                 )
 
 
-__all__ = ["ATTENTIONS", "FIELDS", "MODELS", "left_pads", "measure", "run"]
+__all__ = ["ATTENTIONS", "FIELDS", "MODELS", "Grid", "left_pads", "measure", "run"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import csv
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +44,15 @@ FIELDS = [
     "date",
     "git_sha",
 ]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What bench gpt measures: each model of MODELS at each context length, trained with each attention."""
+
+    models: Sequence[str] = ("gpt3-1.3b", "gpt3-2.7b")
+    contexts: Sequence[int] = (2048, 8192)
+    attentions: Sequence[str] = ("flashattn2", "sdpa_flash", "sdpa_cudnn", "naive")
 
 
 def step_flops(params: int, layers: int, hidden: int, seqlen: int, batch: int) -> float:
@@ -103,27 +114,16 @@ def measure(name, context, attention, tokens, steps, warmup, device="cuda", dims
     return ms, peak, first, model.num_params(non_embedding=False), batch, probe
 
 
-def run(
-    out_csv,
-    models=("gpt3-1.3b", "gpt3-2.7b"),
-    contexts=(2048, 8192),
-    attentions=("flashattn2", "sdpa_flash", "sdpa_cudnn", "naive"),
-    tokens=16384,
-    steps=10,
-    warmup=3,
-    device="cuda",
-    dims=None,
-    progress=print,
-):
-    """Appends one row per (model, context, attention) to out_csv. flashattn2 runs first: its
+def run(out_csv, grid: Grid = Grid(), tokens=16384, steps=10, warmup=3, device="cuda", dims=None, progress=print):
+    """Appends one row per (model, context, attention) of grid to out_csv. flashattn2 runs first: its
     first layer's attention output is what the others' must match (bf16: within 5% of its
     largest value; a mismatch is written in the row's note)."""
     meta = run_metadata(None if device == "cuda" else device)
-    attentions = ["flashattn2"] + [a for a in attentions if a != "flashattn2"]
+    attentions = ["flashattn2"] + [a for a in grid.attentions if a != "flashattn2"]
     with appending(out_csv, FIELDS) as (writer, fh):
-        for name in models:
+        for name in grid.models:
             layers, hidden, _ = dims or MODELS[name]
-            for context in contexts:
+            for context in grid.contexts:
                 ref = None
                 for attention in attentions:
                     row = dict(model=name, attention=attention, context=context, **meta)
@@ -201,4 +201,4 @@ def markdown(path) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MODELS", "markdown", "measure", "run", "step_flops"]
+__all__ = ["MODELS", "Grid", "markdown", "measure", "run", "step_flops"]
