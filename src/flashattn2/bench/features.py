@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+from typing import NamedTuple
 
 import torch
 
@@ -122,20 +123,30 @@ def _varlen_case(lengths, nheads, headdim, dtype, causal):
     return call, ref, inputs
 
 
+class Attention(NamedTuple):
+    """The attention a row measures: its dtype's name, head dim ("dqk/dv" where the value's differs) and query
+    heads."""
+
+    dtype: str
+    headdim: int | str
+    nheads: int
+
+
 class _Writer:
     def __init__(self, writer, fh, meta):
         self.writer, self.fh, self.meta, self.rows = writer, fh, meta, []
 
-    def add(self, case, variant, dtype, headdim, nheads, shape, times, flops_of, note=""):
+    def add(self, case, variant, attention: Attention, shape, times, flops_of, note=""):
+        """A row per mode of times {mode: ms}, its TFLOP/s flops_of(mode) / ms."""
         if not times:  # not timed (a failed check): one row that says why
             times = {"fwd": float("nan")}
         for mode, ms in times.items():
             row = dict(
                 case=case,
                 variant=variant,
-                dtype=dtype,
-                headdim=headdim,
-                nheads=nheads,
+                dtype=attention.dtype,
+                headdim=attention.headdim,
+                nheads=attention.nheads,
                 shape=shape,
                 mode=mode,
                 ms=f"{ms:.4f}",
@@ -167,6 +178,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         tag = f"{dtype_name} d{headdim}"
+        attention = Attention(dtype=dtype_name, headdim=headdim, nheads=nheads)
         if "varlen" in cases:
             for causal in (False, True):
                 n = len(MIXED)
@@ -181,9 +193,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                 out.add(
                     f"varlen-{c}",
                     "dense 8x2048",
-                    dtype_name,
-                    headdim,
-                    nheads,
+                    attention,
                     "8x2048",
                     t_d,
                     lambda m: _flops(eq, eq, nheads, headdim, causal, m),
@@ -193,9 +203,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                 out.add(
                     f"varlen-{c}",
                     "varlen mixed",
-                    dtype_name,
-                    headdim,
-                    nheads,
+                    attention,
                     "+".join(map(str, MIXED)),
                     t_v,
                     lambda m: _flops(MIXED, MIXED, nheads, headdim, causal, m),
@@ -222,9 +230,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
             out.add(
                 "window",
                 "causal 8x2k",
-                dtype_name,
-                headdim,
-                nheads,
+                attention,
                 "8x2048",
                 t_c,
                 lambda m: _flops([2048] * 8, [2048] * 8, nheads, headdim, True, m),
@@ -233,9 +239,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
             out.add(
                 "window",
                 "window (1024,0) 1x16k",
-                dtype_name,
-                headdim,
-                nheads,
+                attention,
                 "1x16384",
                 t_w,
                 lambda m: _flops([16384], [16384], nheads, headdim, False, m, window=(1024, 0)),
@@ -262,9 +266,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                     out.add(
                         f"off-{c}-{batch}x{seqlen}",
                         f"core ({baseline})",
-                        dtype_name,
-                        headdim,
-                        nheads,
+                        attention,
                         f"{batch}x{seqlen}",
                         med["base"],
                         fl,
@@ -273,9 +275,7 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                     out.add(
                         f"off-{c}-{batch}x{seqlen}",
                         "features off",
-                        dtype_name,
-                        headdim,
-                        nheads,
+                        attention,
                         f"{batch}x{seqlen}",
                         med["now"],
                         fl,
@@ -303,13 +303,13 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
                         note = _check(call, _ref_dense(causal=causal, **opts), [t[:1, :1024] for t in inputs])
                     times = {} if note else time_modes(call, inputs, modes)
                     fl = lambda m, c=causal: _flops([seqlen] * batch, [seqlen] * batch, nheads, headdim, c, m)  # noqa: E731
-                    out.add(f"on-{c}", name, dtype_name, headdim, nheads, f"{batch}x{seqlen}", times, fl, note)
+                    out.add(f"on-{c}", name, attention, f"{batch}x{seqlen}", times, fl, note)
                     if name == "off":
                         base_times = times
                     else:
                         print(f"{tag} {c} {name} vs off (same-FLOP TFLOP/s ratio): " + _pair(times, base_times, fl, fl))
         if "sinks" in cases:
-            _sinks(out, dtype_name, dtype, headdim, nheads, modes)
+            _sinks(out, attention, dtype, modes)
         if "dv" in cases:
             headdims.dv_case(out, dtype_name, dtype, modes)
         if "d512" in cases:
@@ -319,8 +319,9 @@ def _run(out, dtypes, headdim, modes, baseline, cases):
     return out.rows
 
 
-def _sinks(out, dtype_name, dtype, headdim, nheads, modes):
+def _sinks(out, attention: Attention, dtype, modes):
     """The sinks case (module docstring): prefill / training, then decoding."""
+    dtype_name, headdim, nheads = attention
     tag = f"{dtype_name} d{headdim}"
     sink = (torch.randn(nheads, device="cuda") * 2).requires_grad_()
     for causal in (False, True):
@@ -336,9 +337,7 @@ def _sinks(out, dtype_name, dtype, headdim, nheads, modes):
             med = alternated(calls, lambda call: time_modes(call, inputs, modes), SINK_ROUNDS) if not note else {}
             fl = lambda m, c=causal, b=batch, s=seqlen: _flops([s] * b, [s] * b, nheads, headdim, c, m)  # noqa: E731
             for name in calls:
-                out.add(
-                    f"sinks-{c}", name, dtype_name, headdim, nheads, f"{batch}x{seqlen}", med.get(name, {}), fl, note
-                )
+                out.add(f"sinks-{c}", name, attention, f"{batch}x{seqlen}", med.get(name, {}), fl, note)
             if med:
                 print(f"{tag} {c} {batch}x{seqlen} sink vs none: " + _pair(med["sink"], med["no sink"], fl, fl))
     _sinks_decode(out, dtype_name, dtype, headdim)
@@ -350,6 +349,7 @@ def _sinks_decode(out, dtype_name, dtype, headdim):
     from .decode import _time
 
     nheads, nheads_k, cache_len = 32, 4, 8192
+    attention = Attention(dtype=dtype_name, headdim=headdim, nheads=nheads)
     sink = torch.randn(nheads, device="cuda")
     previous = set_kvcache_checks(False)
     try:
@@ -373,9 +373,7 @@ def _sinks_decode(out, dtype_name, dtype, headdim):
                     out.add(
                         "sinks-decode",
                         name,
-                        dtype_name,
-                        headdim,
-                        nheads,
+                        attention,
                         shape,
                         times,
                         lambda m, read=read: read * 1e3,

@@ -104,6 +104,8 @@ def _ours_problem(dtype, dqk, dv, causal) -> str:
 def _sweep(out, case, dtype_name, dtype, variants, lengths, nheads, modes):
     """Each (name, dqk, dv, layout, fn) of variants at each length and causal setting; ratios printed against the
     first variant."""
+    from .features import Attention
+
     for causal in (False, True):
         c = "causal" if causal else "full"
         notes = {}
@@ -126,7 +128,8 @@ def _sweep(out, case, dtype_name, dtype, variants, lengths, nheads, modes):
                     except (RuntimeError, torch.OutOfMemoryError) as e:
                         note = "failed: " + str(e).splitlines()[0][:120]
                 fl = lambda m, b=batch, s=seqlen, dq=dqk, dv_=dv, ca=causal: flops(b, nheads, s, dq, dv_, ca, m)  # noqa: E731
-                out.add(f"{case}-{c}", name, dtype_name, f"{dqk}/{dv}", nheads, f"{batch}x{seqlen}", times, fl, note)
+                attention = Attention(dtype=dtype_name, headdim=f"{dqk}/{dv}", nheads=nheads)
+                out.add(f"{case}-{c}", name, attention, f"{batch}x{seqlen}", times, fl, note)
                 rate = {m: fl(m) / ms * 1e-9 for m, ms in times.items()}
                 if first is None:
                     first = rate
@@ -161,6 +164,7 @@ def mla_case(out, dtype_name, dtype):
     """MLA decode (module docstring) and a device copy of the same cache, alternated over 3 rounds."""
     from ..api import set_kvcache_checks
     from .decode import _time
+    from .features import Attention
 
     page = 64
     previous = set_kvcache_checks(False)
@@ -171,6 +175,7 @@ def mla_case(out, dtype_name, dtype):
             table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
             lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
             q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=dtype)
+            attention = Attention(dtype=dtype_name, headdim="576/512", nheads=heads)
             dst = torch.empty_like(kv)
             copy = lambda dst=dst, kv=kv: dst.copy_(kv)  # noqa: E731
             for splits in (0, 1):
@@ -188,9 +193,9 @@ def mla_case(out, dtype_name, dtype):
                 copy_gbs = 2 * nbytes / med["copy"] * 1e-6
                 flop = batch * heads * cache_len * 2.0 * (576 + 512)
                 note = f"GB/s; {gbs / copy_gbs:.3f}x the copy's; {flop / med['flashattn2'] * 1e-9:.0f} TFLOP/s"
-                out.add("mla-decode", "flashattn2", dtype_name, "576/512", heads, shape, {"fwd": med["flashattn2"]},
+                out.add("mla-decode", "flashattn2", attention, shape, {"fwd": med["flashattn2"]},
                         lambda m, n=nbytes: n * 1e3, note)  # fmt: skip
-                out.add("mla-decode", "device copy", dtype_name, "576/512", heads, shape, {"fwd": med["copy"]},
+                out.add("mla-decode", "device copy", attention, shape, {"fwd": med["copy"]},
                         lambda m, n=nbytes: 2 * n * 1e3, "GB/s read + written")  # fmt: skip
                 print(f"{dtype_name} mla {shape}: {gbs:.0f} GB/s, copy {copy_gbs:.0f} GB/s; {note}")
     finally:
