@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import skip_without_interpreter
+import torch
+from conftest import DEVICE, skip_without_interpreter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
@@ -191,7 +192,9 @@ def test_launch_host_times_each_path(c_launcher):
     assert isinstance(row["run-encoded"], str)  # no descriptors to encode
 
 
-@pytest.mark.parametrize("tool", ["overhead.py", "host_profile.py", "graph_fwd_bwd.py"])
+@pytest.mark.parametrize(
+    "tool", ["overhead.py", "host_profile.py", "graph_fwd_bwd.py", "generate_profile.py", "fp8_lse_probe.py"]
+)
 def test_gpu_tools_start(tool):
     """The GPU-only tools import and parse their arguments on a machine without one."""
     run = subprocess.run(
@@ -271,3 +274,36 @@ def test_fuzz_runs_for_its_time_and_replays_a_case():
     run = subprocess.run(fuzz + ["--case", "1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("Case(fn='kvcache'") and "case 5:1 passed" in run.stdout, run.stdout
+
+
+def test_generate_profile_decodes_both_attentions():
+    """generate_profile's decoder on a tiny model: a left-padded prefill, then steps over the growing dynamic cache,
+    on flashattn2 and on sdpa, greedy tokens of the right shape; a new prefill starts over."""
+    pytest.importorskip("transformers")
+    import generate_profile
+
+    dims = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    for attention in ("flashattn2", "sdpa"):
+        prefill, step = generate_profile.decoder(attention, batch=2, prompt=16, dims=dims, device=DEVICE)
+        prefill()
+        tokens = [step() for _ in range(2)]
+        assert all(t.shape == (2, 1) and t.dtype == torch.long for t in tokens)
+        prefill()
+        assert torch.equal(step(), tokens[0])  # the same prompt and weights: the same first token
+
+
+def test_fp8_lse_probe_reports_each_headdim(capsys, monkeypatch):
+    """fp8_lse_probe on a small shape: a line per head dim and mask, and a seed's row each, with the interpreter's
+    exact dots an lse error at fp32's level (the bf16 yardstick too)."""
+    import fp8_lse_probe
+
+    monkeypatch.setattr(sys, "argv", ["fp8_lse_probe", "--seeds", "1", "--shape", "1,5,9,2,1", "--headdims", "32"])
+    fp8_lse_probe.main()
+    out = capsys.readouterr().out
+    assert re.findall(r"^d32 (full|causal) 1x5x9 h2/1:$", out, re.M) == ["full", "causal"]
+    errors = [float(e) for e in re.findall(r"err ([0-9.e+-]+) \(", out)]
+    bf16 = [float(e) for e in re.findall(r"bf16 path err ([0-9.e+-]+)", out)]
+    assert len(errors) == len(bf16) == 2 and max(errors) < 1e-4 and max(bf16) < 1e-4, out

@@ -18,7 +18,10 @@
 #              NaN propagation, the KV cache, the checkpointed MHA, and the fuzzer's CI mode
 #   memcheck   compute-sanitizer memcheck over the kernel families: the owned-writes tests (dropped out-of-range
 #              appends), NaN propagation, FP8 (the Gluon and Triton forwards, the FP8 cache), paged and split-KV decoding;
-#              stops at the first failure unless MEMCHECK_ARGS says otherwise (MEMCHECK_ARGS= runs them all)
+#              stops at the first failure unless MEMCHECK_ARGS says otherwise (MEMCHECK_ARGS= runs them all); torch's
+#              caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so that every tensor is an allocation of its
+#              own and a read or write past one is caught (in a cached segment it lands in a neighbour, unseen)
+#   initcheck  compute-sanitizer initcheck (reads of memory never written) over the FP8 Gluon forward's calls
 #   host-cli   python -m flashattn2 bench host with real launches beside SDPA (flash, cuDNN) and an empty custom op
 #   ab-turn    bench ab against the build before the call-path turn (.devout/base: tools/baseline_pkg.py 7bad312),
 #              bf16, d64/128/256, causal both, 1k/4k/16k, forward and backward, 2 rounds
@@ -138,9 +141,14 @@ for s in "$@"; do
         --deselect tests/test_compile_targets.py "${f[@]/#/--ignore=}"; b=$?; exit $((a > b ? a : b))' \
         rest "$SMOKE_TESTS" "${SMOKE_FILES[@]}" ;;
     memcheck)
-      stage memcheck 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+      stage memcheck 540 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider \
         tests/test_owned_writes.py tests/test_nan.py tests/test_fp8.py tests/test_fp8_kvcache.py \
         "tests/test_kvcache_errors.py::test_paged_call_past_its_pages_raises" -k "not long_cache" ${MEMCHECK_ARGS--x} ;;
+    initcheck)  # compute-sanitizer initcheck: device memory read before anything wrote it (INITCHECK_K: which tests)
+      stage initcheck 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool initcheck --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider \
+        tests/test_fp8.py -k "${INITCHECK_K:-test_gluon_forward and (ones or descales)}" ;;
     fp8-race)  # the FP8 Gluon forward's smallest calls (lengths of 1) under racecheck and synccheck
       stage fp8-race 200 bash -c "for tool in racecheck synccheck; do compute-sanitizer --tool \$tool --error-exitcode 9 \
           python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k 'test_gluon_forward and ones' || exit; done" ;;
