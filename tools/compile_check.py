@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from flashattn2.kernels import append, bwd, bwd_preprocess, decode, dmask, fill, fwd, merge, rotary  # noqa: E402
 from flashattn2.kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_NONE, Mods, Path, Tile  # noqa: E402
+from flashattn2.kernels.constexprs import AttnScore, AttnShape, DkdvShape, DmaskScore, PreprocessShape  # noqa: E402
 from flashattn2.ops import _runtime, planning  # noqa: E402
 from flashattn2.ops.launch import launch_gluon, launch_triton, launcher  # noqa: E402
 from flashattn2.ops.planning.geometry import block_d, column_parts  # noqa: E402
@@ -183,11 +184,13 @@ def _attn_constexprs(
 
 
 _S2, _S3 = ("i32",) * 2, ("i32",) * 3
-_SCORE = ("i32", "i32", "fp32", "fp32", "fp32")  # window_left, window_right, sm_scale, softcap, dropout_p
+# the run-time bundles' signature types: the bundle's own NamedTuple of type strings (Triton reads its _fields)
+_SHAPE = AttnShape(*("i32",) * 5)
+_SCORE = AttnScore(window_left="i32", window_right="i32", sm_scale="fp32", softcap="fp32", dropout_p="fp32")
 # the Triton attention kernels' tuple parameters: each tensor's strides, the sizes (`shape`), the score's scalars
 TUPLE_TYPES = {
     "attn_fwd_kernel": dict(
-        q_strides=_S3, k_strides=_S3, v_strides=_S3, out_strides=_S3, lse_strides=_S2, shape=("i32",) * 5, score=_SCORE
+        q_strides=_S3, k_strides=_S3, v_strides=_S3, out_strides=_S3, lse_strides=_S2, shape=_SHAPE, score=_SCORE
     ),
     "attn_bwd_dkdv_kernel": dict(
         q_strides=_S3,
@@ -197,7 +200,7 @@ TUPLE_TYPES = {
         dk_strides=_S3,
         dv_strides=_S3,
         lse_strides=_S2,
-        shape=("i32",) * 5,
+        shape=DkdvShape(*("i32",) * 5),
         score=_SCORE,
     ),
     "attn_bwd_dq_kernel": dict(
@@ -207,7 +210,7 @@ TUPLE_TYPES = {
         dout_strides=_S3,
         dq_strides=_S3,
         lse_strides=_S2,
-        shape=("i32",) * 5,
+        shape=_SHAPE,
         score=_SCORE,
     ),
     "attn_bwd_preprocess_kernel": dict(
@@ -216,31 +219,28 @@ TUPLE_TYPES = {
         lse_strides=_S2,
         delta_strides=_S2,
         dqacc_strides=_S3,
-        shape=("i32",) * 3,
+        shape=PreprocessShape(*("i32",) * 3),
     ),
     "attn_dropout_mask_kernel": dict(
-        q_strides=_S3, k_strides=_S3, sdmask_strides=_S3, shape=("i32",) * 5, score=("i32", "i32", "fp32", "fp32")
+        q_strides=_S3,
+        k_strides=_S3,
+        sdmask_strides=_S3,
+        shape=_SHAPE,
+        score=DmaskScore(window_left="i32", window_right="i32", sm_scale="fp32", dropout_p="fp32"),
     ),
-}
-# the names of `shape`'s elements (length_one_cases pins some to 1)
-SHAPE = {
-    "attn_fwd_kernel": ("batch", "nheads", "max_seqlen_q", "max_seqlen_k", "group_size"),
-    "attn_bwd_dkdv_kernel": ("nheads", "nheads_k", "max_seqlen_q", "max_seqlen_k", "group_size"),
-    "attn_bwd_dq_kernel": ("batch", "nheads", "max_seqlen_q", "max_seqlen_k", "group_size"),
-    "attn_bwd_preprocess_kernel": ("nheads", "max_seqlen_q", "seqlen_pad"),
 }
 
 
 def _tuple_types(fn, ones=()) -> tuple[dict, dict]:
-    """(the signature types of fn's tuple parameters (TUPLE_TYPES), the constexprs that pin `shape`'s elements
-    named in `ones` to 1): Triton specializes an integer equal to 1 into a constant, a tuple's element too, keyed
-    by its path (argument index, element index)."""
+    """(the signature types of fn's tuple parameters (TUPLE_TYPES), the constexprs that pin `shape`'s fields named
+    in `ones` to 1): Triton specializes an integer equal to 1 into a constant, a tuple's element too, keyed by its
+    path (argument index, element index)."""
     types = dict(TUPLE_TYPES[fn.__name__])
     pinned = {}
     for name in ones:
-        arg, element = fn.arg_names.index("shape"), SHAPE[fn.__name__].index(name)
+        arg, element = fn.arg_names.index("shape"), types["shape"]._fields.index(name)
         pinned[(arg, element)] = 1
-        types["shape"] = tuple("constexpr" if i == element else t for i, t in enumerate(types["shape"]))
+        types["shape"] = types["shape"]._replace(**{name: "constexpr"})
     return types, pinned
 
 
@@ -411,7 +411,7 @@ def cases(arch):
     # the Gluon backward at 192/128: the accumulator (q's head dim) wider than O
     narrow = dict(pre, HEAD_DIM=128, BLOCK_D=128, ACC_DIM=192, BLOCK_ACC=256)
     yield f"{arch}-preprocess-padded-d192-dv128", pre_fn, 2, narrow, T(32, 32, 4, 1), pre_types
-    slot = ("i32", "i32", "i32", "i32", "fp32")  # (total_rows, stride_r, stride_c, ncols, value)
+    slot = fill.FillSlot(total_rows="i32", stride_r="i32", stride_c="i32", ncols="i32", value="fp32")
     yield (
         f"{arch}-fill-tail",
         fill.fill_tail_kernel,
@@ -570,7 +570,7 @@ def cases(arch):
             2,
             combine,
             T(16, 16, 2, 1),
-            {"OutPart": "*fp32", "LsePart": "*fp32", "lse_strides": _i32(3), "shape": _i32(3)},
+            {"OutPart": "*fp32", "LsePart": "*fp32", "lse_strides": _i32(3), "shape": decode.CombineShape(*_i32(3))},
         )
     for interleaved in (False, True):
         flags = dict(IS_VARLEN=True, OFFSETS_TENSOR=True, INTERLEAVED=interleaved, CONJ=True, BLOCK_M=8, BLOCK_H=128)
@@ -580,7 +580,7 @@ def cases(arch):
             2,
             flags,
             T(8, 8, 4, 1),
-            {"x_strides": _i32(3), "shape": _i32(5)},
+            {"x_strides": _i32(3), "shape": rotary.RotaryShape(*_i32(5))},
         )
     yield from fp8_cache_cases(arch)
     # the ring's merge of partial results (flashattn2.parallel), first block and later ones, head dims to 512
@@ -690,8 +690,8 @@ KVCACHE_TYPES = dict(
     v_strides=_i32(3),
     out_strides=_i32(4),
     lse_strides=_i32(3),
-    shape=_i32(10),
-    score=("i32", "i32", "fp32", "fp32"),  # (window_left, window_right, sm_scale, softcap)
+    shape=decode.DecodeShape(*_i32(10)),
+    score=decode.DecodeScore(window_left="i32", window_right="i32", sm_scale="fp32", softcap="fp32"),
     descale_strides=_i32(6),
 )
 APPEND_GROUPS = dict(CACHE=decode.CacheLayout, TILE=append.AppendTile, FP8=append.AppendFp8)
@@ -700,8 +700,8 @@ APPEND_TYPES = dict(
     vnew_strides=_i32(3),
     k_strides=_i32(3),
     v_strides=_i32(3),
-    shape=_i32(7),
-    cos_shape=_i32(2),
+    shape=append.AppendShape(*_i32(7)),
+    cos_shape=append.CosShape(*_i32(2)),
     descale_strides=_i32(4),
 )
 

@@ -30,6 +30,27 @@ class AppendFp8(NamedTuple):
     V_DESCALE: bool
 
 
+# The run-time bundles: each flattens into one scalar parameter per field, in field order; the launcher
+# (ops.launch.kvcache.Append) builds them by keyword, the kernel reads them by name.
+class AppendShape(NamedTuple):
+    """kvcache_append_kernel's sizes (`shape`)."""
+
+    batch: int  # sequences
+    nheads_k: int  # K/V heads
+    seqlen_new: int  # new tokens per sequence
+    cache_seqlen: int  # keys in the cache before them (CACHE.SEQLENS_TENSOR: each sequence's from CacheSeqlens)
+    capacity: int  # positions of a cache row (paged: of a sequence's pages)
+    n_rows: int  # cache rows (paged: pages)
+    seqlen_limit: int  # the largest cache_seqlen in range (CHECK)
+
+
+class CosShape(NamedTuple):
+    """kvcache_append_kernel's rotary table (`cos_shape`; ROTARY)."""
+
+    seqlen_ro: int  # the table's rows (positions)
+    half: int  # the rotated feature pairs (the table's columns)
+
+
 @triton.jit
 def _quantized(x, descale_ptr, DESCALE: tl.constexpr):
     """x (any float type) as e4m3 codes of x / descale (descale_ptr's value, or 1): fp32's division, then e4m3's
@@ -46,10 +67,9 @@ def _values_out_of_range(
 ):
     """Whether any sequence has cache_seqlens outside [0, seqlen_limit], left padding outside
     [0, cache_seqlens], a cache row that does not exist, or a page it writes to (positions
-    cache_seqlens .. + seqlen_new) that does not exist. block_table: (BlockTable, stride_bt); shape:
-    kvcache_append_kernel's."""
+    cache_seqlens .. + seqlen_new) that does not exist. block_table: (BlockTable, stride_bt); shape: an AppendShape."""
     BlockTable, stride_bt = block_table
-    batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit = shape
+    batch, seqlen_new, n_rows = shape.batch, shape.seqlen_new, shape.n_rows
     PAGE_SIZE: tl.constexpr = CACHE.PAGE_SIZE
     bad = tl.zeros([BLOCK_B], dtype=tl.int1)
     for b0 in range(0, batch, BLOCK_B):
@@ -58,8 +78,8 @@ def _values_out_of_range(
         if CACHE.SEQLENS_TENSOR:
             sl = tl.load(CacheSeqlens + bs, mask=b_ok, other=0)
         else:
-            sl = tl.zeros([BLOCK_B], dtype=tl.int32) + cache_seqlen
-        sl_bad = (sl < 0) | (sl > seqlen_limit)
+            sl = tl.zeros([BLOCK_B], dtype=tl.int32) + shape.cache_seqlen
+        sl_bad = (sl < 0) | (sl > shape.seqlen_limit)
         bad |= b_ok & sl_bad
         if CACHE.LEFTPAD:
             pad = tl.load(LeftPad + bs, mask=b_ok, other=0)
@@ -99,8 +119,8 @@ def kvcache_append_kernel(
     v_strides,
     stride_bt,
     stride_cs,
-    shape,  # (batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit)
-    cos_shape,  # (seqlen_ro, half): the rotary table's rows and the rotated feature pairs
+    shape,  # AppendShape
+    cos_shape,  # CosShape
     descale_strides,  # (batch, kv head) of KDescale and VDescale: four strides
     CHECK: tl.constexpr,
     CACHE: tl.constexpr,
@@ -124,8 +144,9 @@ def kvcache_append_kernel(
     stride_wb, stride_ws, stride_wh = vnew_strides
     stride_kb, stride_ks, stride_kh = k_strides
     stride_vb, stride_vs, stride_vh = v_strides
-    batch, nheads_k, seqlen_new, cache_seqlen, capacity, n_rows, seqlen_limit = shape
-    seqlen_ro, half = cos_shape
+    seqlen_new, capacity, n_rows = shape.seqlen_new, shape.capacity, shape.n_rows
+    cache_seqlen = shape.cache_seqlen  # (CACHE.SEQLENS_TENSOR: the sequence's)
+    seqlen_ro, half = cos_shape.seqlen_ro, cos_shape.half
     sk_b, sk_h, sv_b, sv_h = descale_strides
     PAGE_SIZE: tl.constexpr = CACHE.PAGE_SIZE
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
@@ -190,7 +211,7 @@ def kvcache_append_kernel(
     dst_v = v_rows[:, None]
     k_descale = KDescale + off_b * sk_b
     v_descale = VDescale + off_b * sv_b
-    for _ in range(0, nheads_k):
+    for _ in range(0, shape.nheads_k):
         x = tl.load(src + cols[None, :], mask=mask, other=0.0)
         if ROTARY:
             x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -176,10 +176,11 @@ def attn_bwd_dkdv_kernel(
     # one program per (key block, batch, K/V head); the query heads of a GQA group are summed here. DSPLIT > 1 (head
     # dims past 256): DSPLIT programs per key block (the grid's second axis), each P and dS whole and its own
     # 1 / DSPLIT of dK's and dV's columns, so that the accumulators fit the registers. Strides: (batch, row, head),
-    # Lse's (batch, head); shape = (nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size); score =
-    # (window_left, window_right, sm_scale, softcap, dropout_p)
-    nheads, nheads_k, max_seqlen_q, max_seqlen_k, group_size = shape
-    window_left, window_right, sm_scale, softcap, dropout_p = score
+    # Lse's (batch, head); shape: constexprs.DkdvShape; score: constexprs.AttnScore
+    nheads_k, group_size = shape.nheads_k, shape.group_size
+    max_seqlen_q, max_seqlen_k = shape.max_seqlen_q, shape.max_seqlen_k
+    window_left, window_right = score.window_left, score.window_right
+    sm_scale, softcap, dropout_p = score.sm_scale, score.softcap, score.dropout_p
     stride_qb, stride_qs, stride_qh = q_strides
     stride_dob, stride_dos, stride_doh = dout_strides
     stride_dkb, stride_dks, stride_dkh = dk_strides
@@ -236,7 +237,7 @@ def attn_bwd_dkdv_kernel(
             q_cols = Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh + chunk * CWK
             do_cols = DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh + chunk * CWV
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, False)
-        rng_row0 = (off_b * nheads + off_h) * max_seqlen_q
+        rng_row0 = (off_b * shape.nheads + off_h) * max_seqlen_q
         head = (q_tile, do_tile, Lse + row0, Delta + row0)
         cols = (q_cols, do_cols, ncols_k, ncols_v)
         scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
@@ -366,10 +367,9 @@ def attn_bwd_dq_kernel(
     TILE: tl.constexpr,
     DSPLIT: tl.constexpr,
 ):
-    # Strides: (batch, row, head), Lse's (batch, head); shape = (batch, nheads, max_seqlen_q, max_seqlen_k,
-    # group_size); score = (window_left, window_right, sm_scale, softcap, dropout_p)
-    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
-    window_left, window_right, sm_scale, softcap, dropout_p = score
+    # Strides: (batch, row, head), Lse's (batch, head); shape: constexprs.AttnShape; score: constexprs.AttnScore
+    window_left, window_right = score.window_left, score.window_right
+    sm_scale, softcap, dropout_p = score.sm_scale, score.softcap, score.dropout_p
     stride_kb, stride_ks, stride_kh = k_strides
     stride_dqb, stride_dqs, stride_dqh = dq_strides
     stride_lse_b, stride_lse_h = lse_strides
@@ -396,9 +396,9 @@ def attn_bwd_dq_kernel(
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, MODS.DROPOUT)
-    rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
+    rng_row0 = off_bh.to(tl.int64) * shape.max_seqlen_q
     scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
-    drop = (seed, rng_row0, max_seqlen_k, dropout_p)
+    drop = (seed, rng_row0, shape.max_seqlen_k, dropout_p)
 
     q_tile = tile_src((Q, q_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
     do_tile = tile_src((DOut, dout_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)

@@ -47,20 +47,20 @@ def attn_bwd_preprocess_kernel(
     # layout, +inf past max_seqlen_q), so padded rows get P = 0. SINK: the program's share of the learnable
     # sink's gradient, -sum over its rows of exp(sink - lse) * Delta, into SinkPart[program] (0 for a program
     # past its sequence): the launcher sums the shares per head in a fixed order (no atomics). Strides: (batch, row,
-    # head), the logsumexp's and Delta's (batch, head); shape = (nheads, max_seqlen_q, seqlen_pad).
+    # head), the logsumexp's and Delta's (batch, head); shape: constexprs.PreprocessShape.
     stride_ob, stride_os, stride_oh = out_strides
     stride_dob, stride_dos, stride_doh = dout_strides
     stride_lse_b, stride_lse_h = lse_strides
     stride_delta_b, stride_delta_h = delta_strides
     stride_acc_b, stride_acc_s, stride_acc_h = dqacc_strides
-    nheads, max_seqlen_q, seqlen_pad = shape
+    nheads, seqlen_pad = shape.nheads, shape.seqlen_pad
     num_m_blocks = tl.cdiv(seqlen_pad, BLOCK_M)
     pid_m = tl.program_id(0) % num_m_blocks
     off_bh = tl.program_id(0) // num_m_blocks
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     start_m = pid_m * BLOCK_M
-    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, shape.max_seqlen_q, IS_VARLEN)
     rows_end = seqlen_pad if PADDED else seqlen_q
     if start_m >= rows_end:
         if SINK:

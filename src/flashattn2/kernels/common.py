@@ -317,19 +317,18 @@ def query_program(
 ):
     """Where a program of the query-block grid works: (start_m, off_bh, off_b, off_h, off_hk,
     q_start, seqlen_q, k_start, seqlen_k); off_hk is the K/V head of query head off_h (GQA).
-    shape = (batch, nheads, max_seqlen_q, max_seqlen_k, group_size). SORTED (varlen): grid slot s
-    works on sequence SeqOrder[s], longest first, so that the heaviest programs start first and
-    the grid's tail is short."""
-    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
-    start_m, off_bh = query_block_program(batch, nheads, max_seqlen_q, CAUSAL, BLOCK_M)
+    shape: a constexprs.AttnShape. SORTED (varlen): grid slot s works on sequence SeqOrder[s], longest first,
+    so that the heaviest programs start first and the grid's tail is short."""
+    nheads = shape.nheads
+    start_m, off_bh = query_block_program(shape.batch, nheads, shape.max_seqlen_q, CAUSAL, BLOCK_M)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     if SORTED:
         off_b = tl.load(SeqOrder + off_b).to(tl.int64)
         off_bh = off_b * nheads + off_h  # the sequence's own index: dropout's stream follows it
-    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, max_seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, max_seqlen_k, IS_VARLEN)
-    return start_m, off_bh, off_b, off_h, off_h // group_size, q_start, seqlen_q, k_start, seqlen_k
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, off_b, shape.max_seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, off_b, shape.max_seqlen_k, IS_VARLEN)
+    return start_m, off_bh, off_b, off_h, off_h // shape.group_size, q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit

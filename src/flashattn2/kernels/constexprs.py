@@ -1,6 +1,9 @@
-"""The constexpr bundles the Triton attention kernels (fwd.py, bwd.py) take, one parameter each:
-the launchers build them, the kernels read their fields (`MODS.CAUSAL`). Plain NamedTuples, no triton import, so
-the ops layer can import them before the kernels are (TRITON_INTERPRET must be settled first)."""
+"""The bundles the Triton attention kernels (fwd.py, bwd.py, bwd_preprocess.py, dmask.py) take, one parameter each:
+constexpr ones (Mods, Path, Tile) and run-time ones (the sizes, the score's scalars). The launchers build them by
+keyword, the kernels read their fields by name (`MODS.CAUSAL`, `shape.nheads`), so that a field added never shifts
+another. A run-time bundle flattens into one scalar parameter per field, in field order, as a plain tuple would.
+Plain NamedTuples, no triton import, so the ops layer can import them before the kernels are (TRITON_INTERPRET must
+be settled first)."""
 
 from typing import NamedTuple
 
@@ -59,3 +62,50 @@ class Tile(NamedTuple):
     BLOCK_D: int  # HEAD_DIM's power of two
     HEAD_DIM_V: int  # v's head dim, the output's, dV's
     BLOCK_DV: int  # HEAD_DIM_V's power of two
+
+
+class AttnShape(NamedTuple):
+    """`shape` of attn_fwd_kernel, attn_bwd_dq_kernel and attn_dropout_mask_kernel (common.query_program's)."""
+
+    batch: int  # sequences
+    nheads: int  # query heads
+    max_seqlen_q: int  # query rows of a sequence (varlen: of the longest)
+    max_seqlen_k: int  # key rows of a sequence (varlen: of the longest)
+    group_size: int  # query heads per K/V head (GQA; 1: MHA)
+
+
+class DkdvShape(NamedTuple):
+    """`shape` of attn_bwd_dkdv_kernel: its programs are (key block, batch, K/V head)."""
+
+    nheads: int  # query heads
+    nheads_k: int  # K/V heads
+    max_seqlen_q: int  # query rows of a sequence (varlen: of the longest)
+    max_seqlen_k: int  # key rows of a sequence (varlen: of the longest)
+    group_size: int  # query heads per K/V head
+
+
+class PreprocessShape(NamedTuple):
+    """`shape` of attn_bwd_preprocess_kernel."""
+
+    nheads: int  # query heads
+    max_seqlen_q: int  # query rows of a sequence (varlen: of the longest)
+    seqlen_pad: int  # rows of the padded Delta/lse (the Gluon backward's), else unused
+
+
+class AttnScore(NamedTuple):
+    """`score` of attn_fwd_kernel, attn_bwd_dkdv_kernel and attn_bwd_dq_kernel: the score's scalars."""
+
+    window_left: int  # keys left of the diagonal a query sees (Mods.LOCAL; a bound that cannot bind otherwise)
+    window_right: int  # keys right of the diagonal a query sees, likewise
+    sm_scale: float  # the scores' scale
+    softcap: float  # Mods.SOFTCAP's cap (1.0 without)
+    dropout_p: float  # the probability of dropping a P entry (Mods.DROPOUT)
+
+
+class DmaskScore(NamedTuple):
+    """`score` of attn_dropout_mask_kernel: AttnScore without softcap (S_dmask's scores are not capped)."""
+
+    window_left: int  # as AttnScore's
+    window_right: int  # as AttnScore's
+    sm_scale: float  # the scores' scale
+    dropout_p: float  # the probability of dropping a P entry

@@ -118,6 +118,40 @@ class DecodeTile(NamedTuple):
     BLOCK_D_LO: int  # q's and k's second column block (HEAD_DIM = BLOCK_D + BLOCK_D_LO), or 0
 
 
+# The run-time bundles: each flattens into one scalar parameter per field, in field order; the launcher
+# (ops.launch.kvcache) builds them by keyword, the kernels read them by name.
+class DecodeShape(NamedTuple):
+    """attn_kvcache_kernel's sizes (`shape`)."""
+
+    nheads: int  # query heads
+    nheads_k: int  # K/V heads
+    seqlen_q: int  # queries per sequence (VARLEN_Q: each sequence's from CuSeqlensQ)
+    seqlen_new: int  # new keys appended this call, the last of each sequence's keys
+    cache_seqlen: int  # keys in the cache before them (SEQLENS_TENSOR: each sequence's from CacheSeqlens)
+    chunk: int  # keys per split
+    capacity: int  # positions of a cache row (paged: of a sequence's pages)
+    n_rows: int  # cache rows (paged: pages)
+    row_blocks: int  # BLOCK_M blocks of a (batch, kv head)'s packed rows
+    seqlen_limit: int  # the largest cache_seqlen in range (CHECK)
+
+
+class DecodeScore(NamedTuple):
+    """attn_kvcache_kernel's score scalars (`score`)."""
+
+    window_left: int  # keys left of the diagonal a query sees (MODS.LOCAL; a bound that cannot bind otherwise)
+    window_right: int  # keys right of the diagonal a query sees, likewise
+    sm_scale: float  # the scores' scale
+    softcap: float  # MODS.SOFTCAP's cap (1.0 without)
+
+
+class CombineShape(NamedTuple):
+    """attn_combine_kernel's sizes (`shape`)."""
+
+    seqlen_q: int  # queries per sequence (varlen: the packed total)
+    nheads: int  # query heads
+    num_splits: int  # splits of the keys
+
+
 @triton.jit
 def attn_kvcache_kernel(
     Q,
@@ -143,8 +177,8 @@ def attn_kvcache_kernel(
     lse_strides,  # (split, batch, head)
     stride_bt,
     stride_alibi_b,
-    shape,  # (nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, row_blocks, seqlen_limit)
-    score,  # (window_left, window_right, sm_scale, softcap)
+    shape,  # DecodeShape
+    score,  # DecodeScore
     descale_strides,  # (batch, kv head) of QDescale, KDescale, VDescale: six strides
     MODS: tl.constexpr,
     CACHE: tl.constexpr,
@@ -158,8 +192,11 @@ def attn_kvcache_kernel(
     stride_vb, stride_vs, stride_vh = v_strides
     stride_os, stride_ob, stride_oq, stride_oh = out_strides
     stride_ls, stride_lb, stride_lh = lse_strides
-    nheads, nheads_k, seqlen_q, seqlen_new, cache_seqlen, chunk, capacity, n_rows, row_blocks, seqlen_limit = shape
-    window_left, window_right, sm_scale, softcap = score
+    nheads_k, seqlen_new, chunk = shape.nheads_k, shape.seqlen_new, shape.chunk
+    capacity, n_rows = shape.capacity, shape.n_rows
+    seqlen_q, cache_seqlen = shape.seqlen_q, shape.cache_seqlen  # (VARLEN_Q, SEQLENS_TENSOR: each sequence's)
+    window_left, window_right, softcap = score.window_left, score.window_right, score.softcap
+    sm_scale = score.sm_scale  # (FP8: times the q and k descales)
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
@@ -172,15 +209,15 @@ def attn_kvcache_kernel(
         gdc_launch_dependents()
     if PATH.ROW_BLOCKS_ADJACENT:  # a flat first axis: consecutive programs take the row blocks of one (batch, kv head)
         flat = tl.program_id(0).to(tl.int64)
-        off_bhk = flat // row_blocks
-        pid_m = flat % row_blocks
+        off_bhk = flat // shape.row_blocks
+        pid_m = flat % shape.row_blocks
     else:
         off_bhk = tl.program_id(0)
         pid_m = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
-    group = nheads // nheads_k
+    group = shape.nheads // nheads_k
 
     q_start = 0
     if PATH.VARLEN_Q:  # paged prefill: q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of a (total_q, ...) tensor
@@ -195,7 +232,7 @@ def attn_kvcache_kernel(
     bad = tl.full([], 0, tl.int1)
     if CACHE.SEQLENS_TENSOR:
         cache_seqlen = tl.load(CacheSeqlens + off_b)
-        bad = (cache_seqlen < 0) | (cache_seqlen > seqlen_limit)
+        bad = (cache_seqlen < 0) | (cache_seqlen > shape.seqlen_limit)
         cache_seqlen = tl.minimum(tl.maximum(cache_seqlen, 0), capacity - seqlen_new)
     key_end = cache_seqlen + seqlen_new  # physical end of this sequence's keys
     left_pad = 0
@@ -459,7 +496,7 @@ def attn_combine_kernel(
     Sinks,
     stride_ps,
     lse_strides,  # (split, batch, head) of LsePart; Lse's (batch, head) are the same
-    shape,  # (seqlen_q, nheads, num_splits)
+    shape,  # CombineShape
     SINK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -476,7 +513,7 @@ def attn_combine_kernel(
     has few rows and up to 128 splits, so rows are the parallel axis, not splits. PDL: launched
     as a programmatic dependent of the split kernel (sm90+), it waits here for that grid's writes."""
     stride_ls, stride_lb, stride_lh = lse_strides
-    seqlen_q, nheads, num_splits = shape
+    seqlen_q, nheads, num_splits = shape.seqlen_q, shape.nheads, shape.num_splits
     if PDL:
         gdc_wait()
     r = tl.program_id(0).to(tl.int64)

@@ -64,21 +64,20 @@ def attn_dropout_mask_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # q's and k's strides (batch, row, head), SDmask's (batch, head, row); shape = (batch, nheads, max_seqlen_q,
-    # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, dropout_p)
+    # q's and k's strides (batch, row, head), SDmask's (batch, head, row); shape: constexprs.AttnShape; score:
+    # constexprs.DmaskScore
     stride_qb, stride_qs, stride_qh = q_strides
     stride_kb, stride_ks, stride_kh = k_strides
     stride_sb, stride_sh, stride_sm = sdmask_strides
-    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
-    window_left, window_right, sm_scale, dropout_p = score
+    window_left, window_right = score.window_left, score.window_right
     start_m, off_bh, off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k = query_program(
         shape, CuSeqlensQ, CuSeqlensK, CuSeqlensQ, False, IS_VARLEN, False, BLOCK_M
     )
     if start_m >= seqlen_q:
         return
-    qk_scale = sm_scale * LOG2E
+    qk_scale = score.sm_scale * LOG2E
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, ALIBI, True)
-    rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
+    rng_row0 = off_bh.to(tl.int64) * shape.max_seqlen_q
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_rows(
         Q + off_b * stride_qb + q_start * stride_qs + off_h * stride_qh,
@@ -111,7 +110,9 @@ def attn_dropout_mask_kernel(
             q, k_rows, start_n, offs_m, scoring, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_N, BLOCK_D
         )
         p = tl.math.exp2(s - m_shift[:, None])
-        keep = dropout_keep((seed, rng_row0, max_seqlen_k, dropout_p), start_m, start_n, BLOCK_M, BLOCK_N, False)
+        keep = dropout_keep(
+            (seed, rng_row0, shape.max_seqlen_k, score.dropout_p), start_m, start_n, BLOCK_M, BLOCK_N, False
+        )
         val = tl.where(keep, p, -p)
         ptrs = out_base + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :]
         tl.store(

@@ -185,12 +185,11 @@ def attn_fwd_kernel(
     PATH: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    # (batch, row, head) strides per tensor, Lse's (batch, head); shape = (batch, nheads, max_seqlen_q,
-    # max_seqlen_k, group_size); score = (window_left, window_right, sm_scale, softcap, dropout_p); FP8: the
-    # descales' (batch, kv head) strides, q's, k's and v's ((0, 0) for one not given, whose pointer is None; None
-    # without FP8, as the descale pointers)
-    batch, nheads, max_seqlen_q, max_seqlen_k, group_size = shape
-    window_left, window_right, sm_scale, softcap, dropout_p = score
+    # (batch, row, head) strides per tensor, Lse's (batch, head); shape: constexprs.AttnShape; score:
+    # constexprs.AttnScore; FP8: the descales' (batch, kv head) strides, q's, k's and v's ((0, 0) for one not given,
+    # whose pointer is None; None without FP8, as the descale pointers)
+    window_left, window_right = score.window_left, score.window_right
+    sm_scale, softcap, dropout_p = score.sm_scale, score.softcap, score.dropout_p  # (sm_scale: times the descales)
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
@@ -213,9 +212,9 @@ def attn_fwd_kernel(
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, MODS.DROPOUT)
-    rng_row0 = off_bh.to(tl.int64) * max_seqlen_q
+    rng_row0 = off_bh.to(tl.int64) * shape.max_seqlen_q
     scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
-    drop = (seed, rng_row0, max_seqlen_k, dropout_p)
+    drop = (seed, rng_row0, shape.max_seqlen_k, dropout_p)
 
     q_tile = tile_src((Q, q_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
     k_tile = tile_src((K, k_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, PATH)

@@ -2,8 +2,21 @@
 (features j and j + rotary_dim/2) or GPT-J pairs (2j and 2j + 1). CONJ rotates by minus the
 angle, which is the backward. Positions outside [0, seqlen_ro) are left unrotated."""
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
+
+
+class RotaryShape(NamedTuple):
+    """rotary_kernel's sizes (`shape`): one scalar parameter per field, in field order; built by keyword
+    (ops.launch.rotary), read by name."""
+
+    batch: int  # x's sequences
+    seqlen: int  # x's rows per sequence (varlen: the longest's, or a bound on it)
+    nheads: int  # x's heads
+    seqlen_ro: int  # the cos/sin tables' rows (positions)
+    half: int  # the tables' columns: the rotated feature pairs
 
 
 @triton.jit
@@ -15,7 +28,7 @@ def rotary_kernel(
     Offsets,
     x_strides,  # (batch, row, head)
     stride_cs,
-    shape,  # (batch, seqlen, nheads, seqlen_ro, half): x's sequences, rows and heads, cos's rows and columns
+    shape,  # RotaryShape
     offset,
     IS_VARLEN: tl.constexpr,
     OFFSETS_TENSOR: tl.constexpr,
@@ -27,10 +40,10 @@ def rotary_kernel(
     # grid: (row blocks, sequences), the sequences on the second and third axes (CUDA caps each at 65535): sequence
     # program_id(1) + program_id(2) * num_programs(1)
     stride_xb, stride_xs, stride_xh = x_strides
-    batch, seqlen, nheads, seqlen_ro, half = shape
+    seqlen, seqlen_ro, half = shape.seqlen, shape.seqlen_ro, shape.half  # (seqlen: IS_VARLEN, the sequence's)
     pid_m = tl.program_id(0)
     off_b = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    if off_b >= batch:
+    if off_b >= shape.batch:
         return
     if IS_VARLEN:
         start = tl.load(CuSeqlens + off_b).to(tl.int64)
@@ -64,7 +77,7 @@ def rotary_kernel(
     # head 0's rows, moved by stride_xh a head: no int32 product h * stride_xh (it passes 2**31 for heads far apart in
     # memory, a head-major view)
     head = base + rows[:, None] * stride_xs
-    for h in range(0, nheads):
+    for h in range(0, shape.nheads):
         p1 = head + c1[None, :]
         p2 = head + c2[None, :]
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)

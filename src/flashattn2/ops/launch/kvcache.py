@@ -155,13 +155,21 @@ class Append:
         cos_rows = (rotary.shape[0], rotary.shape[1]) if self.rotary else (0, 0)
         cos_stride = rotary.shape[1] if self.rotary else strides[0][1]  # (the tables are made contiguous)
         self.table_rows = shape.k.shape[0]
-        self.ints = (*strides, shape.k.stride[:3], shape.v.stride[:3], shape.table_stride, cos_stride,
-                     (batch, nheads_k, seqlen_new, None, shape.capacity, shape.k.shape[0], shape.capacity - seqlen_new),
-                     cos_rows, specs.descale_strides(descales))  # fmt: skip
-        # the integer arguments of a call with a tensor cache_seqlens and no Check (the usual one), made once
-        sizes = self.ints[6]
-        self.plain = (*self.ints[:6], (*sizes[:3], 0, *sizes[4:]), cos_rows, self.ints[8])
         kernels = _runtime.kernels()
+        sizes = kernels.append.AppendShape(
+            batch=batch,
+            nheads_k=nheads_k,
+            seqlen_new=seqlen_new,
+            cache_seqlen=None,  # the call's
+            capacity=shape.capacity,
+            n_rows=shape.k.shape[0],
+            seqlen_limit=shape.capacity - seqlen_new,  # (a Check's own limit replaces it)
+        )
+        cos_shape = kernels.append.CosShape(seqlen_ro=cos_rows[0], half=cos_rows[1])
+        self.ints = (*strides, shape.k.stride[:3], shape.v.stride[:3], shape.table_stride, cos_stride, sizes,
+                     cos_shape, specs.descale_strides(descales))  # fmt: skip
+        # the integer arguments of a call with a tensor cache_seqlens and no Check (the usual one), made once
+        self.plain = (*self.ints[:6], sizes._replace(cache_seqlen=0), *self.ints[7:])
         kwargs = dict(
             CACHE=kernels.decode.CacheLayout(
                 PAGED=bool(shape.page_size),
@@ -210,10 +218,10 @@ class Append:
         if check is None and seqlen_int == 0:
             ints = self.plain
         else:
-            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows, descale_strides = self.ints
-            limit = sizes[6] if check is None else check.seqlen_limit
-            sizes = (*sizes[:3], seqlen_int, *sizes[4:6], limit)
-            ints = (k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_rows, descale_strides)
+            k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_shape, descale_strides = self.ints
+            limit = sizes.seqlen_limit if check is None else check.seqlen_limit
+            sizes = sizes._replace(cache_seqlen=seqlen_int, seqlen_limit=limit)
+            ints = (k_strides, v_strides, kc, vc, table, cos_stride, sizes, cos_shape, descale_strides)
         dummy = k_new
         _, k_descale, v_descale = descales
         self.launch[check is not None](
@@ -398,10 +406,20 @@ class Decode:
             dst_strides, lse_strides = (dst[0], 0, dst[1], dst[2]), (dst_lse[0], 0, dst_lse[1])
         else:
             dst_strides, lse_strides = dst[:4], dst_lse[:3]
-        check_limit = shape.capacity  # (a Check's own limit replaces it)
-        self.ints = (nheads, nheads_k, seqlen_q, shape.seqlen_new, None, plan.chunk, shape.capacity, shape.k.shape[0],
-                     row_blocks, check_limit)  # fmt: skip
-        self.plain = (*self.ints[:4], 0, *self.ints[5:])  # a tensor cache_seqlens and no Check: the usual call
+        kernels = _runtime.kernels().decode
+        self.ints = kernels.DecodeShape(
+            nheads=nheads,
+            nheads_k=nheads_k,
+            seqlen_q=seqlen_q,
+            seqlen_new=shape.seqlen_new,
+            cache_seqlen=None,  # the call's
+            chunk=plan.chunk,
+            capacity=shape.capacity,
+            n_rows=shape.k.shape[0],
+            row_blocks=row_blocks,
+            seqlen_limit=shape.capacity,  # (a Check's own limit replaces it)
+        )
+        self.plain = self.ints._replace(cache_seqlen=0)  # a tensor cache_seqlens and no Check: the usual call
         self.strides = (shape.q_strides, shape.k.stride[:3], shape.v.stride[:3], dst_strides, lse_strides,
                         shape.table_stride, shape.alibi.shape[-1] if shape.alibi is not None and
                         len(shape.alibi.shape) == 2 else 0)  # fmt: skip
@@ -410,9 +428,12 @@ class Decode:
         # an Options' when literal: any int), and taken as it keeps the kernel's position sums within int32
         far = seqlen_q + shape.capacity
         softcap = shape.softcap
-        self.score = (min(w.left, far) if w.left >= 0 else far, min(w.right, far) if w.right >= 0 else far,
-                      shape.scale, softcap if softcap > 0 else 1.0)  # fmt: skip
-        kernels = _runtime.kernels().decode
+        self.score = kernels.DecodeScore(
+            window_left=min(w.left, far) if w.left >= 0 else far,
+            window_right=min(w.right, far) if w.right >= 0 else far,
+            sm_scale=shape.scale,
+            softcap=softcap if softcap > 0 else 1.0,
+        )
         upcast = interp or self.result_dtype == torch.float32
         kwargs = dict(
             MODS=kernels.DecodeMods(w.causal, w.local, softcap > 0, shape.alibi is not None, shape.sink),
@@ -461,7 +482,8 @@ class Decode:
             lse = contiguous_strides(self.lse_shape)
             lse_b, lse_h = (0, lse[0]) if shape.varlen else (lse[0], lse[1])
             self.combine_grid = (b_ * sq_ * nheads,)
-            self.combine_ints = (dst[0], (dst_lse[0], lse_b, lse_h), (sq_, nheads, splits))
+            sizes = kernels.CombineShape(seqlen_q=sq_, nheads=nheads, num_splits=splits)
+            self.combine_ints = (dst[0], (dst_lse[0], lse_b, lse_h), sizes)
             self.combine = launcher.Launch(
                 kernels.attn_combine_kernel,
                 SINK=shape.sink,
@@ -510,7 +532,8 @@ class Decode:
             ints = self.plain
         else:
             ints = self.ints
-            ints = (*ints[:4], seqlen_int, *ints[5:9], ints[9] if check is None else check.seqlen_limit)
+            limit = ints.seqlen_limit if check is None else check.seqlen_limit
+            ints = ints._replace(cache_seqlen=seqlen_int, seqlen_limit=limit)
         q_descale, k_descale, v_descale = descales
         self.kernel[check is not None](
             self.grid, codes(q), codes(k), codes(v), dst, dst_lse,

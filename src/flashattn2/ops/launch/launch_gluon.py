@@ -39,7 +39,7 @@ class ForwardLaunch:
         self.tiles = cdiv(layout.max_seqlen_q, plan.rows) * layout.batch * layout.nheads
         # q's and k's head dim in two parts where it is not a power of two (kernels/fwd_hopper_tile.py's FwdConfig)
         self.parts = column_parts(layout.head_dim)
-        self.ints = (*layout.lse_strides, *layout.shape, layout.score[2])
+        self.ints = (*layout.lse_strides, *layout.shape, layout.score.sm_scale)
         self.vt_shape = None
         if layout.descale_strides is not None:
             keys = -(-layout.v_keys // FP8_KEY_GROUP) * FP8_KEY_GROUP
@@ -186,7 +186,7 @@ class BackwardLaunch:
         pad = self.seqlen_q_pad
         delta_strides = (layout.nheads * pad, pad)  # delta's (and the padded lse's)
         self.ints = (
-            layout.score[2], layout.max_seqlen_q, layout.max_seqlen_k, pad, layout.nheads, layout.nheads_k,
+            layout.score.sm_scale, layout.max_seqlen_q, layout.max_seqlen_k, pad, layout.nheads, layout.nheads_k,
             *delta_strides,
         )  # fmt: skip
         self.launch = launcher.Launch(

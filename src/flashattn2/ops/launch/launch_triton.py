@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, Path, Tile
+from ...kernels.constexprs import FP8_DOTS, FP8_DOTS_INTERP, DkdvShape, DmaskScore, Path, PreprocessShape, Tile
 from .. import _runtime
 from . import launcher
 from ..request import seqlens
@@ -44,17 +44,24 @@ class TailFill:
         self.totals = [shape[rows_dim] for shape, _, _, rows_dim in slots]
         self.rowless = max(self.totals, default=0) == 0
         self.slots = []
+        fill = _runtime.kernels().fill
         for shape, strides, value, rows_dim in slots:
             if rows_dim == 0:
-                row = (shape[0], strides[0], 1, int(torch.Size(shape[1:]).numel()), value)
+                row = fill.FillSlot(
+                    total_rows=shape[0],
+                    stride_r=strides[0],
+                    stride_c=1,
+                    ncols=int(torch.Size(shape[1:]).numel()),
+                    value=value,
+                )
             else:
-                row = (shape[1], strides[1], strides[0], shape[0], value)
+                row = fill.FillSlot(total_rows=shape[1], stride_r=strides[1], stride_c=strides[0], ncols=shape[0],
+                                    value=value)  # fmt: skip
             self.slots.append(row)
         self.slots += self.slots[:1] * (3 - len(slots))  # unused slots: never read (SLOTS is a constexpr)
         block_r = 64
         self.grid = (cdiv(max(self.totals, default=0), block_r),)
-        kernel = _runtime.kernels().fill.fill_tail_kernel
-        self.launch = launcher.Launch(kernel, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128)
+        self.launch = launcher.Launch(fill.fill_tail_kernel, SLOTS=len(slots), BLOCK_R=block_r, BLOCK_C=128)
 
     def __call__(self, *pairs) -> None:
         """pairs: (tensor, cu_seqlens) for each slot."""
@@ -273,7 +280,7 @@ class Preprocess:
             layout.lse_strides,
             delta_strides,
             acc,
-            (layout.nheads, layout.max_seqlen_q, rows),
+            PreprocessShape(nheads=layout.nheads, max_seqlen_q=layout.max_seqlen_q, seqlen_pad=rows),
         )
         self.launch = launcher.Launch(
             _runtime.kernels().bwd_preprocess.attn_bwd_preprocess_kernel,
@@ -331,7 +338,8 @@ class Backward:
     only lse (which P = exp(S - lse) reads) and adds its gradient from lse and delta (SinkGrad, in the preprocess).
     Made once per prepared backward (ops.run.call.BackwardCall): dout's and the gradients' layouts are its spec's."""
 
-    __slots__ = ("layout", "plan", "pre", "dkdv", "dq", "grids", "grad_strides", "dout_strides", "tail", "sink")
+    __slots__ = ("layout", "plan", "pre", "dkdv", "dq", "grids", "grad_strides", "dout_strides", "tail", "sink",
+                 "dkdv_shape")  # fmt: skip
 
     def __init__(self, layout: Layout, plan: Plan, out, dout, grads, dlse: bool, sink: bool):
         self.layout, self.plan, self.sink = layout, plan, sink
@@ -342,6 +350,14 @@ class Backward:
         grads = [g._replace(stride=contiguous_strides(g.shape)) if staged else g for g in grads]
         self.grad_strides = [rows_strides(g, layout.varlen) for g in grads]
         self.dout_strides = rows_strides(dout, layout.varlen)
+        shape = layout.shape
+        self.dkdv_shape = DkdvShape(
+            nheads=shape.nheads,
+            nheads_k=layout.nheads_k,
+            max_seqlen_q=shape.max_seqlen_q,
+            max_seqlen_k=shape.max_seqlen_k,
+            group_size=shape.group_size,
+        )
         # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
         # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
         dsplit = dict(plan.constexprs).get("DSPLIT", 1)
@@ -403,7 +419,7 @@ class Backward:
             self.grids[0], sq, sk, sv, sdo, lse, delta, sdk, sdv, alibi, cu_q_, cu_k_, seed,
             lse if order_q is None else order_q,
             strides.q_strides, strides.k_strides, strides.v_strides, self.dout_strides, sgk, sgv, layout.lse_strides,
-            layout.alibi_stride, (layout.nheads, layout.nheads_k, *layout.shape[2:]), layout.score,
+            layout.alibi_stride, self.dkdv_shape, layout.score,
         )  # fmt: skip
         if plan.host_desc:
             sq, sk, sv = host_desc(q, dq_cfg.block_m), host_desc(k, dq_cfg.block_n), host_desc(v, dq_cfg.block_n)
@@ -434,7 +450,7 @@ def dropout_probs(layout: Layout, q, k, cu_q, cu_k, alibi, seed) -> torch.Tensor
     probs = torch.zeros(shape, dtype=layout.out_dtype, device=q.device)
     if probs.numel() == 0 or layout.max_seqlen_q == 0:
         return probs.to(q.dtype)
-    mods, (left, right, scale, _, dropout_p) = layout.mods, layout.score
+    mods, score = layout.mods, layout.score
     tile = DROPOUT_PROBS_TILE
     launcher.launch(
         _runtime.kernels().dmask.attn_dropout_mask_kernel,
@@ -451,7 +467,12 @@ def dropout_probs(layout: Layout, q, k, cu_q, cu_k, alibi, seed) -> torch.Tensor
         probs.stride()[:3],
         layout.alibi_stride,
         layout.shape,
-        (left, right, scale, dropout_p),
+        DmaskScore(
+            window_left=score.window_left,
+            window_right=score.window_right,
+            sm_scale=score.sm_scale,
+            dropout_p=score.dropout_p,
+        ),
         CAUSAL=mods.CAUSAL,
         LOCAL=mods.LOCAL,
         ALIBI=mods.ALIBI,

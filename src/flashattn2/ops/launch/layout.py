@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...kernels.constexprs import Mods
+from ...kernels.constexprs import AttnScore, AttnShape, Mods
 from ..request import spec as specs
 from ..planning.geometry import Geometry, Varlen
 from ..request.checks import E4M3, compute_dtype
@@ -106,18 +106,24 @@ class Layout:
         self.out_strides = (0, out[0], out[1]) if varlen else out[:3]
         lse = contiguous_strides(self.lse_shape)
         self.lse_strides = (0, lse[0]) if varlen else (lse[0], lse[1])
-        self.shape = (self.batch, self.nheads, self.max_seqlen_q, self.max_seqlen_k, self.nheads // self.nheads_k)
+        self.shape = AttnShape(
+            batch=self.batch,
+            nheads=self.nheads,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            group_size=self.nheads // self.nheads_k,
+        )
         w = window(spec.causal, *spec.window)
         # an unbounded edge: one that cannot bind; an edge past it binds no more (an Options' edge is any int), and
         # taken as it keeps the kernels' position sums within int32 (checks.MAX_POSITIONS)
         far = self.max_seqlen_q + self.max_seqlen_k
         softcap = float(spec.softcap)
-        self.score = (
-            min(w.left, far) if w.left >= 0 else far,
-            min(w.right, far) if w.right >= 0 else far,
-            softmax_scale,
-            softcap if softcap > 0 else 1.0,
-            float(spec.dropout_p),
+        self.score = AttnScore(
+            window_left=min(w.left, far) if w.left >= 0 else far,
+            window_right=min(w.right, far) if w.right >= 0 else far,
+            sm_scale=softmax_scale,
+            softcap=softcap if softcap > 0 else 1.0,
+            dropout_p=float(spec.dropout_p),
         )
         alibi = spec.alibi
         self.mods = Mods(w.causal, w.local, softcap > 0, alibi is not None, spec.dropout_p > 0, spec.sink is not None)

@@ -52,9 +52,11 @@ def rotate_(
         cu_seqlens = cu_seqlens.contiguous()
     grid_y = max(1, min(batch, _GRID_YZ))  # sequences on the grid's second axis, the rest on its third
     grid = (-(-seqlen // block_m), grid_y, -(-batch // grid_y))
+    rotary = _runtime.kernels().rotary
+    shape = rotary.RotaryShape(batch=batch, seqlen=seqlen, nheads=nheads, seqlen_ro=cos.shape[0], half=half)
     with _runtime.device_of(x):
         launcher.launch(
-            _runtime.kernels().rotary.rotary_kernel,
+            rotary.rotary_kernel,
             grid,
             x,
             cos,
@@ -63,7 +65,7 @@ def rotate_(
             seqlen_offsets if offsets_tensor else None,
             (stride_b, stride_s, stride_h),
             cos.stride(0),
-            (batch, seqlen, nheads, cos.shape[0], half),
+            shape,
             0 if offsets_tensor else int(seqlen_offsets),
             IS_VARLEN=varlen,
             OFFSETS_TENSOR=offsets_tensor,
