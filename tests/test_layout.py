@@ -89,3 +89,16 @@ def test_no_file_over_600_lines():
     files = [*PKG.rglob("*.py"), *(root / "tests").rglob("*.py")]
     long = {str(p.relative_to(root)): n for p in files if (n := len(p.read_text().splitlines())) > 600}
     assert len(files) > 100 and not long, long
+
+
+def test_kvcache_sizes_at_a_call_are_replace():
+    """kvcache._AtCall (a call's int cache_seqlens and limit into the decode and append kernels' sizes, built as one
+    tuple) makes what NamedTuple._replace makes, whatever fields stand around those two."""
+    from flashattn2.kernels.append import AppendShape
+    from flashattn2.kernels.decode import DecodeShape
+    from flashattn2.ops.launch.kvcache import _AtCall
+
+    for cls in (DecodeShape, AppendShape):
+        sizes = cls(*range(100, 100 + len(cls._fields)))
+        got = _AtCall(sizes)(7, 9)
+        assert type(got) is cls and got == sizes._replace(cache_seqlen=7, seqlen_limit=9)

@@ -32,10 +32,12 @@ def main():
     ap.add_argument("--match", default="")
     ap.add_argument("--against", default=None, help="a file this tool wrote: report what differs from it")
     args = ap.parse_args()
-    before = {}
+    before: dict[str, list[str]] = {}  # id -> its shas in order (an id can repeat: see below)
     if args.against:
         with open(args.against) as fh:
-            before = {row["id"]: row["sha"] for row in map(json.loads, fh)}
+            for row in map(json.loads, fh):
+                before.setdefault(row["id"], []).append(row["sha"])
+    seen: dict[str, int] = {}
     changed = 0
     for name, fn, elem_bytes, constexprs, cfg, *types in compile_check.cases(args.arch):
         if args.match not in name:
@@ -44,8 +46,10 @@ def main():
         sha = hashlib.sha256(strip_debug(compiled.asm["ptx"]).encode()).hexdigest()[:16]
         # (an id can repeat: a causal-only table entry builds both variants under the same names)
         row = dict(id=compile_check.case_id(name, cfg), sha=sha, shared=compiled.metadata.shared)
-        if args.against:
-            row["same"] = before.get(row["id"]) == sha
+        if args.against:  # the n-th configuration of an id against the n-th of the file's
+            n = seen[row["id"]] = seen.get(row["id"], -1) + 1
+            shas = before.get(row["id"], [])
+            row["same"] = n < len(shas) and shas[n] == sha
             changed += not row["same"]
         print(json.dumps(row), flush=True)
     if args.against:
