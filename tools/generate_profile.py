@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from flashattn2.bench.generate import MODELS, _model, left_pads
+from flashattn2.bench.generate import MODELS, _model, prompt_ids
 
 
 def decoder(attention: str, batch: int, prompt: int, dims: dict | None = None, device: str = "cuda"):
@@ -26,12 +26,7 @@ def decoder(attention: str, batch: int, prompt: int, dims: dict | None = None, d
 
     dims = dims or MODELS["llama-1b"]
     model = _model(dims, attention, device)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(1, dims["vocab_size"], (batch, prompt), generator=gen)
-    mask = torch.ones_like(ids)
-    for i, pad in enumerate(left_pads(batch, prompt)):
-        ids[i, :pad], mask[i, :pad] = 0, 0
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = prompt_ids(dims, batch, prompt, True, device)
     state = {}
 
     @torch.no_grad()

@@ -88,19 +88,24 @@ def left_pads(batch: int, prompt: int) -> list[int]:
     return [prompt // 16 >> (i % 4) for i in range(batch)]
 
 
+def prompt_ids(dims, batch: int, prompt: int, padded: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of a prompt of `prompt` random tokens per sequence (the same for every attention),
+    left-padded by left_pads where padded."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(1, dims["vocab_size"], (batch, prompt), generator=gen)
+    mask = torch.ones_like(ids)
+    for i, pad in enumerate(left_pads(batch, prompt) if padded else []):
+        ids[i, :pad], mask[i, :pad] = 0, 0
+    return ids.to(device), mask.to(device)
+
+
 def measure(dims, attention, batch, prompt, new_tokens, compiled, device="cuda", repeats=3):
     """(ms per generate() call, tokens per second, the last prompt position's logits) of one attention: compiled,
     a static cache and CUDA graphs; else eager, the dynamic cache and a left-padded prompt."""
     from transformers import CompileConfig
 
     model = _model(dims, attention, device)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(1, dims["vocab_size"], (batch, prompt), generator=gen)
-    mask = torch.ones_like(ids)
-    for i, pad in enumerate([] if compiled else left_pads(batch, prompt)):
-        ids[i, :pad] = 0
-        mask[i, :pad] = 0
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = prompt_ids(dims, batch, prompt, not compiled, device)
     with torch.no_grad():
         logits = model(ids, attention_mask=mask).logits[:, -1].float().cpu()
     kw = dict(
@@ -166,4 +171,4 @@ def run(out_csv, grid: Grid = Grid(), prompt=512, device="cuda", dims=None, repe
                 )
 
 
-__all__ = ["ATTENTIONS", "FIELDS", "MODELS", "Grid", "left_pads", "measure", "run"]
+__all__ = ["ATTENTIONS", "FIELDS", "MODELS", "Grid", "left_pads", "measure", "prompt_ids", "run"]
