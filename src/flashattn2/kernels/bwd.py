@@ -29,6 +29,7 @@ from .common import (
     tile_src,
     visible,
 )
+from .constexprs import DkdvChunk, DkdvHead, DqChunk, DqRows, Drop, Scoring
 
 
 @triton.constexpr_function
@@ -40,24 +41,32 @@ def chunk_width(block, dsplit):
 
 @triton.jit
 def _scores_bwd(qk, qi, kj, lse2, scoring, MASKED: tl.constexpr, MODS: tl.constexpr):
-    """P = exp(S - L) recomputed, and dS's softcap factor 1 - tanh^2 (1.0 without softcap). scoring = (seqlen_q,
-    seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right).
+    """P = exp(S - L) recomputed, and dS's softcap factor 1 - tanh^2 (1.0 without softcap). scoring:
+    constexprs.Scoring.
 
     Orientation-free: qk is [M, N] with qi [M, 1], kj [1, N], lse2 [M, 1], or all transposed.
     """
-    seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right = scoring
     grad_factor = 1.0
     if MODS.SOFTCAP:
-        t = tanh(qk * softcap_in)
-        s = t * softcap_out
+        t = tanh(qk * scoring.softcap_in)
+        s = t * scoring.softcap_out
         grad_factor = 1.0 - t * t
     else:
-        s = qk * qk_scale
+        s = qk * scoring.qk_scale
     if MODS.ALIBI:
-        s += alibi_bias(qi, kj, seqlen_q, seqlen_k, slope2)
+        s += alibi_bias(qi, kj, scoring.seqlen_q, scoring.seqlen_k, scoring.slope2)
     p = tl.math.exp2(s - lse2)
     if MASKED:
-        mask = visible(qi, kj, seqlen_q, seqlen_k, window_left, window_right, MODS.CAUSAL, MODS.LOCAL)
+        mask = visible(
+            qi,
+            kj,
+            scoring.seqlen_q,
+            scoring.seqlen_k,
+            scoring.window_left,
+            scoring.window_right,
+            MODS.CAUSAL,
+            MODS.LOCAL,
+        )
         p = tl.where(mask, p, 0.0)
     return p, grad_factor
 
@@ -82,14 +91,9 @@ def _dkdv_inner(
     DSPLIT: tl.constexpr,
 ):
     """dK and dV of key block start_n from query blocks [m_lo, m_hi) of one query head (MASKED: with the mask
-    applied): head = (q's and dO's tile_src sources, that head's logsumexp and Delta rows); cols = (the columns
-    of Q and dO this program's chunk of dK and dV reads, their counts), read with DSPLIT > 1; scoring:
-    _scores_bwd's; drop: dropout_keep's."""
-    q_tile, do_tile, lse_ptr, delta_ptr = head
-    q_cols, do_cols, ncols_k, ncols_v = cols
-    seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right = scoring
-    seed, rng_row0, max_seqlen_k, dropout_p = drop
-    stride_qs, stride_dos = q_tile[4], do_tile[4]  # (a tile_src source's last element)
+    applied): head: constexprs.DkdvHead; cols: constexprs.DkdvChunk; scoring: constexprs.Scoring; drop:
+    constexprs.Drop."""
+    seqlen_q, qk_scale = scoring.seqlen_q, scoring.qk_scale
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
@@ -102,29 +106,31 @@ def _dkdv_inner(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(m_lo, m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_tile, start_m, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
+        q = load_tile(head.q, start_m, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
         # rows past seqlen_q load lse = +inf, so their P is exactly 0
-        lse2 = load_vec(lse_ptr, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
+        lse2 = load_vec(head.lse, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
         # P^T, [BLOCK_N, BLOCK_M]: computed transposed so dV and dK need no transpose of P or dS
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MODS.SOFTCAP or MODS.ALIBI:
             pT, factorT = _scores_bwd(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], scoring, MASKED, MODS)
         else:
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        do = load_tile(do_tile, start_m, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
+        do = load_tile(head.do, start_m, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
         # dv: [BLOCK_N, BLOCK_DV]
         if MODS.DROPOUT:
             keepT = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, True)
-            inv_keep = 1.0 / (1.0 - dropout_p)
+            inv_keep = 1.0 / (1.0 - drop.dropout_p)
             pT_kept = tl.where(keepT, pT * inv_keep, 0.0)
         else:
             pT_kept = pT
         if DSPLIT == 1:
             dv = tl.dot(pT_kept.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         else:  # this program's columns of dV: dO's chunk
-            do_c = load_rows(do_cols, start_m, seqlen_q, stride_dos, ncols_v, BLOCK_M, CWV, False, PATH.UPCAST)
+            do_c = load_rows(
+                cols.do_cols, start_m, seqlen_q, head.do.stride, cols.ncols_v, BLOCK_M, CWV, False, PATH.UPCAST
+            )
             dv = tl.dot(pT_kept.to(do_c.dtype), do_c, dv, input_precision=DOT_PRECISION)
-        delta = load_vec(delta_ptr, start_m, seqlen_q, BLOCK_M, 0.0)
+        delta = load_vec(head.delta, start_m, seqlen_q, BLOCK_M, 0.0)
         # [BLOCK_N, BLOCK_M]
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if MODS.DROPOUT:
@@ -136,7 +142,9 @@ def _dkdv_inner(
         if DSPLIT == 1:
             dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         else:  # this program's columns of dK: Q's chunk
-            q_c = load_rows(q_cols, start_m, seqlen_q, stride_qs, ncols_k, BLOCK_M, CWK, False, PATH.UPCAST)
+            q_c = load_rows(
+                cols.q_cols, start_m, seqlen_q, head.q.stride, cols.ncols_k, BLOCK_M, CWK, False, PATH.UPCAST
+            )
             dk = tl.dot(dsT, q_c.to(q.dtype), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -238,10 +246,19 @@ def attn_bwd_dkdv_kernel(
             do_cols = DOut + off_b * stride_dob + q_start * stride_dos + off_h * stride_doh + chunk * CWV
         slope2, no_seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, False)
         rng_row0 = (off_b * shape.nheads + off_h) * max_seqlen_q
-        head = (q_tile, do_tile, Lse + row0, Delta + row0)
-        cols = (q_cols, do_cols, ncols_k, ncols_v)
-        scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
-        drop = (seed, rng_row0, max_seqlen_k, dropout_p)
+        head = DkdvHead(q=q_tile, do=do_tile, lse=Lse + row0, delta=Delta + row0)
+        cols = DkdvChunk(q_cols=q_cols, do_cols=do_cols, ncols_k=ncols_k, ncols_v=ncols_v)
+        scoring = Scoring(
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            qk_scale=qk_scale,
+            softcap_in=softcap_in,
+            softcap_out=softcap_out,
+            slope2=slope2,
+            window_left=window_left,
+            window_right=window_right,
+        )
+        drop = Drop(seed=seed, rng_row0=rng_row0, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, head, cols, start_n, m_lo, full_lo, scoring, drop, True, MODS, PATH, TILE, DSPLIT
         )
@@ -295,14 +312,10 @@ def _dq_inner(
     TILE: tl.constexpr,
     DSPLIT: tl.constexpr,
 ):
-    """dQ of query block start_m from key blocks [n_lo, n_hi) (MASKED: with the mask applied): rows = (its q, dO,
-    logsumexp in base 2, Delta); k_tile, v_tile: tile_src's; cols = (the columns of K this program's chunk of dQ
-    reads, their count), read with DSPLIT > 1; scoring: _scores_bwd's; drop: dropout_keep's."""
-    q, do, lse2, delta = rows
-    k_cols, ncols_k = cols
-    seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right = scoring
-    seed, rng_row0, max_seqlen_k, dropout_p = drop
-    stride_ks = k_tile[4]  # (a tile_src source's last element)
+    """dQ of query block start_m from key blocks [n_lo, n_hi) (MASKED: with the mask applied): rows: constexprs.DqRows;
+    k_tile, v_tile: tile_src's; cols: constexprs.DqChunk; scoring: constexprs.Scoring; drop: constexprs.Drop."""
+    q, do, lse2, delta = rows.q, rows.do, rows.lse2, rows.delta
+    seqlen_k, qk_scale = scoring.seqlen_k, scoring.qk_scale
     HEAD_DIM: tl.constexpr = TILE.HEAD_DIM
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
@@ -325,14 +338,16 @@ def _dq_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if MODS.DROPOUT:
             keep = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - drop.dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if MODS.SOFTCAP:
             ds = ds * factor
         if DSPLIT == 1:  # [BLOCK_M, BLOCK_D]
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         else:  # this program's columns of dQ: K's chunk
-            k_c = load_rows(k_cols, start_n, seqlen_k, stride_ks, ncols_k, BLOCK_N, CWK, False, PATH.UPCAST)
+            k_c = load_rows(
+                cols.k_cols, start_n, seqlen_k, k_tile.stride, cols.ncols_k, BLOCK_N, CWK, False, PATH.UPCAST
+            )
             dq = tl.dot(ds.to(k.dtype), k_c.to(k.dtype), dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -397,8 +412,17 @@ def attn_bwd_dq_kernel(
     softcap_out = softcap * LOG2E
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, MODS.DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * shape.max_seqlen_q
-    scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
-    drop = (seed, rng_row0, shape.max_seqlen_k, dropout_p)
+    scoring = Scoring(
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        qk_scale=qk_scale,
+        softcap_in=softcap_in,
+        softcap_out=softcap_out,
+        slope2=slope2,
+        window_left=window_left,
+        window_right=window_right,
+    )
+    drop = Drop(seed=seed, rng_row0=rng_row0, max_seqlen_k=shape.max_seqlen_k, dropout_p=dropout_p)
 
     q_tile = tile_src((Q, q_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
     do_tile = tile_src((DOut, dout_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, PATH)
@@ -410,8 +434,8 @@ def attn_bwd_dq_kernel(
     lse2 = load_vec(Lse + row0, start_m, seqlen_q, BLOCK_M, float("inf")) * LOG2E
     delta = load_vec(Delta + row0, start_m, seqlen_q, BLOCK_M, 0.0)
     dq = tl.zeros([BLOCK_M, CWK], dtype=tl.float32)
-    rows = (q, do, lse2, delta)
-    cols = (k_cols, ncols_k)
+    rows = DqRows(q=q, do=do, lse2=lse2, delta=delta)
+    cols = DqChunk(k_cols=k_cols, ncols_k=ncols_k)
 
     # the last key block is masked even without causal: zero-filled K rows past seqlen_k would
     # otherwise give P = exp(-L), harmless only while it stays finite

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .constexprs import TileSrc
+
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 so exp2 can be used
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts a base-2 logsumexp back to natural log
 
@@ -91,32 +93,34 @@ def tile_src(
     PATH: tl.constexpr,
 ):
     """Where the (seqlen, HEAD_DIM) rows of batch entry off_b, head off_h of x = (tensor, its (batch, row, head)
-    strides) are read or written, as (source, batch entry, first column, seqlen, row stride) for load_tile /
-    store_tile. PATH (constexprs.Path).HOST_DESC: the tensor is a descriptor built on the host over (batch, seqlen,
+    strides) are read or written: a constexprs.TileSrc for load_tile / store_tile. PATH (constexprs.Path).HOST_DESC: the tensor is a descriptor built on the host over (batch, seqlen,
     heads * HEAD_DIM) with a [1, BLOCK_ROWS, HEAD_DIM] box (dense inputs only: row0 is 0), read at column
     off_h * HEAD_DIM; no descriptor is written per program. Otherwise a descriptor made here (USE_TMA) or the base
     pointer of those rows."""
     X, strides = x
     stride_b, stride_s, stride_h = strides
     if PATH.HOST_DESC:
-        return X, off_b.to(tl.int32), (off_h * HEAD_DIM).to(tl.int32), seqlen, stride_s
+        return TileSrc(
+            src=X, batch=off_b.to(tl.int32), col=(off_h * HEAD_DIM).to(tl.int32), seqlen=seqlen, stride=stride_s
+        )
     else:
         base = X + off_b * stride_b + row0 * stride_s + off_h * stride_h
         src = make_desc_or_ptr(base, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA)
-        return src, 0, 0, seqlen, stride_s
+        return TileSrc(src=src, batch=0, col=0, seqlen=seqlen, stride=stride_s)
 
 
 @triton.jit
 def load_tile(tile, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PATH: tl.constexpr):
     """load_rows of a tile_src source."""
-    src, b, col, seqlen, stride_s = tile
     if PATH.HOST_DESC:
-        x = src.load([b, start, col]).reshape(BLOCK_ROWS, BLOCK_D)
+        x = tile.src.load([tile.batch, start, tile.col]).reshape(BLOCK_ROWS, BLOCK_D)
         if PATH.UPCAST:
             x = x.to(tl.float32)
         return x
     else:
-        return load_rows(src, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA, PATH.UPCAST)
+        return load_rows(
+            tile.src, start, tile.seqlen, tile.stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA, PATH.UPCAST
+        )
 
 
 @triton.jit
@@ -124,15 +128,14 @@ def store_tile(
     tile, x, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PATH: tl.constexpr
 ):
     """store_rows of x, cast to the destination's dtype, into a tile_src destination."""
-    dst, b, col, seqlen, stride_s = tile
     if PATH.USE_TMA:  # a descriptor's dtype is its element type
-        x = x.to(dst.dtype)
+        x = x.to(tile.src.dtype)
     else:
-        x = x.to(dst.dtype.element_ty)
+        x = x.to(tile.src.dtype.element_ty)
     if PATH.HOST_DESC:
-        dst.store([b, start, col], x.reshape(1, BLOCK_ROWS, BLOCK_D))
+        tile.src.store([tile.batch, start, tile.col], x.reshape(1, BLOCK_ROWS, BLOCK_D))
     else:
-        store_rows(dst, x, start, seqlen, stride_s, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA)
+        store_rows(tile.src, x, start, tile.seqlen, tile.stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, PATH.USE_TMA)
 
 
 @triton.jit
@@ -261,25 +264,23 @@ def seq_bounds(CuSeqlens, off_b, max_seqlen, IS_VARLEN: tl.constexpr):
 @triton.jit
 def dropout_keep(drop, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """True where the score (query, key) of the tile [start_m, +BLOCK_M) x [start_n, +BLOCK_N)
-    is kept ([BLOCK_N, BLOCK_M] when TRANS); drop = (seed, rng_row0, max_seqlen_k, dropout_p) with
-    rng_row0 = (batch * nheads + head) * max_seqlen_q.
+    is kept ([BLOCK_N, BLOCK_M] when TRANS); drop: constexprs.Drop.
 
     One Philox call (4 x 32 bits) gives eight 16-bit numbers, for keys 8c .. 8c + 7 of a row, at
     offset (rng_row0 + query) * cdiv(max_seqlen_k, 8) + c: the number of a score does not depend
     on the tiling, so the backward's tiles regenerate the forward's mask. A score is kept when its
     number is >= round(dropout_p * 2^16). start_n and BLOCK_N are multiples of 8."""
-    seed, rng_row0, max_seqlen_k, dropout_p = drop
-    rows = rng_row0 + start_m + tl.arange(0, BLOCK_M).to(tl.int64)
+    rows = drop.rng_row0 + start_m + tl.arange(0, BLOCK_M).to(tl.int64)
     groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
     # [BLOCK_M, BLOCK_N // 8]
-    offsets = rows[:, None] * tl.cdiv(max_seqlen_k, 8) + groups[None, :]
-    w0, w1, w2, w3 = tl.randint4x(seed, offsets)
+    offsets = rows[:, None] * tl.cdiv(drop.max_seqlen_k, 8) + groups[None, :]
+    w0, w1, w2, w3 = tl.randint4x(drop.seed, offsets)
     w = tl.join(tl.join(w0, w1), tl.join(w2, w3))
     # [BLOCK_M, BLOCK_N // 8, 2, 2, 2] -> [BLOCK_M, BLOCK_N]: key 8c + 4i + 2j + h is half h of word 2i + j
     bits = tl.reshape(tl.join(w & 0xFFFF, w >> 16), [BLOCK_M, BLOCK_N])
     if TRANS:
         bits = tl.trans(bits)
-    return bits >= tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
+    return bits >= tl.cast(drop.dropout_p * 65536.0 + 0.5, tl.uint32)
 
 
 @triton.jit

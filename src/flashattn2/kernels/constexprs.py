@@ -2,6 +2,7 @@
 constexpr ones (Mods, Path, Tile) and run-time ones (the sizes, the score's scalars). The launchers build them by
 keyword, the kernels read their fields by name (`MODS.CAUSAL`, `shape.nheads`), so that a field added never shifts
 another. A run-time bundle flattens into one scalar parameter per field, in field order, as a plain tuple would.
+Below them, the bundles the kernels build for their helpers (Scoring, Drop, TileSrc, ...), likewise by keyword.
 Plain NamedTuples, no triton import, so the ops layer can import them before the kernels are (TRITON_INTERPRET must
 be settled first)."""
 
@@ -109,3 +110,92 @@ class DmaskScore(NamedTuple):
     window_right: int  # as AttnScore's
     sm_scale: float  # the scores' scale
     dropout_p: float  # the probability of dropping a P entry
+
+
+# Built inside the kernels (by keyword, from the bundles above and what a program loads: its sequence's lengths, the
+# descales, its head's ALiBi slope and dropout seed) and passed to their inner loops, which read them by name.
+
+
+class Scoring(NamedTuple):
+    """A program's base-2 score scalars: attn_fwd_kernel's and the backward kernels' inner loops."""
+
+    seqlen_q: int  # this program's sequence's query length
+    seqlen_k: int  # its key length
+    qk_scale: float  # sm_scale (times the Q and K descales) * log2(e)
+    softcap_in: float  # sm_scale / softcap: tanh's argument per dot unit (Mods.SOFTCAP)
+    softcap_out: float  # softcap * log2(e): tanh's result to a base-2 score (Mods.SOFTCAP)
+    slope2: float  # this head's ALiBi slope * log2(e) (Mods.ALIBI)
+    window_left: int  # AttnScore's
+    window_right: int  # AttnScore's
+
+
+class DmaskScoring(NamedTuple):
+    """attn_dropout_mask_kernel's score scalars: Scoring without softcap."""
+
+    seqlen_q: int
+    seqlen_k: int
+    qk_scale: float
+    slope2: float
+    window_left: int
+    window_right: int
+
+
+class Drop(NamedTuple):
+    """What common.dropout_keep needs of a program: the Philox stream of its (batch, head)."""
+
+    seed: int  # this call's seed (Mods.DROPOUT)
+    rng_row0: int  # (batch * nheads + head) * max_seqlen_q: the stream's first row
+    max_seqlen_k: int  # the stream's row length, in keys
+    dropout_p: float  # the probability of dropping a score
+
+
+class TileSrc(NamedTuple):
+    """Where common.tile_src's rows are read or written: load_tile's and store_tile's source."""
+
+    src: object  # a tensor descriptor (host-built or made in the kernel) or the rows' base pointer
+    batch: int  # the batch entry a host descriptor is read at (0 otherwise)
+    col: int  # the first column a host descriptor is read at (0 otherwise)
+    seqlen: int  # the rows' count
+    stride: int  # the row stride
+
+
+class VtSrc(NamedTuple):
+    """fwd.vt_src's transposed V: vt_load's source."""
+
+    src: object  # a tensor descriptor of the sequence's keys or the rows' base pointer
+    seqlen_k: int  # the keys' count
+    stride_d: int  # the stride between V's columns (the copy's rows)
+
+
+class DkdvHead(NamedTuple):
+    """What attn_bwd_dkdv_kernel's inner loop reads of one query head."""
+
+    q: TileSrc  # Q's rows
+    do: TileSrc  # dO's rows
+    lse: object  # pointer to its first logsumexp
+    delta: object  # pointer to its first Delta
+
+
+class DkdvChunk(NamedTuple):
+    """This attn_bwd_dkdv_kernel program's chunk of dK's and dV's columns (read with DSPLIT > 1)."""
+
+    q_cols: object  # Q's columns of the chunk of dK (a pointer)
+    do_cols: object  # dO's columns of the chunk of dV (a pointer)
+    ncols_k: int  # how many of dK's columns from the chunk's first on are real
+    ncols_v: int  # likewise dV's
+
+
+class DqRows(NamedTuple):
+    """What attn_bwd_dq_kernel's inner loop holds of its query block."""
+
+    q: object  # [BLOCK_M, BLOCK_D]
+    do: object  # [BLOCK_M, BLOCK_DV]
+    lse2: object  # [BLOCK_M]: the logsumexp in base 2
+    delta: object  # [BLOCK_M]
+
+
+class DqChunk(NamedTuple):
+    """This attn_bwd_dq_kernel program's chunk of dQ's columns (read with DSPLIT > 1)."""
+
+    k_cols: object  # K's columns of the chunk (a pointer)
+    ncols_k: int  # how many of dQ's columns from the chunk's first on are real

@@ -5,6 +5,7 @@ A second pass after the forward, recomputing the scores and the dropout mask."""
 import triton
 import triton.language as tl
 
+from .constexprs import DmaskScoring, Drop
 from .common import LOG2E, alibi_bias, dropout_keep, head_constants, key_block_range, load_rows, query_program, visible
 
 
@@ -25,16 +26,17 @@ def _scores(
     BLOCK_D: tl.constexpr,
 ):
     """[BLOCK_M, BLOCK_N] base-2 scores of keys [start_n, start_n + BLOCK_N), -inf where not visible. k_rows = (the
-    first key row of this (batch, head), the row stride); scoring = (seqlen_q, seqlen_k, qk_scale, slope2,
-    window_left, window_right)."""
+    first key row of this (batch, head), the row stride); scoring: constexprs.DmaskScoring."""
     k_base, stride_ks = k_rows
-    seqlen_q, seqlen_k, qk_scale, slope2, window_left, window_right = scoring
+    seqlen_q, seqlen_k = scoring.seqlen_q, scoring.seqlen_k
     k = load_rows(k_base, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scoring.qk_scale
     if ALIBI:
-        s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, slope2)
-    mask = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL)
+        s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, scoring.slope2)
+    mask = visible(
+        offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, scoring.window_left, scoring.window_right, CAUSAL, LOCAL
+    )
     return tl.where(mask, s, float("-inf")), offs_n
 
 
@@ -91,7 +93,15 @@ def attn_dropout_mask_kernel(
         UPCAST,
     )
     k_rows = (K + off_b * stride_kb + k_start * stride_ks + off_hk * stride_kh, stride_ks)
-    scoring = (seqlen_q, seqlen_k, qk_scale, slope2, window_left, window_right)
+    scoring = DmaskScoring(
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        qk_scale=qk_scale,
+        slope2=slope2,
+        window_left=window_left,
+        window_right=window_right,
+    )
+    drop = Drop(seed=seed, rng_row0=rng_row0, max_seqlen_k=shape.max_seqlen_k, dropout_p=score.dropout_p)
     n_lo, full_lo, full_hi, n_end = key_block_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, LOCAL, BLOCK_M, BLOCK_N
     )
@@ -110,9 +120,7 @@ def attn_dropout_mask_kernel(
             q, k_rows, start_n, offs_m, scoring, CAUSAL, LOCAL, ALIBI, UPCAST, DOT_PRECISION, HEAD_DIM, BLOCK_N, BLOCK_D
         )
         p = tl.math.exp2(s - m_shift[:, None])
-        keep = dropout_keep(
-            (seed, rng_row0, shape.max_seqlen_k, score.dropout_p), start_m, start_n, BLOCK_M, BLOCK_N, False
-        )
+        keep = dropout_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False)
         val = tl.where(keep, p, -p)
         ptrs = out_base + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n[None, :]
         tl.store(

@@ -27,6 +27,7 @@ from .common import (
     visible,
 )
 from .fp8 import e4m3_decode, e4m3_encode
+from .constexprs import Drop, Scoring, VtSrc
 
 
 @triton.jit
@@ -45,31 +46,30 @@ def vt_src(Vt, vt_strides, off_b, off_hk, col0, seqlen_k, HEAD_DIM_V: tl.constex
     """The e4m3 dots' V: a transposed copy (launch_triton.Forward: each kv head's (HEAD_DIM_V, keys) rows, keys
     contiguous), so that V meets wgmma K-major as its e4m3 operands must be, straight from shared memory (V itself
     would be transposed through registers on every key block). col0: the sequence's first key's column, 16-aligned
-    (TMA's base alignment). (source, seqlen_k, row stride) for vt_load: a TMA descriptor of the sequence's keys (zeros
-    past them) or the rows' base pointer."""
+    (TMA's base alignment). A constexprs.VtSrc for vt_load: a TMA descriptor of the sequence's keys (zeros past them)
+    or the rows' base pointer."""
     stride_b, stride_d, stride_h = vt_strides
     base = Vt + off_b * stride_b + off_hk * stride_h + col0
     if USE_TMA:
         src = tl.make_tensor_descriptor(
             base, shape=[HEAD_DIM_V, tl.maximum(seqlen_k, 1)], strides=[stride_d, 1], block_shape=[BLOCK_DV, BLOCK_N]
         )
-        return src, seqlen_k, stride_d
+        return VtSrc(src=src, seqlen_k=seqlen_k, stride_d=stride_d)
     else:
-        return base, seqlen_k, stride_d
+        return VtSrc(src=base, seqlen_k=seqlen_k, stride_d=stride_d)
 
 
 @triton.jit
 def vt_load(vt, start_n, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
             USE_TMA: tl.constexpr):  # fmt: skip
     """Keys [start_n, start_n + BLOCK_N) of a vt_src: [BLOCK_DV, BLOCK_N], zeros past either edge."""
-    src, seqlen_k, stride_d = vt
     if USE_TMA:
-        return src.load([0, start_n])
+        return vt.src.load([0, start_n])
     else:
         d = tl.arange(0, BLOCK_DV)
         n = start_n + tl.arange(0, BLOCK_N)
-        mask = (d[:, None] < HEAD_DIM_V) & (n[None, :] < seqlen_k)
-        return tl.load(src + d.to(tl.int64)[:, None] * stride_d + n[None, :], mask=mask, other=0.0)
+        mask = (d[:, None] < HEAD_DIM_V) & (n[None, :] < vt.seqlen_k)
+        return tl.load(vt.src + d.to(tl.int64)[:, None] * vt.stride_d + n[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -91,9 +91,8 @@ def _fwd_inner(
     TILE: tl.constexpr,
 ):
     """The online softmax over key blocks [n_lo, n_hi) (MASKED: with the mask applied). k_tile, v_tile: tile_src's;
-    scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right); drop:
-    dropout_keep's."""
-    seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right = scoring
+    scoring: constexprs.Scoring; drop: constexprs.Drop."""
+    seqlen_q, seqlen_k, qk_scale = scoring.seqlen_q, scoring.seqlen_k, scoring.qk_scale
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -105,19 +104,19 @@ def _fwd_inner(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             # scores in base 2: softcap * tanh(qk * scale / softcap), then the ALiBi bias
             if MODS.SOFTCAP:
-                s = tanh(qk * softcap_in) * softcap_out
+                s = tanh(qk * scoring.softcap_in) * scoring.softcap_out
             else:
                 s = qk * qk_scale
             if MODS.ALIBI:
-                s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, slope2)
+                s += alibi_bias(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, scoring.slope2)
             if MASKED:
                 mask = visible(
                     offs_m[:, None],
                     offs_n[None, :],
                     seqlen_q,
                     seqlen_k,
-                    window_left,
-                    window_right,
+                    scoring.window_left,
+                    scoring.window_right,
                     MODS.CAUSAL,
                     MODS.LOCAL,
                 )
@@ -213,8 +212,17 @@ def attn_fwd_kernel(
     softcap_out = softcap * LOG2E
     slope2, seed = head_constants(Alibi, stride_alibi_b, off_b, off_h, Seed, MODS.ALIBI, MODS.DROPOUT)
     rng_row0 = off_bh.to(tl.int64) * shape.max_seqlen_q
-    scoring = (seqlen_q, seqlen_k, qk_scale, softcap_in, softcap_out, slope2, window_left, window_right)
-    drop = (seed, rng_row0, shape.max_seqlen_k, dropout_p)
+    scoring = Scoring(
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        qk_scale=qk_scale,
+        softcap_in=softcap_in,
+        softcap_out=softcap_out,
+        slope2=slope2,
+        window_left=window_left,
+        window_right=window_right,
+    )
+    drop = Drop(seed=seed, rng_row0=rng_row0, max_seqlen_k=shape.max_seqlen_k, dropout_p=dropout_p)
 
     q_tile = tile_src((Q, q_strides), off_b, q_start, off_h, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, PATH)
     k_tile = tile_src((K, k_strides), off_b, k_start, off_hk, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, PATH)
