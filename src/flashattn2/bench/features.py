@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import importlib
-from typing import NamedTuple
 
 import torch
 
@@ -30,7 +29,7 @@ import flashattn2
 from ..reference import BWD_FACTOR, FWD_FACTOR, attention_ref
 from . import headdims
 from .kernels import DTYPES, alternated, problems, run_metadata, time_modes
-from .results import appending
+from .results import Attention, appending
 
 FIELDS = [
     "case",
@@ -121,15 +120,6 @@ def _varlen_case(lengths, nheads, headdim, dtype, causal):
         return torch.cat(outs)
 
     return call, ref, inputs
-
-
-class Attention(NamedTuple):
-    """The attention a row measures: its dtype's name, head dim ("dqk/dv" where the value's differs) and query
-    heads."""
-
-    dtype: str
-    headdim: int | str
-    nheads: int
 
 
 class _Writer:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import flashattn2
 from .kernels import alternated, time_modes
+from .results import Attention
 
 DV_LENGTHS = (2048, 4096, 8192, 16384)
 # (batch, cache length, query heads) of the MLA decode: 128 heads (DeepSeek-V3's; compute-bound: 242 FLOP a cache
@@ -104,7 +105,6 @@ def _ours_problem(dtype, dqk, dv, causal) -> str:
 def _sweep(out, case, dtype_name, dtype, variants, lengths, nheads, modes):
     """Each (name, dqk, dv, layout, fn) of variants at each length and causal setting; ratios printed against the
     first variant."""
-    from .features import Attention
 
     for causal in (False, True):
         c = "causal" if causal else "full"
@@ -164,7 +164,6 @@ def mla_case(out, dtype_name, dtype):
     """MLA decode (module docstring) and a device copy of the same cache, alternated over 3 rounds."""
     from ..api import set_kvcache_checks
     from .decode import _time
-    from .features import Attention
 
     page = 64
     previous = set_kvcache_checks(False)

@@ -6,6 +6,16 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+from typing import NamedTuple
+
+
+class Attention(NamedTuple):
+    """The attention a features row measures (bench features and its head-dim cases): its dtype's name, head dim
+    ("dqk/dv" where the value's differs) and query heads."""
+
+    dtype: str
+    headdim: int | str
+    nheads: int
 
 
 @contextlib.contextmanager
