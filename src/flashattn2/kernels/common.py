@@ -93,10 +93,10 @@ def tile_src(
     PATH: tl.constexpr,
 ):
     """Where the (seqlen, HEAD_DIM) rows of batch entry off_b, head off_h of x = (tensor, its (batch, row, head)
-    strides) are read or written: a constexprs.TileSrc for load_tile / store_tile. PATH (constexprs.Path).HOST_DESC: the tensor is a descriptor built on the host over (batch, seqlen,
-    heads * HEAD_DIM) with a [1, BLOCK_ROWS, HEAD_DIM] box (dense inputs only: row0 is 0), read at column
-    off_h * HEAD_DIM; no descriptor is written per program. Otherwise a descriptor made here (USE_TMA) or the base
-    pointer of those rows."""
+    strides) are read or written: a constexprs.TileSrc for load_tile / store_tile. PATH (constexprs.Path).HOST_DESC:
+    the tensor is a descriptor built on the host over (batch, seqlen, heads * HEAD_DIM) with a [1, BLOCK_ROWS,
+    HEAD_DIM] box (dense inputs only: row0 is 0), read at column off_h * HEAD_DIM; no descriptor is written per
+    program. Otherwise a descriptor made here (USE_TMA) or the base pointer of those rows."""
     X, strides = x
     stride_b, stride_s, stride_h = strides
     if PATH.HOST_DESC:

@@ -117,7 +117,8 @@ class DmaskScore(NamedTuple):
 
 
 class Scoring(NamedTuple):
-    """A program's base-2 score scalars: attn_fwd_kernel's and the backward kernels' inner loops."""
+    """A program's base-2 score scalars: attn_fwd_kernel's and the backward kernels' inner loops, and
+    attn_kvcache_kernel's _softmax_step (its slope2 a row's: the rows of one program are several heads)."""
 
     seqlen_q: int  # this program's sequence's query length
     seqlen_k: int  # its key length

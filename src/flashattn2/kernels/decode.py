@@ -50,6 +50,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import LN2, LOG2E, alibi_bias, sink_join, tanh, visible
+from .constexprs import Scoring
 from .fp8 import e4m3_decode
 
 
@@ -309,12 +310,20 @@ def attn_kvcache_kernel(
     qk_scale = sm_scale * LOG2E
     softcap_in = sm_scale / softcap
     softcap_out = softcap * LOG2E
-    # what _softmax_step masks and scales by
-    lens = (seqlen_q, seqlen_k)
-    score2 = (window_left, window_right, qk_scale, softcap_in, softcap_out)
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MODS.ALIBI:
         slope2 = tl.load(Alibi + off_b * stride_alibi_b + heads, mask=row_ok, other=0.0) * LOG2E
+    # what _softmax_step masks and scales by (slope2: a row's, [BLOCK_M])
+    scoring = Scoring(
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        qk_scale=qk_scale,
+        softcap_in=softcap_in,
+        softcap_out=softcap_out,
+        slope2=slope2,
+        window_left=window_left,
+        window_right=window_right,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -347,7 +356,7 @@ def attn_kvcache_kernel(
                 k, k_lo = k.to(tl.float32), k_lo.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOTS.DOT_PRECISION)
             qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOTS.DOT_PRECISION)
-            p, alpha, l_i, m_i = _softmax_step(qk, kj, kj < n_hi, qi, m_i, l_i, slope2, lens, score2, MODS)
+            p, alpha, l_i, m_i = _softmax_step(qk, kj, kj < n_hi, qi, m_i, l_i, scoring, MODS)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k.dtype), k, acc, input_precision=DOTS.DOT_PRECISION)  # v: k's first block (V_FROM_K)
         n_lo = n_full
@@ -387,7 +396,7 @@ def attn_kvcache_kernel(
                 qk += _row_exact_dot(q_lo, tl.trans(k_lo))
             else:
                 qk = tl.dot(q_lo, tl.trans(k_lo), qk, input_precision=DOTS.DOT_PRECISION)
-        p, alpha, l_i, m_new = _softmax_step(qk, kj, k_ok, qi, m_i, l_i, slope2, lens, score2, MODS)
+        p, alpha, l_i, m_new = _softmax_step(qk, kj, k_ok, qi, m_i, l_i, scoring, MODS)
         if PATH.V_FROM_K:  # v is k's first column block (ops.launch.kvcache.v_from_k): the tile already loaded
             v = k
         else:  # [BLOCK_N, BLOCK_DV]
@@ -464,20 +473,20 @@ def _row_exact_dot(a, b):
 
 
 @triton.jit
-def _softmax_step(qk, kj, k_ok, qi, m_i, l_i, slope2, lens, score2, MODS: tl.constexpr):
+def _softmax_step(qk, kj, k_ok, qi, m_i, l_i, scoring, MODS: tl.constexpr):
     """One key block's step of the online softmax: the scores of qk (scaled, softcapped, ALiBi, masked; keys
-    outside k_ok masked) in base 2. lens: (seqlen_q, seqlen_k); score2: (window_left, window_right, qk_scale,
-    softcap_in, softcap_out), the scales in base 2. Returns (p, alpha: the old accumulator's rescale, l_i, m_i)
-    updated."""
-    seqlen_q, seqlen_k = lens
-    window_left, window_right, qk_scale, softcap_in, softcap_out = score2
+    outside k_ok masked) in base 2. scoring: constexprs.Scoring, its slope2 a row's ([BLOCK_M]). Returns (p, alpha:
+    the old accumulator's rescale, l_i, m_i) updated."""
+    seqlen_q, seqlen_k = scoring.seqlen_q, scoring.seqlen_k
     if MODS.SOFTCAP:
-        s = tanh(qk * softcap_in) * softcap_out
+        s = tanh(qk * scoring.softcap_in) * scoring.softcap_out
     else:
-        s = qk * qk_scale
+        s = qk * scoring.qk_scale
     if MODS.ALIBI:
-        s += alibi_bias(qi[:, None], kj[None, :], seqlen_q, seqlen_k, slope2[:, None])
-    mask = visible(qi[:, None], kj[None, :], seqlen_q, seqlen_k, window_left, window_right, MODS.CAUSAL, MODS.LOCAL)
+        s += alibi_bias(qi[:, None], kj[None, :], seqlen_q, seqlen_k, scoring.slope2[:, None])
+    mask = visible(
+        qi[:, None], kj[None, :], seqlen_q, seqlen_k, scoring.window_left, scoring.window_right, MODS.CAUSAL, MODS.LOCAL
+    )
     s = tl.where(mask & k_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
