@@ -246,6 +246,16 @@ def test_softmax_scale():
     assert (out.float() - attention_ref(q, k, v)[0]).abs().max() > 1e-2
 
 
+def test_reference_upcast_never_lowers_float64():
+    """The oracle computes float64 inputs in float64 (upcast means at least float32, float64 for fp32 inputs)."""
+    q, k, v = (torch.randn(1, 7, 2, 16, dtype=torch.float64) for _ in range(3))
+    out, lse = attention_ref(q, k, v, causal=True)
+    exact, exact_lse = attention_ref(q, k, v, causal=True, upcast=False)  # float64 throughout
+    assert out.dtype == lse.dtype == torch.float64
+    torch.testing.assert_close(out, exact, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, exact_lse.double(), rtol=0, atol=1e-6)  # (upcast=False's lse is float32)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_zero_softmax_scale(d, causal, monkeypatch):

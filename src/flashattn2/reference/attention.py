@@ -47,7 +47,7 @@ def attention_ref(
     """Attention on (batch, seqlen, nheads, headdim) inputs (v's head dim may differ from q's and k's: out has
     v's); returns (out, lse).
 
-    upcast=True computes in float32 (float64 for float32 inputs): the oracle. upcast=False does
+    upcast=True computes in float32 (float64 for float32 and float64 inputs): the oracle. upcast=False does
     the same math in the input dtype, as PyTorch would: its error against the oracle is the
     yardstick of flash_attn's tolerance rule. out is returned in the input dtype when
     upcast=False, in the compute dtype otherwise; lse (batch, nheads, seqlen_q) in the compute
@@ -64,7 +64,7 @@ def attention_ref(
     """
     dtype = q.dtype
     if upcast:
-        compute = torch.float64 if dtype == torch.float32 else torch.float32
+        compute = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
