@@ -112,3 +112,10 @@ def test_a_gpus_name_plans_with_its_rows_and_fp8_path(gpu, rows, dots):
     assert ("e4m3 tiles into the dots" in text) == dots
     native = flashattn2.explain(e4m3, e4m3, e4m3, arch="sm86")
     assert "decoded to bf16" in native and "e4m3 tiles into the dots" not in native
+    # an FP8 KV cache: the decode kernel converts its codes by cvt where the GPU has e4m3, else by integer arithmetic
+    q = meta(1, 1, 4, 64, dtype=torch.bfloat16)
+    cache = meta(1, 64, 2, 64, dtype=torch.float8_e4m3fn)
+    for arch, how in ((gpu, "by cvt"), ("sm90", "by cvt"), ("sm86", "by integer arithmetic"), ("sm80", "by integer")):
+        text = flashattn2.explain(q, cache, cache, kvcache=True, arch=arch, cache_seqlens=5)
+        assert f"fp8: float8_e4m3fn cache, bfloat16 q: the codes converted {how}" in text
+    assert "fp8:" not in flashattn2.explain(q, q, q, kvcache=True, arch="sm90", cache_seqlens=5)

@@ -33,6 +33,7 @@ from ..request.modes import (  # noqa: F401  (the API of plans)
     entered,
     force,
     forced,
+    fp8_dots,
     native_arch,
     parse_tile,
     wgmma,
@@ -146,6 +147,8 @@ def explain(spec) -> str:
             f"  splits {chosen.splits} of {chosen.chunk} keys, combine {chosen.combine}, pdl {chosen.pdl}, "
             f"kv_tma {chosen.kv_tma}, v_from_k {chosen.v_from_k}"
         )
+        if facts["fp8"]:
+            lines.append(f"  fp8: {_cache_fp8(spec)}")
         describe = lambda row: " ".join(f"{k}={v}" for k, v in row.when) + f" {row.tile}"  # noqa: E731
     else:
         b = spec if isinstance(spec, specs.BackwardSpec) else None
@@ -175,6 +178,15 @@ def explain(spec) -> str:
             break
         lines.append(f"  passed over: {describe(row)}: {why_not}")
     return "\n".join(lines)
+
+
+def _cache_fp8(spec) -> str:
+    """How the decode kernel converts an FP8 call's e4m3 codes (ops.launch.kvcache: DecodeFp8.NATIVE's rule)."""
+    cache = spec.k_cache if isinstance(spec, specs.KVCacheSpec) else spec.k
+    native = spec.modes.arch != "interp" and fp8_dots(cache.device, spec.modes.arch)
+    how = "by cvt (the GPU's e4m3 type, sm_89+)" if native else "by integer arithmetic (kernels.fp8.e4m3_decode)"
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return f"{name(cache.dtype)} cache, {name(spec.q.dtype)} q: the codes converted {how}"
 
 
 def spec_arch(spec) -> str:
