@@ -285,12 +285,22 @@ def attn_bwd_ws_kernel(
     fence_async_shared()
 
     args = BwdArgs(
-        (q_desc, k_desc, V, DO, dk_desc, DV, dq_desc),
-        Lse,
-        Delta,
-        sm_scale,
-        (seqlen_q, seqlen_k, nheads, nheads_k),
-        (stride_lb, stride_lh),
+        q_desc=q_desc,
+        k_desc=k_desc,
+        V=V,
+        DO=DO,
+        dk_desc=dk_desc,
+        DV=DV,
+        dq_desc=dq_desc,
+        Lse=Lse,
+        Delta=Delta,
+        sm_scale=sm_scale,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        stride_lb=stride_lb,
+        stride_lh=stride_lh,
     )
     q_ring = Ring(q_ready, q_empty, STAGES)
     if SPLIT_RING:

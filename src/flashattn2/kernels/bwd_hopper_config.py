@@ -6,7 +6,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from .pipeline import Ring, Scalar, aggregate, head_dim_parts, scalars, unwrap
+from .pipeline import Ring, Scalar, aggregate, head_dim_parts, set_fields, unwrap
 
 MMA_WARPS = gl.constexpr(8)  # the MMA partition (the default one: the launch's num_warps), two warpgroups
 
@@ -122,13 +122,8 @@ class BwdArgs:
     stride_lh: Scalar
 
     @gluon.constexpr_function
-    def __init__(self, descs, Lse, Delta, sm_scale, sizes, lse_strides):
-        self.q_desc, self.k_desc, self.V, self.DO, self.dk_desc, self.DV, self.dq_desc = descs
-        self.Lse = Lse
-        self.Delta = Delta
-        self.sm_scale = sm_scale
-        self.seqlen_q, self.seqlen_k, self.nheads, self.nheads_k = scalars(sizes)
-        self.stride_lb, self.stride_lh = scalars(lse_strides)
+    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
+        set_fields(self, fields)
 
 
 @aggregate

@@ -355,16 +355,21 @@ def attn_fwd_persist_kernel(
     fence_async_shared()  # the barriers' initialisation, visible to TMA and to the partitions
 
     args = FwdArgs(
-        q_desc,
-        k_desc,
-        V,
-        Out,
-        Lse,
-        Sinks,
-        (stride_lse_b, stride_lse_h),
-        (batch, nheads, seqlen_q, seqlen_k, group_size),
-        sm_scale,
-        Fp8Scales(QDescale, KDescale, VDescale, descale_strides),
+        q_desc=q_desc,
+        k_desc=k_desc,
+        V=V,
+        Out=Out,
+        Lse=Lse,
+        Sinks=Sinks,
+        stride_lse_b=stride_lse_b,
+        stride_lse_h=stride_lse_h,
+        batch=batch,
+        nheads=nheads,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        group_size=group_size,
+        sm_scale=sm_scale,
+        fp8=Fp8Scales(q=QDescale, k=KDescale, v=VDescale, strides=descale_strides),
     )
     bufs = PersistBuffers(q_smem, k_smem, v_smem, q_ready, q_empty, Ring(ready, empty, STAGES), o_smem)
     # (a list per count: a Gluon kernel cannot build one from CONSUMERS, nor hold a function in a tuple)

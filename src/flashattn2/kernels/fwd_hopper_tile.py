@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
-from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, tma_load, tma_store, unwrap
+from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, set_fields, tma_load, tma_store, unwrap
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -306,17 +306,8 @@ class FwdArgs:
     fp8: Fp8Scales
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, V, Out, Lse, Sinks, lse_strides, sizes, sm_scale, fp8):
-        self.q_desc = q_desc
-        self.k_desc = k_desc
-        self.V = V
-        self.Out = Out
-        self.Lse = Lse
-        self.Sinks = Sinks
-        self.stride_lse_b, self.stride_lse_h = scalars(lse_strides)
-        self.batch, self.nheads, self.seqlen_q, self.seqlen_k, self.group_size = scalars(sizes)
-        self.sm_scale = sm_scale
-        self.fp8 = fp8
+    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
+        set_fields(self, fields)
 
 
 @gluon.jit

@@ -85,6 +85,15 @@ def scalars(values) -> tuple:
 
 
 @gluon.constexpr_function
+def set_fields(aggregate_value, fields: dict) -> None:
+    """An aggregate's fields from its constructor's keywords (`__init__(self, **fields)`), each set by its own name,
+    so that a field added shifts no other: the aggregate refuses a name it does not declare and a declared one left
+    unset. Integers (arguments equal to 1, which Triton specializes) wrapped as scalars() wraps them."""
+    for name, value in fields.items():
+        setattr(aggregate_value, name, gl.constexpr(value) if isinstance(value, int) else value)
+
+
+@gluon.constexpr_function
 def unwrap(x):
     """A constexpr_function's argument as a plain value (arguments that went through a warp_specialize partition
     arrive wrapped in constexpr twice). (A constexpr_function itself: Triton's dependency scan refuses a plain
