@@ -241,7 +241,17 @@ def attn_bwd_ws_kernel(
     """
     gl.static_assert(gl.num_warps() == MMA_WARPS, "the default partition is the MMA partition")
     dtype: gl.constexpr = V.dtype
-    cfg = BwdConfig(dtype, CAUSAL, GQA, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, DQ_SPLIT, MMA_WARPS)
+    cfg = BwdConfig(
+        dtype=dtype,
+        CAUSAL=CAUSAL,
+        GQA=GQA,
+        HEAD_DIM=HEAD_DIM,
+        HEAD_DIM_V=HEAD_DIM_V,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        DQ_SPLIT=DQ_SPLIT,
+        num_warps=MMA_WARPS,
+    )
     p_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     dk_desc, dq_desc = part_descs(DK, DKLo, HEAD_DIM), part_descs(DQ, DQLo, HEAD_DIM)
@@ -307,8 +317,20 @@ def attn_bwd_ws_kernel(
         do_ring = Ring(do_ready, do_empty, DO_STAGES)
     else:
         do_ring = Ring(do_ready, q_empty, STAGES)
-    rings = (q_ring, do_ring, Ring(dq_full, dq_empty, DQ_STAGES))
-    bufs = BwdBuffers(k_smem, v_smem, kv_bar, q_smem, do_smem, p_smem, ds_smem, dq_smem, rings, SPLIT_RING)
+    bufs = BwdBuffers(
+        k_smem=k_smem,
+        v_smem=v_smem,
+        kv_bar=kv_bar,
+        q_smem=q_smem,
+        do_smem=do_smem,
+        p_smem=p_smem,
+        ds_smem=ds_smem,
+        dq_smem=dq_smem,
+        q_ring=q_ring,
+        do_ring=do_ring,
+        dq_ring=Ring(dq_full, dq_empty, DQ_STAGES),
+        SPLIT_RING=SPLIT_RING,
+    )
     gl.warp_specialize(
         [(_ws_mma, (args, bufs, cfg)), (_ws_producer, (args, bufs, cfg)), (_ws_dq_writer, (args, bufs, cfg))],
         [1, 1],

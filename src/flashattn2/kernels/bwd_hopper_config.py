@@ -147,17 +147,8 @@ class BwdBuffers:
     SPLIT_RING: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k_smem, v_smem, kv_bar, q_smem, do_smem, p_smem, ds_smem, dq_smem, rings, SPLIT_RING):
-        self.k_smem = k_smem
-        self.v_smem = v_smem
-        self.kv_bar = kv_bar
-        self.q_smem = q_smem
-        self.do_smem = do_smem
-        self.p_smem = p_smem
-        self.ds_smem = ds_smem
-        self.dq_smem = dq_smem
-        self.q_ring, self.do_ring, self.dq_ring = rings
-        self.SPLIT_RING = gl.constexpr(unwrap(SPLIT_RING))
+    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
+        set_fields(self, fields)
 
 
 @gluon.jit

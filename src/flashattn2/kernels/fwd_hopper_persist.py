@@ -65,6 +65,7 @@ from .pipeline import (
     part_descs,
     parts_nbytes,
     ring_phase,
+    set_fields,
     thread_barrier,
 )
 
@@ -85,14 +86,8 @@ class PersistBuffers:
     o_smem: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_smem, v_smem, q_ready, q_empty, ring, o_smem):
-        self.q_smem = q_smem
-        self.k_smem = k_smem
-        self.v_smem = v_smem
-        self.q_ready = q_ready
-        self.q_empty = q_empty
-        self.ring = ring
-        self.o_smem = o_smem
+    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
+        set_fields(self, fields)
 
 
 @gluon.jit
@@ -335,7 +330,18 @@ def attn_fwd_persist_kernel(
     strides (Fp8Scales, a variant per stride of 1) None for 16-bit inputs."""
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS, "the default partition is a consumer warpgroup")
     dtype: gl.constexpr = V.dtype
-    cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, CONSUMERS, QBUF, SNAKE)
+    cfg = FwdConfig(
+        dtype=dtype,
+        CAUSAL=CAUSAL,
+        SINK=SINK,
+        HEAD_DIM=HEAD_DIM,
+        HEAD_DIM_V=HEAD_DIM_V,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CONSUMERS=CONSUMERS,
+        QBUF=QBUF,
+        SNAKE=SNAKE,
+    )
     NQ: gl.constexpr = QBUF * CONSUMERS
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NQ, BLOCK_M, HEAD_DIM)
@@ -371,7 +377,15 @@ def attn_fwd_persist_kernel(
         sm_scale=sm_scale,
         fp8=Fp8Scales(q=QDescale, k=KDescale, v=VDescale, strides=descale_strides),
     )
-    bufs = PersistBuffers(q_smem, k_smem, v_smem, q_ready, q_empty, Ring(ready, empty, STAGES), o_smem)
+    bufs = PersistBuffers(
+        q_smem=q_smem,
+        k_smem=k_smem,
+        v_smem=v_smem,
+        q_ready=q_ready,
+        q_empty=q_empty,
+        ring=Ring(ready, empty, STAGES),
+        o_smem=o_smem,
+    )
     # (a list per count: a Gluon kernel cannot build one from CONSUMERS, nor hold a function in a tuple)
     if CONSUMERS == 2:
         gl.warp_specialize(

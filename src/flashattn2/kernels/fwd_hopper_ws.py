@@ -36,7 +36,7 @@ from .fwd_hopper_tile import (
     alloc_v_and_o,
     _sink2,
 )
-from .pipeline import Ring, Scalar, aggregate, alloc_parts, load_parts, part_descs, parts_nbytes
+from .pipeline import Ring, Scalar, aggregate, alloc_parts, load_parts, part_descs, parts_nbytes, set_fields
 
 NUM_CONSUMERS = gl.constexpr(2)
 
@@ -56,14 +56,8 @@ class WsBuffers:
     o_smem: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_smem, v_smem, q_bars, k_ring, v_ring, o_smem):
-        self.q_smem = q_smem
-        self.k_smem = k_smem
-        self.v_smem = v_smem
-        self.q_bars = q_bars
-        self.k_ring = k_ring
-        self.v_ring = v_ring
-        self.o_smem = o_smem
+    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
+        set_fields(self, fields)
 
 
 @aggregate
@@ -236,7 +230,18 @@ def attn_fwd_ws_kernel(
     inputs."""
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS, "the default partition is a consumer warpgroup")
     dtype: gl.constexpr = V.dtype
-    cfg = FwdConfig(dtype, CAUSAL, SINK, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_CONSUMERS, 1, False)
+    cfg = FwdConfig(
+        dtype=dtype,
+        CAUSAL=CAUSAL,
+        SINK=SINK,
+        HEAD_DIM=HEAD_DIM,
+        HEAD_DIM_V=HEAD_DIM_V,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CONSUMERS=NUM_CONSUMERS,
+        QBUF=1,
+        SNAKE=False,
+    )
     q_desc, k_desc = part_descs(Q, QLo, HEAD_DIM), part_descs(K, KLo, HEAD_DIM)
     q_smem = alloc_parts(q_desc, NUM_CONSUMERS, BLOCK_M, HEAD_DIM)
     k_smem = alloc_parts(k_desc, STAGES, BLOCK_N, HEAD_DIM)
@@ -273,7 +278,9 @@ def attn_fwd_ws_kernel(
         fp8=Fp8Scales(q=QDescale, k=KDescale, v=VDescale, strides=descale_strides),
     )
     k_ring, v_ring = Ring(k_ready, k_empty, STAGES), Ring(v_ready, v_empty, STAGES)
-    bufs = WsBuffers(q_smem, k_smem, v_smem, q_bars, k_ring, v_ring, o_smem)
+    bufs = WsBuffers(
+        q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, q_bars=q_bars, k_ring=k_ring, v_ring=v_ring, o_smem=o_smem
+    )
     gl.warp_specialize(
         [
             (_consumer, (args, bufs, cfg, _CONSUMER0)),
