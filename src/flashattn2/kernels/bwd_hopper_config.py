@@ -6,7 +6,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from .pipeline import Ring, Scalar, aggregate, head_dim_parts, set_fields, unwrap
+from .pipeline import Ring, Scalar, aggregate, head_dim_parts, by_field, unwrap
 
 MMA_WARPS = gl.constexpr(8)  # the MMA partition (the default one: the launch's num_warps), two warpgroups
 
@@ -121,9 +121,7 @@ class BwdArgs:
     stride_lb: Scalar
     stride_lh: Scalar
 
-    @gluon.constexpr_function
-    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
-        set_fields(self, fields)
+    __init__ = by_field  # every field by keyword
 
 
 @aggregate
@@ -146,9 +144,7 @@ class BwdBuffers:
     dq_ring: Ring
     SPLIT_RING: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
-        set_fields(self, fields)
+    __init__ = by_field  # every field by keyword
 
 
 @gluon.jit

@@ -65,7 +65,7 @@ from .pipeline import (
     part_descs,
     parts_nbytes,
     ring_phase,
-    set_fields,
+    by_field,
     thread_barrier,
 )
 
@@ -85,9 +85,7 @@ class PersistBuffers:
     ring: Ring
     o_smem: gl.shared_memory_descriptor
 
-    @gluon.constexpr_function
-    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
-        set_fields(self, fields)
+    __init__ = by_field  # every field by keyword
 
 
 @gluon.jit

@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .constexprs import FP8_KEY_DIMS, FP8_KEY_GROUP, FP8_KEY_ORDER
-from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, set_fields, tma_load, tma_store, unwrap
+from .pipeline import Scalar, aggregate, head_dim_parts, reinterpret, scalars, by_field, tma_load, tma_store, unwrap
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -305,9 +305,7 @@ class FwdArgs:
     sm_scale: Scalar
     fp8: Fp8Scales
 
-    @gluon.constexpr_function
-    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
-        set_fields(self, fields)
+    __init__ = by_field  # every field by keyword
 
 
 @gluon.jit

@@ -36,7 +36,7 @@ from .fwd_hopper_tile import (
     alloc_v_and_o,
     _sink2,
 )
-from .pipeline import Ring, Scalar, aggregate, alloc_parts, load_parts, part_descs, parts_nbytes, set_fields
+from .pipeline import Ring, Scalar, aggregate, alloc_parts, load_parts, part_descs, parts_nbytes, by_field
 
 NUM_CONSUMERS = gl.constexpr(2)
 
@@ -55,9 +55,7 @@ class WsBuffers:
     v_ring: Ring
     o_smem: gl.shared_memory_descriptor
 
-    @gluon.constexpr_function
-    def __init__(self, **fields):  # every field by its name (pipeline.set_fields)
-        set_fields(self, fields)
+    __init__ = by_field  # every field by keyword
 
 
 @aggregate

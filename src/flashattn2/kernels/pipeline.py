@@ -85,10 +85,10 @@ def scalars(values) -> tuple:
 
 
 @gluon.constexpr_function
-def set_fields(aggregate_value, fields: dict) -> None:
-    """An aggregate's fields from its constructor's keywords (`__init__(self, **fields)`), each set by its own name,
-    so that a field added shifts no other: the aggregate refuses a name it does not declare and a declared one left
-    unset. Integers (arguments equal to 1, which Triton specializes) wrapped as scalars() wraps them."""
+def by_field(aggregate_value, **fields) -> None:
+    """The constructor of an aggregate that only holds its fields (`__init__ = by_field`): each set by keyword, by its
+    own name, so that a field added shifts no other; the aggregate refuses a name it does not declare and a declared
+    one left unset. Integers (arguments equal to 1, which Triton specializes) wrapped as scalars() wraps them."""
     for name, value in fields.items():
         setattr(aggregate_value, name, gl.constexpr(value) if isinstance(value, int) else value)
 

@@ -20,7 +20,7 @@ from ..planning.geometry import block_d, column_parts
 from .launch_triton import TailFill
 from ..request import checks
 from ..request.checks import E4M3, compute_dtype
-from ..request.modes import fp8_dots
+from ..request.modes import fp8_cvt
 from .layout import contiguous_strides
 from ..planning import Plan, window
 from ..planning.tables import INVARIANT_MAX_SPLITS
@@ -484,7 +484,7 @@ class Decode:
                 Q_DESCALE=descales[0] is not None,
                 K_DESCALE=descales[1] is not None,
                 V_DESCALE=descales[2] is not None,
-                NATIVE=fp8 is not None and not interp and fp8_dots(shape.k.device, arch),
+                NATIVE=fp8 is not None and fp8_cvt(shape.k.device, arch),
             ),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,

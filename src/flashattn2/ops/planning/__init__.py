@@ -33,7 +33,7 @@ from ..request.modes import (  # noqa: F401  (the API of plans)
     entered,
     force,
     forced,
-    fp8_dots,
+    fp8_cvt,
     native_arch,
     parse_tile,
     wgmma,
@@ -181,12 +181,11 @@ def explain(spec) -> str:
 
 
 def _cache_fp8(spec) -> str:
-    """How the decode kernel converts an FP8 call's e4m3 codes (ops.launch.kvcache: DecodeFp8.NATIVE's rule)."""
+    """How the decode kernel converts an FP8 call's e4m3 codes (the call line names the dtypes)."""
     cache = spec.k_cache if isinstance(spec, specs.KVCacheSpec) else spec.k
-    native = spec.modes.arch != "interp" and fp8_dots(cache.device, spec.modes.arch)
-    how = "by cvt (the GPU's e4m3 type, sm_89+)" if native else "by integer arithmetic (kernels.fp8.e4m3_decode)"
-    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    return f"{name(cache.dtype)} cache, {name(spec.q.dtype)} q: the codes converted {how}"
+    if fp8_cvt(cache.device, spec.modes.arch):
+        return "e4m3 codes converted by cvt (the GPU's e4m3 type, sm_89+)"
+    return "e4m3 codes converted by integer arithmetic (kernels.fp8.e4m3_decode)"
 
 
 def spec_arch(spec) -> str:

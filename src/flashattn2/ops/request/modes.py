@@ -234,4 +234,10 @@ def fp8_dots(device: torch.device, arch: str) -> bool:
     return found
 
 
+def fp8_cvt(device: torch.device, arch: str) -> bool:
+    """Whether the KV-cache kernel converts e4m3 codes by cvt (Triton's e4m3 type: fp8_dots' rule) rather than by
+    kernels.fp8.e4m3_decode's integer arithmetic (sm_80/86, and the interpreter, which runs that path)."""
+    return arch != "interp" and fp8_dots(device, arch)
+
+
 _FP8_DOTS: dict = {}
