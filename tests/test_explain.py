@@ -119,3 +119,37 @@ def test_a_gpus_name_plans_with_its_rows_and_fp8_path(gpu, rows, dots):
         text = flashattn2.explain(q, cache, cache, kvcache=True, arch=arch, cache_seqlens=5)
         assert f"fp8: e4m3 codes converted {how}" in text and "float8_e4m3fn k" in text
     assert "fp8:" not in flashattn2.explain(q, q, q, kvcache=True, arch="sm90", cache_seqlens=5)
+
+
+def test_load_paths_are_rows_with_why():
+    """The load path is the first row of its table whose facts the call has (one walker for every table): explain
+    names it with its why and the rows passed over with the facts they miss."""
+    q = meta(2, 512, 8, 64)
+    hopper = flashattn2.explain(q, q, q, arch="sm90", softcap=5.0)  # the Triton forward: descriptors on the host
+    assert "load path: host_desc: descriptors over (batch, seqlen, heads * headdim)" in hopper
+    wide = meta(2, 512, 8, 96)  # not a power of two: each program makes its descriptors
+    text = flashattn2.explain(wide, wide, wide, arch="sm90")
+    assert "load path: tma: " in text and "passed over: host_desc: pow2_heads_adjacent is False, not True" in text
+    ampere = flashattn2.explain(q, q, q, arch="sm80")
+    assert "load path: pointers" in ampere and "load path passed over: tma: tma is False, not True" in ampere
+    seqlens = torch.empty(4, dtype=torch.int32, device="meta")
+    latent, table = meta(256, 64, 1, 576), torch.empty(4, 64, dtype=torch.int32, device="meta")
+    mla = flashattn2.explain(meta(4, 1, 16, 576), latent, latent[..., :512], kvcache=True, cache_seqlens=seqlens,
+                             block_table=table)  # fmt: skip
+    assert "kv_tma True" in mla and "load path: kv_tma: MLA's latent cache, paged" in mla
+    rows = meta(4, 4096, 1, 576)
+    contiguous = flashattn2.explain(meta(4, 1, 16, 576), rows, rows[..., :512], kvcache=True, cache_seqlens=seqlens)
+    assert "kv_tma False" in contiguous and "passed over: kv_tma: paged is False, not True;" in contiguous
+
+
+def test_one_walker_names_each_unmet_condition():
+    from flashattn2.ops.planning import common, tables
+
+    rows = (
+        tables.LoadRow("a", (("keys", tables.AtMost(64)), ("paged", True)), why="first"),
+        tables.LoadRow("b", (), why="the rest"),
+    )
+    walked = list(common.walk(rows, {"keys": 65, "paged": False}))
+    assert walked == [(rows[0], "keys is 65, not at most 64; paged is False, not True"), (rows[1], None)]
+    assert common.first(rows, {"keys": 64, "paged": True}).path == "a"
+    assert list(common.walk(rows[1:], {}, requires=lambda row: "its kernel cannot")) == [(rows[1], "its kernel cannot")]

@@ -39,6 +39,8 @@ from ..request.modes import (  # noqa: F401  (the API of plans)
     wgmma,
 )
 from .tables import (  # noqa: F401  (TABLE and its types are read through this module)
+    ATTENTION_LOADS,
+    DECODE_LOADS,
     DECODE_ROWS,
     GLUON_FP8_HEAD_DIMS,
     GLUON_HEAD_DIMS,
@@ -72,7 +74,7 @@ from .decoding import (  # noqa: F401
     v_from_k,
 )
 from .dense import REQUIRES, _derive, _lookup, lookup, out_spec  # noqa: F401  (tests, the compile check, explain)
-from . import decoding, dense  # noqa: F401  (tests patch their constants)
+from . import common, decoding, dense  # noqa: F401  (tests patch their constants)
 
 DIRECTIONS = ("fwd", "bwd")
 
@@ -142,42 +144,47 @@ def explain(spec) -> str:
         num_splits = spec.num_splits if isinstance(spec, specs.KVCacheSpec) else 0
         facts = decode_facts(c, modes.arch, modes.invariant, num_splits, decoding.sm_count(spec.q.device, modes.arch))
         walk = list(decoding.walk(facts))
+        loads = decoding.load_facts(c, modes.arch, modes.forced, modes.invariant, chosen.tile)
         lines.append("  facts: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
         lines.append(
             f"  splits {chosen.splits} of {chosen.chunk} keys, combine {chosen.combine}, pdl {chosen.pdl}, "
             f"kv_tma {chosen.kv_tma}, v_from_k {chosen.v_from_k}"
         )
+        lines += _loads(DECODE_LOADS, loads)
         if facts["fp8"]:
             lines.append(f"  fp8: {_cache_fp8(spec)}")
         describe = lambda row: " ".join(f"{k}={v}" for k, v in row.when) + f" {row.tile}"  # noqa: E731
     else:
         b = spec if isinstance(spec, specs.BackwardSpec) else None
         s = spec.forward if b is not None else spec
-        asked, tma, host = (
+        asked, loads = (
             dense.attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
             if b is not None
             else dense.attention_plan(s, "fwd", True)
         )
         walk = list(dense.walk(asked))
+        lines.append("  facts: " + ", ".join(f"{k}={v}" for k, v in dense.facts(asked).items()))
         if not chosen.gluon:
-            lines.append(
-                f"  load path: {'host-built TMA descriptors' if chosen.host_desc else 'TMA' if chosen.tma else 'pointers'}"
-            )
+            lines += _loads(ATTENTION_LOADS, dense.load_facts(chosen, loads))
         if chosen.fp8:
             lines.append(f"  fp8: {FP8_PATHS[chosen.fp8]}")
-        describe = lambda row: (
-            f"{row.kernel} {row.tile}"
-            + (  # noqa: E731
-                f" (causal {row.causal})" if row.causal is not None else ""
-            )
-            + (f" (up to {row.max_seqlen_k} keys)" if row.max_seqlen_k else "")
-        )
+        describe = lambda row: f"{row.kernel} {row.tile}"  # noqa: E731  (its unmet conditions follow)
     lines.append(f"  why: {chosen.why}")
     for row, why_not in walk:
         if why_not is None:
             break
         lines.append(f"  passed over: {describe(row)}: {why_not}")
     return "\n".join(lines)
+
+
+def _loads(table, facts: dict) -> list[str]:
+    """explain's lines of a call's load path: the one it takes, with why, and those passed over, with why not."""
+    lines = []
+    for row, why_not in common.walk(table, facts):
+        if why_not is None:
+            return [f"  load path: {row.path}: {row.why}", *lines]
+        lines.append(f"  load path passed over: {row.path}: {why_not}")
+    raise AssertionError("every load-path table ends with pointer loads")
 
 
 def _cache_fp8(spec) -> str:

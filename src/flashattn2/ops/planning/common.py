@@ -12,7 +12,7 @@ from ..request import spec as specs
 from ..request.checks import compute_dtype
 from .geometry import block_d
 from ..request.modes import Forced, TileConfig
-from .tables import GLUON_KERNELS, TABLE
+from .tables import GLUON_KERNELS, TABLE, When  # noqa: F401  (When: the rows' conditions, read through here)
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 
@@ -72,6 +72,21 @@ class Plan:
     @property
     def gluon(self) -> bool:
         return self.kernel in GLUON_KERNELS
+
+
+def walk(rows, facts: dict, requires=lambda row: None):
+    """Each of `rows` in order with why it is passed over, None for a row that runs (the first such is the plan's):
+    the row's conditions (tables.When) that the call's facts miss, and, when it has none, what its kernel requires
+    (requires(row): why not, or None). The one walker of every table: the dense rows, the KV-cache kernel's rows and
+    each kind of call's load paths."""
+    for row in rows:
+        unmet = [why for why in (when.unmet(facts) for when in row.when) if why]
+        yield row, "; ".join(unmet) if unmet else requires(row)
+
+
+def first(rows, facts: dict, requires=lambda row: None):
+    """The first of `rows` that runs (walk); every table ends with a row that runs everything."""
+    return next(row for row, why_not in walk(rows, facts, requires) if why_not is None)
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -15,6 +15,7 @@ from ..request.checks import E4M3, compute_dtype
 from .geometry import block_d, column_parts
 from ..request.modes import Forced, TileConfig
 from .tables import (
+    DECODE_LOADS,
     DECODE_ROWS,
     DECODE_STAGE_CAP,
     INVARIANT_MAX_SPLITS,
@@ -25,6 +26,7 @@ from .tables import (
     SHORT_SPLIT,
     DecodeRow,
 )
+from . import common
 from .common import Plan, tma_ok
 
 
@@ -194,9 +196,27 @@ def decode_facts(c: Cache, arch: str, invariant: bool, num_splits: int, sm_count
 
 
 def walk(facts: dict):
-    for row in DECODE_ROWS:
-        unmet = [f"{name} is {facts[name]!r}, not {want!r}" for name, want in row.when if facts[name] != want]
-        yield row, "; ".join(unmet) or None
+    """DECODE_ROWS in order, each with why it is passed over (None: it runs)."""
+    return common.walk(DECODE_ROWS, facts)
+
+
+def load_facts(c: Cache, arch: str, forced_: Forced, invariant: bool, tile: TileConfig) -> dict:
+    """The facts DECODE_LOADS' rows name, for the row's tile: invariant, latent_cache (v the K cache's first 512
+    columns, q/k 576-like), fp8, tma_arch (sm90 in 16-bit types; the interpreter), paged, leftpad, page_holds_blocks
+    (pages a multiple of the key block), pages_contiguous (a page's rows one matrix), cache_rows_int32 (the
+    descriptor's int32 row coordinate), tma (tma_ok's alignment and stride rule)."""
+    return {
+        "invariant": invariant,
+        "latent_cache": c.v_from_k and latent_dims(c.head_dim, c.head_dim_v),
+        "fp8": c.fp8,
+        "tma_arch": arch == "interp" or (arch == "sm90" and c.dtype.itemsize == 2),
+        "paged": bool(c.page_size),
+        "leftpad": c.leftpad,
+        "page_holds_blocks": bool(c.page_size) and c.page_size % tile.block_n == 0,
+        "pages_contiguous": c.pages_contiguous,
+        "cache_rows_int32": c.k.shape[0] * c.page_size < 2**31,
+        "tma": tma_ok(arch, forced_, c.aligned, c.k),
+    }
 
 
 def _asked(num_splits: int, arch: str) -> int:
@@ -217,7 +237,7 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
             "needs 128 KB of shared memory, this GPU has 99 KB per block (fp16 and bf16 run)"
         )
     facts = decode_facts(c, arch, invariant, num_splits, sm_count)
-    row = next(row for row, why_not in walk(facts) if why_not is None)
+    row = common.first(DECODE_ROWS, facts)
     # the packed rows' block; the mode's is 16 rows' whatever the call (a function of head dims and element size)
     tile = decode_tile(row, 16 if invariant else c.rows, c.head_dim, c.head_dim_v, elem_bytes, arch)
     if invariant:  # num_splits (a speed knob) yields to the mode's fixed splits
@@ -236,19 +256,7 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
             c.capacity, num_splits_for(num_splits, programs, c.capacity, tile.block_n, sm_count), tile.block_n
         )
     combine = splits > 1 or invariant  # the mode merges even one split: every row's last steps are the combine's
-    latent = c.v_from_k and latent_dims(c.head_dim, c.head_dim_v)
-    kv_tma = (
-        not invariant
-        and latent
-        and not c.fp8  # (the TMA path reads 16-bit tiles straight into the dots)
-        and (arch == "interp" or (arch == "sm90" and elem_bytes == 2))
-        and bool(c.page_size)
-        and not c.leftpad
-        and c.page_size % tile.block_n == 0
-        and c.pages_contiguous
-        and c.k.shape[0] * c.page_size < 2**31  # the cache's rows: the descriptor's int32 row coordinate
-        and tma_ok(arch, forced_, c.aligned, c.k)
-    )
+    kv_tma = common.first(DECODE_LOADS, load_facts(c, arch, forced_, invariant, tile)).path == "kv_tma"
     return Plan(
         "decode",
         tile,

@@ -19,65 +19,10 @@ from .geometry import block_d
 from ...kernels.constexprs import FP8_BF16, FP8_DOTS, FP8_DOTS_INTERP, FP8_FP32, FP8_NONE
 from ..request.checks import E4M3
 from ..request.modes import Forced, fp8_dots, forced, wgmma
-from .tables import GLUON_FP8_HEAD_DIMS, GLUON_HEAD_DIMS, GLUON_KERNELS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
+from .tables import ATTENTION_LOADS, GLUON_FP8_HEAD_DIMS, GLUON_HEAD_DIMS, L2_GROUP_BYTES, ROWS, UNSUPPORTED, Row
+from . import common
 from .common import _GRID_YZ, Features, Plan, head_dim_bucket, out_dtype, tma_columns_ok, tma_ok, window
 from .decoding import sm_count
-
-
-def _gluon_requires(direction: str):
-    """Why a call cannot run the Gluon kernels of `direction`, or None: they take dense fp16/bf16 inputs with a
-    (q/k, v) head-dim pair of GLUON_HEAD_DIMS (the forward: e4m3 ones too, GLUON_FP8_HEAD_DIMS), causal or not and
-    no other score modification, keys present, on a device and tensors they run on (Features.gluon)."""
-
-    def why_not(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
-        fp8 = dtype == E4M3 and direction == "fwd"
-        pairs = GLUON_FP8_HEAD_DIMS if fp8 else GLUON_HEAD_DIMS[direction]
-        if features.varlen:
-            return "varlen: the Gluon kernels take dense inputs"
-        if features.score_mods:
-            return "a window, softcap, ALiBi or dropout: the Gluon kernels take a causal mask or none"
-        if (head_dim, head_dim_v) not in pairs:
-            return (
-                f"head dims {head_dim}/{head_dim_v}: the Gluon kernels take {', '.join(f'{a}/{b}' for a, b in pairs)}"
-                + (" on e4m3 inputs" if fp8 else "")
-            )
-        if dtype not in (torch.float16, torch.bfloat16) and not fp8:
-            return f"{dtype}: the Gluon kernels take fp16 and bf16" + (
-                " (the forward: e4m3 too)" if direction == "bwd" else ""
-            )
-        if max_seqlen_k == 0:
-            return "no keys"
-        if not features.gluon:
-            return features.gluon_why
-        return None
-
-    return why_not
-
-
-def _gluon_bwd(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
-    if features.deterministic:
-        return "deterministic: the Gluon backward adds dQ in any order"
-    if -(-max_seqlen_k // 64) > _GRID_YZ:  # its key blocks (64 keys at least) on the grid's second axis
-        return f"{max_seqlen_k} keys: more key blocks than a grid's second axis holds"
-    return _GLUON_BWD(features, dtype, head_dim, head_dim_v, max_seqlen_k)
-
-
-def _gluon_persist(features: Features, dtype, head_dim, head_dim_v, max_seqlen_k) -> str | None:
-    if not features.persist_counter:
-        return "a CTA's key blocks past 2**31: the persistent kernel counts its ring positions in int32"
-    return _GLUON_FWD(features, dtype, head_dim, head_dim_v, max_seqlen_k)
-
-
-_GLUON_FWD, _GLUON_BWD = _gluon_requires("fwd"), _gluon_requires("bwd")
-# kernel -> why a call cannot run it (features, dtype, head_dim, head_dim_v, max_seqlen_k), None when it can; the
-# Triton kernels run everything
-REQUIRES = {
-    "fwd": lambda f, dtype, d, dv, n: None,
-    "bwd_dkdv": lambda f, dtype, d, dv, n: None,
-    "fwd_hopper_persist": _gluon_persist,
-    "fwd_hopper_ws": _GLUON_FWD,
-    "bwd_hopper": _gluon_bwd,
-}
 
 
 class Asked(NamedTuple):
@@ -95,30 +40,84 @@ class Asked(NamedTuple):
     forced: Forced
 
 
+def _gluon_requires(direction: str):
+    """Why a call cannot run the Gluon kernels of `direction`, or None: they take dense fp16/bf16 inputs with a
+    (q/k, v) head-dim pair of GLUON_HEAD_DIMS (the forward: e4m3 ones too, GLUON_FP8_HEAD_DIMS), causal or not and
+    no other score modification, keys present, on a device and tensors they run on (Features.gluon)."""
+
+    def why_not(a: Asked) -> str | None:
+        fp8 = a.dtype == E4M3 and direction == "fwd"
+        pairs = GLUON_FP8_HEAD_DIMS if fp8 else GLUON_HEAD_DIMS[direction]
+        if a.features.varlen:
+            return "varlen: the Gluon kernels take dense inputs"
+        if a.features.score_mods:
+            return "a window, softcap, ALiBi or dropout: the Gluon kernels take a causal mask or none"
+        if (a.head_dim, a.head_dim_v) not in pairs:
+            return (
+                f"head dims {a.head_dim}/{a.head_dim_v}: the Gluon kernels take "
+                + ", ".join(f"{d}/{dv}" for d, dv in pairs)
+                + (" on e4m3 inputs" if fp8 else "")
+            )
+        if a.dtype not in (torch.float16, torch.bfloat16) and not fp8:
+            return f"{a.dtype}: the Gluon kernels take fp16 and bf16" + (
+                " (the forward: e4m3 too)" if direction == "bwd" else ""
+            )
+        if a.max_seqlen_k == 0:
+            return "no keys"
+        if not a.features.gluon:
+            return a.features.gluon_why
+        return None
+
+    return why_not
+
+
+def _gluon_bwd(a: Asked) -> str | None:
+    if a.features.deterministic:
+        return "deterministic: the Gluon backward adds dQ in any order"
+    if -(-a.max_seqlen_k // 64) > _GRID_YZ:  # its key blocks (64 keys at least) on the grid's second axis
+        return f"{a.max_seqlen_k} keys: more key blocks than a grid's second axis holds"
+    return _GLUON_BWD(a)
+
+
+def _gluon_persist(a: Asked) -> str | None:
+    if not a.features.persist_counter:
+        return "a CTA's key blocks past 2**31: the persistent kernel counts its ring positions in int32"
+    return _GLUON_FWD(a)
+
+
+_GLUON_FWD, _GLUON_BWD = _gluon_requires("fwd"), _gluon_requires("bwd")
+# kernel -> why a call (Asked) cannot run it, None when it can; the Triton kernels run everything
+REQUIRES = {
+    "fwd": lambda a: None,
+    "bwd_dkdv": lambda a: None,
+    "fwd_hopper_persist": _gluon_persist,
+    "fwd_hopper_ws": _GLUON_FWD,
+    "bwd_hopper": _gluon_bwd,
+}
+
+
+def facts(asked: Asked) -> dict:
+    """The facts the dense rows' conditions (Row.when) name: plain_causal, keys (max_seqlen_k), v_bucket (v's head-dim
+    bucket), hopper (the Gluon kernels on: FLASHATTN2_HOPPER and force(hopper=...))."""
+    hopper = asked.forced.hopper if asked.forced.hopper is not None else _runtime.gluon_switch() is not False
+    return {
+        "plain_causal": asked.causal,
+        "keys": asked.max_seqlen_k,
+        "v_bucket": head_dim_bucket(asked.head_dim_v),
+        "hopper": hopper,
+    }
+
+
 def walk(asked: Asked):
-    """TABLE's rows for the call in order, each with why it is passed over (None: it runs)."""
-    arch, dtype, head_dim, causal, max_seqlen_k, features, direction, head_dim_v, forced = asked
-    hopper = forced.hopper if forced.hopper is not None else _runtime.gluon_switch() is not False
-    v_bucket = head_dim_bucket(head_dim_v)
-    key = (direction, arch, head_dim_bucket(max(head_dim, head_dim_v)), dtype.itemsize)
+    """TABLE's rows for the call in order, each with why it is passed over (None: it runs): common.walk over the
+    rows of its (direction, arch, head-dim bucket, bytes per element), then what each row's kernel requires."""
+    key = (asked.direction, asked.arch, head_dim_bucket(max(asked.head_dim, asked.head_dim_v)), asked.dtype.itemsize)
     if key in UNSUPPORTED:
         raise NotImplementedError(
-            f"flashattn2 on {arch}, {dtype}, head dim {head_dim}, {direction}: {UNSUPPORTED[key]}"
+            f"flashattn2 on {asked.arch}, {asked.dtype}, head dim {asked.head_dim}, {asked.direction}: "
+            + UNSUPPORTED[key]
         )
-    for row in ROWS[key]:
-        if row.causal is not None and row.causal != causal:
-            yield (
-                row,
-                "plain causal calls only (causal, no window)" if row.causal else "calls other than plain causal ones",
-            )
-        elif row.max_seqlen_k is not None and max_seqlen_k > row.max_seqlen_k:
-            yield row, f"up to {row.max_seqlen_k} keys; the call has {max_seqlen_k}"
-        elif row.head_dim_v is not None and v_bucket > row.head_dim_v:
-            yield row, f"v's head dim up to {row.head_dim_v}; the call's is {head_dim_v}"
-        elif row.kernel in GLUON_KERNELS and not hopper:
-            yield row, "the Gluon kernels are off (FLASHATTN2_HOPPER=0 or force(hopper=False))"
-        else:
-            yield row, REQUIRES[row.kernel](features, dtype, head_dim, head_dim_v, max_seqlen_k)
+    return common.walk(ROWS[key], facts(asked), lambda row: REQUIRES[row.kernel](asked))
 
 
 def lookup(
@@ -139,10 +138,7 @@ def lookup(
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(asked: Asked) -> Plan:
-    for row, why_not in walk(asked):
-        if why_not is None:
-            return _derive(row, asked.forced, asked.causal)
-    raise AssertionError(f"no row for {asked}")  # the Triton rows match everything
+    return _derive(next(row for row, why_not in walk(asked) if why_not is None), asked.forced, asked.causal)
 
 
 def _derive(row: Row, forced: Forced, causal: bool) -> Plan:
@@ -168,17 +164,6 @@ def _derive(row: Row, forced: Forced, causal: bool) -> Plan:
         l2 = L2_GROUP_BYTES if grouped else 0
     dq_tile = (forced.tile("bwd_dq") or row.dq_tile) if row.kernel == "bwd_dkdv" else None
     return Plan(row.kernel, tile, row.why, causal, dq_tile, tuple(constexprs.items()), num_warps, consumers, l2)
-
-
-def _host_desc_ok(forced: Forced, tma: bool, varlen: bool, *tensors: specs.TensorSpec) -> bool:
-    """Host-built descriptors on the Triton path: the TMA path, dense, power-of-two head dims, heads adjacent."""
-    return (
-        forced.host_desc is not False
-        and tma
-        and not varlen
-        and all(t.shape[-1] == block_d(t.shape[-1]) and t.heads_adjacent for t in tensors)
-        and tma_columns_ok(*tensors)
-    )
 
 
 def _gluon_ready(direction: str, s: specs.AttentionSpec, *tensors: specs.TensorSpec) -> tuple[bool, str]:
@@ -224,7 +209,7 @@ def out_spec(s: specs.AttentionSpec, dtype: torch.dtype) -> specs.TensorSpec:
 
 def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, extra=(), aligned=True):
     """The dense/varlen plan of an attention call's forward, or of its backward (extra: dout and the gradients'
-    specs); returns (what the table's rows are matched against, the plan's load path)."""
+    specs); returns (what the table's rows are matched against, the facts of its loads but the row's: load_facts)."""
     arch, forced_ = s.modes.arch, s.modes.forced
     w = window(s.causal, *s.window)
     score_mods = w.local or s.softcap > 0 or s.alibi is not None or s.dropout_p > 0
@@ -240,13 +225,33 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
         gluon, gluon_why = _gluon_ready(direction, s, s.q, s.k, s.v, *extra[:1])
     persist = not (gluon and direction == "fwd") or _persist_counter(s)
     features = Features(s.varlen, score_mods, gluon, deterministic, gluon_why, persist)
-    tma = tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3) and specs.all_aligned(aligned), *tensors)
-    host = _host_desc_ok(forced_, tma, s.varlen, *tensors)
     asked = Asked(
         arch=arch, dtype=s.q.dtype, head_dim=s.q.shape[-1], causal=w.causal, max_seqlen_k=max_seqlen_k,
         features=features, direction=direction, head_dim_v=s.v.shape[-1], forced=forced_,
     )  # fmt: skip
-    return asked, tma, host
+    loads = {
+        "tma": tma_ok(arch, forced_, specs.all_aligned(s.aligned, 3) and specs.all_aligned(aligned), *tensors),
+        "host_desc_off": forced_.host_desc is False,
+        "varlen": s.varlen,
+        "pow2_heads_adjacent": all(t.shape[-1] == block_d(t.shape[-1]) and t.heads_adjacent for t in tensors),
+        "columns_int32": tma_columns_ok(*tensors),
+        # (FP8 on the Triton path: V goes transposed, not by host-built descriptors: kernels/fwd.vt_src)
+        "fp8": fp8,
+    }
+    return asked, loads
+
+
+def load_facts(plan: Plan, loads: dict) -> dict:
+    """The facts ATTENTION_LOADS' rows name: attention_plan's and the row's column split (dsplit: past 256 each
+    block's columns are split over programs, whose chunks are pointer loads)."""
+    return {**loads, "dsplit": dict(plan.constexprs).get("DSPLIT", 1)}
+
+
+def _with_loads(plan: Plan, loads: dict) -> Plan:
+    if plan.gluon:  # (host-built descriptors, always)
+        return plan
+    path = common.first(ATTENTION_LOADS, load_facts(plan, loads)).path
+    return replace(plan, tma=path != "pointers", host_desc=path == "host_desc")
 
 
 def fp8_mode(s: specs.AttentionSpec) -> str:
@@ -261,19 +266,11 @@ def fp8_mode(s: specs.AttentionSpec) -> str:
 
 
 def forward(s: specs.AttentionSpec) -> Plan:
-    asked, tma, host = attention_plan(s, "fwd", True)
-    plan = _lookup(asked)
-    fp8 = fp8_mode(s)  # (FP8 on the Triton path: V goes transposed, not by host-built descriptors: kernels/fwd.vt_src)
-    if plan.gluon:
-        return replace(plan, fp8=fp8) if fp8 else plan
-    return replace(plan, tma=tma, host_desc=host and not fp8, fp8=fp8)
+    asked, loads = attention_plan(s, "fwd", True)
+    fp8 = fp8_mode(s)
+    return _with_loads(replace(_lookup(asked), fp8=fp8) if fp8 else _lookup(asked), loads)
 
 
 def backward(b: specs.BackwardSpec) -> Plan:
-    s = b.forward
-    asked, tma, host = attention_plan(s, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
-    plan = _lookup(asked)
-    if plan.gluon:
-        return plan
-    # past 256 each block's columns are split over programs (DSPLIT), whose chunks are pointer loads
-    return replace(plan, tma=tma, host_desc=host and dict(plan.constexprs).get("DSPLIT", 1) == 1)
+    asked, loads = attention_plan(b.forward, "bwd", b.deterministic, (b.dout, *b.grads), b.aligned)
+    return _with_loads(_lookup(asked), loads)

@@ -10,7 +10,9 @@ made).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..request.modes import TileConfig
 
@@ -26,9 +28,34 @@ GLUON_KERNELS = frozenset({"fwd_hopper_persist", "fwd_hopper_ws", "bwd_hopper"})
 DIRECTIONS = ("fwd", "bwd")
 
 
+class AtMost(NamedTuple):
+    """A bound a fact must not pass (a condition's want: keys up to 1024)."""
+
+    bound: int
+
+    def __repr__(self) -> str:
+        return f"at most {self.bound}"
+
+
+class When(NamedTuple):
+    """One condition of a row: a call's fact (ops.planning's facts of each table) and the value it must take, or the
+    bound it must keep (AtMost). Every table's rows hold them; one walker (planning.common.walk) matches them."""
+
+    fact: str
+    want: object
+
+    def unmet(self, facts: dict) -> str | None:
+        """Why the call's facts miss this condition, None when they meet it."""
+        have = facts[self.fact]
+        if have <= self.want.bound if isinstance(self.want, AtMost) else have == self.want:
+            return None
+        return f"{self.fact} is {have!r}, not {self.want!r}"
+
+
 @dataclass(frozen=True)
 class Row:
-    """One row of TABLE: where it applies, what runs, why."""
+    """One row of TABLE: where it applies, what runs, why. Its bounds (causal, max_seqlen_k, head_dim_v) and the
+    Gluon switch its kernel needs are conditions (`when`) on a dense call's facts (planning.dense.facts)."""
 
     direction: str
     arch: str
@@ -42,6 +69,15 @@ class Row:
     dq_tile: TileConfig | None = None  # direction "bwd" with kernel bwd_dkdv: the dQ pass's tile
     constexprs: tuple[tuple[str, object], ...] = ()
     head_dim_v: int | None = None  # applies when v's head-dim bucket is at most this (None: any)
+
+    @functools.cached_property
+    def when(self) -> tuple[When, ...]:
+        return (
+            *((When("plain_causal", self.causal),) if self.causal is not None else ()),
+            *((When("keys", AtMost(self.max_seqlen_k)),) if self.max_seqlen_k is not None else ()),
+            *((When("v_bucket", AtMost(self.head_dim_v)),) if self.head_dim_v is not None else ()),
+            *((When("hopper", True),) if self.kernel in GLUON_KERNELS else ()),
+        )
 
 
 def _rings(split: bool, do_stages: int | None, dq_split: int, dq_stages: int) -> tuple:
@@ -221,16 +257,58 @@ for _row in TABLE:
 
 
 @dataclass(frozen=True)
+class LoadRow:
+    """One row of a load-path table: the path, the facts a call must have (When, written as (fact, value) pairs),
+    why."""
+
+    path: str
+    when: tuple[When, ...]
+    why: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "when", tuple(When(*pair) for pair in self.when))
+
+
+# fmt: off
+# The Triton attention kernels' loads (dense and varlen; the Gluon kernels always take host-built descriptors),
+# first match wins; the facts: planning.dense.load_facts (tma: tma_ok's Hopper, alignment and stride rule).
+ATTENTION_LOADS: tuple[LoadRow, ...] = (
+    LoadRow("host_desc", (("tma", True), ("host_desc_off", False), ("varlen", False), ("pow2_heads_adjacent", True),
+                          ("columns_int32", True), ("fp8", False), ("dsplit", 1)),
+            why="descriptors over (batch, seqlen, heads * headdim) built once on the host: H200 A/B, outputs bitwise "
+                "equal, backward 1.04-1.41x at 512 and 2k tokens, the forward 1.0-1.33x (d256 at 512: 0.92-0.94x); "
+                "a program's fixed cost 7.7 us, 46.6 making its own (provenance: host_desc)"),
+    LoadRow("tma", (("tma", True),),
+            why="descriptors made by each program: the sm_90 Triton rows' tiles were swept on TMA loads"),
+    LoadRow("pointers", (), why="pointer loads: every GPU, layout and alignment"),
+)
+# The KV-cache kernel's key blocks: by TMA only for MLA's latent cache, paged, whole key blocks in a page (the
+# latent rows' sweep); else pointer loads. The facts: planning.decoding.load_facts.
+DECODE_LOADS: tuple[LoadRow, ...] = (
+    LoadRow("kv_tma", (("invariant", False), ("latent_cache", True), ("fp8", False), ("tma_arch", True),
+                       ("paged", True), ("leftpad", False), ("page_holds_blocks", True), ("pages_contiguous", True),
+                       ("cache_rows_int32", True), ("tma", True)),
+            why="MLA's latent cache, paged: h64-h128 209-221 TFLOP/s by TMA, 169-172 without (H200, bf16, page 64); "
+                "16-bit tiles straight into the dots (an FP8 cache converts its codes in registers)"),
+    LoadRow("pointers", (), why="pointer loads: every cache layout"),
+)
+# fmt: on
+
+
+@dataclass(frozen=True)
 class DecodeRow:
-    """One row of DECODE_ROWS: the facts a call must have (ops.planning's decode facts, each a name and the value it
+    """One row of DECODE_ROWS: the facts a call must have (ops.planning's decode facts: When, a name and the value it
     must take), what runs, why. tile.block_m 0: the packed rows' block (planning's register bound, 16 to 64 rows).
     scaled: the tile's BLOCK_N, warps and stages were measured at head dims 128/128 in 16-bit types and other head
     dims keep the bytes of a key block (planning's rule); the latent rows were measured at their own 576/512."""
 
-    when: tuple[tuple[str, object], ...]
+    when: tuple[When, ...]  # written as (fact, value) pairs
     tile: TileConfig
     why: str
     scaled: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "when", tuple(When(*pair) for pair in self.when))
 
 
 # KV-cache splits: at most this many (the combine's reduction width); 0 (the default) chooses from the GPU's size
