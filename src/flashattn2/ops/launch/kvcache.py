@@ -22,7 +22,7 @@ from ..request import checks
 from ..request.checks import E4M3, compute_dtype
 from ..request.modes import fp8_cvt
 from .layout import contiguous_strides
-from ..planning import Plan, window
+from ..planning import DecodePlan, window
 from ..planning.tables import INVARIANT_MAX_SPLITS
 
 _new = tuple.__new__
@@ -379,7 +379,7 @@ class Decode:
                  "combine_grid", "ints", "plain", "score", "strides", "combine_ints", "tail", "sink_only", "work",
                  "dropped_lse", "result_dtype", "descale_strides", "at_call")  # fmt: skip
 
-    def __init__(self, plan: Plan, shape: Shape, arch: str):
+    def __init__(self, plan: DecodePlan, shape: Shape, arch: str):
         self.shape, self.plan = shape, plan
         nheads, head_dim = shape.q_shape[-2:]
         nheads_k, head_dim_v = shape.k.shape[2], shape.v.shape[-1]

@@ -1,6 +1,6 @@
 """Which kernel, tile and load path run a call: one function over the plan table.
 
-    plan(spec) -> Plan
+    plan(spec) -> Plan (dense, varlen) | DecodePlan (the KV-cache kernel)
 
 for every call a spec describes (ops.request.spec): dense, packed and varlen attention forward (AttentionSpec) and
 backward (BackwardSpec), the KV-cache kernel (KVCacheSpec: decoding, chunked prefill; its tiles, splits and load path),
@@ -60,7 +60,7 @@ from .tables import (  # noqa: F401  (TABLE and its types are read through this 
     Row,
 )
 from ...kernels.constexprs import FP8_PATHS
-from .common import Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401
+from .common import DecodePlan, Features, Plan, Window, head_dim_bucket, out_dtype, rows, tma_ok, window  # noqa: F401
 from .decoding import (  # noqa: F401
     Cache,
     decode,
@@ -79,7 +79,7 @@ from . import common, decoding, dense  # noqa: F401  (tests patch their constant
 DIRECTIONS = ("fwd", "bwd")
 
 
-def plan(spec) -> Plan:
+def plan(spec) -> Plan | DecodePlan:
     """The plan of a call its spec describes (the module docstring)."""
     if isinstance(spec, specs.AttentionSpec):
         if spec.modes.invariant:
@@ -94,7 +94,7 @@ def plan(spec) -> Plan:
     raise TypeError(f"plan: not a call spec: {type(spec).__name__}")
 
 
-def _decode_of(c: Cache, modes: specs.Modes, num_splits: int, device: torch.device) -> Plan:
+def _decode_of(c: Cache, modes: specs.Modes, num_splits: int, device: torch.device) -> DecodePlan:
     return decode(c, modes.arch, modes.forced, modes.invariant, num_splits, decoding.sm_count(device, modes.arch))
 
 

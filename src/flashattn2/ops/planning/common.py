@@ -34,14 +34,10 @@ class Features:
 
 @dataclass(frozen=True)
 class Plan:
-    """What runs and how it is launched.
-
-    Dense and varlen attention: the kernel, its tile (and the dQ pass's), its constexprs beyond the call's own, the
-    launch's num_warps, query rows per program (block_m x consumers), the Gluon backward's program order, and the
-    Triton kernels' load path (tma: TMA descriptors, made by each program or, host_desc, on the host; else pointers).
-    The KV-cache kernel ("decode"): its tile (block_m the packed rows per program), the key splits and the keys each
-    reads (chunk), whether the split-merging kernel runs (combine) and as a programmatic dependent launch (pdl),
-    whether whole key blocks arrive by TMA (kv_tma) and whether the values are the keys' tile (v_from_k)."""
+    """What runs a dense or varlen attention call, and how it is launched: the kernel, its tile (and the dQ pass's),
+    its constexprs beyond the call's own, the launch's num_warps, query rows per program (block_m x consumers), the
+    Gluon backward's program order, and the Triton kernels' load path (tma: TMA descriptors, made by each program or,
+    host_desc, on the host; else pointers)."""
 
     kernel: str
     tile: TileConfig
@@ -56,14 +52,7 @@ class Plan:
     l2_group_bytes: int = 0
     tma: bool = False
     host_desc: bool = False
-    splits: int = 1
-    chunk: int = 0
-    combine: bool = False
     fp8: str = ""  # float8_e4m3fn inputs: how their tiles meet the Triton forward's dots (constexprs.FP8_PATHS)
-    pdl: bool = False
-    kv_tma: bool = False
-    v_from_k: bool = False
-    invariant: bool = False  # the batch-invariant mode's plan: every row through the combine, its fixed width
 
     @property
     def rows(self) -> int:
@@ -72,6 +61,27 @@ class Plan:
     @property
     def gluon(self) -> bool:
         return self.kernel in GLUON_KERNELS
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What runs a call of the KV-cache kernel ("decode": flash_attn_with_kvcache, the paged prefill, the
+    batch-invariant mode): its tile (block_m the packed rows per program), the key splits and the keys each reads
+    (chunk), whether the split-merging kernel runs (combine) and as a programmatic dependent launch (pdl), whether
+    whole key blocks arrive by TMA (kv_tma), whether the values are the keys' tile (v_from_k), and whether it is the
+    batch-invariant mode's plan (every row through the combine, its fixed width)."""
+
+    tile: TileConfig
+    why: str
+    splits: int
+    chunk: int
+    combine: bool
+    pdl: bool
+    kv_tma: bool
+    v_from_k: bool
+    invariant: bool
+    kernel: str = "decode"
+    gluon = False  # (what explain and the attention run ask of any plan)
 
 
 def walk(rows, facts: dict, requires=lambda row: None):

@@ -27,7 +27,7 @@ from .tables import (
     DecodeRow,
 )
 from . import common
-from .common import Plan, tma_ok
+from .common import DecodePlan, tma_ok
 
 
 class Cache(NamedTuple):
@@ -226,8 +226,8 @@ def _asked(num_splits: int, arch: str) -> int:
     return 1 if num_splits == 0 and arch == "interp" else num_splits
 
 
-def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: int, sm_count: int) -> Plan:
-    """The KV-cache kernel's plan (see Plan): the first of DECODE_ROWS whose facts the call has, its tile for the
+def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: int, sm_count: int) -> DecodePlan:
+    """The KV-cache kernel's plan (DecodePlan): the first of DECODE_ROWS whose facts the call has, its tile for the
     call's head dims and rows, its splits; the batch-invariant mode's fixed splits."""
     elem_bytes = c.dtype.itemsize
     num_splits = _asked(num_splits, arch)
@@ -257,10 +257,9 @@ def decode(c: Cache, arch: str, forced_: Forced, invariant: bool, num_splits: in
         )
     combine = splits > 1 or invariant  # the mode merges even one split: every row's last steps are the combine's
     kv_tma = common.first(DECODE_LOADS, load_facts(c, arch, forced_, invariant, tile)).path == "kv_tma"
-    return Plan(
-        "decode",
-        tile,
-        row.why,
+    return DecodePlan(
+        tile=tile,
+        why=row.why,
         splits=splits,
         chunk=chunk,
         combine=combine,

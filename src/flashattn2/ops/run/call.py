@@ -102,7 +102,7 @@ class AttentionCall:
 
     __slots__ = ("spec", "options", "plan", "layout", "launch", "backwards", "empty", "batch")
 
-    def __init__(self, spec: specs.AttentionSpec, options: Options, plan: planning.Plan | None):
+    def __init__(self, spec: specs.AttentionSpec, options: Options, plan: planning.Plan | planning.DecodePlan | None):
         self.spec, self.options, self.plan = spec, options, plan
         self.layout = Layout(spec, options.softmax_scale)
         self.launch = None
@@ -257,7 +257,7 @@ class KVCacheCall:
         "descaled",
     )
 
-    def __init__(self, spec: specs.KVCacheSpec, plan: planning.Plan):
+    def __init__(self, spec: specs.KVCacheSpec, plan: planning.DecodePlan):
         self.spec, self.plan = spec, plan
         self.scale = _scale(spec.q.shape[-1], spec.softmax_scale)
         paged = spec.block_table is not None
@@ -331,7 +331,7 @@ class PagedCall:
 
     __slots__ = ("spec", "plan", "scale", "decode")
 
-    def __init__(self, spec: specs.PagedSpec, plan: planning.Plan):
+    def __init__(self, spec: specs.PagedSpec, plan: planning.DecodePlan):
         self.spec, self.plan = spec, plan
         self.scale = _scale(spec.q.shape[-1], spec.softmax_scale)
         self.decode = None  # ops.launch.kvcache.Decode, made at the first run
