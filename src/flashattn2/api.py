@@ -46,8 +46,9 @@ def _traced(r: AttentionRequest):
     seed = torch.randint(2**62, (1,), dtype=torch.int64, device=r.q.device) if r.dropout_p > 0 else None
     scale = float(r.q.shape[-1] ** -0.5 if r.softmax_scale is None else r.softmax_scale)
     options = Options(
-        r.cu_seqlens_q, r.cu_seqlens_k, r.max_seqlen_q, r.max_seqlen_k, r.dropout_p, seed, scale, r.causal,
-        *r.window_size, r.softcap,
+        cu_seqlens_q=r.cu_seqlens_q, cu_seqlens_k=r.cu_seqlens_k, max_seqlen_q=r.max_seqlen_q,
+        max_seqlen_k=r.max_seqlen_k, dropout_p=r.dropout_p, seed=seed, softmax_scale=scale, causal=r.causal,
+        window_left=r.window_size[0], window_right=r.window_size[1], softcap=r.softcap,
     )  # fmt: skip
     return _forward(r.q, r.k, r.v, options, r.alibi_slopes, r.learnable_sink), options
 

@@ -34,19 +34,7 @@ class Options:
         return self.cu_seqlens_q is not None
 
     def op_args(self) -> tuple:
-        return (
-            self.cu_seqlens_q,
-            self.cu_seqlens_k,
-            self.max_seqlen_q,
-            self.max_seqlen_k,
-            self.dropout_p,
-            self.seed,
-            self.softmax_scale,
-            self.causal,
-            self.window_left,
-            self.window_right,
-            self.softcap,
-        )
+        return tuple(getattr(self, name) for name in _FIELDS)  # (torch.compile traces it: no attrgetter)
 
     def request(self, q, k, v, alibi_slopes, learnable_sink, deterministic: bool = False) -> AttentionRequest:
         """The attention request these options stand for (their window's edges as they are:
@@ -63,34 +51,15 @@ class Options:
         return self.cu_seqlens_q, self.cu_seqlens_k, self.seed
 
     def without_tensors(self) -> "Options":
-        return Options(
-            None,
-            None,
-            self.max_seqlen_q,
-            self.max_seqlen_k,
-            self.dropout_p,
-            None,
-            self.softmax_scale,
-            self.causal,
-            self.window_left,
-            self.window_right,
-            self.softcap,
-        )
+        return self.with_tensors(None, None, None)
 
     def with_tensors(self, cu_seqlens_q, cu_seqlens_k, seed) -> "Options":
-        return Options(
-            cu_seqlens_q,
-            cu_seqlens_k,
-            self.max_seqlen_q,
-            self.max_seqlen_k,
-            self.dropout_p,
-            seed,
-            self.softmax_scale,
-            self.causal,
-            self.window_left,
-            self.window_right,
-            self.softcap,
-        )
+        """These options with other tensors (what autograd saved): a copy of the fields, these three replaced
+        (dataclasses.replace would run __init__ again: a few microseconds a private forward)."""
+        new = object.__new__(Options)
+        new.__dict__.update(self.__dict__, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seed=seed)
+        return new
 
 
+_FIELDS = tuple(Options.__dataclass_fields__)
 N_OP_ARGS = len(Options().op_args())

@@ -147,17 +147,16 @@ def window_edges(window_size, seqlen_k: int) -> tuple[int, int]:
 def _options(q, spec: specs.AttentionSpec, cu_seqlens_q=None, cu_seqlens_k=None) -> Options:
     left, right = spec.window
     return Options(
-        cu_seqlens_q,
-        cu_seqlens_k,
-        spec.max_seqlen_q,
-        spec.max_seqlen_k,
-        float(spec.dropout_p),
-        None,
-        _scale(spec.q.shape[-1], spec.softmax_scale),
-        bool(spec.causal),
-        int(left),
-        int(right),
-        float(spec.softcap),
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=spec.max_seqlen_q,
+        max_seqlen_k=spec.max_seqlen_k,
+        dropout_p=float(spec.dropout_p),
+        softmax_scale=_scale(spec.q.shape[-1], spec.softmax_scale),
+        causal=bool(spec.causal),
+        window_left=int(left),
+        window_right=int(right),
+        softcap=float(spec.softcap),
     )
 
 
