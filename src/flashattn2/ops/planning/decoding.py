@@ -288,21 +288,21 @@ def kvcache_cache(s: specs.KVCacheSpec) -> Cache:
     capacity = s.block_table.shape[1] * page if page else s.k_cache.shape[1]
     k, v = s.k_cache, s.v_cache
     return Cache(
-        capacity,
-        page,
-        s.cache_leftpad is not None,
-        batch,
-        nheads_k,
-        nheads // nheads_k * seqlen_q,
-        head_dim,
-        v.shape[-1],
-        compute_dtype(s.q.dtype),
-        v_from_k(k, v, s.v_from_k),
-        k.stride[0] == k.shape[1] * k.stride[1],
-        None,
-        k,
-        specs.all_aligned(s.aligned, 3),
-        k.dtype == E4M3,
+        capacity=capacity,
+        page_size=page,
+        leftpad=s.cache_leftpad is not None,
+        batch=batch,
+        nheads_k=nheads_k,
+        rows=nheads // nheads_k * seqlen_q,
+        head_dim=head_dim,
+        head_dim_v=v.shape[-1],
+        dtype=compute_dtype(s.q.dtype),
+        v_from_k=v_from_k(k, v, s.v_from_k),
+        pages_contiguous=k.stride[0] == k.shape[1] * k.stride[1],
+        max_keys=None,
+        k=k,
+        aligned=specs.all_aligned(s.aligned, 3),
+        fp8=k.dtype == E4M3,
     )
 
 
@@ -324,20 +324,20 @@ def paged_cache(s: specs.PagedSpec) -> Cache:
     nheads_k = s.k_cache.shape[2]
     k, v = s.k_cache, s.v_cache
     return Cache(
-        s.block_table.shape[1] * page,
-        page,
-        False,
-        s.cu_seqlens_q.shape[0] - 1,
-        nheads_k,
-        _varlen_rows(nheads // nheads_k, s.max_seqlen_q),
-        head_dim,
-        v.shape[-1],
-        s.q.dtype,
-        False,  # its own memory (a latent cache is flash_attn_with_kvcache's)
-        k.stride[0] == page * k.stride[1],
-        None,
-        k,
-        specs.all_aligned(s.aligned, 3),
+        capacity=s.block_table.shape[1] * page,
+        page_size=page,
+        leftpad=False,
+        batch=s.cu_seqlens_q.shape[0] - 1,
+        nheads_k=nheads_k,
+        rows=_varlen_rows(nheads // nheads_k, s.max_seqlen_q),
+        head_dim=head_dim,
+        head_dim_v=v.shape[-1],
+        dtype=s.q.dtype,
+        v_from_k=False,  # its own memory (a latent cache is flash_attn_with_kvcache's)
+        pages_contiguous=k.stride[0] == page * k.stride[1],
+        max_keys=None,
+        k=k,
+        aligned=specs.all_aligned(s.aligned, 3),
     )
 
 
@@ -353,6 +353,8 @@ def invariant_cache(s: specs.AttentionSpec) -> Cache:
     group = nheads // nheads_k
     rows = _varlen_rows(group, seqlen_q) if s.varlen else group * seqlen_q
     return Cache(
-        capacity, 0, s.varlen, batch, nheads_k, rows, head_dim, s.v.shape[-1], compute_dtype(s.q.dtype), False, True,
-        max_keys, s.k, specs.all_aligned(s.aligned, 3), s.k.dtype == E4M3,
+        capacity=capacity, page_size=0, leftpad=s.varlen, batch=batch, nheads_k=nheads_k, rows=rows,
+        head_dim=head_dim, head_dim_v=s.v.shape[-1], dtype=compute_dtype(s.q.dtype), v_from_k=False,
+        pages_contiguous=True, max_keys=max_keys, k=s.k, aligned=specs.all_aligned(s.aligned, 3),
+        fp8=s.k.dtype == E4M3,
     )  # fmt: skip
