@@ -1,5 +1,5 @@
 """The maintained tools (tools/README.md) on the CPU: each one listed, and each that has no test of its own run
-for real where that is cheap (bars, baseline_pkg, ptx_hash, ncu_profile --summarize, gpu_session.sh), else
+for real where that is cheap (bars, baseline_pkg, ptx_hash, plan_hash, ncu_profile --summarize, gpu_session.sh), else
 started with --help (the GPU tools). Others: test_compile_targets.py (compile_check), test_sass_loops.py,
 test_ncu_sass.py, test_protocol_model.py (fwd_ring_model, bwd_ring_model)."""
 
@@ -142,6 +142,28 @@ def test_ptx_hash_compares_against_an_earlier_run(tmp_path):
     before.write_text("".join(json.dumps(dict(r, sha=sha)) + "\n" for r in rows for sha in (r["sha"], "0" * 16)))
     again = subprocess.run(run.args, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
     assert again.returncode == 0 and "0 configuration(s) differ" in again.stderr, again.stderr[-2000:]
+
+
+def test_plan_hash_compares_against_an_earlier_run(tmp_path, capsys):
+    """The plans of a slice of the grid written, then compared with themselves (the same: exit 0) and with a file in
+    which one plan differs (reported with both plans: exit 1)."""
+    import plan_hash
+
+    picked = ["--arch", "sm90,interp", "--match", "d128/128"]  # attention calls and KV caches
+    assert plan_hash.main(picked) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) > 20 and all("d128/128" in r["id"] for r in rows)
+    assert {plan.split("(")[0] for r in rows for plan in r["plan"]} == {"Plan", "DecodePlan"}
+    assert any(r["id"].startswith("sm90") and "fwd_hopper" in r["plan"][0] for r in rows)
+    before = tmp_path / "before.jsonl"
+    before.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plan_hash.main([*picked, "--against", str(before)]) == 0
+    assert f"{len(rows)} calls with the same plan, 0 changed" in capsys.readouterr().out
+    rows[3]["plan"] = ["Plan('fwd', 'another tile')"]
+    before.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plan_hash.main([*picked, "--against", str(before)]) == 1
+    out = capsys.readouterr().out
+    assert f"changed: {rows[3]['id']}" in out and "another tile" in out and "1 changed" in out
 
 
 def test_ncu_profile_summarizes_a_report(tmp_path, capsys):
