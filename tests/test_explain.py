@@ -143,13 +143,21 @@ def test_load_paths_are_rows_with_why():
 
 
 def test_one_walker_names_each_unmet_condition():
+    from flashattn2.ops import planning
     from flashattn2.ops.planning import common, tables
 
     rows = (
-        tables.LoadRow("a", (("keys", tables.AtMost(64)), ("paged", True)), why="first"),
+        tables.LoadRow("a", (("n", tables.AtMost(64)), ("paged", True)), why="first"),
         tables.LoadRow("b", (), why="the rest"),
     )
-    walked = list(common.walk(rows, {"keys": 65, "paged": False}))
-    assert walked == [(rows[0], "keys is 65, not at most 64; paged is False, not True"), (rows[1], None)]
-    assert common.first(rows, {"keys": 64, "paged": True}).path == "a"
+    walked = list(common.walk(rows, {"n": 65, "paged": False}))
+    assert walked == [(rows[0], "n is 65, not at most 64; paged is False, not True"), (rows[1], None)]
+    assert common.first(rows, {"n": 64, "paged": True}).path == "a"
     assert list(common.walk(rows[1:], {}, requires=lambda row: "its kernel cannot")) == [(rows[1], "its kernel cannot")]
+    with pytest.raises(AssertionError, match="no row for"):
+        common.first(rows[:1], {"n": 65, "paged": True})
+    # a fact whose name does not say it all carries its note (tables.FACT_NOTES)
+    q = meta(2, 4096, 8, 128)
+    with planning.force(hopper=False):
+        off = flashattn2.explain(q, q, q, arch="sm90")
+    assert "hopper is False, not True (the Gluon kernels on: FLASHATTN2_HOPPER=0 or force(hopper=False)" in off

@@ -315,7 +315,8 @@ def test_decode_takes_fp8_for_the_invariant_mode(varlen):
     maxes = (seqlen, seqlen) if varlen else (0, 0)
     with flashattn2.batch_invariant():
         spec = specs.attention(AttentionRequest(*args, cu, cu, *maxes, causal=True))
-        options = Options(cu, cu, *maxes, 0.0, None, HEAD_DIM**-0.5, True, -1, -1, 0.0)
+        options = Options(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=maxes[0], max_seqlen_k=maxes[1],
+                          softmax_scale=HEAD_DIM**-0.5, causal=True)  # fmt: skip
         call = calls.AttentionCall(spec, options, planning.plan(spec))
     descales = (qd, kd, vd)
     shape = kvcache.invariant_shape(call, tuple(specs.optional(d) for d in descales))

@@ -24,10 +24,10 @@ and from L2 for the other row blocks, rather than once per row block (row blocks
 batch * nheads_k programs between two of one sequence, and cap them at CUDA's 65535).
 
 KV_TMA (with V_FROM_K, a second column block and a paged cache whose pages are contiguous rows, a key block in
-one page, no left padding, TMA's 16-byte alignment: launch.kvcache.kv_tma): whole key blocks are TMA copies into shared
-memory, which the dots read there, rather than loads through registers (at MLA's 64 query rows a program the 64 x 512
-fp32 accumulator leaves no registers for the key tile); the last partial block takes the pointer loop, whose masked
-loads zero the keys past the end.
+one page, no left padding, TMA's 16-byte alignment: ops.planning's DECODE_LOADS): whole key blocks are TMA copies
+into shared memory, which the dots read there, rather than loads through registers (at MLA's 64 query rows a
+program the 64 x 512 fp32 accumulator leaves no registers for the key tile); the last partial block takes the
+pointer loop, whose masked loads zero the keys past the end.
 
 V_FROM_K: the V cache is the K cache's first columns (MLA: v_cache = k_cache[..., :512], one latent head), so the
 key tile's first column block is also the value tile: one load of the cache per key block, not two.
@@ -83,7 +83,7 @@ class DecodePath(NamedTuple):
     PDL: bool  # the combine is a programmatic dependent launch (sm90)
     V_FROM_K: bool  # V is K's first column block: the key tile is the value tile
     ROW_BLOCKS_ADJACENT: bool  # several row blocks, consecutive on the grid's first axis
-    KV_TMA: bool  # whole key blocks by TMA into shared memory (ops.launch.kvcache.kv_tma)
+    KV_TMA: bool  # whole key blocks by TMA into shared memory (ops.planning.DECODE_LOADS' kv_tma row)
 
 
 class DecodeDots(NamedTuple):
@@ -342,7 +342,7 @@ def attn_kvcache_kernel(
         )  # fmt: skip
         tl.static_assert(
             PATH.V_FROM_K and BLOCK_D_LO > 0 and CACHE.PAGED and not CACHE.LEFTPAD and not FP8.KV_E4M3,
-            "KV_TMA: ops.launch.kvcache.kv_tma's cache (16-bit)",
+            "KV_TMA: ops.planning.DECODE_LOADS' kv_tma row's cache (16-bit)",
         )
         n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_lo, n_full, BLOCK_N):

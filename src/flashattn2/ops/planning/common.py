@@ -1,5 +1,6 @@
-"""What a plan is (Plan), what a call asks of a kernel (Features), and the rules every direction shares: the
-window's resolution, the TMA load path's conditions, what the kernels write."""
+"""What a plan is (Plan: dense and varlen attention; DecodePlan: the KV-cache kernel), what a call asks of a kernel
+(Features), the one walker of every table (walk, first), and the rules every direction shares: the window's
+resolution, the TMA load path's conditions, what the kernels write."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..request import spec as specs
 from ..request.checks import compute_dtype
 from .geometry import block_d
 from ..request.modes import Forced, TileConfig
-from .tables import GLUON_KERNELS, TABLE, When  # noqa: F401  (When: the rows' conditions, read through here)
+from .tables import GLUON_KERNELS, TABLE
 
 _GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 
@@ -95,8 +96,12 @@ def walk(rows, facts: dict, requires=lambda row: None):
 
 
 def first(rows, facts: dict, requires=lambda row: None):
-    """The first of `rows` that runs (walk); every table ends with a row that runs everything."""
-    return next(row for row, why_not in walk(rows, facts, requires) if why_not is None)
+    """The first of `rows` that runs (walk). TABLE's lists and the load tables end with a row that runs everything;
+    DECODE_ROWS' rows cover every value of its facts together."""
+    for row, why_not in walk(rows, facts, requires):
+        if why_not is None:
+            return row
+    raise AssertionError(f"no row for {facts}")
 
 
 def head_dim_bucket(head_dim: int) -> int:

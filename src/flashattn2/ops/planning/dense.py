@@ -1,7 +1,8 @@
 """The dense and varlen attention plans: TABLE's rows for (direction, arch, head-dim bucket, bytes per element) in
-order, the first whose kernel the call can run (REQUIRES: why not) and whose causal, key-length and value-head-dim
-bounds hold; every list ends with a Triton row that runs everything. The load path (TMA, host-built descriptors,
-pointers) and whether the Gluon kernels can run come from the spec."""
+order, the first whose conditions hold on the call's facts (plain causal or not, a key-length and a value-head-dim
+bound, the Gluon switch: Row.when) and whose kernel the call can run (REQUIRES: why not); every list ends with a
+Triton row that runs everything. The Triton kernels' load path is ATTENTION_LOADS' first row whose load_facts hold
+(host-built descriptors, per-program TMA, pointers); whether the Gluon kernels can run comes from the spec."""
 
 from __future__ import annotations
 
@@ -108,16 +109,21 @@ def facts(asked: Asked) -> dict:
     }
 
 
-def walk(asked: Asked):
-    """TABLE's rows for the call in order, each with why it is passed over (None: it runs): common.walk over the
-    rows of its (direction, arch, head-dim bucket, bytes per element), then what each row's kernel requires."""
+def _rows(asked: Asked) -> tuple[Row, ...]:
+    """TABLE's rows of the call's (direction, arch, head-dim bucket, bytes per element)."""
     key = (asked.direction, asked.arch, head_dim_bucket(max(asked.head_dim, asked.head_dim_v)), asked.dtype.itemsize)
     if key in UNSUPPORTED:
         raise NotImplementedError(
             f"flashattn2 on {asked.arch}, {asked.dtype}, head dim {asked.head_dim}, {asked.direction}: "
             + UNSUPPORTED[key]
         )
-    return common.walk(ROWS[key], facts(asked), lambda row: REQUIRES[row.kernel](asked))
+    return ROWS[key]
+
+
+def walk(asked: Asked):
+    """TABLE's rows for the call in order, each with why it is passed over (None: it runs): their conditions on the
+    call's facts, then what each row's kernel requires (common.walk)."""
+    return common.walk(_rows(asked), facts(asked), lambda row: REQUIRES[row.kernel](asked))
 
 
 def lookup(
@@ -138,7 +144,8 @@ def lookup(
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(asked: Asked) -> Plan:
-    return _derive(next(row for row, why_not in walk(asked) if why_not is None), asked.forced, asked.causal)
+    row = common.first(_rows(asked), facts(asked), lambda row: REQUIRES[row.kernel](asked))
+    return _derive(row, asked.forced, asked.causal)
 
 
 def _derive(row: Row, forced: Forced, causal: bool) -> Plan:

@@ -37,6 +37,16 @@ class AtMost(NamedTuple):
         return f"at most {self.bound}"
 
 
+# what a fact means, where its name does not say it (explain's reasons)
+FACT_NOTES = {
+    "plain_causal": "causal without a window",
+    "keys": "max_seqlen_k",
+    "v_bucket": "v's head-dim bucket",
+    "hopper": "the Gluon kernels on: FLASHATTN2_HOPPER=0 or force(hopper=False) turns them off",
+    "tma": "Hopper or force(tma=True), 16-byte aligned bases and leading strides",
+}
+
+
 class When(NamedTuple):
     """One condition of a row: a call's fact (ops.planning's facts of each table) and the value it must take, or the
     bound it must keep (AtMost). Every table's rows hold them; one walker (planning.common.walk) matches them."""
@@ -49,7 +59,8 @@ class When(NamedTuple):
         have = facts[self.fact]
         if have <= self.want.bound if isinstance(self.want, AtMost) else have == self.want:
             return None
-        return f"{self.fact} is {have!r}, not {self.want!r}"
+        note = FACT_NOTES.get(self.fact)
+        return f"{self.fact} is {have!r}, not {self.want!r}" + (f" ({note})" if note else "")
 
 
 @dataclass(frozen=True)

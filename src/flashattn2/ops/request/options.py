@@ -47,7 +47,7 @@ class Options:
         )  # fmt: skip
 
     def tensors(self) -> tuple:
-        """The tensors among the options (what autograd saves): cu_seqlens_q, cu_seqlens_k, seed."""
+        """The tensors among the options (TENSORS: what autograd saves)."""
         return self.cu_seqlens_q, self.cu_seqlens_k, self.seed
 
     def without_tensors(self) -> "Options":
@@ -62,4 +62,8 @@ class Options:
 
 
 _FIELDS = tuple(Options.__dataclass_fields__)
+# the fields that hold tensors, which autograd saves: a new one stops the import here until tensors() and
+# with_tensors() take it (kept in ctx.options instead, it would escape save_for_backward)
+TENSORS = tuple(name for name, f in Options.__dataclass_fields__.items() if "Tensor" in str(f.type))
+assert TENSORS == ("cu_seqlens_q", "cu_seqlens_k", "seed"), f"Options.tensors() and with_tensors() name {TENSORS}"
 N_OP_ARGS = len(Options().op_args())
