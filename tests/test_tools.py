@@ -1,5 +1,5 @@
 """The maintained tools (tools/README.md) on the CPU: each one listed, and each that has no test of its own run
-for real where that is cheap (bars, baseline_pkg, ptx_hash, plan_hash, ncu_profile --summarize, gpu_session.sh), else
+for real where that is cheap (bars, baseline_pkg, ptx_hash, plan_hash, host_ab, ncu_profile --summarize, gpu_session.sh), else
 started with --help (the GPU tools). Others: test_compile_targets.py (compile_check), test_sass_loops.py,
 test_ncu_sass.py, test_protocol_model.py (fwd_ring_model, bwd_ring_model)."""
 
@@ -164,6 +164,21 @@ def test_plan_hash_compares_against_an_earlier_run(tmp_path, capsys):
     assert plan_hash.main([*picked, "--against", str(before)]) == 1
     out = capsys.readouterr().out
     assert f"changed: {rows[3]['id']}" in out and "another tile" in out and "1 changed" in out
+
+
+def test_host_ab_times_two_trees_on_one_core(capsys):
+    """The same tree on both sides, two rounds of a few calls of the cases asked for: a row per case, medians and the
+    rounds' B/A ratio with its spread."""
+    import host_ab
+
+    src = str(ROOT / "src")
+    assert host_ab.main([src, src, "--rounds", "2", "--calls", "3", "--cases", "func forward,with_kvcache"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("case") and "2 rounds, core 0" in lines[0]
+    rows = {line[:32].strip(): line[32:].split() for line in lines[1:]}
+    assert set(rows) == {"func forward", "func forward + backward", "with_kvcache", "with_kvcache, append"}, rows
+    for a, b, ratio, spread in rows.values():
+        assert float(a) > 0 and float(b) > 0 and float(ratio) > 0 and re.fullmatch(r"\([0-9.]+-[0-9.]+\)", spread)
 
 
 def test_ncu_profile_summarizes_a_report(tmp_path, capsys):
