@@ -9,14 +9,17 @@ ring (attention calls of their own). The rows are data in ops.planning.tables, e
 `explain(spec)` prints the plan and the rows passed over, with why. Dense rows: TABLE's rows for (direction, arch,
 head-dim bucket, bytes per element) in order, the first whose kernel the call can run (REQUIRES) and whose causal,
 key-length and value-head-dim bounds hold; every list ends with a Triton row that runs everything. KV-cache rows:
-DECODE_ROWS in order, the first whose facts the call has (decode_facts).
+DECODE_ROWS in order, the first whose facts the call has (decode_facts). The load paths are rows too
+(ATTENTION_LOADS, DECODE_LOADS), and one walker matches every table (common.walk: a row's When conditions on the
+call's facts).
 
 Forcing a plan (A/Bs, tests): `with force(fwd=TileConfig(...), hopper=False, arch="sm80"): ...` (ops.request.modes). The
 environment has one switch here: FLASHATTN2_HOPPER (ops._runtime.gluon_switch): 0 turns the Gluon (Hopper) kernels
 off, 1 runs them on a Triton release they were not measured on.
 
 The second step of a call (ops.request before it, ops.launch after): the table (tables.py), the rows' geometry the
-kernels' blocks follow (geometry.py), the dense and KV-cache walks (dense.py, decoding.py, common.py).
+kernels' blocks follow (geometry.py), the dense and KV-cache facts and plans (dense.py, decoding.py), the plan types
+and the walker (common.py).
 """
 
 from __future__ import annotations
