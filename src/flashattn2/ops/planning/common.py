@@ -82,7 +82,6 @@ class DecodePlan:
     v_from_k: bool
     invariant: bool
     kernel: str = "decode"
-    gluon = False  # (what explain and the attention run ask of any plan)
 
 
 def walk(rows, facts: dict, requires=lambda row: None):

@@ -13,6 +13,7 @@ import torch
 from ..launch import kvcache, launch_gluon, launch_triton
 from .call import AttentionCall, BackwardCall
 from ..launch.layout import BackwardTensors, ForwardTensors
+from ..planning import DecodePlan
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -35,7 +36,7 @@ def forward(call: AttentionCall, t: ForwardTensors, lse_wanted: bool = True) -> 
     alibi, sink = t.alibi, t.sink
     if (alibi is not None and not alibi.is_contiguous()) or (sink is not None and not sink.is_contiguous()):
         t = t._replace(alibi=_contiguous(alibi), sink=_contiguous(sink))
-    if call.plan.kernel == "decode":
+    if isinstance(call.plan, DecodePlan):  # (the batch-invariant mode)
         return _invariant_forward(call, t)
     launch = call.launch
     if launch is None:
