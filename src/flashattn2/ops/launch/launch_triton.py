@@ -360,7 +360,7 @@ class Backward:
         )
         # head dims past 256: each key / query block's dK, dV, dQ columns split over DSPLIT programs (the grid's second
         # axis; their column chunks are pointer loads and stores, so no host-built descriptors)
-        dsplit = dict(plan.constexprs).get("DSPLIT", 1)
+        dsplit = plan.dsplit
         mods = layout.mods._replace(SINK=False)
         bwd = _runtime.kernels().bwd
         path = _path(layout, plan)

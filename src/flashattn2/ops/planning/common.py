@@ -63,6 +63,11 @@ class Plan:
     def gluon(self) -> bool:
         return self.kernel in GLUON_KERNELS
 
+    @property
+    def dsplit(self) -> int:
+        """Programs each key / query block's dK, dV, dQ columns are split over (head dims past 256; the backward)."""
+        return dict(self.constexprs).get("DSPLIT", 1)
+
 
 @dataclass(frozen=True)
 class DecodePlan:

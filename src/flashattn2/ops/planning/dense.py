@@ -251,7 +251,7 @@ def attention_plan(s: specs.AttentionSpec, direction: str, deterministic: bool, 
 def load_facts(plan: Plan, loads: dict) -> dict:
     """The facts ATTENTION_LOADS' rows name: attention_plan's and the row's column split (dsplit: past 256 each
     block's columns are split over programs, whose chunks are pointer loads)."""
-    return {**loads, "dsplit": dict(plan.constexprs).get("DSPLIT", 1)}
+    return {**loads, "dsplit": plan.dsplit}
 
 
 def _with_loads(plan: Plan, loads: dict) -> Plan:

@@ -63,6 +63,11 @@ class When(NamedTuple):
         return f"{self.fact} is {have!r}, not {self.want!r}" + (f" ({note})" if note else "")
 
 
+def _whens(row) -> None:
+    """A row's `when` written as (fact, value) pairs, held as When conditions (LoadRow's and DecodeRow's)."""
+    object.__setattr__(row, "when", tuple(When(*pair) for pair in row.when))
+
+
 @dataclass(frozen=True)
 class Row:
     """One row of TABLE: where it applies, what runs, why. Its bounds (causal, max_seqlen_k, head_dim_v) and the
@@ -276,8 +281,7 @@ class LoadRow:
     when: tuple[When, ...]
     why: str
 
-    def __post_init__(self):
-        object.__setattr__(self, "when", tuple(When(*pair) for pair in self.when))
+    __post_init__ = _whens
 
 
 # fmt: off
@@ -318,8 +322,7 @@ class DecodeRow:
     why: str
     scaled: bool = True
 
-    def __post_init__(self):
-        object.__setattr__(self, "when", tuple(When(*pair) for pair in self.when))
+    __post_init__ = _whens
 
 
 # KV-cache splits: at most this many (the combine's reduction width); 0 (the default) chooses from the GPU's size
